@@ -1,0 +1,53 @@
+# loom front door. CMake is the source of truth; this file only drives it.
+#   make            build everything (CUDA when nvcc is found), leave ./train at the root
+#   make test       build and run every test through ctest (GPU tests skip without a GPU)
+#   make bench      build and run the benchmarks (GPU)
+#   make deps       install the Debian packages the build needs (no-op when present)
+#   make CUDA=0 ... force the CPU-only build (its own build folder: build-cpu/)
+#   make CUDA_ARCH=80 ...  build the CUDA backend for another architecture
+NVCC := $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+ifeq ($(NVCC),)
+  CUDA ?= 0
+else
+  CUDA ?= 1
+endif
+CUDA_ARCH ?= 90
+JOBS ?= $(shell nproc)
+
+ifeq ($(CUDA),0)
+  BUILD ?= build-cpu
+  CMAKE_FLAGS := -DLOOM_CUDA=OFF
+else
+  BUILD ?= build
+  CMAKE_FLAGS := -DLOOM_CUDA=ON -DCMAKE_CUDA_COMPILER=$(NVCC) -DLOOM_CUDA_ARCH="$(CUDA_ARCH)"
+endif
+
+DEPS := cmake g++ make pkg-config libeigen3-dev catch2 nlohmann-json3-dev libpcre2-dev \
+        libutf8proc-dev libstb-dev zlib1g-dev libomp-dev dataset-fashion-mnist
+
+.PHONY: all build test bench deps clean
+all: build
+	@ln -sf $(BUILD)/train train
+
+build: $(BUILD)/CMakeCache.txt
+	cmake --build $(BUILD) -j $(JOBS)
+
+$(BUILD)/CMakeCache.txt:
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS)
+
+test: build
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+
+bench: build
+	bash bench/run.sh $(BUILD)
+
+deps:
+	@missing=""; for p in $(DEPS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q $$missing; \
+	else echo "deps: all present"; fi
+
+clean:
+	rm -rf build build-cpu train

@@ -1,0 +1,69 @@
+// common.cuh: what every CUDA kernel file includes: error checks, bf16 <-> float, the
+// launch check, small reductions. Host-side error macros stringify the expression, file and
+// line, and throw (so a test can REQUIRE_THROWS and a run can say where it died).
+#pragma once
+#include <cublasLt.h>
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/kernels.h"
+
+namespace loom::cuda {
+
+[[noreturn]] inline void fail(const char* what, const char* expr, const char* msg, const char* file,
+                              int line) {
+  char buf[1024];
+  std::snprintf(buf, sizeof buf, "%s failed: %s (%s) at %s:%d", what, expr, msg, file, line);
+  throw std::runtime_error(buf);
+}
+
+#define CUDA_CHECK(expr)                                                                   \
+  do {                                                                                     \
+    cudaError_t _e = (expr);                                                               \
+    if (_e != cudaSuccess) ::loom::cuda::fail("CUDA", #expr, cudaGetErrorString(_e), __FILE__, __LINE__); \
+  } while (0)
+#define CUBLAS_CHECK(expr)                                                                 \
+  do {                                                                                     \
+    cublasStatus_t _s = (expr);                                                            \
+    if (_s != CUBLAS_STATUS_SUCCESS)                                                       \
+      ::loom::cuda::fail("cuBLAS", #expr, cublasGetStatusString(_s), __FILE__, __LINE__);  \
+  } while (0)
+// after every <<<>>>: catches bad launch configurations at the launch site
+#define LAUNCH_CHECK() CUDA_CHECK(cudaGetLastError())
+
+// bf16 is layout-compatible with __nv_bfloat16
+template <class T> struct device_type { using type = T; };
+template <> struct device_type<bf16> { using type = __nv_bfloat16; };
+template <class T> using dev_t = typename device_type<T>::type;
+template <class T> inline dev_t<T>* dptr(T* p) { return reinterpret_cast<dev_t<T>*>(p); }
+template <class T> inline const dev_t<T>* dptr(const T* p) { return reinterpret_cast<const dev_t<T>*>(p); }
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <class T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+inline int ceil_div(long long a, long long b) { return int((a + b - 1) / b); }
+
+// Shared handles (created once per process, on first use).
+cublasLtHandle_t cublaslt_handle();
+cublasHandle_t cublas_handle();
+// A workspace for cuBLASLt (32 MiB, allocated once).
+void* cublaslt_workspace(size_t* bytes);
+
+}  // namespace loom::cuda

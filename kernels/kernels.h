@@ -1,0 +1,83 @@
+// kernels.h: the one declaration of every op, shared by both backends.
+//
+// kernels/ knows nothing of Tensor or autograd: plain pointers, sizes and a stream.
+// Argument order: outputs first, then inputs, then sizes, then the stream.
+//
+// The op list lives in kernels.inc and is included twice, into namespace loom::cpu and
+// loom::cuda, so the CPU reference and the CUDA launcher have the same name and arguments by
+// construction. Each backend explicitly instantiates the scalar types it supports:
+//   cpu:  float, double          (double is what gradient checks and fixtures run in)
+//   cuda: float, bf16            (bf16 activations with fp32 accumulation, or f32 end to end)
+// Calling a combination that a backend does not instantiate is a link error, never a
+// runtime surprise.
+//
+// Conventions used by every op:
+//   T        activation / weight type; A = acc_t<T> is the statistics and loss type
+//   `=`      an output that is overwritten      `+=`  an output that is accumulated into
+//   Parameter gradients are `+=` (gradient accumulation across micro-batches and tied
+//   weights); activation gradients are `=`.
+//   Index arrays are int32 on every device. A target < 0 is ignored (the -100 convention).
+//   Scalars that live on the device (loss, dloss, grad-norm scale) are `const A*` so that a
+//   training step never waits on the host.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "tensor/dtype.h"
+
+struct CUstream_st;  // cudaStream_t is CUstream_st*; CPU kernels ignore the stream
+
+namespace loom {
+
+using Stream = CUstream_st*;
+
+// A strided view of up to 8 dims, strides in elements. Used by the generic copy, broadcast
+// and reduction kernels (contiguous(), permute, expand and their backward).
+struct Layout {
+  static constexpr int kMaxDims = 8;
+  int ndim = 0;
+  int64_t shape[kMaxDims] = {};
+  int64_t stride[kMaxDims] = {};
+  int64_t numel() const {
+    int64_t n = 1;
+    for (int i = 0; i < ndim; i++) n *= shape[i];
+    return n;
+  }
+};
+
+enum class BinaryOp : uint8_t { Add, Sub, Mul, Div };
+enum class UnaryOp : uint8_t { Neg, Exp, Log, Sqrt, Square, Abs };
+
+// AdamW hyper-parameters for one parameter group; bias corrections come from `step` (1-based).
+struct AdamWHyper {
+  float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.0f;
+  int64_t step = 1;
+};
+
+namespace cpu {
+#include "kernels/kernels.inc"
+}  // namespace cpu
+
+namespace cuda {
+#include "kernels/kernels.inc"
+
+// Runtime (kernels/cuda/runtime.cu; kernels/cuda_stub.cpp in CPU-only builds, where every
+// call throws "built without CUDA").
+bool available();                       // a device is present and usable
+int device_count();
+void* device_malloc(size_t bytes);      // caching allocator: no cudaMalloc in a training loop
+void device_free(void* p);
+void memcpy_h2d(void* dst, const void* src, size_t bytes, Stream s);
+void memcpy_d2h(void* dst, const void* src, size_t bytes, Stream s);  // synchronizes s
+void memcpy_d2d(void* dst, const void* src, size_t bytes, Stream s);
+void memset_zero(void* dst, size_t bytes, Stream s);
+void* pinned_malloc(size_t bytes);
+void pinned_free(void* p);
+void synchronize();
+Stream default_stream();
+size_t bytes_in_use();                  // allocator statistics for logs
+size_t peak_bytes_in_use();
+void reset_peak_bytes();
+}  // namespace cuda
+
+}  // namespace loom

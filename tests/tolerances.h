@@ -1,0 +1,93 @@
+// tolerances.h: the one table of test tolerances. A check passes when
+//   |got - ref| <= atol + rtol * |ref|      (elementwise)
+// Every number says why it is what it is. Tests never loosen a number to pass: a failing
+// comparison is a bug or a reason to add a new, explained row.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+namespace loom::tol {
+
+struct Tol {
+  double atol, rtol;
+  const char* why;
+};
+
+// f64 gradient check by central differences (eps 1e-6): the truncation error is O(eps^2 f''')
+// and the rounding error O(1e-16 / eps) = 1e-10; torch.autograd.gradcheck uses the same.
+inline constexpr Tol kGradcheckF64{1e-5, 1e-3, "central differences, eps 1e-6, in double"};
+// Two f64 computations of the same math by different summation orders (fused vs plain
+// cross-entropy, chunked vs whole): rounding is ~1e-16 per op, 1e-10 leaves room for
+// thousands of accumulated terms.
+inline constexpr Tol kSameMathF64{1e-12, 1e-10, "same math, different order, double"};
+// CUDA f32 against the CPU f32/f64 reference: float has 24 bits (6e-8); reductions of up
+// to ~1e4 terms in a different order give ~1e-5 relative.
+inline constexpr Tol kCudaF32{1e-5, 1e-4, "f32, reductions in another order"};
+// CUDA f32 through GEMMs: cuBLAS may use TF32-free kernels with split-K; relative 1e-4 of
+// the row's magnitude covers K up to a few thousand.
+inline constexpr Tol kCudaF32Gemm{1e-4, 2e-4, "f32 GEMM, other blocking/split-K"};
+// CUDA bf16 against the f32 reference: bf16 keeps 8 bits (3.9e-3 relative per rounding);
+// inputs and outputs are rounded once each, plus accumulation in f32.
+inline constexpr Tol kCudaBF16{2e-2, 2e-2, "bf16 storage: 2^-8 per rounding, 2-3 roundings"};
+// Whole-model fixture checks on the CPU in f64 against PyTorch f64 (issue requirement).
+inline constexpr double kFixtureRelF64 = 1e-6;
+
+struct Report {
+  bool ok = true;
+  int64_t bad = 0, worst_at = -1;
+  double worst = 0;  // largest |got-ref| / (atol + rtol|ref|)
+  std::string text;
+};
+
+// Compare two arrays; the report lists the first mismatches and the worst element.
+template <class A, class B>
+Report compare(const A* got, const B* ref, int64_t n, Tol t, const char* what = "") {
+  Report r;
+  char buf[256];
+  for (int64_t i = 0; i < n; i++) {
+    double g = double(got[i]), f = double(ref[i]);
+    double lim = t.atol + t.rtol * std::fabs(f);
+    double err = std::fabs(g - f);
+    double ratio = std::isnan(g) || std::isnan(f) ? INFINITY : err / lim;
+    if (!(ratio <= 1.0)) {
+      if (r.bad < 5) {
+        std::snprintf(buf, sizeof buf, "  %s[%lld]: got %.9g ref %.9g (|diff| %.3g > %.3g)\n", what,
+                      (long long)i, g, f, err, lim);
+        r.text += buf;
+      }
+      r.bad++;
+      r.ok = false;
+    }
+    if (!(ratio <= r.worst)) { r.worst = ratio; r.worst_at = i; }
+  }
+  std::snprintf(buf, sizeof buf, "%s: %lld/%lld mismatches, worst err/limit %.3g at %lld (%s)\n", what,
+                (long long)r.bad, (long long)n, r.worst, (long long)r.worst_at, t.why);
+  r.text = buf + r.text;
+  return r;
+}
+
+template <class A, class B>
+Report compare(const std::vector<A>& got, const std::vector<B>& ref, Tol t, const char* what = "") {
+  if (got.size() != ref.size()) {
+    Report r;
+    r.ok = false;
+    r.text = std::string(what) + ": size mismatch " + std::to_string(got.size()) + " vs " +
+             std::to_string(ref.size());
+    return r;
+  }
+  return compare(got.data(), ref.data(), int64_t(got.size()), t, what);
+}
+
+}  // namespace loom::tol
+
+// Catch2 helper: INFO the report, then CHECK it.
+#define LOOM_CHECK_CLOSE(report_expr)   \
+  do {                                  \
+    auto _r = (report_expr);            \
+    INFO(_r.text);                      \
+    CHECK(_r.ok);                       \
+  } while (0)

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Build and run kernel-level GPU tests on the GPU machine without the rest of the tree:
+# compiles kernels/cpu/*.cpp, kernels/cuda/*.cu and the named test files (each linked with the
+# Catch2 main) using 16 jobs, then runs each test. Needs .deps (tools/gpu-prep.sh) carried.
+#   bash tools/gpu-kernels.sh tests/cuda/test_cuda_norms.cpp [more tests] [-- extra sources]
+# Logs: $OUT/kbuild.log and $OUT/<test>.log
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+B=/tmp/kbuild; mkdir -p $B
+NVCC=${NVCC:-nvcc}
+ARCH=${CUDA_ARCH:-90}
+INC="-I. -I/usr/include/eigen3 -I.deps/include"
+DEF="-DLOOM_CUDA=1 -DPCRE2_CODE_UNIT_WIDTH=8"
+tests=(); extra=()
+while [ $# -gt 0 ]; do
+  if [ "$1" = "--" ]; then shift; extra=("$@"); break; fi
+  tests+=("$1"); shift
+done
+objs=()
+compile() {  # src -> obj
+  local src=$1 obj=$B/$(echo "$1" | tr '/' '_').o
+  case "$src" in
+    *.cu) $NVCC -std=c++17 -O3 -arch=sm_$ARCH --expt-relaxed-constexpr -lineinfo $INC $DEF -c "$src" -o "$obj" ;;
+    *) g++ -std=c++17 -O2 -fopenmp $INC $DEF -c "$src" -o "$obj" ;;
+  esac
+}
+export -f compile; export B NVCC ARCH INC DEF
+srcs=(kernels/cpu/*.cpp kernels/cuda/*.cu tests/catch_main.cpp "${tests[@]}" "${extra[@]}")
+printf '%s\n' "${srcs[@]}" | xargs -P 16 -I{} bash -c 'compile {} || echo "FAILED {}"' > "$OUT/kbuild.log" 2>&1
+if grep -q FAILED "$OUT/kbuild.log"; then grep -E "error|FAILED" "$OUT/kbuild.log" | head -80; exit 1; fi
+lib=()
+for s in kernels/cpu/*.cpp kernels/cuda/*.cu "${extra[@]}"; do lib+=($B/$(echo "$s" | tr '/' '_').o); done
+rc=0
+for t in "${tests[@]}"; do
+  name=$(basename "$t" .cpp)
+  g++ -fopenmp -o $B/$name $B/$(echo "$t" | tr '/' '_').o $B/tests_catch_main.cpp.o "${lib[@]}" \
+    -L/usr/local/cuda/lib64 -lcudart -lcublasLt -lcublas -lpthread >> "$OUT/kbuild.log" 2>&1 || { echo "link failed: $name"; tail -30 "$OUT/kbuild.log"; rc=1; continue; }
+  echo "== $name"
+  $B/$name ${TEST_ARGS:-} > "$OUT/$name.log" 2>&1; r=$?
+  tail -25 "$OUT/$name.log"
+  [ $r -ne 0 ] && rc=1
+done
+exit $rc

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Fill .deps/ (git-ignored) with what a bare GPU machine lacks, so every session prepares a
+# GPU run the same way: Catch2 v2, nlohmann-json, stb, PCRE2, zlib, utf8proc headers and the
+# shared libraries they need, plus ../shared/reference and ../shared/fixtures.
+# Then run on the GPU machine (carry .deps):   bash tools/gpu-run.sh [what]   (see that file)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+D=.deps
+mkdir -p $D/include $D/lib $D/shared
+cp -r /usr/include/catch2 $D/include/
+cp -r /usr/include/nlohmann $D/include/
+mkdir -p $D/include/stb && cp /usr/include/stb/stb_image.h /usr/include/stb/stb_image_write.h $D/include/stb/ 2>/dev/null || cp /usr/include/stb/stb_image.h $D/include/stb/
+cp /usr/include/pcre2.h /usr/include/zlib.h /usr/include/zconf.h $D/include/
+[ -f /usr/include/utf8proc.h ] && cp /usr/include/utf8proc.h $D/include/
+ML=/usr/lib/x86_64-linux-gnu
+for l in libpcre2-8.so.0 libz.so.1 libutf8proc.so.2; do
+  [ -e $ML/$l ] && cp -L $ML/$l $D/lib/
+done
+(cd $D/lib && ln -sf libpcre2-8.so.0 libpcre2-8.so && ln -sf libz.so.1 libz.so && { [ -e libutf8proc.so.2 ] && ln -sf libutf8proc.so.2 libutf8proc.so || true; })
+rm -rf $D/shared/reference $D/shared/fixtures
+cp -r ../shared/reference ../shared/fixtures $D/shared/
+chmod -R u+w $D
+du -sh $D
