@@ -1,0 +1,215 @@
+/*
+ * runtime.cu: the CUDA runtime of loom: device discovery, a caching device allocator, the
+ * default stream, pinned host buffers, memcpy/memset wrappers and the shared cuBLAS(Lt)
+ * handles declared in common.cuh.
+ *
+ * Caching allocator
+ *   A request is rounded up to a size class:
+ *     < 1 MiB   -> multiple of 512 B      (activations of small models, statistics, scalars)
+ *     >= 1 MiB  -> multiple of 2 MiB      (weights, activations, optimizer states)
+ *   Each class keeps a free list. device_free() never calls cudaFree: the block goes back to
+ *   its free list and the next request of the same class reuses it, so a steady-state
+ *   training step does no cudaMalloc and no cudaFree (both synchronize the device).
+ *   Reuse is stream-ordered: every loom kernel runs on default_stream(), so a block freed
+ *   after a launch and handed out again is only touched by later work in the same stream.
+ *   When cudaMalloc runs out of memory, the cached blocks are released (after a device
+ *   synchronize) and the request is tried once more.
+ *   Statistics: bytes_in_use() counts the rounded sizes of live blocks; peak_bytes_in_use()
+ *   their maximum since reset_peak_bytes().
+ *
+ * Stream: default_stream() is one stream created on first use with default flags, so it
+ *   also orders against the legacy stream 0 (safe for code that uses plain cudaMemcpy), and
+ *   it can be captured into a CUDA graph (stream 0 cannot).
+ *
+ * Test: tests/cuda/test_cuda_kernels_a.cpp ("runtime" cases); on the GPU machine:
+ *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_kernels_a.cpp
+ */
+#include <cstdio>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "kernels/cuda/common.cuh"
+
+namespace loom::cuda {
+
+bool available() {
+  // No driver or no device: report false instead of throwing, and clear the sticky error so
+  // that later runtime calls do not see it.
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return n > 0;
+}
+
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+namespace {
+
+constexpr size_t kSmallLimit = size_t(1) << 20;   // 1 MiB
+constexpr size_t kSmallRound = 512;
+constexpr size_t kLargeRound = size_t(2) << 20;   // 2 MiB
+
+size_t round_size(size_t bytes) {
+  if (bytes == 0) bytes = 1;
+  size_t r = bytes < kSmallLimit ? kSmallRound : kLargeRound;
+  return (bytes + r - 1) / r * r;
+}
+
+struct Allocator {
+  std::mutex mu;
+  std::map<size_t, std::vector<void*>> free_lists;   // size class -> cached blocks
+  std::unordered_map<void*, size_t> live;            // block -> size class
+  size_t in_use = 0, peak = 0, cached = 0;
+
+  void release_cache() {  // caller holds mu
+    CUDA_CHECK(cudaDeviceSynchronize());
+    for (auto& kv : free_lists)
+      for (void* p : kv.second) CUDA_CHECK(cudaFree(p));
+    free_lists.clear();
+    cached = 0;
+  }
+
+  void* alloc(size_t bytes) {
+    size_t sz = round_size(bytes);
+    std::lock_guard<std::mutex> lock(mu);
+    void* p = nullptr;
+    auto it = free_lists.find(sz);
+    if (it != free_lists.end() && !it->second.empty()) {
+      p = it->second.back();
+      it->second.pop_back();
+      cached -= sz;
+    } else {
+      cudaError_t e = cudaMalloc(&p, sz);
+      if (e == cudaErrorMemoryAllocation && cached > 0) {
+        cudaGetLastError();
+        release_cache();
+        e = cudaMalloc(&p, sz);
+      }
+      if (e != cudaSuccess) {
+        cudaGetLastError();
+        char buf[256];
+        std::snprintf(buf, sizeof buf,
+                      "device_malloc(%zu bytes) failed: %s (in use %zu bytes, peak %zu)", bytes,
+                      cudaGetErrorString(e), in_use, peak);
+        throw std::runtime_error(buf);
+      }
+    }
+    live[p] = sz;
+    in_use += sz;
+    if (in_use > peak) peak = in_use;
+    return p;
+  }
+
+  void free(void* p) {
+    if (!p) return;
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = live.find(p);
+    if (it == live.end()) throw std::runtime_error("device_free: pointer was not allocated by device_malloc");
+    size_t sz = it->second;
+    live.erase(it);
+    in_use -= sz;
+    free_lists[sz].push_back(p);
+    cached += sz;
+  }
+};
+
+Allocator& allocator() {
+  // Leaked on purpose: freeing device memory during static destruction races the driver's
+  // own teardown.
+  static Allocator* a = new Allocator();
+  return *a;
+}
+
+}  // namespace
+
+void* device_malloc(size_t bytes) { return allocator().alloc(bytes); }
+void device_free(void* p) { allocator().free(p); }
+
+size_t bytes_in_use() {
+  std::lock_guard<std::mutex> lock(allocator().mu);
+  return allocator().in_use;
+}
+size_t peak_bytes_in_use() {
+  std::lock_guard<std::mutex> lock(allocator().mu);
+  return allocator().peak;
+}
+void reset_peak_bytes() {
+  std::lock_guard<std::mutex> lock(allocator().mu);
+  allocator().peak = allocator().in_use;
+}
+
+Stream default_stream() {
+  static cudaStream_t s = [] {
+    cudaStream_t st;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamDefault));
+    return st;
+  }();
+  return s;
+}
+
+void memcpy_h2d(void* dst, const void* src, size_t bytes, Stream s) {
+  if (bytes) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s));
+}
+void memcpy_d2h(void* dst, const void* src, size_t bytes, Stream s) {
+  if (!bytes) return;
+  CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s));
+  CUDA_CHECK(cudaStreamSynchronize(s));  // the caller reads dst next
+}
+void memcpy_d2d(void* dst, const void* src, size_t bytes, Stream s) {
+  if (bytes) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s));
+}
+void memset_zero(void* dst, size_t bytes, Stream s) {
+  if (bytes) CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, s));
+}
+
+void* pinned_malloc(size_t bytes) {
+  void* p = nullptr;
+  CUDA_CHECK(cudaMallocHost(&p, bytes ? bytes : 1));
+  return p;
+}
+void pinned_free(void* p) {
+  if (p) CUDA_CHECK(cudaFreeHost(p));
+}
+
+void synchronize() { CUDA_CHECK(cudaDeviceSynchronize()); }
+
+cublasLtHandle_t cublaslt_handle() {
+  static cublasLtHandle_t h = [] {
+    cublasLtHandle_t x;
+    CUBLAS_CHECK(cublasLtCreate(&x));
+    return x;
+  }();
+  return h;
+}
+
+cublasHandle_t cublas_handle() {
+  static cublasHandle_t h = [] {
+    cublasHandle_t x;
+    CUBLAS_CHECK(cublasCreate(&x));
+    // fp32 GEMMs stay exact fp32: no TF32 unless a caller asks for it
+    CUBLAS_CHECK(cublasSetMathMode(x, CUBLAS_DEFAULT_MATH));
+    return x;
+  }();
+  return h;
+}
+
+void* cublaslt_workspace(size_t* bytes) {
+  constexpr size_t kBytes = size_t(32) << 20;  // 32 MiB: what cuBLASLt asks for on Hopper
+  static void* w = device_malloc(kBytes);
+  if (bytes) *bytes = kBytes;
+  return w;
+}
+
+}  // namespace loom::cuda

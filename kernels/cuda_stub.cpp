@@ -1,0 +1,33 @@
+// cuda_stub.cpp: the CUDA runtime entry points of kernels.h for CPU-only builds (compiled
+// instead of kernels/cuda/*.cu). available() is false and device_count() is 0, so callers
+// can probe; every other call throws. No kernels are defined here: calling a CUDA kernel in
+// a CPU-only build is a link error, never a runtime surprise.
+#include <stdexcept>
+
+#include "kernels/kernels.h"
+
+namespace loom::cuda {
+
+namespace {
+[[noreturn]] void no_cuda() {
+  throw std::runtime_error("loom was built without CUDA: rebuild with `make CUDA=1` on a machine with nvcc");
+}
+}  // namespace
+
+bool available() { return false; }
+int device_count() { return 0; }
+void* device_malloc(size_t) { no_cuda(); }
+void device_free(void*) { no_cuda(); }
+void memcpy_h2d(void*, const void*, size_t, Stream) { no_cuda(); }
+void memcpy_d2h(void*, const void*, size_t, Stream) { no_cuda(); }
+void memcpy_d2d(void*, const void*, size_t, Stream) { no_cuda(); }
+void memset_zero(void*, size_t, Stream) { no_cuda(); }
+void* pinned_malloc(size_t) { no_cuda(); }
+void pinned_free(void*) { no_cuda(); }
+void synchronize() { no_cuda(); }
+Stream default_stream() { no_cuda(); }
+size_t bytes_in_use() { no_cuda(); }
+size_t peak_bytes_in_use() { no_cuda(); }
+void reset_peak_bytes() { no_cuda(); }
+
+}  // namespace loom::cuda
