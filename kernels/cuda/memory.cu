@@ -1,0 +1,331 @@
+/*
+ * memory.cu: fill, convert, strided copy, broadcast binary ops, unary ops, axpby, axpy with a
+ * device scalar, broadcast-reduction (reduce_sum_to) and sum_all, on the GPU.
+ * Reference: kernels/cpu/memory.cpp (same declarations, kernels/kernels.inc).
+ *
+ * Shapes (elements): n flat length; Layout = shape + strides (elements) of up to 8 dims.
+ *   fill          out[n] = value                       (float, bf16, int32, int64)
+ *   convert       out[n] = To(in[n])                   (every pair over f32, bf16, i32, i64; f64<->f32)
+ *   copy_strided  out[in.shape] (contiguous) = in read through in.stride
+ *   binary        out[la.shape] = a (strides la) op b (strides lb), 0-strides broadcast
+ *   unary         out[n] = f(in[n])
+ *   axpby         out[n] = alpha a + beta b (b nullable)
+ *   axpy_dev      y[n] += (*alpha_dev) x               (alpha on the device: no host sync)
+ *   reduce_sum_to out[kept dims] = sum over dims where out_bcast.stride == 0 (and shape > 1)
+ *   sum_all       out[1] = sum(in[n]) in float
+ * All outputs are `=` except axpy_dev (`+=`). Arithmetic is in float (bf16 is storage only).
+ *
+ * Napkin bytes: every kernel here is one read of each input and one write of the output;
+ *   they are bandwidth-bound and run at whatever the access pattern allows. Contiguous
+ *   operands take a flat path (no index arithmetic); broadcast/strided ones decompose the flat
+ *   index with one div/mod per dim.
+ * Launch shape: grid-stride loops, 256 threads, at most 16 blocks per SM-ish (4096 blocks).
+ *   reduce_sum_to: one thread per output element when there are many outputs or short
+ *   reductions; one 256-thread block per output element otherwise (long reductions to a few
+ *   outputs, e.g. a bias-gradient-shaped sum over all rows).
+ *   sum_all: two deterministic passes (<= 1024 block partials, then one block), no atomics.
+ * Versions: v1 only (plain grid-stride); these are not on a hot path of training.
+ * Test: tests/cuda/test_cuda_kernels_a.cpp [memory]:
+ *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_kernels_a.cpp
+ */
+#include <cmath>
+#include <type_traits>
+
+#include "kernels/cuda/common.cuh"
+
+namespace loom::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+inline int grid_for(int64_t n) {
+  int64_t b = (n + kThreads - 1) / kThreads;
+  return int(b < 1 ? 1 : (b > 4096 ? 4096 : b));
+}
+
+// Device-side conversion between storage types; bf16 goes through float.
+template <class To, class From>
+__device__ __forceinline__ To cast_to(From x) {
+  if constexpr (std::is_same_v<From, __nv_bfloat16>) return cast_to<To>(__bfloat162float(x));
+  else if constexpr (std::is_same_v<To, __nv_bfloat16>) return __float2bfloat16(float(x));
+  else return static_cast<To>(x);
+}
+
+// Sum over a block (blockDim.x a multiple of 32, <= 1024); the result is valid in thread 0.
+__device__ float block_sum(float v) {
+  __shared__ float part[32];
+  v = warp_sum(v);
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  __syncthreads();  // `part` may still be read by a previous call
+  if (lane == 0) part[w] = v;
+  __syncthreads();
+  int nw = blockDim.x >> 5;
+  v = threadIdx.x < nw ? part[threadIdx.x] : 0.f;
+  if (w == 0) v = warp_sum(v);
+  return v;
+}
+
+bool is_contiguous(const Layout& l) {
+  int64_t expect = 1;
+  for (int d = l.ndim - 1; d >= 0; d--) {
+    if (l.shape[d] != 1 && l.stride[d] != expect) return false;
+    expect *= l.shape[d];
+  }
+  return true;
+}
+
+// ---------------------------------------------------------------- kernels
+template <class T>
+__global__ void fill_kernel(T* out, T value, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = value;
+}
+
+template <class To, class From>
+__global__ void convert_kernel(To* __restrict__ out, const From* __restrict__ in, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = cast_to<To>(in[i]);
+}
+
+// offset of flat (row-major) index i of `shape` through `stride`
+__device__ __forceinline__ int64_t strided_offset(int64_t i, const Layout& l) {
+  int64_t off = 0;
+  for (int d = l.ndim - 1; d >= 0; d--) {
+    int64_t q = i / l.shape[d];
+    off += (i - q * l.shape[d]) * l.stride[d];
+    i = q;
+  }
+  return off;
+}
+
+template <class T>  // T: any storage type (a copy moves bits)
+__global__ void copy_strided_kernel(T* __restrict__ out, const T* __restrict__ in, Layout l, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = in[strided_offset(i, l)];
+}
+
+__device__ __forceinline__ float apply(BinaryOp op, float a, float b) {
+  switch (op) {
+    case BinaryOp::Add: return a + b;
+    case BinaryOp::Sub: return a - b;
+    case BinaryOp::Mul: return a * b;
+    default: return a / b;
+  }
+}
+
+template <class DT, bool kContiguous>
+__global__ void binary_kernel(DT* __restrict__ out, const DT* __restrict__ a, Layout la,
+                              const DT* __restrict__ b, Layout lb, BinaryOp op, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    int64_t ia = i, ib = i;
+    if constexpr (!kContiguous) {
+      ia = strided_offset(i, la);
+      ib = strided_offset(i, lb);
+    }
+    out[i] = from_float<DT>(apply(op, to_float(a[ia]), to_float(b[ib])));
+  }
+}
+
+template <class DT>
+__global__ void unary_kernel(DT* __restrict__ out, const DT* __restrict__ in, UnaryOp op, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    float x = to_float(in[i]), y;
+    switch (op) {
+      case UnaryOp::Neg: y = -x; break;
+      case UnaryOp::Exp: y = expf(x); break;
+      case UnaryOp::Log: y = logf(x); break;
+      case UnaryOp::Sqrt: y = sqrtf(x); break;
+      case UnaryOp::Square: y = x * x; break;
+      default: y = fabsf(x); break;
+    }
+    out[i] = from_float<DT>(y);
+  }
+}
+
+template <class DT>  // out may alias a or b: each element is read before it is written
+__global__ void axpby_kernel(DT* out, const DT* a, float alpha, const DT* b, float beta, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    float v = alpha * to_float(a[i]);
+    if (b) v += beta * to_float(b[i]);
+    out[i] = from_float<DT>(v);
+  }
+}
+
+template <class DT>
+__global__ void axpy_dev_kernel(DT* y, const float* __restrict__ alpha, const DT* __restrict__ x, int64_t n) {
+  float a = *alpha;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    y[i] = from_float<DT>(to_float(y[i]) + a * to_float(x[i]));
+}
+
+// reduce_sum_to: the input's dims split into kept dims (shape/stride `kept`, row-major order =
+// out's contiguous order) and reduced dims (`red`).
+struct ReducePlan {
+  Layout kept, red;
+  int64_t nout, nred;
+};
+
+
+template <class DT>
+__global__ void reduce_thread_per_out(DT* __restrict__ out, const DT* __restrict__ in, ReducePlan p) {
+  for (int64_t o = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; o < p.nout; o += int64_t(gridDim.x) * blockDim.x) {
+    int64_t base = strided_offset(o, p.kept);
+    float acc = 0.f;
+    for (int64_t r = 0; r < p.nred; r++) acc += to_float(in[base + strided_offset(r, p.red)]);
+    out[o] = from_float<DT>(acc);
+  }
+}
+
+template <class DT>
+__global__ void reduce_block_per_out(DT* __restrict__ out, const DT* __restrict__ in, ReducePlan p) {
+  for (int64_t o = blockIdx.x; o < p.nout; o += gridDim.x) {
+    int64_t base = strided_offset(o, p.kept);
+    float acc = 0.f;
+    for (int64_t r = threadIdx.x; r < p.nred; r += blockDim.x) acc += to_float(in[base + strided_offset(r, p.red)]);
+    acc = block_sum(acc);
+    if (threadIdx.x == 0) out[o] = from_float<DT>(acc);
+  }
+}
+
+template <class DT>
+__global__ void sum_partials(float* __restrict__ partial, const DT* __restrict__ in, int64_t n) {
+  float acc = 0.f;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    acc += to_float(in[i]);
+  acc = block_sum(acc);
+  if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
+
+__global__ void sum_final(float* __restrict__ out, const float* __restrict__ partial, int np) {
+  float acc = 0.f;
+  for (int i = threadIdx.x; i < np; i += blockDim.x) acc += partial[i];
+  acc = block_sum(acc);
+  if (threadIdx.x == 0) out[0] = acc;
+}
+
+template <class T> T host_value(double v) {
+  if constexpr (std::is_same_v<T, bf16>) return bf16(float(v));
+  else return static_cast<T>(v);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- launchers
+template <class T> void fill(T* out, double value, int64_t n, Stream s) {
+  if (n <= 0) return;
+  fill_kernel<T><<<grid_for(n), kThreads, 0, s>>>(out, host_value<T>(value), n);
+  LAUNCH_CHECK();
+}
+
+template <class To, class From> void convert(To* out, const From* in, int64_t n, Stream s) {
+  if (n <= 0) return;
+  convert_kernel<<<grid_for(n), kThreads, 0, s>>>(dptr(out), dptr(in), n);
+  LAUNCH_CHECK();
+}
+
+template <class T> void copy_strided(T* out, const T* in, Layout l, Stream s) {
+  int64_t n = l.numel();
+  if (n <= 0) return;
+  if (is_contiguous(l)) {
+    CUDA_CHECK(cudaMemcpyAsync(out, in, size_t(n) * sizeof(T), cudaMemcpyDeviceToDevice, s));
+    return;
+  }
+  copy_strided_kernel<T><<<grid_for(n), kThreads, 0, s>>>(out, in, l, n);
+  LAUNCH_CHECK();
+}
+
+template <class T>
+void binary(T* out, const T* a, Layout la, const T* b, Layout lb, BinaryOp op, Stream s) {
+  int64_t n = la.numel();
+  if (n <= 0) return;
+  if (is_contiguous(la) && is_contiguous(lb) && lb.numel() == n)
+    binary_kernel<dev_t<T>, true><<<grid_for(n), kThreads, 0, s>>>(dptr(out), dptr(a), la, dptr(b), lb, op, n);
+  else
+    binary_kernel<dev_t<T>, false><<<grid_for(n), kThreads, 0, s>>>(dptr(out), dptr(a), la, dptr(b), lb, op, n);
+  LAUNCH_CHECK();
+}
+
+template <class T> void unary(T* out, const T* in, UnaryOp op, int64_t n, Stream s) {
+  if (n <= 0) return;
+  unary_kernel<<<grid_for(n), kThreads, 0, s>>>(dptr(out), dptr(in), op, n);
+  LAUNCH_CHECK();
+}
+
+template <class T>
+void axpby(T* out, const T* a, double alpha, const T* b, double beta, int64_t n, Stream s) {
+  if (n <= 0) return;
+  axpby_kernel<<<grid_for(n), kThreads, 0, s>>>(dptr(out), dptr(a), float(alpha), dptr(b), float(beta), n);
+  LAUNCH_CHECK();
+}
+
+template <class T> void axpy_dev(T* y, const acc_t<T>* alpha_dev, const T* x, int64_t n, Stream s) {
+  if (n <= 0) return;
+  axpy_dev_kernel<<<grid_for(n), kThreads, 0, s>>>(dptr(y), alpha_dev, dptr(x), n);
+  LAUNCH_CHECK();
+}
+
+template <class T> void reduce_sum_to(T* out, Layout ob, const T* in, Layout il, Stream s) {
+  if (ob.ndim != il.ndim) throw std::runtime_error("reduce_sum_to: out_bcast and in must have the same ndim");
+  ReducePlan p{};
+  p.nout = 1;
+  p.nred = 1;
+  for (int d = 0; d < il.ndim; d++) {
+    if (ob.shape[d] != il.shape[d]) throw std::runtime_error("reduce_sum_to: out_bcast.shape must equal in.shape");
+    bool reduced = ob.stride[d] == 0 && il.shape[d] > 1;
+    Layout& dst = reduced ? p.red : p.kept;
+    dst.shape[dst.ndim] = il.shape[d];
+    dst.stride[dst.ndim] = il.stride[d];
+    dst.ndim++;
+    (reduced ? p.nred : p.nout) *= il.shape[d];
+  }
+  if (p.nout <= 0) return;
+  if (p.nred == 0) { fill(out, 0.0, p.nout, s); return; }
+  if (p.nout >= 8192 || p.nred < 256)
+    reduce_thread_per_out<<<grid_for(p.nout), kThreads, 0, s>>>(dptr(out), dptr(in), p);
+  else
+    reduce_block_per_out<<<int(p.nout < 65535 ? p.nout : 65535), kThreads, 0, s>>>(dptr(out), dptr(in), p);
+  LAUNCH_CHECK();
+}
+
+template <class T> void sum_all(acc_t<T>* out, const T* in, int64_t n, Stream s) {
+  // The number of partials depends only on n, so the summation order (and result) is
+  // the same on every run.
+  int g = int(std::min<int64_t>(1024, std::max<int64_t>(1, (n + 4 * kThreads - 1) / (4 * kThreads))));
+  float* partial = static_cast<float*>(device_malloc(sizeof(float) * g));
+  sum_partials<<<g, kThreads, 0, s>>>(partial, dptr(in), n);
+  LAUNCH_CHECK();
+  sum_final<<<1, 1024, 0, s>>>(out, partial, g);
+  LAUNCH_CHECK();
+  device_free(partial);  // stream-ordered reuse (runtime.cu)
+}
+
+// ---------------------------------------------------------------- instantiations
+#define LOOM_FILL(T)                                              \
+  template void fill<T>(T*, double, int64_t, Stream);             \
+  template void copy_strided<T>(T*, const T*, Layout, Stream);
+LOOM_FILL(float)
+LOOM_FILL(bf16)
+LOOM_FILL(int32_t)
+LOOM_FILL(int64_t)
+
+#define LOOM_CONVERT(To, From) template void convert<To, From>(To*, const From*, int64_t, Stream);
+#define LOOM_CONVERT_FROM(From) \
+  LOOM_CONVERT(float, From) LOOM_CONVERT(bf16, From) LOOM_CONVERT(int32_t, From) LOOM_CONVERT(int64_t, From)
+LOOM_CONVERT_FROM(float)
+LOOM_CONVERT_FROM(bf16)
+LOOM_CONVERT_FROM(int32_t)
+LOOM_CONVERT_FROM(int64_t)
+LOOM_CONVERT(double, float)
+LOOM_CONVERT(float, double)
+
+#define LOOM_MEM(T)                                                                        \
+  template void binary<T>(T*, const T*, Layout, const T*, Layout, BinaryOp, Stream);      \
+  template void unary<T>(T*, const T*, UnaryOp, int64_t, Stream);                         \
+  template void axpby<T>(T*, const T*, double, const T*, double, int64_t, Stream);        \
+  template void axpy_dev<T>(T*, const acc_t<T>*, const T*, int64_t, Stream);              \
+  template void reduce_sum_to<T>(T*, Layout, const T*, Layout, Stream);                   \
+  template void sum_all<T>(acc_t<T>*, const T*, int64_t, Stream);
+LOOM_MEM(float)
+LOOM_MEM(bf16)
+
+}  // namespace loom::cuda
