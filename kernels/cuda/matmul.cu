@@ -1,0 +1,259 @@
+/*
+ * matmul.cu: GEMM, linear forward and linear backward through cuBLASLt.
+ * Reference: kernels/cpu/matmul.cpp.
+ *
+ * Math (row-major, T = float or bf16, accumulation always fp32):
+ *   gemm     C[b] = alpha op(A[b]) op(B[b]) + beta C[b]     op(A) [M,K], op(B) [K,N], C [M,N]
+ *            beta == 0 never reads C (cuBLAS does not touch C then; the test poisons C with NaN)
+ *   linear_forward   out[N,O] = inp[N,I] W[O,I]^T + bias[O]                      (=)
+ *   linear_backward  dinp[N,I] = dout[N,O] W[O,I]                               (=)
+ *                    dW[O,I]  += dout^T inp                                     (+=, beta 1)
+ *                    dbias[O] += sum_rows dout                                  (+=)
+ * cuBLASLt is column-major: a row-major X[r,c] is the column-major X^T. So C = op(A) op(B)
+ *   is computed as C^T = op(B)^T op(A)^T: Lt's "A" is our B, its "B" is our A, m = N, n = M.
+ * Precision: bf16 inputs use CUBLAS_COMPUTE_32F (tensor cores, fp32 accumulate). fp32 inputs
+ *   also use CUBLAS_COMPUTE_32F, which is true fp32 (no TF32; TF32 is the separate
+ *   _FAST_TF32 compute type), so the f32 path stays exact enough for the f32 fixtures.
+ * Epilogues: linear_forward adds the bias in cuBLASLt's BIAS epilogue (one pass over out
+ *   instead of two). dbias is a column-sum kernel, not the BGRADB epilogue: BGRADB writes
+ *   (=) while the contract is +=, which would cost an extra buffer and add anyway.
+ * Plans: matmul descriptors, layouts and the heuristic's algorithm are cached per shape,
+ *   transposes, strides, epilogue and pointer alignment (the heuristic is ~10-50 us of host
+ *   time, far more than a small GEMM).
+ * Napkin: gemm_bf16 8192^3 = 1.1 TFLOP; at ~700 TFLOP/s dense bf16 that is ~1.6 ms.
+ *   Column sum: N*O*sizeof(T) read once.
+ * Launch shape (column sum): grid (ceil(O/32), R row-splits), block 32x8; partial sums
+ *   [R, O] in fp32, then one thread per column adds the R partials in order to dbias:
+ *   deterministic, no atomics.
+ * Versions: v1 cuBLASLt + BIAS epilogue (bench/bench_kernels_a.cpp prints the measured rate).
+ * Test: tests/cuda/test_cuda_kernels_a.cpp [matmul]:
+ *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_kernels_a.cpp
+ */
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <unordered_map>
+
+#include "kernels/cuda/common.cuh"
+
+namespace loom::cuda {
+
+namespace {
+
+struct PlanKey {
+  int dtype, M, N, K, ta, tb, batch, epilogue, align_a, align_b, align_c, align_bias;
+  int64_t sa, sb, sc;
+  bool operator==(const PlanKey& o) const { return std::memcmp(this, &o, sizeof(PlanKey)) == 0; }
+};
+struct PlanKeyHash {
+  size_t operator()(const PlanKey& k) const {
+    const unsigned char* p = reinterpret_cast<const unsigned char*>(&k);
+    size_t h = 1469598103934665603ull;  // FNV-1a over the bytes
+    for (size_t i = 0; i < sizeof(PlanKey); i++) h = (h ^ p[i]) * 1099511628211ull;
+    return h;
+  }
+};
+struct Plan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  bool ok = false;
+};
+
+int alignment(const void* p) {
+  uintptr_t u = reinterpret_cast<uintptr_t>(p);
+  int a = 256;
+  while (a > 1 && (u % a)) a >>= 1;
+  return a;
+}
+
+cublasLtMatrixLayout_t make_layout(cudaDataType_t t, int rows, int cols, int ld, int batch, int64_t stride) {
+  cublasLtMatrixLayout_t l;
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l, t, rows, cols, ld));
+  if (batch > 1) {
+    CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch, sizeof(batch)));
+    CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)));
+  }
+  return l;
+}
+
+// Build (or fetch) the plan for row-major C[M,N] = op(A) op(B), see the file comment.
+Plan& get_plan(const PlanKey& k) {
+  static std::mutex mu;
+  static std::unordered_map<PlanKey, Plan, PlanKeyHash> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(k);
+  if (it != cache.end()) return it->second;
+  Plan p;
+  cudaDataType_t t = k.dtype == 0 ? CUDA_R_32F : CUDA_R_16BF;
+  CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  cublasOperation_t opA = k.tb ? CUBLAS_OP_T : CUBLAS_OP_N;  // Lt's A is our B
+  cublasOperation_t opB = k.ta ? CUBLAS_OP_T : CUBLAS_OP_N;  // Lt's B is our A
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &opA, sizeof(opA)));
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &opB, sizeof(opB)));
+  cublasLtEpilogue_t epi = cublasLtEpilogue_t(k.epilogue);
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+  // our B, stored row-major [K,N] (or [N,K] when transposed) = column-major [N,K] ([K,N])
+  p.a = k.tb ? make_layout(t, k.K, k.N, k.K, k.batch, k.sb) : make_layout(t, k.N, k.K, k.N, k.batch, k.sb);
+  // our A, stored row-major [M,K] (or [K,M]) = column-major [K,M] ([M,K])
+  p.b = k.ta ? make_layout(t, k.M, k.K, k.M, k.batch, k.sa) : make_layout(t, k.K, k.M, k.K, k.batch, k.sa);
+  p.c = make_layout(t, k.N, k.M, k.N, k.batch, k.sc);
+
+  size_t ws = 0;
+  cublaslt_workspace(&ws);
+  cublasLtMatmulPreference_t pref;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  uint32_t al[4] = {uint32_t(k.align_b), uint32_t(k.align_a), uint32_t(k.align_c), uint32_t(k.align_c)};
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al[0], 4));
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al[1], 4));
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al[2], 4));
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al[3], 4));
+  if (k.epilogue != CUBLASLT_EPILOGUE_DEFAULT) {
+    // The bias pointer is set per call; the heuristic only needs to know its type.
+    cudaDataType_t bt = t;
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)));
+  }
+  cublasLtMatmulHeuristicResult_t res{};
+  int count = 0;
+  cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(cublaslt_handle(), p.op, p.a, p.b, p.c, p.c, pref, 1, &res, &count);
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (st == CUBLAS_STATUS_SUCCESS && count > 0) {
+    p.algo = res.algo;
+    p.ok = true;
+  }
+  return cache.emplace(k, p).first->second;
+}
+
+// Returns false (and does nothing) when cuBLASLt has no algorithm for this plan.
+template <class T>
+bool lt_matmul(T* C, const T* A, const T* B, const T* bias, int M, int N, int K, bool ta, bool tb,
+               float alpha, float beta, int batch, int64_t sa, int64_t sb, int64_t sc, Stream s) {
+  PlanKey k;
+  std::memset(&k, 0, sizeof k);  // padding bytes take part in the hash and compare
+  k.dtype = std::is_same_v<T, float> ? 0 : 1;
+  k.M = M; k.N = N; k.K = K; k.ta = ta; k.tb = tb; k.batch = batch;
+  k.sa = batch > 1 ? sa : 0; k.sb = batch > 1 ? sb : 0; k.sc = batch > 1 ? sc : 0;
+  k.epilogue = bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+  k.align_a = alignment(A); k.align_b = alignment(B); k.align_c = alignment(C);
+  k.align_bias = bias ? alignment(bias) : 0;
+  Plan& p = get_plan(k);
+  if (!p.ok) return false;
+  if (bias) {
+    const void* bp = bias;
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp, sizeof(bp)));
+  }
+  size_t ws = 0;
+  void* w = cublaslt_workspace(&ws);
+  CUBLAS_CHECK(cublasLtMatmul(cublaslt_handle(), p.op, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c,
+                              &p.algo, w, ws, s));
+  return true;
+}
+
+void say_once(const char* what) {
+  static std::mutex mu;
+  static std::unordered_map<std::string, bool> said;
+  std::lock_guard<std::mutex> lock(mu);
+  if (!said[what]) {
+    said[what] = true;
+    std::fprintf(stderr, "loom: %s\n", what);
+  }
+}
+
+// out[N,O] += bias[O] (the fallback when cuBLASLt has no BIAS-epilogue algorithm)
+template <class DT>
+__global__ void add_bias_kernel(DT* __restrict__ out, const DT* __restrict__ bias, int64_t N, int O) {
+  int64_t n = N * O;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = from_float<DT>(to_float(out[i]) + to_float(bias[i % O]));
+}
+
+// partial[split, c] = sum over this split's rows of x[r, c]; block 32 x 8.
+template <class DT>
+__global__ void colsum_partial(float* __restrict__ partial, const DT* __restrict__ x, int64_t N, int O,
+                               int64_t rows_per_split) {
+  __shared__ float red[8][33];
+  int c = blockIdx.x * 32 + threadIdx.x;
+  int64_t r0 = blockIdx.y * rows_per_split;
+  int64_t r1 = min(N, r0 + rows_per_split);
+  float acc = 0.f;
+  if (c < O)
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += 8) acc += to_float(x[r * O + c]);
+  red[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < O) {
+    float s = 0.f;
+    for (int i = 0; i < 8; i++) s += red[i][threadIdx.x];
+    partial[int64_t(blockIdx.y) * O + c] = s;
+  }
+}
+
+template <class DT>
+__global__ void colsum_finish(DT* __restrict__ dbias, const float* __restrict__ partial, int splits, int O) {
+  int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= O) return;
+  float s = 0.f;
+  for (int i = 0; i < splits; i++) s += partial[int64_t(i) * O + c];
+  dbias[c] = from_float<DT>(to_float(dbias[c]) + s);
+}
+
+}  // namespace
+
+template <class T>
+void gemm(T* C, const T* A, const T* B, int M, int N, int K, bool transA, bool transB, double alpha,
+          double beta, int batch, int64_t strideA, int64_t strideB, int64_t strideC, Stream s) {
+  if (M <= 0 || N <= 0 || batch <= 0) return;
+  if (K <= 0) {
+    throw std::runtime_error("gemm: K must be > 0, got K=" + std::to_string(K));
+  }
+  if (!lt_matmul(C, A, B, (const T*)nullptr, M, N, K, transA, transB, float(alpha), float(beta), batch,
+                 strideA, strideB, strideC, s)) {
+    char buf[200];
+    std::snprintf(buf, sizeof buf, "gemm: cuBLASLt has no algorithm for M=%d N=%d K=%d batch=%d", M, N, K, batch);
+    throw std::runtime_error(buf);
+  }
+}
+
+template <class T>
+void linear_forward(T* out, const T* inp, const T* weight, const T* bias, int64_t N, int I, int O, Stream s) {
+  if (N <= 0 || O <= 0) return;
+  if (N > INT32_MAX) throw std::runtime_error("linear_forward: N too large for one GEMM");
+  if (bias && lt_matmul(out, inp, weight, bias, int(N), O, I, false, true, 1.f, 0.f, 1, 0, 0, 0, s)) return;
+  gemm(out, inp, weight, int(N), O, I, false, true, 1.0, 0.0, 1, 0, 0, 0, s);
+  if (bias) {
+    say_once("linear_forward: no cuBLASLt BIAS-epilogue algorithm for this shape; adding the bias in a separate kernel");
+    int64_t n = N * O;
+    int g = int(std::min<int64_t>(4096, (n + 255) / 256));
+    add_bias_kernel<<<g, 256, 0, s>>>(dptr(out), dptr(bias), N, O);
+    LAUNCH_CHECK();
+  }
+}
+
+template <class T>
+void linear_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* inp, const T* weight, int64_t N,
+                     int I, int O, Stream s) {
+  if (N <= 0) return;
+  if (N > INT32_MAX) throw std::runtime_error("linear_backward: N too large for one GEMM");
+  if (dinp) gemm(dinp, dout, weight, int(N), I, O, false, false, 1.0, 0.0, 1, 0, 0, 0, s);
+  if (dweight) gemm(dweight, dout, inp, O, I, int(N), true, false, 1.0, 1.0, 1, 0, 0, 0, s);
+  if (dbias) {
+    int splits = int(std::min<int64_t>(64, std::max<int64_t>(1, (N + 255) / 256)));
+    int64_t rows = (N + splits - 1) / splits;
+    float* partial = static_cast<float*>(device_malloc(sizeof(float) * size_t(splits) * O));
+    colsum_partial<<<dim3(ceil_div(O, 32), splits), dim3(32, 8), 0, s>>>(partial, dptr(dout), N, O, rows);
+    LAUNCH_CHECK();
+    colsum_finish<<<ceil_div(O, 256), 256, 0, s>>>(dptr(dbias), partial, splits, O);
+    LAUNCH_CHECK();
+    device_free(partial);  // stream-ordered reuse
+  }
+}
+
+#define LOOM_MATMUL(T)                                                                                 \
+  template void gemm<T>(T*, const T*, const T*, int, int, int, bool, bool, double, double, int, int64_t, \
+                        int64_t, int64_t, Stream);                                                     \
+  template void linear_forward<T>(T*, const T*, const T*, const T*, int64_t, int, int, Stream);        \
+  template void linear_backward<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, int, int, Stream);
+LOOM_MATMUL(float)
+LOOM_MATMUL(bf16)
+
+}  // namespace loom::cuda
