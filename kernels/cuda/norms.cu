@@ -1,0 +1,540 @@
+/*
+ * norms.cu: LayerNorm and RMSNorm over the last dim, forward (plain and fused with the
+ * residual add) and backward.  Reference: kernels/cpu/norms.cpp.
+ *
+ * Shapes: N rows (tokens), C channels.  inp/out/dout/dinp/resid/x/resid_out [N, C];
+ *   weight/bias/dweight/dbias [C]; mean/rstd [N] in fp32 (acc_t<T>).
+ * Forward (statistics in fp32, two passes over the row held in registers):
+ *   LayerNorm: mean = sum(x)/C, var = sum((x-mean)^2)/C, rstd = 1/sqrt(var+eps),
+ *              out = (x-mean) rstd w + b;                 saves mean, rstd      (all =)
+ *   RMSNorm:   rstd = 1/sqrt(sum(x^2)/C + eps), out = x rstd w;   saves rstd    (all =)
+ *   residual_*: x := round_T(resid + x) is written to resid_out first and normalized; the
+ *              statistics come from the rounded value, so backward (which reads resid_out)
+ *              sees exactly the x that forward normalized.
+ * Backward, with xhat = (x-mean) rstd (RMS: x rstd), g = dout w:
+ *   LayerNorm: dinp = rstd (g - mean(g) - xhat mean(g xhat))    (=)
+ *   RMSNorm:   dinp = rstd (g - xhat mean(g xhat))              (=)
+ *   dweight += sum_rows(dout xhat),  dbias += sum_rows(dout)     (+=)
+ *   Parameter gradients are deterministic: each block keeps its partial sums (a thread owns
+ *   fixed columns, so partials live in registers), blocks write partial rows [G, C] in fp32,
+ *   and a finishing kernel adds them to dweight/dbias in a fixed order. No float atomics.
+ * Napkin bytes (bf16, 16384 x 768): forward reads x and writes out: 2 * 25.2 MB = 50.3 MB
+ *   (+ w, b from L1/L2, + 128 KB of statistics); at ~3 TB/s that is ~17 us. The reference
+ *   counts 4 M C bytes. Backward reads dout, x and writes dinp: 75 MB, plus G x C x 8 B of
+ *   partials (G = the resident blocks: 1-2 per SM, ~0.8-1.6 MB).
+ * Launch shape: a row is owned by a group of TPR threads (32 = one warp, 128 or 1024 = a
+ *   block), each holding up to 4 vectors of 16 bytes (8 bf16 / 4 f32) in registers; TPR is
+ *   the smallest of {32, 128, 1024} that covers the row. Warp groups: 4 rows per 128-thread
+ *   block (forward), 8 warps per block looping over rows (backward). C not a multiple of the
+ *   vector width, or misaligned pointers, take the same kernels with scalar (1-element)
+ *   vectors; rows longer than 1024 x 4 vectors take a block-per-row kernel that re-reads
+ *   the row from global memory (slow, but correct for any C).
+ * Versions:
+ *   v1_generic_block_per_row: the reference loop, a block per row, three passes over global
+ *     memory (kept as the fallback for very long rows).
+ *   v2_row_in_registers: warp/block per row, 128-bit loads, the row in registers; the
+ *     production path. Speed: see bench/bench_kernels_a.cpp output in kernels/README.md.
+ * Test: tests/cuda/test_cuda_kernels_a.cpp [norms] (C = 1, 31, 64, 576, 768, 1030, 3000,
+ *   5000, odd N, N = 1), run on the GPU machine with
+ *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_kernels_a.cpp
+ */
+#include <algorithm>
+
+#include "kernels/cuda/common.cuh"
+
+namespace loom::cuda {
+
+namespace {
+
+constexpr int kChunks = 4;  // vectors per thread
+
+template <class DT, int VEC>
+struct alignas(sizeof(DT) * VEC) Pack {
+  DT v[VEC];
+};
+
+template <class DT, int VEC>
+__device__ __forceinline__ void load_vec(float (&f)[VEC], const DT* p) {
+  Pack<DT, VEC> k = *reinterpret_cast<const Pack<DT, VEC>*>(p);
+#pragma unroll
+  for (int i = 0; i < VEC; i++) f[i] = to_float(k.v[i]);
+}
+template <class DT, int VEC>
+__device__ __forceinline__ void store_vec(DT* p, const float (&f)[VEC]) {
+  Pack<DT, VEC> k;
+#pragma unroll
+  for (int i = 0; i < VEC; i++) k.v[i] = from_float<DT>(f[i]);
+  *reinterpret_cast<Pack<DT, VEC>*>(p) = k;
+}
+
+// Sum over the TPR threads that own a row. For TPR == 32 a warp shuffle; otherwise the whole
+// block (blockDim == TPR), through shared memory; every thread gets the same value.
+template <int TPR>
+__device__ __forceinline__ float2 group_sum2(float2 v, float2* sh) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    v.x += __shfl_xor_sync(0xffffffffu, v.x, o);
+    v.y += __shfl_xor_sync(0xffffffffu, v.y, o);
+  }
+  if constexpr (TPR > 32) {
+    __syncthreads();  // sh may still be read by the previous reduction
+    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = make_float2(0.f, 0.f);
+#pragma unroll 4
+    for (int i = 0; i < TPR / 32; i++) { v.x += sh[i].x; v.y += sh[i].y; }
+  }
+  return v;
+}
+
+struct FwdArgs {
+  void* out;          // [N, C]
+  void* resid_out;    // [N, C] (residual variants)
+  float* mean;        // [N] (LayerNorm)
+  float* rstd;        // [N]
+  const void* inp;    // [N, C] (residual: resid)
+  const void* x;      // [N, C] (residual variants)
+  const void* w;      // [C]
+  const void* b;      // [C] (LayerNorm, nullable)
+  int64_t N;
+  int C;
+  float eps;
+};
+
+// v2_row_in_registers, forward.
+template <class DT, int VEC, int TPR, bool RMS, bool RESID>
+__global__ void __launch_bounds__(TPR == 32 ? 128 : TPR)
+norm_fwd(FwdArgs a) {
+  __shared__ float2 sh[32];
+  constexpr int kRowsPerBlock = TPR == 32 ? 4 : 1;
+  const int t = TPR == 32 ? (threadIdx.x & 31) : threadIdx.x;
+  const int64_t row = int64_t(blockIdx.x) * kRowsPerBlock + (TPR == 32 ? threadIdx.x >> 5 : 0);
+  if (row >= a.N) return;  // whole group exits together (TPR > 32: one row per block)
+  const int C = a.C, nv = C / VEC;
+  const DT* inp = static_cast<const DT*>(a.inp) + row * C;
+  float xv[kChunks][VEC];
+  float sum = 0.f;
+#pragma unroll
+  for (int k = 0; k < kChunks; k++) {
+    int vi = k * TPR + t;
+    if (vi < nv) {
+      load_vec<DT, VEC>(xv[k], inp + vi * VEC);
+      if constexpr (RESID) {
+        float y[VEC];
+        load_vec<DT, VEC>(y, static_cast<const DT*>(a.x) + row * C + vi * VEC);
+#pragma unroll
+        for (int i = 0; i < VEC; i++) xv[k][i] = to_float(from_float<DT>(xv[k][i] + y[i]));
+        store_vec<DT, VEC>(static_cast<DT*>(a.resid_out) + row * C + vi * VEC, xv[k]);
+      }
+#pragma unroll
+      for (int i = 0; i < VEC; i++) sum += xv[k][i];
+    } else {
+#pragma unroll
+      for (int i = 0; i < VEC; i++) xv[k][i] = 0.f;
+    }
+  }
+  float mean = 0.f;
+  if constexpr (!RMS) mean = group_sum2<TPR>(make_float2(sum, 0.f), sh).x / C;
+  float ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < kChunks; k++)
+    if (k * TPR + t < nv)
+#pragma unroll
+      for (int i = 0; i < VEC; i++) { float d = xv[k][i] - mean; ss += d * d; }
+  float rstd = rsqrtf(group_sum2<TPR>(make_float2(ss, 0.f), sh).x / C + a.eps);
+  if (t == 0) {
+    if constexpr (!RMS) a.mean[row] = mean;
+    a.rstd[row] = rstd;
+  }
+  DT* out = static_cast<DT*>(a.out) + row * C;
+#pragma unroll
+  for (int k = 0; k < kChunks; k++) {
+    int vi = k * TPR + t;
+    if (vi < nv) {
+      float w[VEC], b[VEC], o[VEC];
+      load_vec<DT, VEC>(w, static_cast<const DT*>(a.w) + vi * VEC);
+      if (!RMS && a.b) load_vec<DT, VEC>(b, static_cast<const DT*>(a.b) + vi * VEC);
+      else
+#pragma unroll
+        for (int i = 0; i < VEC; i++) b[i] = 0.f;
+#pragma unroll
+      for (int i = 0; i < VEC; i++) o[i] = (xv[k][i] - mean) * rstd * w[i] + b[i];
+      store_vec<DT, VEC>(out + vi * VEC, o);
+    }
+  }
+}
+
+// v1_generic_block_per_row, forward: any C, three passes over the row in global memory.
+template <class DT, bool RMS, bool RESID>
+__global__ void norm_fwd_generic(FwdArgs a) {
+  __shared__ float2 sh[32];
+  const int64_t row = blockIdx.x;
+  const int C = a.C;
+  const DT* inp = static_cast<const DT*>(a.inp) + row * C;
+  const DT* src = inp;
+  if constexpr (RESID) {
+    const DT* x = static_cast<const DT*>(a.x) + row * C;
+    DT* ro = static_cast<DT*>(a.resid_out) + row * C;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) ro[c] = from_float<DT>(to_float(inp[c]) + to_float(x[c]));
+    src = ro;  // each thread re-reads only the columns it wrote itself
+  }
+  float sum = 0.f;
+  for (int c = threadIdx.x; c < C; c += blockDim.x) sum += to_float(src[c]);
+  float mean = RMS ? 0.f : group_sum2<256>(make_float2(sum, 0.f), sh).x / C;
+  float ss = 0.f;
+  for (int c = threadIdx.x; c < C; c += blockDim.x) { float d = to_float(src[c]) - mean; ss += d * d; }
+  float rstd = rsqrtf(group_sum2<256>(make_float2(ss, 0.f), sh).x / C + a.eps);
+  if (threadIdx.x == 0) {
+    if constexpr (!RMS) a.mean[row] = mean;
+    a.rstd[row] = rstd;
+  }
+  const DT* w = static_cast<const DT*>(a.w);
+  const DT* b = static_cast<const DT*>(a.b);
+  DT* out = static_cast<DT*>(a.out) + row * C;
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    float o = (to_float(src[c]) - mean) * rstd * to_float(w[c]);
+    if (!RMS && b) o += to_float(b[c]);
+    out[c] = from_float<DT>(o);
+  }
+}
+
+struct BwdArgs {
+  void* dinp;             // [N, C]
+  float* pw;              // [G, C] partial dweight
+  float* pb;              // [G, C] partial dbias (LayerNorm)
+  const void* dout;       // [N, C]
+  const void* inp;        // [N, C]
+  const void* w;          // [C]
+  const float* mean;      // [N]
+  const float* rstd;      // [N]
+  int64_t N;
+  int C;
+};
+
+// v2_row_in_registers, backward. TPR == 32: 8 warps per block, each warp loops over rows
+// blockIdx*8 + warp, += gridDim*8; TPR > 32: the block loops over rows blockIdx, += gridDim.
+template <class DT, int VEC, int TPR, bool RMS>
+__global__ void __launch_bounds__(TPR == 32 ? 256 : TPR)
+norm_bwd(BwdArgs a) {
+  __shared__ float2 sh[32];
+  constexpr int kGroups = TPR == 32 ? 8 : 1;
+  constexpr int kCap = TPR * kChunks * VEC;
+  const int t = TPR == 32 ? (threadIdx.x & 31) : threadIdx.x;
+  const int grp = TPR == 32 ? threadIdx.x >> 5 : 0;
+  const int C = a.C, nv = C / VEC;
+  float dw[kChunks][VEC], db[kChunks][VEC];
+#pragma unroll
+  for (int k = 0; k < kChunks; k++)
+#pragma unroll
+    for (int i = 0; i < VEC; i++) dw[k][i] = db[k][i] = 0.f;
+
+  for (int64_t row = int64_t(blockIdx.x) * kGroups + grp; row < a.N; row += int64_t(gridDim.x) * kGroups) {
+    const DT* dout = static_cast<const DT*>(a.dout) + row * C;
+    const DT* inp = static_cast<const DT*>(a.inp) + row * C;
+    const float mean = RMS ? 0.f : a.mean[row], rstd = a.rstd[row];
+    float g[kChunks][VEC], xh[kChunks][VEC];
+    float sg = 0.f, sgx = 0.f;
+#pragma unroll
+    for (int k = 0; k < kChunks; k++) {
+      int vi = k * TPR + t;
+      if (vi < nv) {
+        float d[VEC], w[VEC];
+        load_vec<DT, VEC>(d, dout + vi * VEC);
+        load_vec<DT, VEC>(xh[k], inp + vi * VEC);
+        load_vec<DT, VEC>(w, static_cast<const DT*>(a.w) + vi * VEC);
+#pragma unroll
+        for (int i = 0; i < VEC; i++) {
+          xh[k][i] = (xh[k][i] - mean) * rstd;
+          g[k][i] = d[i] * w[i];
+          sg += g[k][i];
+          sgx += g[k][i] * xh[k][i];
+          dw[k][i] += d[i] * xh[k][i];
+          db[k][i] += d[i];
+        }
+      }
+    }
+    float2 s = group_sum2<TPR>(make_float2(sg, sgx), sh);
+    const float mg = RMS ? 0.f : s.x / C, mgx = s.y / C;
+    DT* dinp = static_cast<DT*>(a.dinp) + row * C;
+#pragma unroll
+    for (int k = 0; k < kChunks; k++) {
+      int vi = k * TPR + t;
+      if (vi < nv) {
+        float o[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; i++) o[i] = rstd * (g[k][i] - mg - xh[k][i] * mgx);
+        store_vec<DT, VEC>(dinp + vi * VEC, o);
+      }
+    }
+  }
+
+  // Block partials. TPR > 32: the block's threads own distinct columns. TPR == 32: the 8
+  // warps own the same columns; they add into shared memory one after another (fixed order).
+  float* pw = a.pw + int64_t(blockIdx.x) * C;
+  float* pb = RMS ? nullptr : a.pb + int64_t(blockIdx.x) * C;
+  if constexpr (TPR == 32) {
+    __shared__ float acc_w[kCap], acc_b[RMS ? 1 : kCap];
+    for (int gi = 0; gi < kGroups; gi++) {
+      if (grp == gi) {
+#pragma unroll
+        for (int k = 0; k < kChunks; k++) {
+          int vi = k * TPR + t;
+          if (vi < nv)
+#pragma unroll
+            for (int i = 0; i < VEC; i++) {
+              int c = vi * VEC + i;
+              acc_w[c] = gi == 0 ? dw[k][i] : acc_w[c] + dw[k][i];
+              if constexpr (!RMS) acc_b[c] = gi == 0 ? db[k][i] : acc_b[c] + db[k][i];
+            }
+        }
+      }
+      __syncthreads();
+    }
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+      pw[c] = acc_w[c];
+      if constexpr (!RMS) pb[c] = acc_b[c];
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kChunks; k++) {
+      int vi = k * TPR + t;
+      if (vi < nv) {
+        store_vec<float, VEC>(pw + vi * VEC, dw[k]);
+        if constexpr (!RMS) store_vec<float, VEC>(pb + vi * VEC, db[k]);
+      }
+    }
+  }
+}
+
+// v1_generic_block_per_row, backward: block loops over rows, partials accumulate in global
+// memory (pw/pb zeroed first; each thread owns columns c = tid + j*blockDim).
+template <class DT, bool RMS>
+__global__ void norm_bwd_generic(BwdArgs a) {
+  __shared__ float2 sh[32];
+  const int C = a.C;
+  float* pw = a.pw + int64_t(blockIdx.x) * C;
+  float* pb = RMS ? nullptr : a.pb + int64_t(blockIdx.x) * C;
+  const DT* w = static_cast<const DT*>(a.w);
+  for (int64_t row = blockIdx.x; row < a.N; row += gridDim.x) {
+    const DT* dout = static_cast<const DT*>(a.dout) + row * C;
+    const DT* inp = static_cast<const DT*>(a.inp) + row * C;
+    const float mean = RMS ? 0.f : a.mean[row], rstd = a.rstd[row];
+    float sg = 0.f, sgx = 0.f;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+      float d = to_float(dout[c]), xh = (to_float(inp[c]) - mean) * rstd, g = d * to_float(w[c]);
+      sg += g;
+      sgx += g * xh;
+      pw[c] += d * xh;
+      if constexpr (!RMS) pb[c] += d;
+    }
+    float2 s = group_sum2<256>(make_float2(sg, sgx), sh);
+    const float mg = RMS ? 0.f : s.x / C, mgx = s.y / C;
+    DT* dinp = static_cast<DT*>(a.dinp) + row * C;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+      float xh = (to_float(inp[c]) - mean) * rstd, g = to_float(dout[c]) * to_float(w[c]);
+      dinp[c] = from_float<DT>(rstd * (g - mg - xh * mgx));
+    }
+  }
+}
+
+// dweight[c] += sum_g pw[g, c] (and dbias), g in order: grid ceil(C/32), block 32 x 8.
+template <class DT>
+__global__ void finish_partials(DT* __restrict__ dweight, DT* __restrict__ dbias, const float* __restrict__ pw,
+                                const float* __restrict__ pb, int G, int C) {
+  __shared__ float red[2][8][33];
+  int c = blockIdx.x * 32 + threadIdx.x;
+  float sw = 0.f, sb = 0.f;
+  if (c < C)
+    for (int g = threadIdx.y; g < G; g += 8) {
+      sw += pw[int64_t(g) * C + c];
+      if (pb) sb += pb[int64_t(g) * C + c];
+    }
+  red[0][threadIdx.y][threadIdx.x] = sw;
+  red[1][threadIdx.y][threadIdx.x] = sb;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < C) {
+    sw = sb = 0.f;
+    for (int i = 0; i < 8; i++) { sw += red[0][i][threadIdx.x]; sb += red[1][i][threadIdx.x]; }
+    if (dweight) dweight[c] = from_float<DT>(to_float(dweight[c]) + sw);
+    if (dbias && pb) dbias[c] = from_float<DT>(to_float(dbias[c]) + sb);
+  }
+}
+
+int sm_count() {
+  static int n = [] {
+    int dev = 0, v = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+    return v;
+  }();
+  return n;
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+template <class T> constexpr int kVec = 16 / int(sizeof(T));
+
+// Which vector width and group size a row of C elements gets; tpr == 0 means the generic path.
+template <class T>
+void pick(int C, bool vec_ok, int* vec, int* tpr) {
+  *vec = vec_ok && C % kVec<T> == 0 ? kVec<T> : 1;
+  *tpr = 0;
+  for (int t : {32, 128, 1024})
+    if (int64_t(t) * kChunks * *vec >= C) { *tpr = t; break; }
+}
+
+template <class DT, int VEC, bool RMS, bool RESID>
+void launch_fwd_vec(int tpr, const FwdArgs& a, Stream s) {
+  switch (tpr) {
+    case 32: norm_fwd<DT, VEC, 32, RMS, RESID><<<ceil_div(a.N, 4), 128, 0, s>>>(a); break;
+    case 128: norm_fwd<DT, VEC, 128, RMS, RESID><<<unsigned(a.N), 128, 0, s>>>(a); break;
+    default: norm_fwd<DT, VEC, 1024, RMS, RESID><<<unsigned(a.N), 1024, 0, s>>>(a); break;
+  }
+  LAUNCH_CHECK();
+}
+
+template <class T, bool RMS, bool RESID>
+void launch_fwd(const FwdArgs& a, Stream s) {
+  using DT = dev_t<T>;
+  if (a.N <= 0) return;
+  if (a.C <= 0) throw std::runtime_error("norm forward: C must be > 0");
+  bool ok = aligned16(a.out) && aligned16(a.inp) && aligned16(a.w) && (RMS || !a.b || aligned16(a.b)) &&
+            (!RESID || (aligned16(a.x) && aligned16(a.resid_out)));
+  int vec, tpr;
+  pick<T>(a.C, ok, &vec, &tpr);
+  if (tpr == 0) {
+    norm_fwd_generic<DT, RMS, RESID><<<unsigned(a.N), 256, 0, s>>>(a);
+    LAUNCH_CHECK();
+  } else if (vec == 1) {
+    launch_fwd_vec<DT, 1, RMS, RESID>(tpr, a, s);
+  } else {
+    launch_fwd_vec<DT, kVec<T>, RMS, RESID>(tpr, a, s);
+  }
+}
+
+// Blocks of a backward kernel that are resident at once on the whole GPU: the grid of the
+// persistent backward (more blocks would run as a second, unbalanced wave).
+template <class K>
+int resident_grid(K kernel, int threads) {
+  int b = 0;
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, threads, 0));
+  return std::max(1, b) * sm_count();
+}
+
+template <class DT, bool RMS>
+int bwd_grid(int vec, int tpr) {
+  static int g[2][4] = {};  // [vec == 1][tpr 32, 128, 1024, generic]
+  int vi = vec == 1, ti = tpr == 32 ? 0 : tpr == 128 ? 1 : tpr == 1024 ? 2 : 3;
+  int& r = g[vi][ti];
+  if (r) return r;
+  constexpr int V = 16 / int(sizeof(DT));
+  if (ti == 3) r = resident_grid(norm_bwd_generic<DT, RMS>, 256);
+  else if (vi && ti == 0) r = resident_grid(norm_bwd<DT, 1, 32, RMS>, 256);
+  else if (vi && ti == 1) r = resident_grid(norm_bwd<DT, 1, 128, RMS>, 128);
+  else if (vi) r = resident_grid(norm_bwd<DT, 1, 1024, RMS>, 1024);
+  else if (ti == 0) r = resident_grid(norm_bwd<DT, V, 32, RMS>, 256);
+  else if (ti == 1) r = resident_grid(norm_bwd<DT, V, 128, RMS>, 128);
+  else r = resident_grid(norm_bwd<DT, V, 1024, RMS>, 1024);
+  return r;
+}
+
+template <class DT, int VEC, bool RMS>
+void launch_bwd_vec(int tpr, int G, const BwdArgs& a, Stream s) {
+  switch (tpr) {
+    case 32: norm_bwd<DT, VEC, 32, RMS><<<G, 256, 0, s>>>(a); break;
+    case 128: norm_bwd<DT, VEC, 128, RMS><<<G, 128, 0, s>>>(a); break;
+    default: norm_bwd<DT, VEC, 1024, RMS><<<G, 1024, 0, s>>>(a); break;
+  }
+  LAUNCH_CHECK();
+}
+
+template <class T, bool RMS>
+void launch_bwd(T* dweight, T* dbias, BwdArgs a, Stream s) {
+  using DT = dev_t<T>;
+  if (a.N <= 0) return;
+  if (a.C <= 0) throw std::runtime_error("norm backward: C must be > 0");
+  bool ok = aligned16(a.dinp) && aligned16(a.dout) && aligned16(a.inp) && aligned16(a.w);
+  int vec, tpr;
+  pick<T>(a.C, ok, &vec, &tpr);
+  int64_t groups = tpr == 32 ? (a.N + 7) / 8 : a.N;
+  int G = int(std::min<int64_t>(groups, bwd_grid<DT, RMS>(vec, tpr)));
+  // pw and pb in one allocation: [2, G, C] fp32
+  float* part = static_cast<float*>(device_malloc(sizeof(float) * 2 * size_t(G) * a.C));
+  a.pw = part;
+  a.pb = RMS ? nullptr : part + size_t(G) * a.C;
+  if (tpr == 0) {
+    CUDA_CHECK(cudaMemsetAsync(part, 0, sizeof(float) * 2 * size_t(G) * a.C, s));
+    norm_bwd_generic<DT, RMS><<<G, 256, 0, s>>>(a);
+    LAUNCH_CHECK();
+  } else if (vec == 1) {
+    launch_bwd_vec<DT, 1, RMS>(tpr, G, a, s);
+  } else {
+    launch_bwd_vec<DT, kVec<T>, RMS>(tpr, G, a, s);
+  }
+  if (dweight || dbias) {
+    finish_partials<DT><<<ceil_div(a.C, 32), dim3(32, 8), 0, s>>>(dptr(dweight), RMS ? nullptr : dptr(dbias),
+                                                               a.pw, a.pb, G, a.C);
+    LAUNCH_CHECK();
+  }
+  device_free(part);  // stream-ordered reuse
+}
+
+}  // namespace
+
+template <class T>
+void layernorm_forward(T* out, acc_t<T>* mean, acc_t<T>* rstd, const T* inp, const T* weight, const T* bias,
+                       int64_t N, int C, double eps, Stream s) {
+  FwdArgs a{out, nullptr, mean, rstd, inp, nullptr, weight, bias, N, C, float(eps)};
+  launch_fwd<T, false, false>(a, s);
+}
+
+template <class T>
+void residual_layernorm_forward(T* resid_out, T* out, acc_t<T>* mean, acc_t<T>* rstd, const T* resid, const T* x,
+                                const T* weight, const T* bias, int64_t N, int C, double eps, Stream s) {
+  FwdArgs a{out, resid_out, mean, rstd, resid, x, weight, bias, N, C, float(eps)};
+  launch_fwd<T, false, true>(a, s);
+}
+
+template <class T>
+void rmsnorm_forward(T* out, acc_t<T>* rstd, const T* inp, const T* weight, int64_t N, int C, double eps, Stream s) {
+  FwdArgs a{out, nullptr, nullptr, rstd, inp, nullptr, weight, nullptr, N, C, float(eps)};
+  launch_fwd<T, true, false>(a, s);
+}
+
+template <class T>
+void residual_rmsnorm_forward(T* resid_out, T* out, acc_t<T>* rstd, const T* resid, const T* x, const T* weight,
+                              int64_t N, int C, double eps, Stream s) {
+  FwdArgs a{out, resid_out, nullptr, rstd, resid, x, weight, nullptr, N, C, float(eps)};
+  launch_fwd<T, true, true>(a, s);
+}
+
+template <class T>
+void layernorm_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* inp, const T* weight,
+                        const acc_t<T>* mean, const acc_t<T>* rstd, int64_t N, int C, Stream s) {
+  BwdArgs a{dinp, nullptr, nullptr, dout, inp, weight, mean, rstd, N, C};
+  launch_bwd<T, false>(dweight, dbias, a, s);
+}
+
+template <class T>
+void rmsnorm_backward(T* dinp, T* dweight, const T* dout, const T* inp, const T* weight, const acc_t<T>* rstd,
+                      int64_t N, int C, Stream s) {
+  BwdArgs a{dinp, nullptr, nullptr, dout, inp, weight, nullptr, rstd, N, C};
+  launch_bwd<T, true>(dweight, nullptr, a, s);
+}
+
+#define LOOM_NORMS(T)                                                                                          \
+  template void layernorm_forward<T>(T*, acc_t<T>*, acc_t<T>*, const T*, const T*, const T*, int64_t, int,     \
+                                     double, Stream);                                                          \
+  template void layernorm_backward<T>(T*, T*, T*, const T*, const T*, const T*, const acc_t<T>*,               \
+                                      const acc_t<T>*, int64_t, int, Stream);                                  \
+  template void residual_layernorm_forward<T>(T*, T*, acc_t<T>*, acc_t<T>*, const T*, const T*, const T*,      \
+                                              const T*, int64_t, int, double, Stream);                         \
+  template void rmsnorm_forward<T>(T*, acc_t<T>*, const T*, const T*, int64_t, int, double, Stream);           \
+  template void rmsnorm_backward<T>(T*, T*, const T*, const T*, const T*, const acc_t<T>*, int64_t, int,       \
+                                    Stream);                                                                   \
+  template void residual_rmsnorm_forward<T>(T*, T*, acc_t<T>*, const T*, const T*, const T*, int64_t, int,     \
+                                            double, Stream);
+LOOM_NORMS(float)
+LOOM_NORMS(bf16)
+
+}  // namespace loom::cuda
