@@ -1,0 +1,217 @@
+/*
+ * activations.cu: GELU (tanh approximation), SiLU, SwiGLU, and row softmax, forward and
+ * backward.  Reference: kernels/cpu/activations.cpp.
+ *
+ * Shapes: n flat length for the pointwise ops; [N, C] rows for softmax. All outputs `=`.
+ *   gelu     y = 0.5 x (1 + tanh(u)),  u = sqrt(2/pi) (x + 0.044715 x^3)
+ *            dy/dx = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) sqrt(2/pi) (1 + 3 0.044715 x^2)
+ *   silu     y = x s(x), s = sigmoid;  dy/dx = s (1 + x (1 - s))
+ *   swiglu   out = silu(gate) up;  dgate = dout up silu'(gate),  dup = dout silu(gate)
+ *   softmax  out = exp(x - max) / sum exp(x - max);  dinp = out (dout - sum(dout out))
+ * Saved for backward: the pointwise backwards take the forward input (recompute is cheaper
+ *   than storing tanh/sigmoid); softmax backward takes the forward output.
+ * Math in fp32 for every storage type.
+ * Napkin bytes: pointwise ops read each input once and write each output once (GELU bf16
+ *   at 16384 x 3072: 100 MB forward, ~33 us at 3 TB/s). Softmax: 2 reads (max+sum online,
+ *   then normalize; the second read hits L1/L2 for rows <= a few KB) + 1 write.
+ * Launch shape: pointwise: grid-stride, 256 threads, 8 elements (16 B of bf16) per thread
+ *   per step when every pointer is 16-byte aligned, scalar otherwise and for the tail.
+ *   softmax: C <= 1024: one warp per row, 4 rows per 128-thread block; larger C: one
+ *   256-thread block per row.
+ * Versions: v1 only (bandwidth-bound pointwise code; no alternative measured).
+ * Test: tests/cuda/test_cuda_kernels_a.cpp [activations]:
+ *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_kernels_a.cpp
+ */
+#include <algorithm>
+
+#include "kernels/cuda/common.cuh"
+
+namespace loom::cuda {
+
+namespace {
+
+constexpr float kSqrt2OverPi = 0.7978845608028654f;
+constexpr float kGeluC = 0.044715f;
+
+__device__ __forceinline__ float gelu_f(float x) {
+  float u = kSqrt2OverPi * (x + kGeluC * x * x * x);
+  return 0.5f * x * (1.f + tanhf(u));
+}
+__device__ __forceinline__ float gelu_df(float x) {
+  float u = kSqrt2OverPi * (x + kGeluC * x * x * x);
+  float t = tanhf(u);
+  return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * kSqrt2OverPi * (1.f + 3.f * kGeluC * x * x);
+}
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
+
+// One pointwise op: out0 (and out1) from in0, in1, in2 at the same index.
+struct GeluF { __device__ void operator()(float& o0, float&, float a, float, float) const { o0 = gelu_f(a); } };
+struct GeluB { __device__ void operator()(float& o0, float&, float d, float x, float) const { o0 = d * gelu_df(x); } };
+struct SiluF { __device__ void operator()(float& o0, float&, float a, float, float) const { o0 = a * sigmoid_f(a); } };
+struct SiluB {
+  __device__ void operator()(float& o0, float&, float d, float x, float) const {
+    float s = sigmoid_f(x);
+    o0 = d * s * (1.f + x * (1.f - s));
+  }
+};
+struct SwigluF {
+  __device__ void operator()(float& o0, float&, float g, float u, float) const { o0 = g * sigmoid_f(g) * u; }
+};
+struct SwigluB {  // inputs: dout, gate, up -> dgate, dup
+  __device__ void operator()(float& dg, float& du, float d, float g, float u) const {
+    float s = sigmoid_f(g);
+    dg = d * u * s * (1.f + g * (1.f - s));
+    du = d * g * s;
+  }
+};
+
+template <class DT, int VEC>
+struct alignas(sizeof(DT) * VEC) Pack { DT v[VEC]; };
+
+// NIN inputs, NOUT outputs. Vector part: elements [0, nvec*VEC); the tail is scalar.
+template <class DT, int VEC, int NIN, int NOUT, class F>
+__global__ void pointwise(DT* o0, DT* o1, const DT* i0, const DT* i1, const DT* i2, int64_t n, F f) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t nvec = n / VEC;
+  for (int64_t v = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; v < nvec; v += stride) {
+    Pack<DT, VEC> a = reinterpret_cast<const Pack<DT, VEC>*>(i0)[v], b, c, r0, r1;
+    if (NIN > 1) b = reinterpret_cast<const Pack<DT, VEC>*>(i1)[v];
+    if (NIN > 2) c = reinterpret_cast<const Pack<DT, VEC>*>(i2)[v];
+#pragma unroll
+    for (int k = 0; k < VEC; k++) {
+      float y0 = 0.f, y1 = 0.f;
+      f(y0, y1, to_float(a.v[k]), NIN > 1 ? to_float(b.v[k]) : 0.f, NIN > 2 ? to_float(c.v[k]) : 0.f);
+      r0.v[k] = from_float<DT>(y0);
+      if (NOUT > 1) r1.v[k] = from_float<DT>(y1);
+    }
+    reinterpret_cast<Pack<DT, VEC>*>(o0)[v] = r0;
+    if (NOUT > 1) reinterpret_cast<Pack<DT, VEC>*>(o1)[v] = r1;
+  }
+  for (int64_t i = nvec * VEC + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += stride) {
+    float y0 = 0.f, y1 = 0.f;
+    f(y0, y1, to_float(i0[i]), NIN > 1 ? to_float(i1[i]) : 0.f, NIN > 2 ? to_float(i2[i]) : 0.f);
+    o0[i] = from_float<DT>(y0);
+    if (NOUT > 1) o1[i] = from_float<DT>(y1);
+  }
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+template <int NIN, int NOUT, class T, class F>
+void launch_pointwise(T* o0, T* o1, const T* i0, const T* i1, const T* i2, int64_t n, F f, Stream s) {
+  using DT = dev_t<T>;
+  constexpr int V = 16 / int(sizeof(T));
+  if (n <= 0) return;
+  bool vec = aligned16(o0) && aligned16(i0) && (NOUT < 2 || aligned16(o1)) && (NIN < 2 || aligned16(i1)) &&
+             (NIN < 3 || aligned16(i2));
+  int64_t work = vec ? (n + V - 1) / V : n;
+  int g = int(std::min<int64_t>(std::max<int64_t>(1, (work + 255) / 256), 8192));
+  if (vec)
+    pointwise<DT, V, NIN, NOUT><<<g, 256, 0, s>>>(dptr(o0), dptr(o1), dptr(i0), dptr(i1), dptr(i2), n, f);
+  else
+    pointwise<DT, 1, NIN, NOUT><<<g, 256, 0, s>>>(dptr(o0), dptr(o1), dptr(i0), dptr(i1), dptr(i2), n, f);
+  LAUNCH_CHECK();
+}
+
+// Reduction over the threads of a row: a warp (WARP) or the whole block.
+template <bool WARP>
+__device__ __forceinline__ float row_reduce(float v, bool is_max, float* sh) {
+  v = is_max ? warp_max(v) : warp_sum(v);
+  if constexpr (!WARP) {
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = sh[0];
+    for (int i = 1; i < int(blockDim.x >> 5); i++) v = is_max ? fmaxf(v, sh[i]) : v + sh[i];
+  }
+  return v;
+}
+
+template <class DT, bool WARP>
+__global__ void softmax_fwd_kernel(DT* __restrict__ out, const DT* __restrict__ inp, int64_t N, int C) {
+  __shared__ float sh[32];
+  const int64_t row = WARP ? int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5) : blockIdx.x;
+  const int t = WARP ? threadIdx.x & 31 : threadIdx.x, nt = WARP ? 32 : blockDim.x;
+  if (row >= N) return;
+  const DT* x = inp + row * C;
+  // online max and sum of exponentials in one pass
+  float m = -INFINITY, sum = 0.f;
+  for (int c = t; c < C; c += nt) {
+    float v = to_float(x[c]);
+    if (v > m) { sum *= expf(m - v); m = v; }
+    sum += expf(v - m);
+  }
+  float gm = row_reduce<WARP>(m, true, sh);
+  sum = m == -INFINITY ? 0.f : sum * expf(m - gm);
+  float gs = row_reduce<WARP>(sum, false, sh);
+  float inv = 1.f / gs;
+  DT* y = out + row * C;
+  for (int c = t; c < C; c += nt) y[c] = from_float<DT>(expf(to_float(x[c]) - gm) * inv);
+}
+
+template <class DT, bool WARP>
+__global__ void softmax_bwd_kernel(DT* __restrict__ dinp, const DT* __restrict__ dout, const DT* __restrict__ out,
+                                   int64_t N, int C) {
+  __shared__ float sh[32];
+  const int64_t row = WARP ? int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5) : blockIdx.x;
+  const int t = WARP ? threadIdx.x & 31 : threadIdx.x, nt = WARP ? 32 : blockDim.x;
+  if (row >= N) return;
+  const DT* d = dout + row * C;
+  const DT* y = out + row * C;
+  float dot = 0.f;
+  for (int c = t; c < C; c += nt) dot += to_float(d[c]) * to_float(y[c]);
+  dot = row_reduce<WARP>(dot, false, sh);
+  DT* dx = dinp + row * C;
+  for (int c = t; c < C; c += nt) dx[c] = from_float<DT>(to_float(y[c]) * (to_float(d[c]) - dot));
+}
+
+}  // namespace
+
+template <class T> void gelu_forward(T* out, const T* inp, int64_t n, Stream s) {
+  launch_pointwise<1, 1>(out, (T*)nullptr, inp, (const T*)nullptr, (const T*)nullptr, n, GeluF{}, s);
+}
+template <class T> void gelu_backward(T* dinp, const T* dout, const T* inp, int64_t n, Stream s) {
+  launch_pointwise<2, 1>(dinp, (T*)nullptr, dout, inp, (const T*)nullptr, n, GeluB{}, s);
+}
+template <class T> void silu_forward(T* out, const T* inp, int64_t n, Stream s) {
+  launch_pointwise<1, 1>(out, (T*)nullptr, inp, (const T*)nullptr, (const T*)nullptr, n, SiluF{}, s);
+}
+template <class T> void silu_backward(T* dinp, const T* dout, const T* inp, int64_t n, Stream s) {
+  launch_pointwise<2, 1>(dinp, (T*)nullptr, dout, inp, (const T*)nullptr, n, SiluB{}, s);
+}
+template <class T> void swiglu_forward(T* out, const T* gate, const T* up, int64_t n, Stream s) {
+  launch_pointwise<2, 1>(out, (T*)nullptr, gate, up, (const T*)nullptr, n, SwigluF{}, s);
+}
+template <class T>
+void swiglu_backward(T* dgate, T* dup, const T* dout, const T* gate, const T* up, int64_t n, Stream s) {
+  launch_pointwise<3, 2>(dgate, dup, dout, gate, up, n, SwigluB{}, s);
+}
+
+template <class T> void softmax_forward(T* out, const T* inp, int64_t N, int C, Stream s) {
+  if (N <= 0) return;
+  if (C <= 1024) softmax_fwd_kernel<dev_t<T>, true><<<ceil_div(N, 4), 128, 0, s>>>(dptr(out), dptr(inp), N, C);
+  else softmax_fwd_kernel<dev_t<T>, false><<<unsigned(N), 256, 0, s>>>(dptr(out), dptr(inp), N, C);
+  LAUNCH_CHECK();
+}
+template <class T> void softmax_backward(T* dinp, const T* dout, const T* out, int64_t N, int C, Stream s) {
+  if (N <= 0) return;
+  if (C <= 1024)
+    softmax_bwd_kernel<dev_t<T>, true><<<ceil_div(N, 4), 128, 0, s>>>(dptr(dinp), dptr(dout), dptr(out), N, C);
+  else
+    softmax_bwd_kernel<dev_t<T>, false><<<unsigned(N), 256, 0, s>>>(dptr(dinp), dptr(dout), dptr(out), N, C);
+  LAUNCH_CHECK();
+}
+
+#define LOOM_ACT(T)                                                                          \
+  template void gelu_forward<T>(T*, const T*, int64_t, Stream);                              \
+  template void gelu_backward<T>(T*, const T*, const T*, int64_t, Stream);                   \
+  template void silu_forward<T>(T*, const T*, int64_t, Stream);                              \
+  template void silu_backward<T>(T*, const T*, const T*, int64_t, Stream);                   \
+  template void swiglu_forward<T>(T*, const T*, const T*, int64_t, Stream);                  \
+  template void swiglu_backward<T>(T*, T*, const T*, const T*, const T*, int64_t, Stream);   \
+  template void softmax_forward<T>(T*, const T*, int64_t, int, Stream);                      \
+  template void softmax_backward<T>(T*, const T*, const T*, int64_t, int, Stream);
+LOOM_ACT(float)
+LOOM_ACT(bf16)
+
+}  // namespace loom::cuda
