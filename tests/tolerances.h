@@ -24,6 +24,9 @@ inline constexpr Tol kGradcheckF64{1e-5, 1e-3, "central differences, eps 1e-6, i
 // cross-entropy, chunked vs whole): rounding is ~1e-16 per op, 1e-10 leaves room for
 // thousands of accumulated terms.
 inline constexpr Tol kSameMathF64{1e-12, 1e-10, "same math, different order, double"};
+// CPU f32 kernels against an f64 reference of the same inputs: float keeps 24 bits (6e-8);
+// sums of up to ~1e3 terms and an exp/log per element give a few 1e-6 relative.
+inline constexpr Tol kCpuF32{1e-5, 1e-4, "f32 CPU kernel vs f64 reference"};
 // CUDA f32 against the CPU f32/f64 reference: float has 24 bits (6e-8); reductions of up
 // to ~1e4 terms in a different order give ~1e-5 relative.
 inline constexpr Tol kCudaF32{1e-5, 1e-4, "f32, reductions in another order"};

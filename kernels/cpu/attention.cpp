@@ -1,0 +1,216 @@
+// attention.cpp: CPU reference of softmax attention over packed variable-length sequences,
+// with grouped-query heads and an optional bottom-right aligned causal mask. This file is the
+// specification the flash kernel (kernels/cuda/attention.cu) is checked against.
+//
+// Shape legend: Nq query rows and Nk key rows (every sequence packed back to back), H query
+// heads, KV key/value heads (H % KV == 0), hd head dim, nseq sequences, Lq / Lk the query /
+// key count of one sequence (both <= max_seqlen).
+//
+//   q, out, dout, dq [Nq, H, hd]      k, v, dk, dv [Nk, KV, hd]      lse, delta [Nq, H]
+//   cu_q, cu_k [nseq + 1]: sequence i owns query rows cu_q[i]..cu_q[i+1] and key rows
+//   cu_k[i]..cu_k[i+1] (int32 offsets into the flattened token rows).
+//
+// Forward, for sequence i, query head h (it reads kv head g = h / (H/KV)), query t < Lq:
+//   visible keys  j < Lk, and when causal  j <= t + (Lk - Lq)     (bottom-right aligned:
+//                 equal lengths give the usual mask, Lq = 1 is one decode step over Lk keys)
+//   s_j    = scale * q_t . k_j
+//   lse_t  = log sum_j exp(s_j)                          saved for backward, A precision
+//   p_j    = exp(s_j - lse_t)
+//   out_t  = sum_j p_j v_j                               (=)
+// Backward (p is recomputed from lse; nothing but lse is saved):
+//   delta_t = dout_t . out_t            (= sum_j p_j dp_j; kept in the workspace)
+//   dp_j    = dout_t . v_j
+//   ds_j    = p_j (dp_j - delta_t)      (softmax backward)
+//   dq_t    = scale sum_j ds_j k_j                       (=)
+//   dk_j    = scale sum_{h in group g} sum_t ds_j q_t    (=)
+//   dv_j    = sum_{h in group g} sum_t p_j dout_t        (=)
+//
+// Rows that attend to nothing (rows outside every sequence, and causal queries with
+// t + Lk - Lq < 0) get out = 0, dq = 0 and lse = +inf; +inf (as flash-attention stores) makes
+// any recomputation exp(s - lse) = 0, so a kernel needs no special case for them. Key rows
+// outside every sequence get dk = dv = 0.
+//
+// Work split: forward over (sequence, query head) pairs; backward over (sequence, kv head)
+// pairs, so that every dk/dv row is written by exactly one thread (deterministic, no atomics)
+// and the H/KV query heads of a group are walked in order inside it. The dot products over
+// the visible keys are Eigen matrix-vector products on strided maps of k and v.
+#include <Eigen/Core>
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "kernels/kernels.h"
+
+namespace loom::cpu {
+namespace {
+
+template <class T> using RowMat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+template <class T> using Vec = Eigen::Matrix<T, Eigen::Dynamic, 1>;
+// The rows of one kv head inside one sequence: [Lk, hd] with a row stride of KV * hd.
+template <class T> using HeadRows = Eigen::Map<RowMat<T>, 0, Eigen::OuterStride<>>;
+template <class T> using ConstHeadRows = Eigen::Map<const RowMat<T>, 0, Eigen::OuterStride<>>;
+
+// Host preconditions, with the offending values in the message.
+void check_attention_args(const char* op, const int32_t* cu_q, const int32_t* cu_k, int nseq,
+                          int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, int hd) {
+  auto fail = [&](const std::string& what) {
+    throw std::invalid_argument(std::string(op) + ": " + what);
+  };
+  if (H <= 0 || KV <= 0 || H % KV != 0)
+    fail("expected H % KV == 0 with H, KV > 0, got H=" + std::to_string(H) + " KV=" + std::to_string(KV));
+  if (hd <= 0) fail("expected hd > 0, got " + std::to_string(hd));
+  if (nseq < 0) fail("expected nseq >= 0, got " + std::to_string(nseq));
+  for (int i = 0; i < nseq; i++) {
+    const int64_t q0 = cu_q[i], q1 = cu_q[i + 1], k0 = cu_k[i], k1 = cu_k[i + 1];
+    if (q0 < 0 || q1 < q0 || q1 > Nq)
+      fail("cu_q[" + std::to_string(i) + ".." + std::to_string(i + 1) + "] = " + std::to_string(q0) +
+           ".." + std::to_string(q1) + " is not a non-decreasing range inside Nq=" + std::to_string(Nq));
+    if (k0 < 0 || k1 < k0 || k1 > Nk)
+      fail("cu_k[" + std::to_string(i) + ".." + std::to_string(i + 1) + "] = " + std::to_string(k0) +
+           ".." + std::to_string(k1) + " is not a non-decreasing range inside Nk=" + std::to_string(Nk));
+    if (q1 - q0 > max_seqlen || k1 - k0 > max_seqlen)
+      fail("sequence " + std::to_string(i) + " has Lq=" + std::to_string(q1 - q0) + " Lk=" +
+           std::to_string(k1 - k0) + ", more than max_seqlen=" + std::to_string(max_seqlen));
+  }
+}
+
+// How many keys query t sees: all Lk, or with the bottom-right causal mask the first
+// t + Lk - Lq + 1 of them (clamped to [0, Lk]).
+inline int visible_keys(int t, int Lq, int Lk, bool causal) {
+  if (!causal) return Lk;
+  return std::clamp(t + Lk - Lq + 1, 0, Lk);
+}
+
+}  // namespace
+
+template <class T>
+void attention_forward(T* out, acc_t<T>* lse, const T* q, const T* k, const T* v,
+                       const int32_t* cu_q, const int32_t* cu_k, int nseq, int max_seqlen,
+                       int64_t Nq, int64_t Nk, int H, int KV, int hd, bool causal, double scale,
+                       Stream) {
+  using A = acc_t<T>;
+  static_assert(std::is_same<T, A>::value, "the CPU reference computes in T = acc_t<T>");
+  check_attention_args("attention_forward", cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, hd);
+  const int group = H / KV;  // query heads per kv head
+  const int64_t q_row = int64_t(H) * hd, kv_row = int64_t(KV) * hd;  // token strides
+
+  // Rows outside every sequence keep these values; rows inside are overwritten below.
+  std::fill(out, out + Nq * q_row, T(0));
+  std::fill(lse, lse + Nq * H, std::numeric_limits<A>::infinity());
+
+#pragma omp parallel
+  {
+    std::vector<A> scores(std::max(max_seqlen, 1));  // one row of s / p, per thread
+#pragma omp for schedule(dynamic)
+    for (int64_t item = 0; item < int64_t(nseq) * H; item++) {
+      const int i = int(item / H), h = int(item % H), g = h / group;
+      const int Lq = cu_q[i + 1] - cu_q[i], Lk = cu_k[i + 1] - cu_k[i];
+      ConstHeadRows<T> K(k + int64_t(cu_k[i]) * kv_row + int64_t(g) * hd, Lk, hd, Eigen::OuterStride<>(kv_row));
+      ConstHeadRows<T> V(v + int64_t(cu_k[i]) * kv_row + int64_t(g) * hd, Lk, hd, Eigen::OuterStride<>(kv_row));
+      for (int t = 0; t < Lq; t++) {
+        const int64_t row = cu_q[i] + t;
+        const int n = visible_keys(t, Lq, Lk, causal);
+        if (n == 0) continue;  // sees nothing: out = 0, lse = +inf from the fill above
+        Eigen::Map<const Vec<T>> q_t(q + row * q_row + int64_t(h) * hd, hd);
+        Eigen::Map<Vec<T>> out_t(out + row * q_row + int64_t(h) * hd, hd);
+        Eigen::Map<Vec<A>> s(scores.data(), n);
+
+        s.noalias() = K.topRows(n) * q_t;  // s_j = scale * q_t . k_j
+        s *= A(scale);
+        const A m = s.maxCoeff();  // subtract the row max: exp never overflows
+        s = (s.array() - m).exp();  // unnormalized p_j
+        const A l = s.sum();
+        out_t.noalias() = V.topRows(n).transpose() * s;  // out_t = sum_j p_j v_j / l
+        out_t /= l;
+        lse[row * H + h] = m + std::log(l);
+      }
+    }
+  }
+}
+
+template <class T>
+void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, const T* v,
+                        const T* out, const acc_t<T>* lse, acc_t<T>* workspace,
+                        const int32_t* cu_q, const int32_t* cu_k, int nseq, int max_seqlen,
+                        int64_t Nq, int64_t Nk, int H, int KV, int hd, bool causal, double scale,
+                        Stream) {
+  using A = acc_t<T>;
+  static_assert(std::is_same<T, A>::value, "the CPU reference computes in T = acc_t<T>");
+  check_attention_args("attention_backward", cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, hd);
+  const int group = H / KV;
+  const int64_t q_row = int64_t(H) * hd, kv_row = int64_t(KV) * hd;
+  A* delta = workspace;  // [Nq, H]
+
+  // All three gradients are `=`: rows outside every sequence stay 0, the rest accumulate below.
+  std::fill(dq, dq + Nq * q_row, T(0));
+  std::fill(dk, dk + Nk * kv_row, T(0));
+  std::fill(dv, dv + Nk * kv_row, T(0));
+
+  // Pass 1: delta_t = dout_t . out_t for every query row of every sequence and head.
+  for (int i = 0; i < nseq; i++) {
+#pragma omp parallel for
+    for (int64_t row = cu_q[i]; row < cu_q[i + 1]; row++)
+      for (int h = 0; h < H; h++) {
+        Eigen::Map<const Vec<T>> dout_t(dout + row * q_row + int64_t(h) * hd, hd);
+        Eigen::Map<const Vec<T>> out_t(out + row * q_row + int64_t(h) * hd, hd);
+        delta[row * H + h] = dout_t.dot(out_t);
+      }
+  }
+
+  // Pass 2: one (sequence, kv head) per work item; it owns dk/dv of that head's key rows.
+#pragma omp parallel
+  {
+    std::vector<A> p_buf(std::max(max_seqlen, 1)), ds_buf(std::max(max_seqlen, 1));
+#pragma omp for schedule(dynamic)
+    for (int64_t item = 0; item < int64_t(nseq) * KV; item++) {
+      const int i = int(item / KV), g = int(item % KV);
+      const int Lq = cu_q[i + 1] - cu_q[i], Lk = cu_k[i + 1] - cu_k[i];
+      const int64_t kv_off = int64_t(cu_k[i]) * kv_row + int64_t(g) * hd;
+      ConstHeadRows<T> K(k + kv_off, Lk, hd, Eigen::OuterStride<>(kv_row));
+      ConstHeadRows<T> V(v + kv_off, Lk, hd, Eigen::OuterStride<>(kv_row));
+      HeadRows<T> dK(dk + kv_off, Lk, hd, Eigen::OuterStride<>(kv_row));
+      HeadRows<T> dV(dv + kv_off, Lk, hd, Eigen::OuterStride<>(kv_row));
+
+      for (int h = g * group; h < (g + 1) * group; h++) {
+        for (int t = 0; t < Lq; t++) {
+          const int64_t row = cu_q[i] + t;
+          const int n = visible_keys(t, Lq, Lk, causal);
+          if (n == 0) continue;  // nothing attended: dq_t stays 0
+          const int64_t qo = row * q_row + int64_t(h) * hd;
+          Eigen::Map<const Vec<T>> q_t(q + qo, hd), dout_t(dout + qo, hd);
+          Eigen::Map<Vec<T>> dq_t(dq + qo, hd);
+          Eigen::Map<Vec<A>> p(p_buf.data(), n), ds(ds_buf.data(), n);
+
+          // p_j = exp(scale * q_t . k_j - lse_t), recomputed from the saved lse
+          p.noalias() = K.topRows(n) * q_t;
+          p = (p.array() * A(scale) - lse[row * H + h]).exp();
+          // dp_j = dout_t . v_j;  ds_j = p_j (dp_j - delta_t)
+          ds.noalias() = V.topRows(n) * dout_t;
+          ds = p.array() * (ds.array() - delta[row * H + h]);
+
+          dq_t.noalias() = A(scale) * (K.topRows(n).transpose() * ds);  // dq_t = scale sum_j ds_j k_j
+          dK.topRows(n).noalias() += A(scale) * ds * q_t.transpose();    // dk_j += scale ds_j q_t
+          dV.topRows(n).noalias() += p * dout_t.transpose();             // dv_j += p_j dout_t
+        }
+      }
+    }
+  }
+}
+
+#define LOOM_INSTANTIATE(T)                                                                      \
+  template void attention_forward<T>(T*, acc_t<T>*, const T*, const T*, const T*, const int32_t*, \
+                                     const int32_t*, int, int, int64_t, int64_t, int, int, int,   \
+                                     bool, double, Stream);                                       \
+  template void attention_backward<T>(T*, T*, T*, const T*, const T*, const T*, const T*,          \
+                                      const T*, const acc_t<T>*, acc_t<T>*, const int32_t*,        \
+                                      const int32_t*, int, int, int64_t, int64_t, int, int, int,  \
+                                      bool, double, Stream);
+LOOM_INSTANTIATE(float)
+LOOM_INSTANTIATE(double)
+#undef LOOM_INSTANTIATE
+
+}  // namespace loom::cpu

@@ -1,0 +1,124 @@
+// optim.cpp: CPU reference of the optimizer updates and the gradient-norm clipping scalars.
+//
+// Shape legend: n elements of one flat parameter group. M master/state type (f32; f64 for
+// tests), G gradient / compute-copy type (the CPU backend instantiates G = M).
+//
+//   master, m, v, buf, target, source [n] in M      grad, copy [n] in G
+//   grad_scale [1] (nullable; a device scalar on CUDA, host memory here), norm_sq, norm, scale [1]
+//
+// AdamW, torch.optim.AdamW (single-tensor path) operation by operation, step t >= 1:
+//   g       = grad * grad_scale
+//   master *= 1 - lr wd                        decoupled weight decay, before the Adam step
+//   m       = m + (1 - b1)(g - m)              (torch's lerp; = b1 m + (1 - b1) g)
+//   v       = b2 v + (1 - b2) g^2
+//   master -= (lr / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+//   copy    = master (in G)                    when copy != null
+// SGD with momentum (dampening 0, no Nesterov) and decoupled weight decay; buf starts at 0,
+// so the first step sets buf = g as torch does (buf may be null when momentum == 0):
+//   buf     = mu buf + g
+//   master -= lr (buf + wd master)
+// EMA (the target encoder), torch's lerp with weight w = 1 - decay:
+//   target  = target + (1 - decay)(source - target)   (= decay target + (1 - decay) source)
+// Clipping: norm_sq += sum grad^2 per flat buffer; norm = sqrt(norm_sq),
+//   scale = min(1, max_norm / (norm + 1e-6))   (torch.nn.utils.clip_grad_norm_)
+//
+// Every update is elementwise (OpenMP over elements). The norm's sum is cut into a fixed
+// number of blocks added in order, so it does not depend on the thread count.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/kernels.h"
+
+namespace loom::cpu {
+namespace {
+constexpr int64_t kParallelMin = 1 << 15;  // below this, threads cost more than they save
+}  // namespace
+
+template <class M, class G>
+void adamw_update(M* master, G* copy, M* m, M* v, const G* grad, const float* grad_scale,
+                  int64_t n, AdamWHyper h, Stream) {
+  // Scalars in double, as torch computes them in Python floats.
+  const double t = double(h.step);
+  const M decay = M(1.0 - double(h.lr) * double(h.weight_decay));
+  const M one_minus_b1 = M(1.0 - double(h.beta1));
+  const M b2 = M(h.beta2), one_minus_b2 = M(1.0 - double(h.beta2));
+  const M step_size = M(double(h.lr) / (1.0 - std::pow(double(h.beta1), t)));
+  const M bias_correction2_sqrt = M(std::sqrt(1.0 - std::pow(double(h.beta2), t)));
+  const M eps = M(h.eps);
+  const M scale = grad_scale ? M(*grad_scale) : M(1);
+
+#pragma omp parallel for schedule(static) if (n > kParallelMin)
+  for (int64_t i = 0; i < n; i++) {
+    const M g = M(grad[i]) * scale;
+    master[i] *= decay;
+    m[i] += one_minus_b1 * (g - m[i]);
+    v[i] = b2 * v[i] + one_minus_b2 * g * g;
+    const M denom = std::sqrt(v[i]) / bias_correction2_sqrt + eps;
+    master[i] -= step_size * m[i] / denom;
+    if (copy) copy[i] = G(master[i]);
+  }
+}
+
+template <class M, class G>
+void sgd_update(M* master, G* copy, M* buf, const G* grad, const float* grad_scale, int64_t n,
+                float lr, float momentum, float weight_decay, Stream) {
+  const M scale = grad_scale ? M(*grad_scale) : M(1);
+  const M mu = M(momentum), wd = M(weight_decay), lr_ = M(lr);
+#pragma omp parallel for schedule(static) if (n > kParallelMin)
+  for (int64_t i = 0; i < n; i++) {
+    const M g = M(grad[i]) * scale;
+    M step = g;  // without momentum the step is the gradient itself
+    if (momentum != 0.0f) {
+      buf[i] = mu * buf[i] + g;
+      step = buf[i];
+    } else if (buf) {
+      buf[i] = g;
+    }
+    master[i] -= lr_ * (step + wd * master[i]);
+    if (copy) copy[i] = G(master[i]);
+  }
+}
+
+template <class M, class G>
+void ema_update(M* target, G* copy, const M* source, int64_t n, double decay, Stream) {
+  const M w = M(1.0 - decay);
+#pragma omp parallel for schedule(static) if (n > kParallelMin)
+  for (int64_t i = 0; i < n; i++) {
+    target[i] += w * (source[i] - target[i]);
+    if (copy) copy[i] = G(target[i]);
+  }
+}
+
+template <class G>
+void grad_norm_squared(float* out, const G* grad, int64_t n, Stream) {
+  constexpr int kBlocks = 64;
+  double partial[kBlocks] = {};  // double partials: n is up to ~1e8 squares
+#pragma omp parallel for schedule(static) if (n > kParallelMin)
+  for (int b = 0; b < kBlocks; b++)
+    for (int64_t i = n * b / kBlocks; i < n * (b + 1) / kBlocks; i++)
+      partial[b] += double(grad[i]) * double(grad[i]);
+  double sum = 0;
+  for (int b = 0; b < kBlocks; b++) sum += partial[b];
+  out[0] += float(sum);
+}
+
+void clip_scale(float* scale, float* norm, const float* norm_sq, float max_norm, Stream) {
+  const float total = std::sqrt(*norm_sq);
+  *norm = total;
+  *scale = std::min(1.0f, max_norm / (total + 1e-6f));
+}
+
+#define LOOM_INSTANTIATE(M, G)                                                                  \
+  template void adamw_update<M, G>(M*, G*, M*, M*, const G*, const float*, int64_t, AdamWHyper, \
+                                   Stream);                                                     \
+  template void sgd_update<M, G>(M*, G*, M*, const G*, const float*, int64_t, float, float,     \
+                                 float, Stream);                                                \
+  template void ema_update<M, G>(M*, G*, const M*, int64_t, double, Stream);
+LOOM_INSTANTIATE(float, float)
+LOOM_INSTANTIATE(double, double)
+#undef LOOM_INSTANTIATE
+template void grad_norm_squared<float>(float*, const float*, int64_t, Stream);
+template void grad_norm_squared<double>(float*, const double*, int64_t, Stream);
+
+}  // namespace loom::cpu
