@@ -1,0 +1,51 @@
+// autograd.h: tape-based reverse-mode differentiation.
+//
+// While grad mode is on, every differentiable op whose inputs require grad appends one Node to
+// the tape: a closure holding exactly what its backward needs. The recording order is a
+// topological order, so backward() walks the tape in reverse: no graph search.
+//
+// Gradients: parameters (leaves) accumulate (`+=`) across backward calls until zeroed, which
+// is what gradient accumulation over micro-batches needs. Activation gradients are created by
+// the first consumer that contributes and added to by the rest, and are freed as soon as
+// their producer's backward has run.
+#pragma once
+#include <functional>
+#include <vector>
+
+#include "tensor/tensor.h"
+
+namespace loom {
+
+bool grad_enabled();
+// Disables recording in a scope (EMA target forward, evaluation, generation).
+struct NoGradGuard {
+  NoGradGuard();
+  ~NoGradGuard();
+  bool prev;
+};
+
+// True when grad mode is on and any of the inputs requires grad: the op must record.
+bool any_requires_grad(std::initializer_list<Tensor> inputs);
+
+// Appends a node producing `outputs` (they become requires_grad non-leaves) with its backward.
+void record(const char* name, std::initializer_list<Tensor> outputs, std::function<void()> backward);
+
+// Runs backward from a scalar loss (seed 1) or from `seed` (same shape as `root`), then
+// clears the tape.
+void backward(const Tensor& root, const Tensor& seed = Tensor());
+// Drops the tape without running backward (evaluation forwards that recorded, errors).
+void clear_tape();
+size_t tape_size();
+
+// ---- for backward closures
+// The gradient that flowed into x (undefined when none did: the op may skip work).
+Tensor grad_of(const Tensor& x);
+// x.grad += g, or x.grad = g when x has none yet. `fresh` says g is a new buffer nobody else
+// holds, which x may then take over; otherwise it is copied (a gradient passed through to two
+// inputs must not become one shared buffer).
+void accumulate_grad(const Tensor& x, const Tensor& g, bool fresh = false);
+// x's gradient buffer for a `+=` kernel, created as zeros when absent. Undefined when x does
+// not require grad (the kernel then skips that output: pass a null pointer).
+Tensor grad_buffer(const Tensor& x);
+
+}  // namespace loom

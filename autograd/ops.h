@@ -1,0 +1,98 @@
+// ops.h: the differentiable ops, each a forward that calls one kernel of kernels.inc and
+// records its backward beside it (autograd/ops_*.cpp). Shapes in brackets; every op checks
+// its inputs and throws with the shapes in the message.
+//
+// dtypes: floating inputs of one op share a dtype (f32/f64 on the CPU, f32/bf16 on CUDA);
+// losses and statistics come out in the accumulation dtype (f64 for f64, else f32).
+#pragma once
+#include <vector>
+
+#include "autograd/autograd.h"
+
+namespace loom {
+
+DType acc_dtype(DType t);  // F64 -> F64, else F32
+
+// ---- views and shape (ops_basic.cpp)
+Tensor reshape(const Tensor& x, const Shape& shape);
+Tensor permute(const Tensor& x, const std::vector<int>& dims);
+Tensor transpose(const Tensor& x, int a, int b);
+Tensor narrow(const Tensor& x, int dim, int64_t start, int64_t length);
+Tensor contiguous(const Tensor& x);
+Tensor expand(const Tensor& x, const Shape& shape);  // broadcast, materialized
+Tensor cast(const Tensor& x, DType dtype);           // differentiable dtype change
+
+// ---- elementwise with numpy broadcasting (ops_basic.cpp)
+Tensor add(const Tensor& a, const Tensor& b);
+Tensor sub(const Tensor& a, const Tensor& b);
+Tensor mul(const Tensor& a, const Tensor& b);
+Tensor div(const Tensor& a, const Tensor& b);
+Tensor scale(const Tensor& x, double s);
+Tensor unary(const Tensor& x, UnaryOp op);  // neg, exp, log, sqrt, square, abs
+inline Tensor operator+(const Tensor& a, const Tensor& b) { return add(a, b); }
+inline Tensor operator-(const Tensor& a, const Tensor& b) { return sub(a, b); }
+inline Tensor operator*(const Tensor& a, const Tensor& b) { return mul(a, b); }
+inline Tensor operator/(const Tensor& a, const Tensor& b) { return div(a, b); }
+inline Tensor operator*(const Tensor& a, double s) { return scale(a, s); }
+inline Tensor operator*(double s, const Tensor& a) { return scale(a, s); }
+
+// ---- reductions (ops_basic.cpp)
+Tensor sum(const Tensor& x);                      // scalar [1], accumulation dtype
+Tensor mean(const Tensor& x);                     // scalar [1]
+Tensor sum_to(const Tensor& x, const Shape& shape);  // sum over broadcast dims (non-differentiable helper)
+Tensor mean_pool(const Tensor& x);                // [B, K, C] -> [B, C]
+
+// ---- dense layers (ops_nn.cpp)
+// x [..., I], weight [O, I], bias [O] or undefined -> [..., O]
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor());
+// a [..., M, K] @ b [..., K, N] (b may be 2-D and shared); transposes read a^T / b^T.
+Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans_b = false);
+Tensor layernorm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps);
+Tensor rmsnorm(const Tensor& x, const Tensor& weight, double eps);
+Tensor gelu(const Tensor& x);   // tanh approximation
+Tensor silu(const Tensor& x);
+Tensor swiglu(const Tensor& gate, const Tensor& up);  // silu(gate) * up
+Tensor softmax(const Tensor& x);  // over the last dim
+// ids int32 [...], table [V, C] -> [..., C]
+Tensor embedding(const Tensor& ids, const Tensor& table);
+
+// ---- indexing and layout (ops_index.cpp)
+// x [B, N, C], idx int32 [B, K] -> [B, K, C]
+Tensor gather_rows(const Tensor& x, const Tensor& idx);
+// base [B, N, C] with rows idx [B, K] replaced by src [B, K, C] (indices distinct per b)
+Tensor scatter_rows(const Tensor& base, const Tensor& idx, const Tensor& src);
+// images [B, Ch, H, W] -> [B, (H/p)(W/p), p*p*Ch]   (SPEC §1 order)
+Tensor patchify(const Tensor& images, int p);
+// [B, G*G, D] -> [B, (G/s)^2, s*s*D]                 (SPEC §1 order)
+Tensor pixel_shuffle(const Tensor& x, int s);
+// x [N, H, hd], pos int32 [N]
+Tensor rope(const Tensor& x, const Tensor& pos, double theta);
+Tensor l2_normalize(const Tensor& x, double eps = 1e-12);  // over the last dim
+
+// ---- attention (ops_attention.cpp)
+// Packed sequences: cu_q / cu_k int32 [nseq + 1] offsets into the token rows (on the device
+// of q), with host-side nseq and max_seqlen (so no launch waits on the device).
+struct SeqInfo {
+  Tensor cu_q, cu_k;
+  int nseq = 0, max_seqlen = 0;
+  // B rows of T tokens each, one sequence per row
+  static SeqInfo dense(int B, int T, Device device);
+  // from host offsets (the same for queries and keys)
+  static SeqInfo packed(const std::vector<int32_t>& cu_seqlens, Device device);
+};
+// q [Nq, H, hd], k, v [Nk, KV, hd] -> [Nq, H, hd]
+Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const SeqInfo& seq, bool causal,
+                 double scale);
+
+// ---- losses (ops_loss.cpp): scalars [1] in the accumulation dtype
+// logits [N, V], targets int32 [N] (< 0 ignored): mean CE over valid rows
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets);
+// h [N, D], W [V, D]: cross_entropy(h W^T, targets) without ever holding [N, V]
+Tensor fused_linear_cross_entropy(const Tensor& h, const Tensor& W, const Tensor& targets,
+                                  int64_t chunk = 4096);
+// pred, target [B, M, D] (target gets no gradient)
+Tensor patch_disc_loss(const Tensor& pred, const Tensor& target, double tau);
+// a, b [B, D] already normalized; symmetric InfoNCE
+Tensor infonce_loss(const Tensor& a, const Tensor& b, double tau);
+
+}  // namespace loom

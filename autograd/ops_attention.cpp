@@ -1,0 +1,64 @@
+// ops_attention.cpp: packed (varlen), grouped-query, causal or bidirectional attention.
+#include "autograd/ops_util.h"
+
+namespace loom {
+
+SeqInfo SeqInfo::dense(int B, int T, Device device) {
+  std::vector<int32_t> cu(size_t(B) + 1);
+  for (int b = 0; b <= B; b++) cu[size_t(b)] = b * T;
+  SeqInfo s = packed(cu, device);
+  return s;
+}
+
+SeqInfo SeqInfo::packed(const std::vector<int32_t>& cu, Device device) {
+  LOOM_CHECK(cu.size() >= 2 && cu[0] == 0, "cu_seqlens must start at 0 and hold at least one sequence");
+  SeqInfo s;
+  s.nseq = int(cu.size()) - 1;
+  for (size_t i = 1; i < cu.size(); i++) {
+    LOOM_CHECK(cu[i] >= cu[i - 1], "cu_seqlens must be non-decreasing (entry %zu: %d < %d)", i, cu[i], cu[i - 1]);
+    s.max_seqlen = std::max(s.max_seqlen, cu[i] - cu[i - 1]);
+  }
+  s.cu_q = Tensor::from_vector(cu, {int64_t(cu.size())}, device);
+  s.cu_k = s.cu_q;
+  return s;
+}
+
+Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const SeqInfo& seq, bool causal, double scale) {
+  check_same("attention", {q, k, v});
+  LOOM_CHECK(q.dim() == 3 && k.dim() == 3 && v.shape() == k.shape() && q.size(2) == k.size(2) &&
+                 k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+             "attention: expected q [Nq, H, hd], k and v [Nk, KV, hd] with H %% KV == 0, got %s, %s, %s",
+             q.desc().c_str(), k.desc().c_str(), v.desc().c_str());
+  check_index("attention", seq.cu_q, q);
+  check_index("attention", seq.cu_k, q);
+  int64_t Nq = q.size(0), Nk = k.size(0);
+  int H = int(q.size(1)), KV = int(k.size(1)), hd = int(q.size(2));
+  Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  Tensor out = Tensor::empty_like(qc), lse = acc_empty({Nq, H}, q);
+  dispatch_float(qc, [&](auto dev, auto zero) {
+    using T = decltype(zero);
+    KERNEL(dev, attention_forward)(out.data<T>(), lse.data<acc_t<T>>(), qc.data<T>(), kc.data<T>(), vc.data<T>(),
+                                   seq.cu_q.data<int32_t>(), seq.cu_k.data<int32_t>(), seq.nseq, seq.max_seqlen, Nq,
+                                   Nk, H, KV, hd, causal, scale, stream_for(dev));
+  });
+  if (any_requires_grad({q, k, v}))
+    record("attention", {out}, [q, k, v, qc, kc, vc, out, lse, seq, Nq, Nk, H, KV, hd, causal, scale]() {
+      Tensor g = grad_of(out).contiguous();
+      Tensor dq = Tensor::empty_like(qc), dk = Tensor::empty_like(kc), dv = Tensor::empty_like(vc);
+      Tensor ws = acc_empty({Nq, H}, q);
+      dispatch_float(g, [&](auto dev, auto zero) {
+        using T = decltype(zero);
+        using A = acc_t<T>;
+        KERNEL(dev, attention_backward)(dq.data<T>(), dk.data<T>(), dv.data<T>(), g.data<T>(), qc.data<T>(),
+                                        kc.data<T>(), vc.data<T>(), out.data<T>(), lse.data<A>(), ws.data<A>(),
+                                        seq.cu_q.data<int32_t>(), seq.cu_k.data<int32_t>(), seq.nseq, seq.max_seqlen,
+                                        Nq, Nk, H, KV, hd, causal, scale, stream_for(dev));
+      });
+      accumulate_grad(q, dq, true);
+      accumulate_grad(k, dk, true);
+      accumulate_grad(v, dv, true);
+    });
+  return out;
+}
+
+}  // namespace loom

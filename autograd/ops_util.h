@@ -1,0 +1,33 @@
+// ops_util.h: small helpers shared by the autograd/ops_*.cpp files (not a public header).
+#pragma once
+#include "autograd/ops.h"
+#include "tensor/dispatch.h"
+
+namespace loom {
+
+// typed pointer, or null for an undefined tensor (optional kernel arguments)
+template <class T> inline T* ptr(const Tensor& t) { return t.defined() ? t.data<T>() : nullptr; }
+
+// the common dtype and device of an op's floating inputs (undefined ones skipped)
+inline void check_same(const char* op, std::initializer_list<Tensor> ts) {
+  const Tensor* first = nullptr;
+  for (auto& t : ts) {
+    if (!t.defined()) continue;
+    if (!first) { first = &t; continue; }
+    LOOM_CHECK(t.dtype() == first->dtype() && t.device() == first->device(),
+               "%s: mixed inputs %s and %s", op, first->desc().c_str(), t.desc().c_str());
+  }
+}
+
+inline void check_index(const char* op, const Tensor& idx, const Tensor& like) {
+  LOOM_CHECK(idx.dtype() == DType::I32, "%s: indices must be i32, got %s", op, idx.desc().c_str());
+  LOOM_CHECK(idx.device() == like.device(), "%s: indices on %s, data on %s", op,
+             device_name(idx.device()), device_name(like.device()));
+}
+
+// a fresh tensor of the accumulation dtype on t's device
+inline Tensor acc_empty(const Shape& s, const Tensor& like) {
+  return Tensor::empty(s, acc_dtype(like.dtype()), like.device());
+}
+
+}  // namespace loom

@@ -1,0 +1,64 @@
+// lm.cpp: decoder blocks and the language model (SPEC §1).
+#include "nn/lm.h"
+
+#include <cmath>
+
+namespace loom {
+
+LMBlock::LMBlock(const LMConfig& c, const Init& init)
+    : cfg(c), input_layernorm(c.dim, c.eps, init), post_attention_layernorm(c.dim, c.eps, init),
+      q_proj(c.dim, c.heads * c.head_dim(), false, init), k_proj(c.dim, c.kv_heads * c.head_dim(), false, init),
+      v_proj(c.dim, c.kv_heads * c.head_dim(), false, init), o_proj(c.heads * c.head_dim(), c.dim, false, init),
+      gate_proj(c.dim, c.hidden, false, init), up_proj(c.dim, c.hidden, false, init),
+      down_proj(c.hidden, c.dim, false, init) {
+  LOOM_CHECK(c.dim % c.heads == 0 && c.heads % c.kv_heads == 0,
+             "LM block: dim %d, heads %d, kv_heads %d must divide evenly", c.dim, c.heads, c.kv_heads);
+  child("input_layernorm", input_layernorm);
+  child("q_proj", q_proj);
+  child("k_proj", k_proj);
+  child("v_proj", v_proj);
+  child("o_proj", o_proj);
+  child("post_attention_layernorm", post_attention_layernorm);
+  child("gate_proj", gate_proj);
+  child("up_proj", up_proj);
+  child("down_proj", down_proj);
+}
+
+Tensor LMBlock::forward(const Tensor& x, const Tensor& pos, const SeqInfo& seq) const {
+  int64_t N = x.size(0);
+  int hd = cfg.head_dim();
+  Tensor h = input_layernorm.forward(x);
+  Tensor q = rope(reshape(q_proj.forward(h), {N, cfg.heads, hd}), pos, cfg.rope_theta);
+  Tensor k = rope(reshape(k_proj.forward(h), {N, cfg.kv_heads, hd}), pos, cfg.rope_theta);
+  Tensor v = reshape(v_proj.forward(h), {N, cfg.kv_heads, hd});
+  Tensor a = attention(q, k, v, seq, /*causal=*/true, 1.0 / std::sqrt(double(hd)));
+  Tensor r = add(x, o_proj.forward(reshape(a, {N, cfg.heads * hd})));
+  Tensor m = post_attention_layernorm.forward(r);
+  return add(r, down_proj.forward(swiglu(gate_proj.forward(m), up_proj.forward(m))));
+}
+
+LM::LM(const LMConfig& c, const Init& init) : cfg(c), norm(c.dim, c.eps, init) {
+  embed_tokens = init.normal({c.vocab, c.dim}, 0.02);
+  embed_.param("weight", embed_tokens);
+  child("embed_tokens", embed_);
+  for (int i = 0; i < c.depth; i++) {
+    layers.push_back(std::make_unique<LMBlock>(c, init));
+    layers_.child(std::to_string(i), *layers.back());
+  }
+  child("layers", layers_);
+  child("norm", norm);
+}
+
+Tensor LM::hidden(const Tensor& x, const Tensor& pos, const SeqInfo& seq) const {
+  LOOM_CHECK(x.dim() == 2 && x.size(1) == cfg.dim && pos.numel() == x.size(0),
+             "LM: expected x [Ntok, %d] and pos [Ntok], got %s and %s", cfg.dim, x.desc().c_str(), pos.desc().c_str());
+  Tensor h = x;
+  for (auto& l : layers) h = l->forward(h, pos, seq);
+  return norm.forward(h);
+}
+
+Tensor LM::loss(const Tensor& h, const Tensor& targets) const {
+  return fused_linear_cross_entropy(h, embed_tokens, targets, loss_chunk);
+}
+
+}  // namespace loom

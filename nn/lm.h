@@ -1,0 +1,45 @@
+// lm.h: the Llama / SmolLM2-shaped decoder of SPEC §1: RMSNorm, grouped-query attention with
+// RoPE (rotate-half), SwiGLU MLP, tied output head. Tokens are a flat packed stream [Ntok]
+// with per-token positions and cu_seqlens: attention never crosses a document.
+#pragma once
+#include <memory>
+
+#include "nn/module.h"
+
+namespace loom {
+
+struct LMConfig {
+  int vocab = 49152, dim = 576, depth = 30, heads = 9, kv_heads = 3, hidden = 1536;
+  double rope_theta = 100000.0, eps = 1e-5;
+  int head_dim() const { return dim / heads; }
+};
+
+class LMBlock : public Module {
+ public:
+  LMBlock(const LMConfig& c, const Init& init);
+  // x [Ntok, D], pos int32 [Ntok] -> [Ntok, D]
+  Tensor forward(const Tensor& x, const Tensor& pos, const SeqInfo& seq) const;
+  LMConfig cfg;
+  RMSNorm input_layernorm, post_attention_layernorm;
+  Linear q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj;
+};
+
+class LM : public Module {
+ public:
+  LM(const LMConfig& c, const Init& init);
+  // final hidden states [Ntok, D] from input embeddings x [Ntok, D]
+  Tensor hidden(const Tensor& x, const Tensor& pos, const SeqInfo& seq) const;
+  // mean next-token loss over targets >= 0, through the tied head without [Ntok, V] logits
+  Tensor loss(const Tensor& h, const Tensor& targets) const;
+  Tensor logits(const Tensor& h) const { return linear(h, embed_tokens); }
+  LMConfig cfg;
+  Tensor embed_tokens;  // [V, D]; state-dict name embed_tokens.weight
+  std::vector<std::unique_ptr<LMBlock>> layers;
+  RMSNorm norm;
+  int64_t loss_chunk = 4096;
+
+ private:
+  Module embed_, layers_;
+};
+
+}  // namespace loom

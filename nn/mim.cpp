@@ -1,0 +1,88 @@
+// mim.cpp: LatentMIM / ContrastiveLatentMIM (SPEC §1, torch_ref.py LatentMIM).
+#include "nn/mim.h"
+
+#include <cmath>
+
+namespace loom {
+
+int MIMConfig::keep_count() const {
+  return int(std::nearbyint(double(vit.num_patches()) * (1.0 - mask_ratio)));
+}
+
+MIMView make_view(const Tensor& images, const MIMConfig& c, Rng& rng, Device device) {
+  int B = int(images.size(0)), N = c.vit.num_patches(), K = c.keep_count();
+  std::vector<int32_t> keep(size_t(B) * K), masked(size_t(B) * (N - K));
+  for (int b = 0; b < B; b++) {
+    auto p = rng.permutation(N);
+    for (int i = 0; i < K; i++) keep[size_t(b) * K + i] = p[size_t(i)];
+    for (int i = K; i < N; i++) masked[size_t(b) * (N - K) + (i - K)] = p[size_t(i)];
+  }
+  MIMView v;
+  v.images = images.to(device);
+  v.keep = Tensor::from_vector(keep, {B, K}, device);
+  v.masked = Tensor::from_vector(masked, {B, N - K}, device);
+  return v;
+}
+
+LatentMIM::LatentMIM(const MIMConfig& c, const Init& init)
+    : cfg(c), encoder(c.vit, init), target(c.vit, init), pred_in(c.vit.dim, c.pred_dim, true, init),
+      pred_norm(c.pred_dim, c.vit.eps, init), pred_out(c.pred_dim, c.vit.dim, true, init) {
+  child("encoder", encoder);
+  child("target", target);
+  target.load_state_dict(encoder.state_dict(), "encoder");  // the EMA starts as a copy
+  target.requires_grad_(false);
+  child("pred_in", pred_in);
+  mask_token = init.zeros({c.pred_dim});
+  param("mask_token", mask_token);
+  pred_pos = init.normal({c.vit.num_patches(), c.pred_dim}, 0.02);
+  param("pred_pos", pred_pos);
+  for (int i = 0; i < c.pred_depth; i++) {
+    pred_blocks.push_back(std::make_unique<ViTBlock>(c.pred_dim, c.pred_heads, 4, c.vit.eps, init));
+    pred_blocks_.child(std::to_string(i), *pred_blocks.back());
+  }
+  child("pred_blocks", pred_blocks_);
+  child("pred_norm", pred_norm);
+  child("pred_out", pred_out);
+}
+
+Tensor LatentMIM::view_loss(const MIMView& v, Tensor* z_out) const {
+  int B = int(v.keep.size(0)), N = cfg.vit.num_patches();
+  Tensor z = encoder.forward(v.images, v.keep);  // [B, K, D]
+  Tensor t;
+  {
+    NoGradGuard ng;
+    t = gather_rows(target.forward(v.images), v.masked);  // [B, N-K, D]
+  }
+  // sync-free unmask: scatter the visible tokens into a full sequence of mask tokens
+  Tensor full = expand(mask_token, {B, N, cfg.pred_dim});
+  full = scatter_rows(full, v.keep, pred_in.forward(z));
+  Tensor x = add(full, pred_pos);
+  SeqInfo rows = SeqInfo::dense(B, N, x.device());
+  for (auto& b : pred_blocks) x = b->forward(x, rows);
+  Tensor p = gather_rows(pred_out.forward(pred_norm.forward(x)), v.masked);
+  if (z_out) *z_out = z;
+  Tensor pa = p.dtype() == DType::BF16 ? cast(p, DType::F32) : p;
+  Tensor ta = t.dtype() == DType::BF16 ? t.to(DType::F32) : t;
+  return patch_disc_loss(pa, ta, cfg.tau);
+}
+
+Tensor LatentMIM::forward(const std::vector<MIMView>& views) const {
+  LOOM_CHECK(!views.empty() && (!cfg.contrastive || views.size() == 2),
+             "LatentMIM: %zu views (the contrastive variant needs exactly 2)", views.size());
+  Tensor loss;
+  std::vector<Tensor> pooled;
+  for (auto& v : views) {
+    Tensor z;
+    Tensor l = view_loss(v, &z);
+    loss = loss.defined() ? add(loss, l) : l;
+    if (cfg.contrastive) {
+      Tensor za = z.dtype() == DType::BF16 ? cast(z, DType::F32) : z;
+      pooled.push_back(l2_normalize(mean_pool(za)));
+    }
+  }
+  loss = scale(loss, 1.0 / double(views.size()));
+  if (cfg.contrastive) loss = add(loss, scale(infonce_loss(pooled[0], pooled[1], cfg.tau), cfg.contrastive_weight));
+  return loss;
+}
+
+}  // namespace loom

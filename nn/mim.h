@@ -1,0 +1,48 @@
+// mim.h: LatentMIM and ContrastiveLatentMIM (SPEC §1): an encoder on the kept patches, an EMA
+// target encoder on all patches, a predictor that unmasks by scatter (no host sync), the
+// vectorized patch-discrimination loss and, for the contrastive variant, InfoNCE between the
+// two views' pooled encodings.
+#pragma once
+#include "nn/vit.h"
+
+namespace loom {
+
+struct MIMConfig {
+  ViTConfig vit;
+  int pred_dim = 384, pred_depth = 4, pred_heads = 6;
+  double mask_ratio = 0.75, tau = 0.1, ema = 0.996;
+  bool contrastive = false;
+  double contrastive_weight = 0.1;
+  int keep_count() const;  // K = round(N (1 - mask_ratio))
+};
+
+struct MIMView {
+  Tensor images;          // [B, C, H, W]
+  Tensor keep, masked;    // int32 [B, K], [B, N - K]
+};
+
+// Random masks for one view: a uniform permutation per sample, first K kept (torch_ref's
+// mask_indices). Host-side, then copied to `device`.
+MIMView make_view(const Tensor& images, const MIMConfig& c, Rng& rng, Device device);
+
+class LatentMIM : public Module {
+ public:
+  LatentMIM(const MIMConfig& c, const Init& init);
+  // loss of one view; z [B, K, D] (the encoder's output) is returned for pooling
+  Tensor view_loss(const MIMView& v, Tensor* z_out) const;
+  // mean of the views' losses (+ contrastive_weight * InfoNCE of two views when contrastive)
+  Tensor forward(const std::vector<MIMView>& views) const;
+  // state-dict: encoder.*, target.*, pred_in.*, mask_token, pred_pos, pred_blocks.*, pred_norm.*, pred_out.*
+  MIMConfig cfg;
+  ViT encoder, target;
+  Linear pred_in;
+  Tensor mask_token, pred_pos;
+  std::vector<std::unique_ptr<ViTBlock>> pred_blocks;
+  LayerNorm pred_norm;
+  Linear pred_out;
+
+ private:
+  Module pred_blocks_;
+};
+
+}  // namespace loom

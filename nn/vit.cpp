@@ -1,0 +1,65 @@
+// vit.cpp: ViT blocks and encoder (SPEC §1).
+#include "nn/vit.h"
+
+#include <cmath>
+
+namespace loom {
+
+ViTBlock::ViTBlock(int dim_, int heads_, int mlp_ratio, double eps, const Init& init)
+    : dim(dim_), heads(heads_), norm1(dim_, eps, init), norm2(dim_, eps, init), qkv(dim_, 3 * dim_, true, init),
+      proj(dim_, dim_, true, init), fc1(dim_, mlp_ratio * dim_, true, init), fc2(mlp_ratio * dim_, dim_, true, init) {
+  LOOM_CHECK(dim % heads == 0, "ViT block: dim %d is not divisible by %d heads", dim, heads);
+  child("norm1", norm1);
+  child("qkv", qkv);
+  child("proj", proj);
+  child("norm2", norm2);
+  child("fc1", fc1);
+  child("fc2", fc2);
+}
+
+Tensor ViTBlock::forward(const Tensor& x, const SeqInfo& rows) const {
+  int64_t B = x.size(0), N = x.size(1);
+  int hd = dim / heads;
+  // qkv split as [3, heads, head_dim] per token (SPEC §1)
+  Tensor t = reshape(qkv.forward(norm1.forward(x)), {B * N, 3, heads, hd});
+  Tensor q = reshape(narrow(t, 1, 0, 1), {B * N, heads, hd});
+  Tensor k = reshape(narrow(t, 1, 1, 1), {B * N, heads, hd});
+  Tensor v = reshape(narrow(t, 1, 2, 1), {B * N, heads, hd});
+  Tensor a = attention(q, k, v, rows, /*causal=*/false, 1.0 / std::sqrt(double(hd)));
+  Tensor h = add(x, proj.forward(reshape(a, {B, N, dim})));
+  return add(h, fc2.forward(gelu(fc1.forward(norm2.forward(h)))));
+}
+
+ViT::ViT(const ViTConfig& c, const Init& init)
+    : cfg(c), patch_embed_proj(c.patch_size * c.patch_size * c.channels, c.dim, true, init), norm(c.dim, c.eps, init) {
+  LOOM_CHECK(c.image_size % c.patch_size == 0, "ViT: image size %d is not divisible by patch size %d", c.image_size,
+             c.patch_size);
+  patch_embed_.child("proj", patch_embed_proj);
+  child("patch_embed", patch_embed_);
+  pos_embed = init.normal({c.num_patches(), c.dim}, 0.02);
+  param("pos_embed", pos_embed);
+  for (int i = 0; i < c.depth; i++) {
+    blocks.push_back(std::make_unique<ViTBlock>(c.dim, c.heads, c.mlp_ratio, c.eps, init));
+    blocks_.child(std::to_string(i), *blocks.back());
+  }
+  child("blocks", blocks_);
+  child("norm", norm);
+}
+
+Tensor ViT::embed(const Tensor& images) const {
+  LOOM_CHECK(images.dim() == 4 && images.size(1) == cfg.channels && images.size(2) == cfg.image_size &&
+                 images.size(3) == cfg.image_size,
+             "ViT: expected images [B, %d, %d, %d], got %s", cfg.channels, cfg.image_size, cfg.image_size,
+             images.desc().c_str());
+  return add(patch_embed_proj.forward(patchify(images, cfg.patch_size)), pos_embed);
+}
+
+Tensor ViT::forward(const Tensor& images, const Tensor& keep) const {
+  Tensor x = embed(images);
+  if (keep.defined()) x = gather_rows(x, keep);
+  SeqInfo rows = SeqInfo::dense(int(x.size(0)), int(x.size(1)), x.device());
+  for (auto& b : blocks) x = b->forward(x, rows);
+  return norm.forward(x);
+}
+
+}  // namespace loom

@@ -1,0 +1,45 @@
+// vit.h: the ViT encoder of SPEC §1 (pre-norm blocks, learned positions, no CLS token) and
+// the block it is made of (also used by the LatentMIM predictor).
+#pragma once
+#include <memory>
+
+#include "nn/module.h"
+
+namespace loom {
+
+struct ViTConfig {
+  int image_size = 224, patch_size = 16, channels = 3, dim = 768, depth = 12, heads = 12, mlp_ratio = 4;
+  double eps = 1e-6;
+  int num_patches() const { return (image_size / patch_size) * (image_size / patch_size); }
+  int grid() const { return image_size / patch_size; }
+};
+
+class ViTBlock : public Module {
+ public:
+  ViTBlock(int dim, int heads, int mlp_ratio, double eps, const Init& init);
+  // x [B, N, D] -> [B, N, D]; bidirectional attention within each of the B rows
+  Tensor forward(const Tensor& x, const SeqInfo& rows) const;
+  int dim, heads;
+  LayerNorm norm1, norm2;
+  Linear qkv, proj, fc1, fc2;
+};
+
+class ViT : public Module {
+ public:
+  ViT(const ViTConfig& c, const Init& init);
+  // images [B, C, H, W]; keep int32 [B, K] (undefined: all patches) -> [B, K or N, D]
+  Tensor forward(const Tensor& images, const Tensor& keep = Tensor()) const;
+  // patch embedding + positions only: [B, N, D]
+  Tensor embed(const Tensor& images) const;
+  ViTConfig cfg;
+  Linear patch_embed_proj;  // state-dict name patch_embed.proj
+  Tensor pos_embed;
+  std::vector<std::unique_ptr<ViTBlock>> blocks;
+  LayerNorm norm;
+
+ private:
+  Module patch_embed_;  // holds "proj" so names read patch_embed.proj.*
+  Module blocks_;
+};
+
+}  // namespace loom

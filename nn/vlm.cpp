@@ -1,0 +1,35 @@
+// vlm.cpp: the vision-language model (SPEC §1 VLM).
+#include "nn/vlm.h"
+
+namespace loom {
+
+VLM::VLM(const VLMConfig& c, const Init& init)
+    : cfg(c), vision(c.vit, init), projector(c.vit.dim * c.shuffle * c.shuffle, c.lm.dim, false, init), lm(c.lm, init) {
+  child("vision", vision);
+  child("projector", projector);
+  child("lm", lm);
+}
+
+Tensor VLM::image_embeddings(const Tensor& images) const {
+  Tensor t = projector.forward(pixel_shuffle(vision.forward(images), cfg.shuffle));  // [Bi, Ti, D]
+  return reshape(t, {t.size(0) * t.size(1), t.size(2)});
+}
+
+Tensor VLM::embed(const VLMBatch& b) const {
+  int64_t N = b.ids.numel();
+  Tensor x = embedding(b.ids, lm.embed_tokens);  // [Ntok, D]
+  if (!b.images.defined() || b.images.size(0) == 0) return x;
+  Tensor img = image_embeddings(b.images);
+  int64_t M = img.size(0), D = img.size(1);
+  LOOM_CHECK(b.image_positions.numel() == M, "VLM: %lld image-token positions for %lld image tokens (%lld images)",
+             (long long)b.image_positions.numel(), (long long)M, (long long)b.images.size(0));
+  Tensor full = scatter_rows(reshape(x, {1, N, D}), reshape(b.image_positions, {1, M}), reshape(img, {1, M, D}));
+  return reshape(full, {N, D});
+}
+
+Tensor VLM::loss(const VLMBatch& b) const {
+  Tensor h = lm.hidden(embed(b), b.pos, b.seq);
+  return lm.loss(h, b.targets);
+}
+
+}  // namespace loom
