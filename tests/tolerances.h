@@ -36,6 +36,12 @@ inline constexpr Tol kCudaF32Gemm{1e-4, 2e-4, "f32 GEMM, other blocking/split-K"
 // CUDA bf16 against the f32 reference: bf16 keeps 8 bits (3.9e-3 relative per rounding);
 // inputs and outputs are rounded once each, plus accumulation in f32.
 inline constexpr Tol kCudaBF16{2e-2, 2e-2, "bf16 storage: 2^-8 per rounding, 2-3 roundings"};
+// Image decode + bilinear resize against the same math written in the test: float weights
+// on 8-bit pixels, a handful of roundings of values in [-1, 1].
+inline constexpr Tol kImageF32{1e-5, 1e-5, "bilinear weights in f32 on 8-bit pixels"};
+// JPEG at quality 100 round trip: DCT quantization and YCbCr rounding move a pixel by a few
+// of 255 levels (x2 after (x - 0.5) / 0.5); 0.1 is about 13 levels.
+inline constexpr Tol kJpegQ100{0.1, 0.0, "JPEG q100: lossy by a few levels per pixel"};
 // Whole-model fixture checks on the CPU in f64 against PyTorch f64 (issue requirement).
 inline constexpr double kFixtureRelF64 = 1e-6;
 
