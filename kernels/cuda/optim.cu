@@ -1,0 +1,215 @@
+/*
+ * optim.cu: AdamW, SGD with momentum, EMA, squared gradient norm and the clip scale.
+ * Reference: kernels/cpu/optim.cpp (same declarations in kernels/kernels.inc).
+ *
+ * Shapes: one flat parameter group of n elements. master/m/v/buf/target/source [n] fp32 (M);
+ *   grad [n] and copy [n] in G (fp32 or bf16); grad_scale, norm_sq, norm, scale: [1] fp32 on
+ *   the device.
+ *   adamw  g = grad * scale;  m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2
+ *          master -= lr (wd master + (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps))
+ *          copy = G(master)                             (master, m, v updated in place, copy =)
+ *   sgd    g = grad * scale;  buf = mu buf + g;  master -= lr (buf + wd master);  copy = G(master)
+ *   ema    target = decay target + (1-decay) source;  copy = G(target)
+ *   grad_norm_squared  out[0] += sum(grad^2)   (two deterministic passes, no float atomics)
+ *   clip_scale  norm = sqrt(norm_sq), scale = min(1, max_norm / (norm + 1e-6))
+ * The grad scale is read on the device (nullable = 1), so clipping never waits on the host.
+ * The bias corrections depend only on the step and are computed on the host in double.
+ * Napkin bytes (AdamW, fp32 grads, 134.5M params): read master, m, v, grad, write master,
+ *   m, v = 28 B/param = 3.77 GB: ~1.2 ms at 3.2 TB/s (H200), ~1.3 ms at 2.9 TB/s (H100);
+ *   with bf16 grad and copy: 4 + 4 + 4 + 2 + 4 + 4 + 4 + 2 = 28 B/param as well.
+ * Launch shape: one launch per flat group ("multi-tensor": the model's parameters live in
+ *   one buffer per group), grid-stride, 256 threads, 4 elements per thread per step with
+ *   16-byte loads of the fp32 arrays; scalar path when a pointer is not aligned, and for the
+ *   tail. Grid = 8 blocks per SM-ish (2048 blocks max), enough bytes in flight to saturate HBM.
+ * Versions: v1 vectorized grid-stride (speed in kernels/README.md, bench/bench_kernels_a.cpp).
+ * Test: tests/cuda/test_cuda_kernels_a.cpp [optim]:
+ *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_kernels_a.cpp
+ */
+#include <algorithm>
+#include <cmath>
+
+#include "kernels/cuda/common.cuh"
+
+namespace loom::cuda {
+
+namespace {
+
+template <class DT, int VEC>
+struct alignas(sizeof(DT) * VEC) Pack { DT v[VEC]; };
+
+struct AdamConst {
+  float lr, b1, b2, eps, wd, inv_bc1, inv_bc2;
+};
+
+__device__ __forceinline__ float adam_step(float& p, float& m, float& v, float g, const AdamConst& c) {
+  m = c.b1 * m + (1.f - c.b1) * g;
+  v = c.b2 * v + (1.f - c.b2) * g * g;
+  float upd = (m * c.inv_bc1) / (sqrtf(v * c.inv_bc2) + c.eps);
+  p -= c.lr * (c.wd * p + upd);
+  return p;
+}
+
+template <class GT, int VEC>
+__global__ void adamw_kernel(float* __restrict__ master, GT* __restrict__ copy, float* __restrict__ m,
+                             float* __restrict__ v, const GT* __restrict__ grad, const float* __restrict__ grad_scale,
+                             int64_t n, AdamConst c) {
+  const float scale = grad_scale ? *grad_scale : 1.f;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t nv = n / VEC;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < nv; i += stride) {
+    Pack<float, VEC> p = reinterpret_cast<const Pack<float, VEC>*>(master)[i];
+    Pack<float, VEC> mm = reinterpret_cast<const Pack<float, VEC>*>(m)[i];
+    Pack<float, VEC> vv = reinterpret_cast<const Pack<float, VEC>*>(v)[i];
+    Pack<GT, VEC> g = reinterpret_cast<const Pack<GT, VEC>*>(grad)[i];
+    Pack<GT, VEC> cp;
+#pragma unroll
+    for (int k = 0; k < VEC; k++)
+      cp.v[k] = from_float<GT>(adam_step(p.v[k], mm.v[k], vv.v[k], to_float(g.v[k]) * scale, c));
+    reinterpret_cast<Pack<float, VEC>*>(master)[i] = p;
+    reinterpret_cast<Pack<float, VEC>*>(m)[i] = mm;
+    reinterpret_cast<Pack<float, VEC>*>(v)[i] = vv;
+    if (copy) reinterpret_cast<Pack<GT, VEC>*>(copy)[i] = cp;
+  }
+  for (int64_t i = nv * VEC + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += stride) {
+    float p = master[i], mm = m[i], vv = v[i];
+    adam_step(p, mm, vv, to_float(grad[i]) * scale, c);
+    master[i] = p;
+    m[i] = mm;
+    v[i] = vv;
+    if (copy) copy[i] = from_float<GT>(p);
+  }
+}
+
+template <class GT>
+__global__ void sgd_kernel(float* __restrict__ master, GT* __restrict__ copy, float* __restrict__ buf,
+                           const GT* __restrict__ grad, const float* __restrict__ grad_scale, int64_t n, float lr,
+                           float mu, float wd) {
+  const float scale = grad_scale ? *grad_scale : 1.f;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    float g = to_float(grad[i]) * scale;
+    float b = mu * buf[i] + g;
+    buf[i] = b;
+    float p = master[i];
+    p -= lr * (b + wd * p);
+    master[i] = p;
+    if (copy) copy[i] = from_float<GT>(p);
+  }
+}
+
+template <class GT>
+__global__ void ema_kernel(float* __restrict__ target, GT* __restrict__ copy, const float* __restrict__ source,
+                           int64_t n, float decay) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    float t = decay * target[i] + (1.f - decay) * source[i];
+    target[i] = t;
+    if (copy) copy[i] = from_float<GT>(t);
+  }
+}
+
+__device__ float block_sum(float v) {
+  __shared__ float part[32];
+  v = warp_sum(v);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0.f;
+  if (threadIdx.x < 32) v = warp_sum(v);
+  return v;
+}
+
+template <class GT>
+__global__ void sumsq_partials(float* __restrict__ partial, const GT* __restrict__ grad, int64_t n) {
+  float acc = 0.f;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    float g = to_float(grad[i]);
+    acc += g * g;
+  }
+  acc = block_sum(acc);
+  if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
+
+__global__ void sumsq_finish(float* __restrict__ out, const float* __restrict__ partial, int np) {
+  float acc = 0.f;
+  for (int i = threadIdx.x; i < np; i += blockDim.x) acc += partial[i];
+  acc = block_sum(acc);
+  if (threadIdx.x == 0) out[0] += acc;
+}
+
+__global__ void clip_scale_kernel(float* scale, float* norm, const float* norm_sq, float max_norm) {
+  float nrm = sqrtf(*norm_sq);
+  if (norm) *norm = nrm;
+  *scale = fminf(1.f, max_norm / (nrm + 1e-6f));
+}
+
+int elementwise_grid(int64_t work) {
+  return int(std::min<int64_t>(std::max<int64_t>(1, (work + 255) / 256), 2048));
+}
+bool aligned(const void* p, size_t a) { return (reinterpret_cast<uintptr_t>(p) % a) == 0; }
+
+}  // namespace
+
+template <class M, class G>
+void adamw_update(M* master, G* copy, M* m, M* v, const G* grad, const float* grad_scale, int64_t n, AdamWHyper h,
+                  Stream s) {
+  static_assert(std::is_same_v<M, float>, "CUDA AdamW keeps fp32 master weights and states");
+  if (n <= 0) return;
+  if (h.step < 1) throw std::runtime_error("adamw_update: step is 1-based, got " + std::to_string(h.step));
+  AdamConst c;
+  c.lr = h.lr; c.b1 = h.beta1; c.b2 = h.beta2; c.eps = h.eps; c.wd = h.weight_decay;
+  c.inv_bc1 = float(1.0 / (1.0 - std::pow(double(h.beta1), double(h.step))));
+  c.inv_bc2 = float(1.0 / (1.0 - std::pow(double(h.beta2), double(h.step))));
+  constexpr int V = 4;
+  bool vec = aligned(master, 16) && aligned(m, 16) && aligned(v, 16) && aligned(grad, V * sizeof(G)) &&
+             (!copy || aligned(copy, V * sizeof(G)));
+  if (vec)
+    adamw_kernel<dev_t<G>, V><<<elementwise_grid(n / V), 256, 0, s>>>(master, dptr(copy), m, v, dptr(grad),
+                                                                       grad_scale, n, c);
+  else
+    adamw_kernel<dev_t<G>, 1><<<elementwise_grid(n), 256, 0, s>>>(master, dptr(copy), m, v, dptr(grad), grad_scale,
+                                                                   n, c);
+  LAUNCH_CHECK();
+}
+
+template <class M, class G>
+void sgd_update(M* master, G* copy, M* buf, const G* grad, const float* grad_scale, int64_t n, float lr, float momentum,
+                float weight_decay, Stream s) {
+  if (n <= 0) return;
+  sgd_kernel<<<elementwise_grid(n), 256, 0, s>>>(master, dptr(copy), buf, dptr(grad), grad_scale, n, lr, momentum,
+                                                weight_decay);
+  LAUNCH_CHECK();
+}
+
+template <class M, class G>
+void ema_update(M* target, G* copy, const M* source, int64_t n, double decay, Stream s) {
+  if (n <= 0) return;
+  ema_kernel<<<elementwise_grid(n), 256, 0, s>>>(target, dptr(copy), source, n, float(decay));
+  LAUNCH_CHECK();
+}
+
+template <class G> void grad_norm_squared(float* out, const G* grad, int64_t n, Stream s) {
+  if (n <= 0) return;
+  // the number of partials depends only on n: the same summation order every run
+  int g = int(std::min<int64_t>(1024, std::max<int64_t>(1, (n + 1023) / 1024)));
+  float* partial = static_cast<float*>(device_malloc(sizeof(float) * g));
+  sumsq_partials<<<g, 256, 0, s>>>(partial, dptr(grad), n);
+  LAUNCH_CHECK();
+  sumsq_finish<<<1, 1024, 0, s>>>(out, partial, g);
+  LAUNCH_CHECK();
+  device_free(partial);  // stream-ordered reuse
+}
+
+void clip_scale(float* scale, float* norm, const float* norm_sq, float max_norm, Stream s) {
+  clip_scale_kernel<<<1, 1, 0, s>>>(scale, norm, norm_sq, max_norm);
+  LAUNCH_CHECK();
+}
+
+#define LOOM_OPTIM(G)                                                                                          \
+  template void adamw_update<float, G>(float*, G*, float*, float*, const G*, const float*, int64_t, AdamWHyper, \
+                                       Stream);                                                                \
+  template void sgd_update<float, G>(float*, G*, float*, const G*, const float*, int64_t, float, float, float,  \
+                                     Stream);                                                                  \
+  template void ema_update<float, G>(float*, G*, const float*, int64_t, double, Stream);                       \
+  template void grad_norm_squared<G>(float*, const G*, int64_t, Stream);
+LOOM_OPTIM(float)
+LOOM_OPTIM(bf16)
+
+}  // namespace loom::cuda

@@ -1,0 +1,83 @@
+/*
+ * rope.cu: rotary position embedding, rotate-half convention, forward and backward.
+ * Reference: kernels/cpu/rope.cpp.
+ *
+ * Shapes: N tokens, H heads, hd head dim (even); inp/out/dout/dinp [N, H, hd]; pos [N] int32.
+ *   For i < hd/2: angle = pos * theta^(-2i/hd)
+ *     out[i]        = x[i] cos - x[i + hd/2] sin
+ *     out[i + hd/2] = x[i + hd/2] cos + x[i] sin                                   (=)
+ *   Backward is the rotation by -angle (the transpose of a rotation):
+ *     dinp[i]        = d[i] cos + d[i + hd/2] sin
+ *     dinp[i + hd/2] = d[i + hd/2] cos - d[i] sin                                  (=)
+ * Nothing is saved: cos/sin are recomputed from pos (no [T, hd] tables to keep in sync).
+ * Precision: the angle is formed and reduced in double. In fp32, pos * inv_freq at pos 8k
+ *   is off by ~5e-4 rad (8192 * 2^-24 * 2pi-ish), which the f32 test tolerance would see;
+ *   the double math is ~1 us extra per call at these sizes.
+ * Napkin bytes: one read and one write of [N, H, hd] (e.g. 16k tokens x 9 heads x 64 in
+ *   bf16: 2 x 18.9 MB); cos/sin are per (token, i) and shared by the H heads through the
+ *   loop below.
+ * Launch shape: one thread per (token, i) pair, looping over the H heads (the sincos is
+ *   computed once per pair, not per head); 256 threads, grid-stride.
+ * Versions: v1 only.
+ * Test: tests/cuda/test_cuda_kernels_a.cpp [rope]:
+ *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_kernels_a.cpp
+ */
+#include <algorithm>
+
+#include "kernels/cuda/common.cuh"
+
+namespace loom::cuda {
+
+namespace {
+
+template <class DT, bool BACKWARD>
+__global__ void rope_kernel(DT* __restrict__ out, const DT* __restrict__ inp, const int32_t* __restrict__ pos,
+                            int64_t N, int H, int hd, double log_theta) {
+  const int half = hd / 2;
+  for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < N * half;
+       t += int64_t(gridDim.x) * blockDim.x) {
+    int64_t n = t / half;
+    int i = int(t - n * half);
+    double inv_freq = exp(-log_theta * (2.0 * i) / hd);
+    double ang = double(pos[n]) * inv_freq;
+    double sd, cd;
+    sincos(ang, &sd, &cd);
+    float sn = float(sd), cs = float(cd);
+    if (BACKWARD) sn = -sn;
+    for (int h = 0; h < H; h++) {
+      int64_t base = (n * H + h) * hd;
+      float x0 = to_float(inp[base + i]), x1 = to_float(inp[base + i + half]);
+      out[base + i] = from_float<DT>(x0 * cs - x1 * sn);
+      out[base + i + half] = from_float<DT>(x1 * cs + x0 * sn);
+    }
+  }
+}
+
+template <class T, bool BACKWARD>
+void launch(T* out, const T* inp, const int32_t* pos, int64_t N, int H, int hd, double theta, Stream s) {
+  if (hd % 2) throw std::runtime_error("rope: head dim must be even, got " + std::to_string(hd));
+  int64_t n = N * (hd / 2);
+  if (n <= 0 || H <= 0) return;
+  int g = int(std::min<int64_t>((n + 255) / 256, 8192));
+  rope_kernel<dev_t<T>, BACKWARD><<<g, 256, 0, s>>>(dptr(out), dptr(inp), pos, N, H, hd, std::log(theta));
+  LAUNCH_CHECK();
+}
+
+}  // namespace
+
+template <class T>
+void rope_forward(T* out, const T* inp, const int32_t* pos, int64_t N, int H, int hd, double theta, Stream s) {
+  launch<T, false>(out, inp, pos, N, H, hd, theta, s);
+}
+template <class T>
+void rope_backward(T* dinp, const T* dout, const int32_t* pos, int64_t N, int H, int hd, double theta, Stream s) {
+  launch<T, true>(dinp, dout, pos, N, H, hd, theta, s);
+}
+
+#define LOOM_ROPE(T)                                                                               \
+  template void rope_forward<T>(T*, const T*, const int32_t*, int64_t, int, int, double, Stream);  \
+  template void rope_backward<T>(T*, const T*, const int32_t*, int64_t, int, int, double, Stream);
+LOOM_ROPE(float)
+LOOM_ROPE(bf16)
+
+}  // namespace loom::cuda
