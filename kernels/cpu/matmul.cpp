@@ -1,0 +1,110 @@
+// matmul.cpp: the CPU reference of the matrix products, on Eigen's GEMM.
+//
+// Shape legend: M, N, K the GEMM sizes (op(A) [M,K], op(B) [K,N], C [M,N]); N rows (tokens),
+// I input features, O output features.
+//   gemm             C[b] = alpha op(A[b]) op(B[b]) + beta C[b]          (row-major, batched)
+//   linear_forward   out[N,O] = inp[N,I] weight[O,I]^T + bias[O]
+//   linear_backward  dinp[N,I] = dout[N,O] weight[O,I]            (=)
+//                    dweight[O,I] += dout^T inp                     (+=)
+//                    dbias[O] += sum over rows of dout              (+=)
+// Nothing is saved: linear's backward needs the forward's input, which the caller keeps.
+//
+// Eigen::Map views the row-major buffers without copying; `.noalias()` tells Eigen the
+// destination does not overlap the operands, so the product is written straight into it
+// instead of through a temporary. Eigen's GEMM is blocked for the cache and, built with
+// OpenMP, splits one large product across threads by itself.
+#include <Eigen/Core>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/kernels.h"
+
+namespace loom::cpu {
+namespace {
+
+template <class T> using RowMat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+template <class T> using MapMat = Eigen::Map<RowMat<T>>;
+template <class T> using CMapMat = Eigen::Map<const RowMat<T>>;
+template <class T> using CMapRow = Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>;
+template <class T> using MapRow = Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>>;
+
+// C = alpha opA opB + beta C for one batch item. beta == 0 assigns, so whatever C held
+// (NaN garbage from an uninitialized buffer) never reaches the result: 0 * NaN is NaN.
+template <class T, class OpA, class OpB>
+void gemm_one(MapMat<T>& C, const OpA& opA, const OpB& opB, T alpha, T beta) {
+  if (beta == T(0)) {
+    C.noalias() = alpha * (opA * opB);
+  } else {
+    if (beta != T(1)) C *= beta;
+    C.noalias() += alpha * (opA * opB);
+  }
+}
+
+}  // namespace
+
+template <class T>
+void gemm(T* C, const T* A, const T* B, int M, int N, int K, bool transA, bool transB,
+          double alpha, double beta, int batch, int64_t strideA, int64_t strideB,
+          int64_t strideC, Stream) {
+  if (M < 0 || N < 0 || K < 0 || batch < 0)
+    throw std::invalid_argument("gemm: expected non-negative sizes, got M=" + std::to_string(M) +
+                                " N=" + std::to_string(N) + " K=" + std::to_string(K) +
+                                " batch=" + std::to_string(batch));
+  const T al = T(alpha), be = T(beta);
+  // Stored shapes: A is [M,K] or, transposed, [K,M]; B is [K,N] or [N,K].
+  const int a_rows = transA ? K : M, a_cols = transA ? M : K;
+  const int b_rows = transB ? N : K, b_cols = transB ? K : N;
+  // Several batch items: one thread per item (each GEMM then runs single-threaded; Eigen does
+  // not nest its own threads inside a parallel region). One item: Eigen threads inside it.
+  const bool by_batch = batch > 1 && int64_t(batch) * M * N * K > 32768;
+#pragma omp parallel for if (by_batch)
+  for (int b = 0; b < batch; b++) {
+    CMapMat<T> a(A + b * strideA, a_rows, a_cols);
+    CMapMat<T> bm(B + b * strideB, b_rows, b_cols);
+    MapMat<T> c(C + b * strideC, M, N);
+    if (!transA && !transB) gemm_one(c, a, bm, al, be);
+    else if (transA && !transB) gemm_one(c, a.transpose(), bm, al, be);
+    else if (!transA && transB) gemm_one(c, a, bm.transpose(), al, be);
+    else gemm_one(c, a.transpose(), bm.transpose(), al, be);
+  }
+}
+
+template <class T>
+void linear_forward(T* out, const T* inp, const T* weight, const T* bias, int64_t N, int I,
+                    int O, Stream) {
+  CMapMat<T> x(inp, N, I), w(weight, O, I);
+  MapMat<T> y(out, N, O);
+  y.noalias() = x * w.transpose();
+  if (bias) y.rowwise() += CMapRow<T>(bias, O);
+}
+
+template <class T>
+void linear_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* inp,
+                     const T* weight, int64_t N, int I, int O, Stream) {
+  CMapMat<T> dy(dout, N, O);
+  if (dinp) {
+    MapMat<T> dx(dinp, N, I);
+    dx.noalias() = dy * CMapMat<T>(weight, O, I);
+  }
+  if (dweight) {
+    MapMat<T> dw(dweight, O, I);
+    dw.noalias() += dy.transpose() * CMapMat<T>(inp, N, I);
+  }
+  if (dbias) {
+    MapRow<T> db(dbias, O);
+    db += dy.colwise().sum();
+  }
+}
+
+#define LOOM_MATMUL(T)                                                                        \
+  template void gemm<T>(T*, const T*, const T*, int, int, int, bool, bool, double, double, int, \
+                        int64_t, int64_t, int64_t, Stream);                                   \
+  template void linear_forward<T>(T*, const T*, const T*, const T*, int64_t, int, int, Stream); \
+  template void linear_backward<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, int, int, \
+                                   Stream);
+LOOM_MATMUL(float)
+LOOM_MATMUL(double)
+#undef LOOM_MATMUL
+
+}  // namespace loom::cpu

@@ -1,0 +1,85 @@
+// rope.cpp: the CPU reference of rotary position embedding (rotate-half convention).
+//
+// Shape legend: N tokens, H heads, hd head dim (even), half = hd / 2.
+//   inp/out/dout/dinp [N, H, hd] token-major, pos [N] (positions restart in each document).
+// For frequency i < half:
+//   inv_freq[i] = 1 / theta^(2i / hd),  angle = pos * inv_freq[i]
+//   out[i]        = x[i] cos(angle) - x[i+half] sin(angle)
+//   out[i+half]   = x[i+half] cos(angle) + x[i] sin(angle)
+// The backward is the transpose of that rotation, i.e. the rotation by -angle:
+//   dinp[i]       = dout[i] cos + dout[i+half] sin
+//   dinp[i+half]  = dout[i+half] cos - dout[i] sin                        (=)
+// Nothing is saved: the angles are recomputed from pos.
+//
+// Precision follows the reference (rope_cos_sin in torch_ref.py): inv_freq, the angle and
+// cos/sin are computed in A = acc_t<T> (float for float activations, double for double), so
+// an f32 run and the f32 reference round the angle the same way. At pos ~ 1e4 the float angle
+// carries an absolute error of ~1e-3 rad; that is the reference's behaviour, not ours to fix.
+// Each (token, frequency) angle is computed once and applied to all H heads. out may alias
+// inp: both halves of a pair are read before either is written.
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kernels/kernels.h"
+
+namespace loom::cpu {
+namespace {
+
+constexpr int64_t kParallelMin = 32768;
+
+template <class A> std::vector<A> inverse_frequencies(int hd, double theta) {
+  if (hd <= 0 || hd % 2 != 0)
+    throw std::invalid_argument("rope: expected an even head dim hd, got " + std::to_string(hd));
+  std::vector<A> inv_freq(hd / 2);
+  for (int i = 0; i < hd / 2; i++)
+    inv_freq[i] = A(1) / std::pow(A(theta), A(2 * i) / A(hd));
+  return inv_freq;
+}
+
+// sign = +1 rotates by +angle (forward), -1 by -angle (backward).
+template <class T>
+void rotate(T* out, const T* inp, const int32_t* pos, int64_t N, int H, int hd, double theta,
+            int sign) {
+  using A = acc_t<T>;
+  const std::vector<A> inv_freq = inverse_frequencies<A>(hd, theta);
+  const int half = hd / 2;
+#pragma omp parallel for if (N * H * hd > kParallelMin)
+  for (int64_t n = 0; n < N; n++) {
+    for (int i = 0; i < half; i++) {
+      const A angle = A(pos[n]) * inv_freq[i];
+      const A cos_a = std::cos(angle), sin_a = A(sign) * std::sin(angle);
+      for (int h = 0; h < H; h++) {
+        const int64_t base = (n * H + h) * hd;
+        const A x1 = A(inp[base + i]), x2 = A(inp[base + i + half]);
+        out[base + i] = T(x1 * cos_a - x2 * sin_a);
+        out[base + i + half] = T(x2 * cos_a + x1 * sin_a);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+template <class T>
+void rope_forward(T* out, const T* inp, const int32_t* pos, int64_t N, int H, int hd, double theta,
+                  Stream) {
+  rotate(out, inp, pos, N, H, hd, theta, +1);
+}
+
+template <class T>
+void rope_backward(T* dinp, const T* dout, const int32_t* pos, int64_t N, int H, int hd,
+                   double theta, Stream) {
+  rotate(dinp, dout, pos, N, H, hd, theta, -1);
+}
+
+#define LOOM_ROPE(T)                                                                            \
+  template void rope_forward<T>(T*, const T*, const int32_t*, int64_t, int, int, double, Stream); \
+  template void rope_backward<T>(T*, const T*, const int32_t*, int64_t, int, int, double, Stream);
+LOOM_ROPE(float)
+LOOM_ROPE(double)
+#undef LOOM_ROPE
+
+}  // namespace loom::cpu
