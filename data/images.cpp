@@ -1,0 +1,225 @@
+// images.cpp: PNG/JPEG decoding (stb_image), bilinear resize, image folders, DataStats.
+// This is the one translation unit that compiles stb_image's implementation.
+#include "data/images.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <stdexcept>
+
+#define STB_IMAGE_IMPLEMENTATION
+#define STBI_ONLY_PNG
+#define STBI_ONLY_JPEG
+#define STBI_FAILURE_USERMSG
+#include <stb_image.h>
+
+namespace fs = std::filesystem;
+
+namespace loom {
+
+// ------------------------------------------------------------------ DataStats
+void DataStats::skip(const std::string& reason, const std::string& example) {
+  if (skipped[reason]++ == 0 && !example.empty()) first_example[reason] = example;
+}
+
+int64_t DataStats::total_skipped() const {
+  int64_t n = 0;
+  for (const auto& kv : skipped) n += kv.second;
+  return n;
+}
+
+int64_t DataStats::count(const std::string& reason) const {
+  auto it = skipped.find(reason);
+  return it == skipped.end() ? 0 : it->second;
+}
+
+std::string DataStats::summary() const {
+  std::string s = std::to_string(ok) + " samples ok, " + std::to_string(total_skipped()) + " skipped";
+  if (skipped.empty()) return s;
+  s += " (";
+  bool first = true;
+  for (const auto& kv : skipped) {
+    s += (first ? "" : ", ") + kv.first + " " + std::to_string(kv.second);
+    first = false;
+  }
+  s += ")";
+  for (const auto& kv : first_example) s += "; first " + kv.first + ": " + kv.second;
+  return s;
+}
+
+// ------------------------------------------------------------------ decoding
+const char* to_string(ImageStatus s) {
+  switch (s) {
+    case ImageStatus::Ok: return "ok";
+    case ImageStatus::Missing: return "missing_image";
+    case ImageStatus::DecodeError: return "corrupt_image";
+    case ImageStatus::TooLarge: return "image_too_large";
+  }
+  return "?";
+}
+
+void resize_bilinear_hwc_to_chw(const unsigned char* src, int w, int h, int c, float* dst, int size) {
+  // Half-pixel centres: destination pixel d samples source coordinate (d + 0.5) * scale - 0.5,
+  // clamped at 0 like torch (align_corners=False). No antialias: downscaling by more than 2x
+  // aliases, as torch's default does.
+  const float sx = float(w) / size, sy = float(h) / size;
+  std::vector<int> x0(size), x1(size);
+  std::vector<float> fx(size);
+  for (int d = 0; d < size; d++) {
+    float s = std::max(0.0f, (d + 0.5f) * sx - 0.5f);
+    x0[d] = std::min(int(s), w - 1);
+    x1[d] = std::min(x0[d] + 1, w - 1);
+    fx[d] = s - x0[d];
+  }
+  for (int dy = 0; dy < size; dy++) {
+    float s = std::max(0.0f, (dy + 0.5f) * sy - 0.5f);
+    int y0 = std::min(int(s), h - 1), y1 = std::min(y0 + 1, h - 1);
+    float fy = s - y0;
+    const unsigned char* r0 = src + size_t(y0) * w * c;
+    const unsigned char* r1 = src + size_t(y1) * w * c;
+    for (int dx = 0; dx < size; dx++)
+      for (int ch = 0; ch < c; ch++) {
+        float top = r0[x0[dx] * c + ch] * (1 - fx[dx]) + r0[x1[dx] * c + ch] * fx[dx];
+        float bot = r1[x0[dx] * c + ch] * (1 - fx[dx]) + r1[x1[dx] * c + ch] * fx[dx];
+        dst[(size_t(ch) * size + dy) * size + dx] = (top * (1 - fy) + bot * fy) / 255.0f;
+      }
+  }
+}
+
+ImageStatus decode_image_chw(const unsigned char* data, size_t bytes, int size, int channels,
+                             std::vector<float>& out, std::string* error, int64_t max_pixels) {
+  if (channels != 1 && channels != 3) throw std::runtime_error("decode_image: channels must be 1 or 3, got " + std::to_string(channels));
+  if (size <= 0) throw std::runtime_error("decode_image: size must be > 0, got " + std::to_string(size));
+  int w = 0, h = 0, comp = 0;
+  if (bytes > size_t(INT32_MAX) || !stbi_info_from_memory(data, int(bytes), &w, &h, &comp)) {
+    if (error) *error = std::string("not a PNG/JPEG or corrupt header (") + stbi_failure_reason() + ")";
+    return ImageStatus::DecodeError;
+  }
+  if (int64_t(w) * h > max_pixels) {
+    if (error) *error = std::to_string(w) + "x" + std::to_string(h) + " is over the limit of " + std::to_string(max_pixels) + " pixels";
+    return ImageStatus::TooLarge;
+  }
+  unsigned char* px = stbi_load_from_memory(data, int(bytes), &w, &h, &comp, channels);
+  if (!px) {
+    if (error) *error = std::string("decode failed (") + stbi_failure_reason() + ")";
+    return ImageStatus::DecodeError;
+  }
+  out.resize(size_t(channels) * size * size);
+  resize_bilinear_hwc_to_chw(px, w, h, channels, out.data(), size);
+  stbi_image_free(px);
+  for (float& v : out) v = (v - 0.5f) / 0.5f;
+  return ImageStatus::Ok;
+}
+
+namespace {
+bool read_file(const std::string& path, std::vector<unsigned char>& buf) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return false;
+  f.seekg(0, std::ios::end);
+  std::streamoff n = f.tellg();
+  if (n < 0) return false;
+  f.seekg(0);
+  buf.resize(size_t(n));
+  f.read(reinterpret_cast<char*>(buf.data()), n);
+  return bool(f) || n == 0;
+}
+}  // namespace
+
+ImageStatus load_image_chw(const std::string& path, int size, int channels, std::vector<float>& out,
+                           std::string* error, int64_t max_pixels) {
+  std::vector<unsigned char> buf;
+  if (!fs::is_regular_file(path) || !read_file(path, buf)) {
+    if (error) *error = "cannot open " + path;
+    return ImageStatus::Missing;
+  }
+  return decode_image_chw(buf.data(), buf.size(), size, channels, out, error, max_pixels);
+}
+
+ImageStatus probe_image(const std::string& path, int* w, int* h, std::string* error, int64_t max_pixels) {
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) {
+    if (error) *error = "cannot open " + path;
+    return ImageStatus::Missing;
+  }
+  int comp = 0, ww = 0, hh = 0;
+  int ok = stbi_info_from_file(f, &ww, &hh, &comp);
+  std::fclose(f);
+  if (!ok) {
+    if (error) *error = std::string("not a PNG/JPEG or corrupt header (") + stbi_failure_reason() + ")";
+    return ImageStatus::DecodeError;
+  }
+  if (w) *w = ww;
+  if (h) *h = hh;
+  if (int64_t(ww) * hh > max_pixels) {
+    if (error) *error = std::to_string(ww) + "x" + std::to_string(hh) + " is over the limit of " + std::to_string(max_pixels) + " pixels";
+    return ImageStatus::TooLarge;
+  }
+  return ImageStatus::Ok;
+}
+
+// ------------------------------------------------------------------ folders
+std::vector<std::string> list_images(const std::string& dir) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) throw std::runtime_error(dir + ": not a directory");
+  std::vector<std::string> out;
+  for (auto it = fs::recursive_directory_iterator(dir, fs::directory_options::follow_directory_symlink, ec);
+       it != fs::recursive_directory_iterator(); it.increment(ec)) {
+    if (ec) break;
+    if (!it->is_regular_file(ec)) continue;
+    std::string ext = it->path().extension().string();
+    std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char ch) { return std::tolower(ch); });
+    if (ext == ".png" || ext == ".jpg" || ext == ".jpeg") out.push_back(it->path().string());
+  }
+  if (ec) throw std::runtime_error(dir + ": cannot list: " + ec.message());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+ImageSet load_image_folder(const std::string& dir, int size, int channels, DataStats* stats, int limit,
+                           int64_t max_pixels) {
+  std::vector<std::string> files = list_images(dir);
+  if (limit > 0 && int(files.size()) > limit) files.resize(limit);
+  // Classes: first-level subfolders, sorted (labels follow the sorted names).
+  std::vector<std::string> classes;
+  std::vector<std::string> cls_of(files.size());
+  for (size_t i = 0; i < files.size(); i++) {
+    std::string rel = fs::path(files[i]).lexically_relative(dir).string();
+    size_t slash = rel.find('/');
+    if (slash != std::string::npos) cls_of[i] = rel.substr(0, slash);
+    if (!cls_of[i].empty()) classes.push_back(cls_of[i]);
+  }
+  std::sort(classes.begin(), classes.end());
+  classes.erase(std::unique(classes.begin(), classes.end()), classes.end());
+
+  std::vector<std::vector<float>> px(files.size());
+  std::vector<ImageStatus> st(files.size());
+  std::vector<std::string> err(files.size());
+#pragma omp parallel for schedule(dynamic, 8)
+  for (int64_t i = 0; i < int64_t(files.size()); i++)
+    st[i] = load_image_chw(files[i], size, channels, px[i], &err[i], max_pixels);
+
+  ImageSet set;
+  set.c = channels;
+  set.h = set.w = size;
+  set.class_names = classes;
+  const size_t per = size_t(channels) * size * size;
+  for (size_t i = 0; i < files.size(); i++) {
+    if (st[i] != ImageStatus::Ok) {
+      if (stats) stats->skip(to_string(st[i]), files[i] + ": " + err[i]);
+      continue;
+    }
+    if (stats) stats->ok++;
+    set.pixels.insert(set.pixels.end(), px[i].begin(), px[i].begin() + per);
+    int32_t label = -1;
+    if (!cls_of[i].empty())
+      label = int32_t(std::lower_bound(classes.begin(), classes.end(), cls_of[i]) - classes.begin());
+    set.labels.push_back(label);
+    set.n++;
+  }
+  return set;
+}
+
+}  // namespace loom
