@@ -1,0 +1,927 @@
+/*
+ * attention.cu: flash attention over packed variable-length sequences (varlen), grouped-query
+ * heads, optional bottom-right aligned causal mask. Never materializes a T x T matrix.
+ *
+ * Shape legend: Nq / Nk query / key rows (sequences packed back to back), H query heads,
+ * KV key/value heads (head h reads kv head h / (H/KV)), hd head dim, Lq / Lk the query / key
+ * count of one sequence, shift = Lk - Lq (causal: query t sees keys j <= t + shift).
+ *   q, out, dout, dq [Nq, H, hd] T     k, v, dk, dv [Nk, KV, hd] T     lse, delta [Nq, H] fp32
+ *   cu_q, cu_k [nseq + 1] int32 on the device
+ *
+ * Forward (per sequence, head, query t; s_j = scale q_t . k_j over the visible keys):
+ *   lse_t = log sum_j exp(s_j)       (saved; +inf for a row that sees nothing)
+ *   out_t = sum_j exp(s_j - lse_t) v_j                                          (=)
+ *   computed tile by tile with the online softmax: running max m and sum l per row; each new
+ *   tile rescales the accumulator by exp(m_old - m_new). Scores live in the log2 domain
+ *   (scale * log2(e) folded into one multiply) so every exponential is one exp2.
+ * Backward (p recomputed from lse, nothing else saved):
+ *   delta_t = dout_t . out_t                           (workspace [Nq, H])
+ *   dp_j = dout_t . v_j,  ds_j = p_j (dp_j - delta_t)
+ *   dq_t = scale sum_j ds_j k_j                        (=)   one pass over query tiles
+ *   dk_j = scale sum_{h in group, t} ds_j q_t          (=)   one pass over key tiles, the
+ *   dv_j = sum_{h in group, t} p_j dout_t              (=)   group's query heads walked in order
+ *   Two passes instead of one pass with atomic dq: each output row is written by exactly one
+ *   block, so the result is bitwise deterministic; the price is recomputing S and dP in the
+ *   dq pass (7 tile GEMMs per tile pair instead of 5).
+ * Rows outside every sequence: out = dq = 0, lse = +inf; key rows outside: dk = dv = 0.
+ *
+ * Versions:
+ *   v1_warp_per_row (float, and bf16 with a head dim v2 lacks): one warp per query row (per
+ *     key row in dk/dv), the head dim split over lanes, one key at a time with a warp
+ *     reduction per dot product. A line-by-line port of the reference, readable, slow
+ *     (no data reuse between rows: every warp streams K and V itself).
+ *   v2_mma_tiles (bf16, hd 16/32/64/128): FlashAttention-2 structure. A block owns 16 * NW
+ *     query rows (forward, dq) or key rows (dk/dv), one warp per 16 rows; K/V (or Q/dout)
+ *     tiles are staged in XOR-swizzled shared memory by cp.async, double-buffered so the next
+ *     tile loads while this one is computed; ldmatrix feeds mma.sync m16n8k16 (bf16 in, fp32
+ *     accumulate); the score tile never leaves registers (the C fragment of S is re-packed as
+ *     the A fragment of P for P V). Causal: tiles above the diagonal are skipped, the mask is
+ *     applied only on tiles that cross it or the sequence end; the longest query tiles are
+ *     scheduled first.
+ *   Tiles: forward NW = 8 (128 queries) for hd <= 64, NW = 4 for hd 128 (register budget:
+ *   the 16 x 128 fp32 accumulator is 64 registers per thread), 64 keys per tile.
+ *   Measured (bench/bench_attention.cpp): see kernels/README.md for the numbers of this file's
+ *   versions against PyTorch's FLASH_ATTENTION backend.
+ *
+ * Napkin math: forward 4 B H T^2 hd FLOP (x 0.5 causal), reads Q, K, V once per query tile
+ *   (K/V re-read from L2 by every query tile of a head) and writes out + lse. B8 H16 T2048
+ *   hd128 causal: 137 GFLOP -> ~0.2 ms at 650 TFLOP/s of mma.sync; bytes 4 x 67 MB = 0.27 GB
+ *   -> 0.08 ms. Compute-bound: the gap to the mma peak is the figure of merit.
+ *
+ * Reference: kernels/cpu/attention.cpp. Test: tests/cuda/test_cuda_kernels_b.cpp
+ *   ("attention ..."); bench: bench/bench_attention.cpp. On the GPU machine:
+ *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_kernels_b.cpp
+ */
+#include <string>
+#include <type_traits>
+
+#include "kernels/cuda/common.cuh"
+
+namespace loom::cuda {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+using bf = __nv_bfloat16;
+
+// The sequence that owns `row` (cu[i] <= row < cu[i+1]), or -1. Empty sequences are skipped
+// because the search returns the last i with cu[i] <= row.
+__device__ __forceinline__ int find_seq(const int32_t* cu, int nseq, int64_t row) {
+  if (nseq <= 0 || row < cu[0] || row >= cu[nseq]) return -1;
+  int lo = 0, hi = nseq;  // invariant: cu[lo] <= row < cu[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (cu[mid] <= row) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+// =========================================================================== common pieces
+// delta[r, h] = dout[r, h, :] . out[r, h, :] in fp32; one warp per (row, head).
+template <class T>
+__global__ void attn_delta(float* __restrict__ delta, const T* __restrict__ dout,
+                           const T* __restrict__ out, int64_t rows, int hd) {
+  const int64_t w = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (w >= rows) return;
+  const T* a = dout + w * hd;
+  const T* b = out + w * hd;
+  float s = 0.f;
+  for (int d = threadIdx.x % 32; d < hd; d += 32) s += to_float(a[d]) * to_float(b[d]);
+  s = warp_sum(s);
+  if (threadIdx.x % 32 == 0) delta[w] = s;
+}
+
+// Rows of x [rows, width] before cu[0] or from cu[nseq] on belong to no sequence: x = 0 and,
+// when stat is given, stat[row, 0..nstat) = +inf. One warp per row.
+template <class T>
+__global__ void zero_outside(T* __restrict__ x, float* __restrict__ stat, const int32_t* __restrict__ cu,
+                             int nseq, int64_t rows, int width, int nstat) {
+  const int64_t r = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (r >= rows || (r >= cu[0] && r < cu[nseq])) return;
+  for (int i = threadIdx.x % 32; i < width; i += 32) x[r * width + i] = from_float<T>(0.f);
+  if (stat)
+    for (int i = threadIdx.x % 32; i < nstat; i += 32) stat[r * nstat + i] = INFINITY;
+}
+
+// =========================================================================== v1_warp_per_row
+// DPL = head-dim elements per lane (hd <= 32 DPL). Lane `l` owns dims l, l + 32, ...
+template <class T, int DPL>
+__global__ void attn_fwd_v1(T* __restrict__ out, float* __restrict__ lse, const T* __restrict__ q,
+                            const T* __restrict__ k, const T* __restrict__ v,
+                            const int32_t* __restrict__ cu_q, const int32_t* __restrict__ cu_k,
+                            int nseq, int64_t Nq, int H, int KV, int hd, bool causal, float scale_log2) {
+  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int h = blockIdx.y, lane = threadIdx.x % 32, g = h / (H / KV);
+  if (row >= Nq) return;
+  const int i = find_seq(cu_q, nseq, row);
+  T* o = out + (row * H + h) * hd;
+  int n = 0, Lq = 0, Lk = 0;
+  if (i >= 0) {
+    Lq = cu_q[i + 1] - cu_q[i];
+    Lk = cu_k[i + 1] - cu_k[i];
+    const int t = int(row - cu_q[i]);
+    n = causal ? max(0, min(Lk, t + Lk - Lq + 1)) : Lk;  // visible keys 0..n-1
+  }
+  float qd[DPL], acc[DPL];
+#pragma unroll
+  for (int e = 0; e < DPL; e++) {
+    const int d = lane + 32 * e;
+    qd[e] = d < hd ? to_float(q[(row * H + h) * hd + d]) * scale_log2 : 0.f;
+    acc[e] = 0.f;
+  }
+  float m = -INFINITY, l = 0.f;  // running max (log2 domain) and sum
+  for (int j = 0; j < n; j++) {
+    const int64_t kr = ((int64_t(cu_k[i]) + j) * KV + g) * hd;
+    float s = 0.f;
+#pragma unroll
+    for (int e = 0; e < DPL; e++) {
+      const int d = lane + 32 * e;
+      if (d < hd) s += qd[e] * to_float(k[kr + d]);
+    }
+    s = warp_sum(s);
+    const float m_new = fmaxf(m, s);
+    const float corr = exp2f(m - m_new), p = exp2f(s - m_new);
+    l = l * corr + p;
+#pragma unroll
+    for (int e = 0; e < DPL; e++) {
+      const int d = lane + 32 * e;
+      acc[e] = acc[e] * corr + (d < hd ? p * to_float(v[kr + d]) : 0.f);
+    }
+    m = m_new;
+  }
+  const float inv = n > 0 ? 1.f / l : 0.f;
+#pragma unroll
+  for (int e = 0; e < DPL; e++) {
+    const int d = lane + 32 * e;
+    if (d < hd) o[d] = from_float<T>(acc[e] * inv);
+  }
+  if (lane == 0) lse[row * H + h] = n > 0 ? (m + log2f(l)) * kLn2 : INFINITY;
+}
+
+template <class T, int DPL>
+__global__ void attn_bwd_dq_v1(T* __restrict__ dq, const T* __restrict__ dout, const T* __restrict__ q,
+                               const T* __restrict__ k, const T* __restrict__ v,
+                               const float* __restrict__ lse, const float* __restrict__ delta,
+                               const int32_t* __restrict__ cu_q, const int32_t* __restrict__ cu_k,
+                               int nseq, int64_t Nq, int H, int KV, int hd, bool causal, float scale) {
+  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int h = blockIdx.y, lane = threadIdx.x % 32, g = h / (H / KV);
+  if (row >= Nq) return;
+  const int i = find_seq(cu_q, nseq, row);
+  int n = 0;
+  if (i >= 0) {
+    const int Lq = cu_q[i + 1] - cu_q[i], Lk = cu_k[i + 1] - cu_k[i], t = int(row - cu_q[i]);
+    n = causal ? max(0, min(Lk, t + Lk - Lq + 1)) : Lk;
+  }
+  const int64_t qr = (row * H + h) * hd;
+  float qd[DPL], dod[DPL], acc[DPL];
+#pragma unroll
+  for (int e = 0; e < DPL; e++) {
+    const int d = lane + 32 * e;
+    qd[e] = d < hd ? to_float(q[qr + d]) * scale * kLog2e : 0.f;
+    dod[e] = d < hd ? to_float(dout[qr + d]) : 0.f;
+    acc[e] = 0.f;
+  }
+  const float lse2 = n > 0 ? lse[row * H + h] * kLog2e : 0.f;
+  const float dl = n > 0 ? delta[row * H + h] : 0.f;
+  for (int j = 0; j < n; j++) {
+    const int64_t kr = ((int64_t(cu_k[i]) + j) * KV + g) * hd;
+    float s = 0.f, dp = 0.f;
+#pragma unroll
+    for (int e = 0; e < DPL; e++) {
+      const int d = lane + 32 * e;
+      if (d < hd) {
+        s += qd[e] * to_float(k[kr + d]);
+        dp += dod[e] * to_float(v[kr + d]);
+      }
+    }
+    s = warp_sum(s);
+    dp = warp_sum(dp);
+    const float ds = exp2f(s - lse2) * (dp - dl);  // p (dp - delta)
+#pragma unroll
+    for (int e = 0; e < DPL; e++) {
+      const int d = lane + 32 * e;
+      if (d < hd) acc[e] += ds * to_float(k[kr + d]);
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < DPL; e++) {
+    const int d = lane + 32 * e;
+    if (d < hd) dq[qr + d] = from_float<T>(acc[e] * scale);
+  }
+}
+
+// One warp per key row of kv head g: walks the group's query heads and the queries that see it.
+template <class T, int DPL>
+__global__ void attn_bwd_dkdv_v1(T* __restrict__ dk, T* __restrict__ dv, const T* __restrict__ dout,
+                                 const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                                 const float* __restrict__ lse, const float* __restrict__ delta,
+                                 const int32_t* __restrict__ cu_q, const int32_t* __restrict__ cu_k,
+                                 int nseq, int64_t Nk, int H, int KV, int hd, bool causal, float scale) {
+  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int g = blockIdx.y, lane = threadIdx.x % 32, group = H / KV;
+  if (row >= Nk) return;
+  const int i = find_seq(cu_k, nseq, row);
+  const int64_t kr = (row * KV + g) * hd;
+  float kd[DPL], vd[DPL], dka[DPL], dva[DPL];
+#pragma unroll
+  for (int e = 0; e < DPL; e++) {
+    const int d = lane + 32 * e;
+    kd[e] = d < hd ? to_float(k[kr + d]) * scale * kLog2e : 0.f;
+    vd[e] = d < hd ? to_float(v[kr + d]) : 0.f;
+    dka[e] = dva[e] = 0.f;
+  }
+  if (i >= 0) {
+    const int q0 = cu_q[i], Lq = cu_q[i + 1] - q0, Lk = cu_k[i + 1] - cu_k[i];
+    const int j = int(row - cu_k[i]);
+    const int t0 = causal ? max(0, j - (Lk - Lq)) : 0;  // first query that sees key j
+    for (int h = g * group; h < (g + 1) * group; h++) {
+      for (int t = t0; t < Lq; t++) {
+        const int64_t qr = ((int64_t(q0) + t) * H + h) * hd;
+        float s = 0.f, dp = 0.f;
+#pragma unroll
+        for (int e = 0; e < DPL; e++) {
+          const int d = lane + 32 * e;
+          if (d < hd) {
+            s += kd[e] * to_float(q[qr + d]);
+            dp += vd[e] * to_float(dout[qr + d]);
+          }
+        }
+        s = warp_sum(s);
+        dp = warp_sum(dp);
+        const int64_t st = (int64_t(q0) + t) * H + h;
+        const float p = exp2f(s - lse[st] * kLog2e);
+        const float ds = p * (dp - delta[st]);
+#pragma unroll
+        for (int e = 0; e < DPL; e++) {
+          const int d = lane + 32 * e;
+          if (d < hd) {
+            dva[e] += p * to_float(dout[qr + d]);
+            dka[e] += ds * to_float(q[qr + d]);
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < DPL; e++) {
+    const int d = lane + 32 * e;
+    if (d < hd) {
+      dk[kr + d] = from_float<T>(dka[e] * scale);
+      dv[kr + d] = from_float<T>(dva[e]);
+    }
+  }
+}
+
+// =========================================================================== v2 primitives
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return uint32_t(__cvta_generic_to_shared(p));
+}
+// 16-byte async copy global -> shared; !valid zero-fills the 16 bytes (reads nothing).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+// c[16x8] += a[16x16] b[16x8], bf16 inputs, fp32 accumulators (thread: rows lane/4 and +8,
+// columns 2 (lane%4) and +1 of c).
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // lo in the low half: the lower column
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Element offset of (row r, 16-byte chunk c) in a [rows, HD] bf16 tile. The chunk index is
+// XORed with the row's position inside a 128-byte line group so that the 8 rows one ldmatrix
+// reads fall in 8 different bank groups (no conflicts) for every HD in 16..128.
+template <int HD>
+__device__ __forceinline__ int swz(int r, int c) {
+  constexpr int NC = HD / 8, NCS = NC < 8 ? NC : 8, RPL = 8 / NCS;
+  return r * HD + ((c ^ ((r / RPL) & (NCS - 1))) * 8);
+}
+// Pointer an ldmatrix lane passes: row r, column col (a multiple of 8).
+template <int HD>
+__device__ __forceinline__ const bf* at(const bf* s, int r, int col) {
+  return s + swz<HD>(r, col / 8);
+}
+
+// Rows [0, R) of a global matrix (row r at src + r * stride) into a swizzled tile; rows >=
+// nvalid are zero-filled (so masked keys multiply finite zeros, never stale NaN).
+template <int HD, int R, int NT>
+__device__ __forceinline__ void load_tile(bf* s, const bf* src, int64_t stride, int nvalid) {
+  constexpr int NC = HD / 8;
+  for (int idx = threadIdx.x; idx < R * NC; idx += NT) {
+    const int r = idx / NC, c = idx % NC;
+    const bool ok = r < nvalid;
+    cp_async16(s + swz<HD>(r, c), ok ? src + r * stride + c * 8 : src, ok);
+  }
+}
+// A-operand fragment (16 rows from r0, k columns k0..k0+15) of a row-major tile.
+template <int HD>
+__device__ __forceinline__ void frag_a(uint32_t (&a)[4], const bf* s, int r0, int k0, int lane) {
+  ldsm_x4(a, at<HD>(s, r0 + (lane & 7) + ((lane >> 3) & 1) * 8, k0 + (lane >> 4) * 8));
+}
+// B-operand fragments of two n-tiles (n0, n0+8) for k-step k0, from a tile whose rows are
+// the n dimension (K in S = Q K^T): b[0..1] n-tile n0, b[2..3] n-tile n0+8.
+template <int HD>
+__device__ __forceinline__ void frag_b_rows_n(uint32_t (&b)[4], const bf* s, int n0, int k0, int lane) {
+  ldsm_x4(b, at<HD>(s, n0 + (lane & 7) + (lane >> 4) * 8, k0 + ((lane >> 3) & 1) * 8));
+}
+// Same, from a tile whose rows are the k dimension (V in O = P V), transposed on load.
+template <int HD>
+__device__ __forceinline__ void frag_b_rows_k(uint32_t (&b)[4], const bf* s, int k0, int n0, int lane) {
+  ldsm_x4_t(b, at<HD>(s, k0 + (lane & 7) + ((lane >> 3) & 1) * 8, n0 + (lane >> 4) * 8));
+}
+// The C fragments of n-tiles 2kk, 2kk+1 (16 x 16 fp32) as the A fragment of the next product.
+template <int N>
+__device__ __forceinline__ void c_to_a(uint32_t (&a)[4], const float (&c)[N][4], int kk) {
+  a[0] = pack_bf16(c[2 * kk][0], c[2 * kk][1]);
+  a[1] = pack_bf16(c[2 * kk][2], c[2 * kk][3]);
+  a[2] = pack_bf16(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+  a[3] = pack_bf16(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+}
+// Writes the warp's 16 rows of acc (C layout) into rows r0.. of a swizzled tile, then copies
+// them to global (row r at dst + r * stride) for rows < nvalid, 16 bytes per lane.
+template <int HD>
+__device__ __forceinline__ void store_rows(bf* s, int r0, const float (&acc)[HD / 8][4], float mul,
+                                           bf* dst, int64_t stride, int nvalid, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int dt = 0; dt < HD / 8; dt++) {
+    const int col = dt * 8 + 2 * t;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      const int row = r0 + g + 8 * r;
+      *reinterpret_cast<uint32_t*>(s + swz<HD>(row, col / 8) + (col & 7)) =
+          pack_bf16(acc[dt][2 * r] * mul, acc[dt][2 * r + 1] * mul);
+    }
+  }
+  __syncwarp();
+  constexpr int NC = HD / 8;
+  for (int idx = lane; idx < 16 * NC; idx += 32) {
+    const int r = idx / NC, c = idx % NC;
+    if (r0 + r < nvalid)
+      *reinterpret_cast<uint4*>(dst + int64_t(r0 + r) * stride + c * 8) =
+          *reinterpret_cast<const uint4*>(s + swz<HD>(r0 + r, c));
+  }
+}
+
+// =========================================================================== v2 forward
+template <int HD, int NW>
+__global__ void __launch_bounds__(NW * 32)
+attn_fwd_v2(bf* __restrict__ out, float* __restrict__ lse, const bf* __restrict__ q,
+            const bf* __restrict__ k, const bf* __restrict__ v, const int32_t* __restrict__ cu_q,
+            const int32_t* __restrict__ cu_k, int H, int KV, bool causal, float scale_log2) {
+  constexpr int BR = 16 * NW, BC = 64, NT = NW * 32;
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf* sQ = reinterpret_cast<bf*>(smem);  // [BR][HD], later the output staging
+  bf* sK = sQ + BR * HD;                 // [2][BC][HD]
+  bf* sV = sK + 2 * BC * HD;             // [2][BC][HD]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+  const int seq = blockIdx.z, h = blockIdx.y, kvh = h / (H / KV);
+  const int q0 = cu_q[seq], Lq = cu_q[seq + 1] - q0, k0 = cu_k[seq], Lk = cu_k[seq + 1] - k0;
+  const int qs = (gridDim.x - 1 - blockIdx.x) * BR;  // longest (causal) tiles start first
+  if (qs >= Lq) return;
+  const int nq = min(BR, Lq - qs), shift = Lk - Lq;
+  const int64_t qstride = int64_t(H) * HD, kvstride = int64_t(KV) * HD;
+  const bf* qbase = q + (int64_t(q0) + qs) * qstride + h * HD;
+  const bf* kbase = k + int64_t(k0) * kvstride + kvh * HD;
+  const bf* vbase = v + int64_t(k0) * kvstride + kvh * HD;
+  const int kend = causal ? min(Lk, qs + nq + shift) : Lk;  // keys the last row sees
+  const int ntiles = kend > 0 ? (kend + BC - 1) / BC : 0;
+
+  load_tile<HD, BR, NT>(sQ, qbase, qstride, nq);
+  cp_async_commit();
+  if (ntiles > 0) {
+    load_tile<HD, BC, NT>(sK, kbase, kvstride, min(BC, Lk));
+    load_tile<HD, BC, NT>(sV, vbase, kvstride, min(BC, Lk));
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+  uint32_t qf[HD / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; kk++) frag_a<HD>(qf[kk], sQ, warp * 16, kk * 16, lane);
+
+  float o[HD / 8][4] = {};
+  float mrow[2] = {-INFINITY, -INFINITY}, lrow[2] = {0.f, 0.f};
+  const int row0 = qs + warp * 16 + g;  // this thread's rows: row0 (c0, c1) and row0 + 8 (c2, c3)
+  for (int j = 0; j < ntiles; j++) {
+    if (j + 1 < ntiles) {  // prefetch the next K/V tile into the other buffer
+      const int kb = (j + 1) * BC, buf = (j + 1) & 1;
+      load_tile<HD, BC, NT>(sK + buf * BC * HD, kbase + kb * kvstride, kvstride, min(BC, Lk - kb));
+      load_tile<HD, BC, NT>(sV + buf * BC * HD, vbase + kb * kvstride, kvstride, min(BC, Lk - kb));
+    }
+    cp_async_commit();
+    cp_async_wait<1>();  // all but the prefetch just issued: tile j has landed
+    __syncthreads();
+    const bf* cK = sK + (j & 1) * BC * HD;
+    const bf* cV = sV + (j & 1) * BC * HD;
+
+    float s[BC / 8][4] = {};  // S = Q K^T for this warp's 16 rows x BC keys
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++) {
+#pragma unroll
+      for (int np = 0; np < BC / 16; np++) {
+        uint32_t b[4];
+        frag_b_rows_n<HD>(b, cK, np * 16, kk * 16, lane);
+        mma_bf16(s[2 * np], qf[kk], b[0], b[1]);
+        mma_bf16(s[2 * np + 1], qf[kk], b[2], b[3]);
+      }
+    }
+    const int kb = j * BC;
+    const bool need_mask = kb + BC > Lk || (causal && kb + BC - 1 > qs + shift);
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; nt++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        float x = s[nt][e] * scale_log2;
+        if (need_mask) {
+          const int col = kb + nt * 8 + 2 * t + (e & 1), row = row0 + (e >> 1) * 8;
+          if (col >= Lk || (causal && col > row + shift)) x = -INFINITY;
+        }
+        s[nt][e] = x;
+      }
+    // online softmax, per row r (the quad of 4 lanes t = 0..3 shares a row)
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < BC / 8; nt++) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(mrow[r], mx);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a fully masked row so far
+      const float corr = exp2f(mrow[r] - m_use);
+      mrow[r] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < BC / 8; nt++) {
+        s[nt][2 * r] = exp2f(s[nt][2 * r] - m_use);
+        s[nt][2 * r + 1] = exp2f(s[nt][2 * r + 1] - m_use);
+        sum += s[nt][2 * r] + s[nt][2 * r + 1];
+      }
+      lrow[r] = lrow[r] * corr + sum;  // this lane's partial sum; the quad adds up at the end
+#pragma unroll
+      for (int dt = 0; dt < HD / 8; dt++) {
+        o[dt][2 * r] *= corr;
+        o[dt][2 * r + 1] *= corr;
+      }
+    }
+    // O += P V
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; kk++) {
+      uint32_t a[4];
+      c_to_a(a, s, kk);
+#pragma unroll
+      for (int dp = 0; dp < HD / 16; dp++) {
+        uint32_t b[4];
+        frag_b_rows_k<HD>(b, cV, kk * 16, dp * 16, lane);
+        mma_bf16(o[2 * dp], a, b[0], b[1]);
+        mma_bf16(o[2 * dp + 1], a, b[2], b[3]);
+      }
+    }
+    __syncthreads();  // everyone is done with buffer j&1 before it is refilled
+  }
+  float inv[2];
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    float l = lrow[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    inv[r] = l > 0.f ? 1.f / l : 0.f;
+    const int row = row0 + 8 * r;
+    if (t == 0 && row < Lq)
+      lse[(int64_t(q0) + row) * H + h] = l > 0.f ? (mrow[r] + log2f(l)) * kLn2 : INFINITY;
+  }
+#pragma unroll
+  for (int dt = 0; dt < HD / 8; dt++) {
+    o[dt][0] *= inv[0]; o[dt][1] *= inv[0];
+    o[dt][2] *= inv[1]; o[dt][3] *= inv[1];
+  }
+  // each warp stages only its own 16 rows of sQ (which only it has read)
+  store_rows<HD>(sQ, warp * 16, o, 1.f, out + (int64_t(q0) + qs) * qstride + h * HD, qstride, nq, lane);
+}
+
+// =========================================================================== v2 backward: dq
+// Block: 16 NW query rows of one head; loops over key tiles like the forward. Per tile:
+// S = Q K^T, P = exp2(S - lse), dP = dO V^T, dS = P (dP - delta), dQ += dS K.
+template <int HD, int NW, int BC>
+__global__ void __launch_bounds__(NW * 32)
+attn_bwd_dq_v2(bf* __restrict__ dq, const bf* __restrict__ dout, const bf* __restrict__ q,
+               const bf* __restrict__ k, const bf* __restrict__ v, const float* __restrict__ lse,
+               const float* __restrict__ delta, const int32_t* __restrict__ cu_q,
+               const int32_t* __restrict__ cu_k, int H, int KV, bool causal, float scale,
+               float scale_log2) {
+  constexpr int BR = 16 * NW, NT = NW * 32;
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf* sQ = reinterpret_cast<bf*>(smem);  // [BR][HD], later the dq staging
+  bf* sO = sQ + BR * HD;                 // [BR][HD] dout
+  bf* sK = sO + BR * HD;                 // [2][BC][HD]
+  bf* sV = sK + 2 * BC * HD;             // [2][BC][HD]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+  const int seq = blockIdx.z, h = blockIdx.y, kvh = h / (H / KV);
+  const int q0 = cu_q[seq], Lq = cu_q[seq + 1] - q0, k0 = cu_k[seq], Lk = cu_k[seq + 1] - k0;
+  const int qs = (gridDim.x - 1 - blockIdx.x) * BR;
+  if (qs >= Lq) return;
+  const int nq = min(BR, Lq - qs), shift = Lk - Lq;
+  const int64_t qstride = int64_t(H) * HD, kvstride = int64_t(KV) * HD;
+  const int64_t qoff = (int64_t(q0) + qs) * qstride + h * HD;
+  const bf* kbase = k + int64_t(k0) * kvstride + kvh * HD;
+  const bf* vbase = v + int64_t(k0) * kvstride + kvh * HD;
+  const int kend = causal ? min(Lk, qs + nq + shift) : Lk;
+  const int ntiles = kend > 0 ? (kend + BC - 1) / BC : 0;
+
+  load_tile<HD, BR, NT>(sQ, q + qoff, qstride, nq);
+  load_tile<HD, BR, NT>(sO, dout + qoff, qstride, nq);
+  cp_async_commit();
+  if (ntiles > 0) {
+    load_tile<HD, BC, NT>(sK, kbase, kvstride, min(BC, Lk));
+    load_tile<HD, BC, NT>(sV, vbase, kvstride, min(BC, Lk));
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+  uint32_t qf[HD / 16][4], of[HD / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; kk++) {
+    frag_a<HD>(qf[kk], sQ, warp * 16, kk * 16, lane);
+    frag_a<HD>(of[kk], sO, warp * 16, kk * 16, lane);
+  }
+  const int row0 = qs + warp * 16 + g;
+  float lse2[2], dl[2];
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    const int row = row0 + 8 * r;
+    const bool ok = row < Lq;
+    lse2[r] = ok ? lse[(int64_t(q0) + row) * H + h] * kLog2e : INFINITY;  // +inf: p = 0
+    dl[r] = ok ? delta[(int64_t(q0) + row) * H + h] : 0.f;
+  }
+  float acc[HD / 8][4] = {};
+  for (int j = 0; j < ntiles; j++) {
+    if (j + 1 < ntiles) {
+      const int kb = (j + 1) * BC, buf = (j + 1) & 1;
+      load_tile<HD, BC, NT>(sK + buf * BC * HD, kbase + kb * kvstride, kvstride, min(BC, Lk - kb));
+      load_tile<HD, BC, NT>(sV + buf * BC * HD, vbase + kb * kvstride, kvstride, min(BC, Lk - kb));
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    const bf* cK = sK + (j & 1) * BC * HD;
+    const bf* cV = sV + (j & 1) * BC * HD;
+    float s[BC / 8][4] = {}, dp[BC / 8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++) {
+#pragma unroll
+      for (int np = 0; np < BC / 16; np++) {
+        uint32_t b[4];
+        frag_b_rows_n<HD>(b, cK, np * 16, kk * 16, lane);
+        mma_bf16(s[2 * np], qf[kk], b[0], b[1]);
+        mma_bf16(s[2 * np + 1], qf[kk], b[2], b[3]);
+        frag_b_rows_n<HD>(b, cV, np * 16, kk * 16, lane);
+        mma_bf16(dp[2 * np], of[kk], b[0], b[1]);
+        mma_bf16(dp[2 * np + 1], of[kk], b[2], b[3]);
+      }
+    }
+    const int kb = j * BC;
+    const bool need_mask = kb + BC > Lk || (causal && kb + BC - 1 > qs + shift);
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; nt++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int r = e >> 1;
+        float p = exp2f(s[nt][e] * scale_log2 - lse2[r]);
+        if (need_mask) {
+          const int col = kb + nt * 8 + 2 * t + (e & 1), row = row0 + 8 * r;
+          if (col >= Lk || (causal && col > row + shift)) p = 0.f;
+        }
+        s[nt][e] = p * (dp[nt][e] - dl[r]);  // dS
+      }
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; kk++) {  // dQ += dS K
+      uint32_t a[4];
+      c_to_a(a, s, kk);
+#pragma unroll
+      for (int dd = 0; dd < HD / 16; dd++) {
+        uint32_t b[4];
+        frag_b_rows_k<HD>(b, cK, kk * 16, dd * 16, lane);
+        mma_bf16(acc[2 * dd], a, b[0], b[1]);
+        mma_bf16(acc[2 * dd + 1], a, b[2], b[3]);
+      }
+    }
+    __syncthreads();
+  }
+  store_rows<HD>(sQ, warp * 16, acc, scale, dq + qoff, qstride, nq, lane);
+}
+
+// =========================================================================== v2 backward: dk, dv
+// Block: 16 NW key rows of one kv head, one warp per 16 keys (its dK, dV rows live in its
+// registers). Walks the group's query heads and the query tiles (BRQ rows) that see the
+// block's keys, double-buffering Q, dO, lse and delta. Per tile, transposed products:
+// S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q.
+template <int HD, int NW, int BRQ>
+__global__ void __launch_bounds__(NW * 32)
+attn_bwd_dkdv_v2(bf* __restrict__ dk, bf* __restrict__ dv, const bf* __restrict__ dout,
+                 const bf* __restrict__ q, const bf* __restrict__ k, const bf* __restrict__ v,
+                 const float* __restrict__ lse, const float* __restrict__ delta,
+                 const int32_t* __restrict__ cu_q, const int32_t* __restrict__ cu_k, int H, int KV,
+                 bool causal, float scale, float scale_log2) {
+  constexpr int BC = 16 * NW, NT = NW * 32;
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf* sK = reinterpret_cast<bf*>(smem);  // [BC][HD], later the dk staging
+  bf* sV = sK + BC * HD;                 // [BC][HD], later the dv staging
+  bf* sQ = sV + BC * HD;                 // [2][BRQ][HD]
+  bf* sO = sQ + 2 * BRQ * HD;            // [2][BRQ][HD] dout
+  float* sL = reinterpret_cast<float*>(sO + 2 * BRQ * HD);  // [2][BRQ] lse * log2(e)
+  float* sD = sL + 2 * BRQ;                                 // [2][BRQ] delta
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+  const int seq = blockIdx.z, kvh = blockIdx.y, group = H / KV;
+  const int q0 = cu_q[seq], Lq = cu_q[seq + 1] - q0, k0 = cu_k[seq], Lk = cu_k[seq + 1] - k0;
+  const int ks = blockIdx.x * BC;  // causal: the first key tiles see the most queries; start them first
+  if (ks >= Lk) return;
+  const int nk = min(BC, Lk - ks), shift = Lk - Lq;
+  const int64_t qstride = int64_t(H) * HD, kvstride = int64_t(KV) * HD;
+  const int64_t koff = (int64_t(k0) + ks) * kvstride + kvh * HD;
+  const int t_min = causal ? max(0, ks - shift) : 0;  // the first query that sees key ks
+  const int n_qt = t_min < Lq ? (Lq - t_min + BRQ - 1) / BRQ : 0;
+  const int n_it = group * n_qt;
+
+  auto load_q_tile = [&](int it, int buf) {
+    const int h = kvh * group + it / n_qt, qt = t_min + (it % n_qt) * BRQ;
+    const int nq = min(BRQ, Lq - qt);
+    const int64_t off = (int64_t(q0) + qt) * qstride + h * HD;
+    load_tile<HD, BRQ, NT>(sQ + buf * BRQ * HD, q + off, qstride, nq);
+    load_tile<HD, BRQ, NT>(sO + buf * BRQ * HD, dout + off, qstride, nq);
+    for (int i = threadIdx.x; i < BRQ; i += NT) {
+      const bool ok = i < nq;
+      const int64_t st = (int64_t(q0) + qt + i) * H + h;
+      sL[buf * BRQ + i] = ok ? lse[st] * kLog2e : INFINITY;
+      sD[buf * BRQ + i] = ok ? delta[st] : 0.f;
+    }
+  };
+  load_tile<HD, BC, NT>(sK, k + koff, kvstride, nk);
+  load_tile<HD, BC, NT>(sV, v + koff, kvstride, nk);
+  if (n_it > 0) load_q_tile(0, 0);
+  cp_async_commit();
+
+  float dka[HD / 8][4] = {}, dva[HD / 8][4] = {};
+  const int key0 = ks + warp * 16 + g;  // this thread's keys: key0 (c0, c1) and key0 + 8
+  for (int it = 0; it < n_it; it++) {
+    if (it + 1 < n_it) load_q_tile(it + 1, (it + 1) & 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    const int buf = it & 1, qt = t_min + (it % n_qt) * BRQ;
+    const bf* cQ = sQ + buf * BRQ * HD;
+    const bf* cO = sO + buf * BRQ * HD;
+    const float* cL = sL + buf * BRQ;
+    const float* cD = sD + buf * BRQ;
+    float st[BRQ / 8][4] = {}, dpt[BRQ / 8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++) {
+      uint32_t ka[4], va[4];
+      frag_a<HD>(ka, sK, warp * 16, kk * 16, lane);
+      frag_a<HD>(va, sV, warp * 16, kk * 16, lane);
+#pragma unroll
+      for (int np = 0; np < BRQ / 16; np++) {
+        uint32_t b[4];
+        frag_b_rows_n<HD>(b, cQ, np * 16, kk * 16, lane);  // S^T = K Q^T
+        mma_bf16(st[2 * np], ka, b[0], b[1]);
+        mma_bf16(st[2 * np + 1], ka, b[2], b[3]);
+        frag_b_rows_n<HD>(b, cO, np * 16, kk * 16, lane);  // dP^T = V dO^T
+        mma_bf16(dpt[2 * np], va, b[0], b[1]);
+        mma_bf16(dpt[2 * np + 1], va, b[2], b[3]);
+      }
+    }
+    const bool need_mask = ks + BC > Lk || (causal && ks + BC - 1 > qt + shift);
+#pragma unroll
+    for (int nt = 0; nt < BRQ / 8; nt++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int qc = nt * 8 + 2 * t + (e & 1);  // query column inside the tile
+        float p = exp2f(st[nt][e] * scale_log2 - cL[qc]);  // rows past Lq have lse +inf: p = 0
+        if (need_mask) {
+          const int key = key0 + 8 * (e >> 1);
+          if (key >= Lk || (causal && key > qt + qc + shift)) p = 0.f;
+        }
+        st[nt][e] = p;
+        dpt[nt][e] = p * (dpt[nt][e] - cD[qc]);  // dS^T
+      }
+#pragma unroll
+    for (int kk = 0; kk < BRQ / 16; kk++) {
+      uint32_t pa[4], da[4];
+      c_to_a(pa, st, kk);
+      c_to_a(da, dpt, kk);
+#pragma unroll
+      for (int dd = 0; dd < HD / 16; dd++) {
+        uint32_t b[4];
+        frag_b_rows_k<HD>(b, cO, kk * 16, dd * 16, lane);  // dV += P^T dO
+        mma_bf16(dva[2 * dd], pa, b[0], b[1]);
+        mma_bf16(dva[2 * dd + 1], pa, b[2], b[3]);
+        frag_b_rows_k<HD>(b, cQ, kk * 16, dd * 16, lane);  // dK += dS^T Q
+        mma_bf16(dka[2 * dd], da, b[0], b[1]);
+        mma_bf16(dka[2 * dd + 1], da, b[2], b[3]);
+      }
+    }
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the K/V tiles (when no query tile ran) have landed before restaging
+  store_rows<HD>(sK, warp * 16, dka, scale, dk + koff, kvstride, nk, lane);
+  store_rows<HD>(sV, warp * 16, dva, 1.f, dv + koff, kvstride, nk, lane);
+}
+
+// =========================================================================== launchers
+void check_args(const char* op, int nseq, int max_seqlen, int H, int KV, int hd) {
+  if (H <= 0 || KV <= 0 || H % KV != 0)
+    throw std::invalid_argument(std::string(op) + ": expected H % KV == 0 with H, KV > 0, got H=" +
+                                std::to_string(H) + " KV=" + std::to_string(KV));
+  if (hd <= 0 || hd > 128)
+    throw std::invalid_argument(std::string(op) + ": expected 0 < hd <= 128, got hd=" + std::to_string(hd));
+  if (nseq < 0 || nseq > 65535 || max_seqlen < 0)
+    throw std::invalid_argument(std::string(op) + ": expected 0 <= nseq <= 65535 and max_seqlen >= 0, got nseq=" +
+                                std::to_string(nseq) + " max_seqlen=" + std::to_string(max_seqlen));
+}
+
+bool v2_supports(int hd) { return hd == 16 || hd == 32 || hd == 64 || hd == 128; }
+
+template <class K>
+void set_smem(K kernel, int bytes) {
+  if (bytes > 48 * 1024)
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+}
+
+template <int HD>
+void fwd_v2(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const int32_t* cu_q,
+            const int32_t* cu_k, int nseq, int max_seqlen, int H, int KV, bool causal, float scale_log2,
+            cudaStream_t s) {
+  constexpr int NW = HD <= 64 ? 8 : 4, BR = 16 * NW, BC = 64;
+  const int smem = (BR + 4 * BC) * HD * int(sizeof(bf));
+  static bool once = (set_smem(attn_fwd_v2<HD, NW>, smem), true);
+  (void)once;
+  dim3 grid(ceil_div(max_seqlen, BR), H, nseq);
+  attn_fwd_v2<HD, NW><<<grid, NW * 32, smem, s>>>(out, lse, q, k, v, cu_q, cu_k, H, KV, causal, scale_log2);
+  LAUNCH_CHECK();
+}
+
+template <int HD>
+void bwd_v2(bf* dq, bf* dk, bf* dv, const bf* dout, const bf* q, const bf* k, const bf* v,
+            const float* lse, const float* delta, const int32_t* cu_q, const int32_t* cu_k, int nseq,
+            int max_seqlen, int H, int KV, bool causal, float scale, cudaStream_t s) {
+  const float scale_log2 = scale * kLog2e;
+  {  // dq: 64 query rows per block; 32-key tiles at hd 128 keep S, dP and dQ in registers
+    constexpr int NW = 4, BR = 64, BC = HD <= 64 ? 64 : 32;
+    const int smem = (2 * BR + 4 * BC) * HD * int(sizeof(bf));
+    static bool once = (set_smem(attn_bwd_dq_v2<HD, NW, BC>, smem), true);
+    (void)once;
+    dim3 grid(ceil_div(max_seqlen, BR), H, nseq);
+    attn_bwd_dq_v2<HD, NW, BC><<<grid, NW * 32, smem, s>>>(dq, dout, q, k, v, lse, delta, cu_q,
+                                                           cu_k, H, KV, causal, scale, scale_log2);
+    LAUNCH_CHECK();
+  }
+  {  // dk, dv: 128 keys per block (64 at hd 128), query tiles of 64 (32 at hd 128)
+    constexpr int NW = HD <= 64 ? 8 : 4, BC = 16 * NW, BRQ = HD <= 64 ? 64 : 32;
+    const int smem = (2 * BC + 4 * BRQ) * HD * int(sizeof(bf)) + 4 * BRQ * int(sizeof(float));
+    static bool once = (set_smem(attn_bwd_dkdv_v2<HD, NW, BRQ>, smem), true);
+    (void)once;
+    dim3 grid(ceil_div(max_seqlen, BC), KV, nseq);
+    attn_bwd_dkdv_v2<HD, NW, BRQ><<<grid, NW * 32, smem, s>>>(dk, dv, dout, q, k, v, lse, delta, cu_q,
+                                                             cu_k, H, KV, causal, scale, scale_log2);
+    LAUNCH_CHECK();
+  }
+}
+
+template <class T, int DPL>
+void fwd_v1(T* out, float* lse, const T* q, const T* k, const T* v, const int32_t* cu_q,
+            const int32_t* cu_k, int nseq, int64_t Nq, int H, int KV, int hd, bool causal,
+            float scale_log2, cudaStream_t s) {
+  dim3 grid(ceil_div(Nq, 4), H);
+  attn_fwd_v1<dev_t<T>, DPL><<<grid, 128, 0, s>>>(dptr(out), lse, dptr(q), dptr(k), dptr(v), cu_q,
+                                                  cu_k, nseq, Nq, H, KV, hd, causal, scale_log2);
+  LAUNCH_CHECK();
+}
+
+template <class T, int DPL>
+void bwd_v1(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, const T* v, const float* lse,
+            const float* delta, const int32_t* cu_q, const int32_t* cu_k, int nseq, int64_t Nq,
+            int64_t Nk, int H, int KV, int hd, bool causal, float scale, cudaStream_t s) {
+  attn_bwd_dq_v1<dev_t<T>, DPL><<<dim3(ceil_div(Nq, 4), H), 128, 0, s>>>(
+      dptr(dq), dptr(dout), dptr(q), dptr(k), dptr(v), lse, delta, cu_q, cu_k, nseq, Nq, H, KV, hd,
+      causal, scale);
+  LAUNCH_CHECK();
+  attn_bwd_dkdv_v1<dev_t<T>, DPL><<<dim3(ceil_div(Nk, 4), KV), 128, 0, s>>>(
+      dptr(dk), dptr(dv), dptr(dout), dptr(q), dptr(k), dptr(v), lse, delta, cu_q, cu_k, nseq, Nk,
+      H, KV, hd, causal, scale);
+  LAUNCH_CHECK();
+}
+
+}  // namespace
+
+template <class T>
+void attention_forward(T* out, acc_t<T>* lse, const T* q, const T* k, const T* v,
+                       const int32_t* cu_q, const int32_t* cu_k, int nseq, int max_seqlen,
+                       int64_t Nq, int64_t Nk, int H, int KV, int hd, bool causal, double scale,
+                       Stream s) {
+  check_args("attention_forward", nseq, max_seqlen, H, KV, hd);
+  (void)Nk;
+  if (Nq == 0) return;
+  const float scale_log2 = float(scale) * kLog2e;
+  if (std::is_same<T, bf16>::value && v2_supports(hd)) {
+    if (nseq > 0 && max_seqlen > 0) {
+      auto o = reinterpret_cast<bf*>(out);
+      auto qq = reinterpret_cast<const bf*>(q);
+      auto kk = reinterpret_cast<const bf*>(k);
+      auto vv = reinterpret_cast<const bf*>(v);
+      switch (hd) {
+        case 16: fwd_v2<16>(o, lse, qq, kk, vv, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, scale_log2, s); break;
+        case 32: fwd_v2<32>(o, lse, qq, kk, vv, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, scale_log2, s); break;
+        case 64: fwd_v2<64>(o, lse, qq, kk, vv, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, scale_log2, s); break;
+        default: fwd_v2<128>(o, lse, qq, kk, vv, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, scale_log2, s); break;
+      }
+    }
+    zero_outside<<<ceil_div(Nq, 8), 256, 0, s>>>(dptr(out), lse, cu_q, nseq, Nq, H * hd, H);
+    LAUNCH_CHECK();
+    return;
+  }
+  // v1 writes every row itself (rows outside every sequence included)
+  if (hd <= 32) fwd_v1<T, 1>(out, lse, q, k, v, cu_q, cu_k, nseq, Nq, H, KV, hd, causal, scale_log2, s);
+  else if (hd <= 64) fwd_v1<T, 2>(out, lse, q, k, v, cu_q, cu_k, nseq, Nq, H, KV, hd, causal, scale_log2, s);
+  else fwd_v1<T, 4>(out, lse, q, k, v, cu_q, cu_k, nseq, Nq, H, KV, hd, causal, scale_log2, s);
+}
+
+template <class T>
+void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, const T* v,
+                        const T* out, const acc_t<T>* lse, acc_t<T>* workspace,
+                        const int32_t* cu_q, const int32_t* cu_k, int nseq, int max_seqlen,
+                        int64_t Nq, int64_t Nk, int H, int KV, int hd, bool causal, double scale,
+                        Stream s) {
+  check_args("attention_backward", nseq, max_seqlen, H, KV, hd);
+  float* delta = workspace;
+  if (Nq > 0) {
+    attn_delta<<<ceil_div(Nq * H, 8), 256, 0, s>>>(delta, dptr(dout), dptr(out), Nq * H, hd);
+    LAUNCH_CHECK();
+  }
+  if (std::is_same<T, bf16>::value && v2_supports(hd)) {
+    if (nseq > 0 && max_seqlen > 0) {
+      auto a = reinterpret_cast<bf*>(dq);
+      auto b = reinterpret_cast<bf*>(dk);
+      auto c = reinterpret_cast<bf*>(dv);
+      auto o = reinterpret_cast<const bf*>(dout);
+      auto qq = reinterpret_cast<const bf*>(q);
+      auto kk = reinterpret_cast<const bf*>(k);
+      auto vv = reinterpret_cast<const bf*>(v);
+      const float sc = float(scale);
+      switch (hd) {
+        case 16: bwd_v2<16>(a, b, c, o, qq, kk, vv, lse, delta, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, sc, s); break;
+        case 32: bwd_v2<32>(a, b, c, o, qq, kk, vv, lse, delta, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, sc, s); break;
+        case 64: bwd_v2<64>(a, b, c, o, qq, kk, vv, lse, delta, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, sc, s); break;
+        default: bwd_v2<128>(a, b, c, o, qq, kk, vv, lse, delta, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, sc, s); break;
+      }
+    }
+    if (Nq > 0) {
+      zero_outside<<<ceil_div(Nq, 8), 256, 0, s>>>(dptr(dq), nullptr, cu_q, nseq, Nq, H * hd, 0);
+      LAUNCH_CHECK();
+    }
+    if (Nk > 0) {
+      zero_outside<<<ceil_div(Nk, 8), 256, 0, s>>>(dptr(dk), nullptr, cu_k, nseq, Nk, KV * hd, 0);
+      LAUNCH_CHECK();
+      zero_outside<<<ceil_div(Nk, 8), 256, 0, s>>>(dptr(dv), nullptr, cu_k, nseq, Nk, KV * hd, 0);
+      LAUNCH_CHECK();
+    }
+    return;
+  }
+  const float sc = float(scale);
+  if (hd <= 32) bwd_v1<T, 1>(dq, dk, dv, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, Nq, Nk, H, KV, hd, causal, sc, s);
+  else if (hd <= 64) bwd_v1<T, 2>(dq, dk, dv, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, Nq, Nk, H, KV, hd, causal, sc, s);
+  else bwd_v1<T, 4>(dq, dk, dv, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, Nq, Nk, H, KV, hd, causal, sc, s);
+}
+
+template void attention_forward<float>(float*, float*, const float*, const float*, const float*, const int32_t*,
+                                       const int32_t*, int, int, int64_t, int64_t, int, int, int, bool, double, Stream);
+template void attention_forward<bf16>(bf16*, float*, const bf16*, const bf16*, const bf16*, const int32_t*,
+                                      const int32_t*, int, int, int64_t, int64_t, int, int, int, bool, double, Stream);
+template void attention_backward<float>(float*, float*, float*, const float*, const float*, const float*,
+                                        const float*, const float*, const float*, float*, const int32_t*,
+                                        const int32_t*, int, int, int64_t, int64_t, int, int, int, bool, double, Stream);
+template void attention_backward<bf16>(bf16*, bf16*, bf16*, const bf16*, const bf16*, const bf16*, const bf16*,
+                                       const bf16*, const float*, float*, const int32_t*, const int32_t*, int, int,
+                                       int64_t, int64_t, int, int, int, bool, double, Stream);
+
+}  // namespace loom::cuda

@@ -1,0 +1,314 @@
+/*
+ * cross_entropy.cu: mean cross-entropy over the rows whose target is >= 0, and the fused
+ * linear + cross-entropy that never materializes the [N, V] logits.
+ *
+ * Shape legend: N rows (tokens), V vocab, D model dim, c rows of one chunk.
+ *
+ * Math (per valid row r with target y_r; count = number of rows with y >= 0):
+ *   lse_r      = log sum_j exp(x_rj)                 (fp32, max-subtracted, one online pass)
+ *   loss       = sum_r (lse_r - x_{r,y_r}) / count    (0 when count == 0)
+ *   dx_rj      = dloss * (exp(x_rj - lse_r) - [j == y_r]) / count     (ignored rows: 0)
+ * Fused linear + CE (dloss = 1; the autograd op scales afterwards):
+ *   for each chunk of c rows:   logits[c,V] = h_c W^T           (GEMM, fp32 out, workspace)
+ *                               dlogits     = softmax - onehot, / count   (in place)
+ *                               dh_c [c,D]  = dlogits W          (GEMM, =)
+ *                               dW   [V,D] += dlogits^T h_c      (GEMM; the first chunk =)
+ *
+ * Pointers:
+ *   logits, dlogits [N, V] T      targets [N] int32 (< 0 ignored; >= V makes the loss NaN:
+ *   the device cannot throw and a host check would need a sync)
+ *   loss [1] A =                  lse [N] A = (saved for backward)     dloss [1] A (device)
+ *   h, dh [N, D] T                W, dW [V, D] T                  workspace [chunk, V] A
+ *
+ * Device-side counting: the number of valid rows is counted by a one-block kernel into a
+ *   small buffer from the caching allocator (device_malloc, no cudaMalloc after warm-up);
+ *   the loss is a per-row array summed by one block in a fixed order: deterministic, no
+ *   atomics, no host synchronization anywhere.
+ *
+ * bf16 in the fused op: the row kernel writes the chunk's dlogits as bf16 *into the first
+ *   half of each fp32 workspace row* (row r's bf16 values start at byte 8 r V, leading dim
+ *   2V bf16 elements), reading a tile of the row into registers and passing a barrier
+ *   before writing it, so no extra [c, V] buffer exists. The two backward GEMMs then run on
+ *   the bf16 tensor cores with fp32 accumulation (cublasGemmEx, CUBLAS_COMPUTE_32F). dW
+ *   accumulates across chunks in its own type (bf16: one rounding per chunk, 4 chunks at
+ *   N 16384 / chunk 4096). f32 stays f32 end to end (no TF32), so the f32 tests are tight.
+ *
+ * Napkin math (N 16384, V 49152, D 576, bf16, H100/H200):
+ *   GEMMs 6 N V D = 2.78 TFLOP  -> ~4.2 ms at ~660 TFLOP/s.
+ *   Row kernel: reads the fp32 logits twice (2 x 3.2 GB) and writes 1.6 GB of bf16
+ *   dlogits = 8 GB -> ~2.4 ms at 3.3 TB/s (H100), 1.7 ms at 4.8 TB/s (H200).
+ *   Memory: workspace chunk x V x 4 B = 805 MB at chunk 4096 (PyTorch's materialized path
+ *   holds ~9 GB).
+ *
+ * Launch shape: one 256-thread block per row (V is large: 49152 / 256 = 192 elements per
+ *   thread per pass); counting / loss reduction: one 1024-thread block.
+ *
+ * Versions: v1 only (the row kernels are memory-bound; the time is in the GEMMs).
+ *   Measured: see bench/bench_losses.cpp (numbers in kernels/README.md once run).
+ *
+ * Reference: kernels/cpu/cross_entropy.cpp. Test: tests/cuda/test_cuda_kernels_b.cpp
+ *   ("cross_entropy", "fused_linear_cross_entropy"); on the GPU machine:
+ *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_kernels_b.cpp
+ */
+#include <cmath>
+#include <string>
+
+#include "kernels/cuda/common.cuh"
+
+namespace loom::cuda {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr int kRowThreads = 256;
+
+// Running (max, sum of exp(x - max)) of a set of values; two sets combine exactly.
+struct MaxSum {
+  float m, s;
+};
+__device__ __forceinline__ MaxSum combine(MaxSum a, MaxSum b) {
+  float m = fmaxf(a.m, b.m);
+  if (m == -INFINITY) return {m, 0.f};
+  return {m, a.s * exp2f((a.m - m) * kLog2e) + b.s * exp2f((b.m - m) * kLog2e)};
+}
+__device__ __forceinline__ MaxSum add_value(MaxSum a, float x) {
+  if (x > a.m) return {x, a.s * exp2f((a.m - x) * kLog2e) + 1.f};
+  return {a.m, a.s + exp2f((x - a.m) * kLog2e)};
+}
+
+// Block-wide combine; every thread gets the result. blockDim.x a multiple of 32, <= 1024.
+__device__ MaxSum block_maxsum(MaxSum v) {
+  __shared__ MaxSum sh[32];
+  for (int o = 16; o > 0; o >>= 1)
+    v = combine(v, MaxSum{__shfl_xor_sync(0xffffffffu, v.m, o), __shfl_xor_sync(0xffffffffu, v.s, o)});
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
+  if (lane == 0) sh[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < nw ? sh[lane] : MaxSum{-INFINITY, 0.f};
+    for (int o = 16; o > 0; o >>= 1)
+      v = combine(v, MaxSum{__shfl_xor_sync(0xffffffffu, v.m, o), __shfl_xor_sync(0xffffffffu, v.s, o)});
+    if (lane == 0) sh[0] = v;
+  }
+  __syncthreads();
+  v = sh[0];
+  __syncthreads();  // sh may be reused by the caller's next reduction
+  return v;
+}
+
+__device__ float block_sum(float v) {
+  __shared__ float sh[32];
+  v = warp_sum(v);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
+  if (lane == 0) sh[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < nw ? sh[lane] : 0.f;
+    v = warp_sum(v);
+    if (lane == 0) sh[0] = v;
+  }
+  __syncthreads();
+  v = sh[0];
+  __syncthreads();
+  return v;
+}
+
+// lse[r] = log sum_j exp(logits[r, j]); one block per row.
+template <class T>
+__global__ void ce_lse_rows(float* __restrict__ lse, const T* __restrict__ logits, int V) {
+  const T* x = logits + int64_t(blockIdx.x) * V;
+  MaxSum ms{-INFINITY, 0.f};
+  for (int j = threadIdx.x; j < V; j += blockDim.x) ms = add_value(ms, to_float(x[j]));
+  ms = block_maxsum(ms);
+  if (threadIdx.x == 0) lse[blockIdx.x] = ms.m + log2f(ms.s) * kLn2;
+}
+
+// One block: loss = sum over valid rows of (lse - x[target]) / count, fixed summation order.
+template <class T>
+__global__ void ce_mean_loss(float* __restrict__ loss, const float* __restrict__ lse,
+                             const T* __restrict__ logits, const int32_t* __restrict__ targets,
+                             int64_t N, int V) {
+  float sum = 0.f, cnt = 0.f;
+  for (int64_t r = threadIdx.x; r < N; r += blockDim.x) {
+    const int t = targets[r];
+    if (t < 0) continue;
+    cnt += 1.f;
+    sum += t < V ? lse[r] - to_float(logits[r * V + t]) : NAN;
+  }
+  sum = block_sum(sum);
+  cnt = block_sum(cnt);
+  if (threadIdx.x == 0) *loss = cnt > 0.f ? sum / cnt : 0.f;
+}
+
+// One block: count[0] = number of rows with target >= 0 (exact in fp32 up to 2^24 rows).
+__global__ void count_valid(float* __restrict__ count, const int32_t* __restrict__ targets, int64_t N) {
+  float c = 0.f;
+  for (int64_t r = threadIdx.x; r < N; r += blockDim.x) c += targets[r] >= 0 ? 1.f : 0.f;
+  c = block_sum(c);
+  if (threadIdx.x == 0) *count = c;
+}
+
+// dlogits = dloss * (softmax - onehot) / count; one block per row.
+template <class T>
+__global__ void ce_backward_rows(T* __restrict__ dlogits, const float* __restrict__ dloss,
+                                 const T* __restrict__ logits, const float* __restrict__ lse,
+                                 const int32_t* __restrict__ targets,
+                                 const float* __restrict__ count, int V) {
+  const int64_t r = blockIdx.x;
+  const int t = targets[r];
+  const float cnt = *count;
+  const float scale = (t >= 0 && cnt > 0.f) ? *dloss / cnt : 0.f;  // ignored row: all zero
+  const float l = lse[r];
+  const T* x = logits + r * V;
+  T* dx = dlogits + r * V;
+  for (int j = threadIdx.x; j < V; j += blockDim.x) {
+    const float p = exp2f((to_float(x[j]) - l) * kLog2e);
+    dx[j] = from_float<T>(scale * (p - (j == t ? 1.f : 0.f)));
+  }
+}
+
+// The fused op's row kernel, on one chunk row of fp32 logits in the workspace: lse, the
+// row's loss term, then dlogits = (softmax - onehot) / count written in place as TOut.
+// TOut = float: element by element. TOut = bf16: packed into the first half of the row,
+// tile by tile with a barrier between a tile's reads and its writes (see the header).
+template <class TOut>
+__global__ void lce_rows(float* __restrict__ ws, float* __restrict__ row_loss,
+                         const int32_t* __restrict__ targets, const float* __restrict__ count,
+                         int V) {
+  constexpr int kItems = 4;  // elements per thread per tile
+  float* x = ws + int64_t(blockIdx.x) * V;
+  const int t = targets[blockIdx.x];
+  MaxSum ms{-INFINITY, 0.f};
+  for (int j = threadIdx.x; j < V; j += blockDim.x) ms = add_value(ms, x[j]);
+  ms = block_maxsum(ms);
+  const float lse = ms.m + log2f(ms.s) * kLn2;
+  if (threadIdx.x == 0)
+    row_loss[blockIdx.x] = t < 0 ? 0.f : (t < V ? lse - x[t] : NAN);
+  __syncthreads();  // x[t] is read before any thread overwrites it
+  const float cnt = *count;
+  const float scale = (t >= 0 && cnt > 0.f) ? 1.f / cnt : 0.f;
+  const float lse2 = lse * kLog2e;
+  TOut* dx = reinterpret_cast<TOut*>(x);
+  const int tile = blockDim.x * kItems;
+  for (int base = 0; base < V; base += tile) {
+    float g[kItems];
+#pragma unroll
+    for (int i = 0; i < kItems; i++) {
+      const int j = base + threadIdx.x + i * blockDim.x;
+      g[i] = j < V ? scale * (exp2f(x[j] * kLog2e - lse2) - (j == t ? 1.f : 0.f)) : 0.f;
+    }
+    if (sizeof(TOut) < sizeof(float)) __syncthreads();  // packing: all reads of this tile first
+#pragma unroll
+    for (int i = 0; i < kItems; i++) {
+      const int j = base + threadIdx.x + i * blockDim.x;
+      if (j < V) dx[j] = from_float<TOut>(g[i]);
+    }
+  }
+}
+
+__global__ void scaled_sum(float* __restrict__ loss, const float* __restrict__ row_loss,
+                           const float* __restrict__ count, int64_t N) {
+  float s = 0.f;
+  for (int64_t r = threadIdx.x; r < N; r += blockDim.x) s += row_loss[r];
+  s = block_sum(s);
+  if (threadIdx.x == 0) *loss = *count > 0.f ? s / *count : 0.f;
+}
+
+template <class T> constexpr cudaDataType cuda_type();
+template <> constexpr cudaDataType cuda_type<float>() { return CUDA_R_32F; }
+template <> constexpr cudaDataType cuda_type<bf16>() { return CUDA_R_16BF; }
+
+// Row-major C[M,N] = alpha op(A) op(B) + beta C with leading dims in elements (row strides),
+// fp32 accumulation. cuBLAS is column-major: a row-major X is the column-major X^T, so this
+// computes C^T = op(B)^T op(A)^T.
+void gemm_rm(cudaStream_t s, int M, int N, int K, const void* A, cudaDataType ta, int64_t lda,
+             bool transA, const void* B, cudaDataType tb, int64_t ldb, bool transB, void* C,
+             cudaDataType tc, int64_t ldc, float alpha, float beta) {
+  cublasHandle_t h = cublas_handle();
+  CUBLAS_CHECK(cublasSetStream(h, s));
+  CUBLAS_CHECK(cublasGemmEx(h, transB ? CUBLAS_OP_T : CUBLAS_OP_N, transA ? CUBLAS_OP_T : CUBLAS_OP_N,
+                            N, M, K, &alpha, B, tb, int(ldb), A, ta, int(lda), &beta, C, tc,
+                            int(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+void check_rows(const char* op, int64_t N, int V) {
+  if (N < 0 || V <= 0)
+    throw std::invalid_argument(std::string(op) + ": expected N >= 0 and V > 0, got N=" +
+                                std::to_string(N) + " V=" + std::to_string(V));
+  if (N >= (int64_t(1) << 31))
+    throw std::invalid_argument(std::string(op) + ": N=" + std::to_string(N) + " exceeds the grid");
+}
+
+}  // namespace
+
+template <class T>
+void cross_entropy_forward(acc_t<T>* loss, acc_t<T>* lse, const T* logits, const int32_t* targets,
+                           int64_t N, int V, Stream s) {
+  check_rows("cross_entropy_forward", N, V);
+  if (N > 0) {
+    ce_lse_rows<<<unsigned(N), kRowThreads, 0, s>>>(lse, dptr(logits), V);
+    LAUNCH_CHECK();
+  }
+  ce_mean_loss<<<1, 1024, 0, s>>>(loss, lse, dptr(logits), targets, N, V);
+  LAUNCH_CHECK();
+}
+
+template <class T>
+void cross_entropy_backward(T* dlogits, const acc_t<T>* dloss, const T* logits, const acc_t<T>* lse,
+                            const int32_t* targets, int64_t N, int V, Stream s) {
+  check_rows("cross_entropy_backward", N, V);
+  if (N == 0) return;
+  float* count = static_cast<float*>(device_malloc(sizeof(float)));
+  count_valid<<<1, 1024, 0, s>>>(count, targets, N);
+  LAUNCH_CHECK();
+  ce_backward_rows<<<unsigned(N), kRowThreads, 0, s>>>(dptr(dlogits), dloss, dptr(logits), lse,
+                                                       targets, count, V);
+  LAUNCH_CHECK();
+  device_free(count);  // stream-ordered reuse (see runtime.cu)
+}
+
+template <class T>
+void fused_linear_cross_entropy(acc_t<T>* loss, T* dh, T* dW, const T* h, const T* W,
+                                const int32_t* targets, int64_t N, int V, int D, int64_t chunk,
+                                acc_t<T>* workspace, Stream s) {
+  check_rows("fused_linear_cross_entropy", N, V);
+  if (D <= 0 || chunk <= 0)
+    throw std::invalid_argument("fused_linear_cross_entropy: expected D > 0 and chunk > 0, got D=" +
+                                std::to_string(D) + " chunk=" + std::to_string(chunk));
+  constexpr cudaDataType tT = cuda_type<T>();
+  // scratch: count[1], then row_loss[N] (aligned to 16 B)
+  float* scratch = static_cast<float*>(device_malloc(sizeof(float) * (4 + N)));
+  float* count = scratch;
+  float* row_loss = scratch + 4;
+  count_valid<<<1, 1024, 0, s>>>(count, targets, N);
+  LAUNCH_CHECK();
+  if (N == 0) {  // dW = 0 and loss = 0 (the sum over no rows)
+    CUDA_CHECK(cudaMemsetAsync(dW, 0, sizeof(T) * size_t(V) * D, s));
+  }
+  // dlogits: fp32 in place (ld V) for f32; bf16 packed in the same rows (ld 2V) for bf16.
+  const int64_t ld_dl = sizeof(T) == 4 ? V : 2 * int64_t(V);
+  for (int64_t r0 = 0; r0 < N; r0 += chunk) {
+    const int c = int(std::min<int64_t>(chunk, N - r0));
+    // logits[c,V] = h_c[c,D] W[V,D]^T
+    gemm_rm(s, c, V, D, h + r0 * D, tT, D, false, W, tT, D, true, workspace, CUDA_R_32F, V, 1.f, 0.f);
+    lce_rows<dev_t<T>><<<c, kRowThreads, 0, s>>>(workspace, row_loss + r0, targets + r0, count, V);
+    LAUNCH_CHECK();
+    // dh_c[c,D] = dlogits[c,V] W[V,D]
+    gemm_rm(s, c, D, V, workspace, tT, ld_dl, false, W, tT, D, false, dh + r0 * D, tT, D, 1.f, 0.f);
+    // dW[V,D] (+)= dlogits^T[V,c] h_c[c,D]; the first chunk overwrites (beta 0 never reads dW)
+    gemm_rm(s, V, D, c, workspace, tT, ld_dl, true, h + r0 * D, tT, D, false, dW, tT, D, 1.f,
+            r0 == 0 ? 0.f : 1.f);
+  }
+  scaled_sum<<<1, 1024, 0, s>>>(loss, row_loss, count, N);
+  LAUNCH_CHECK();
+  device_free(scratch);
+}
+
+template void cross_entropy_forward<float>(float*, float*, const float*, const int32_t*, int64_t, int, Stream);
+template void cross_entropy_forward<bf16>(float*, float*, const bf16*, const int32_t*, int64_t, int, Stream);
+template void cross_entropy_backward<float>(float*, const float*, const float*, const float*, const int32_t*, int64_t, int, Stream);
+template void cross_entropy_backward<bf16>(bf16*, const float*, const bf16*, const float*, const int32_t*, int64_t, int, Stream);
+template void fused_linear_cross_entropy<float>(float*, float*, float*, const float*, const float*, const int32_t*, int64_t, int, int, int64_t, float*, Stream);
+template void fused_linear_cross_entropy<bf16>(float*, bf16*, bf16*, const bf16*, const bf16*, const int32_t*, int64_t, int, int, int64_t, float*, Stream);
+
+}  // namespace loom::cuda
