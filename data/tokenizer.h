@@ -1,0 +1,78 @@
+// tokenizer.h: a byte-level BPE tokenizer that reads and writes HF `tokenizer.json` files
+// and encodes id for id like HF tokenizers, plus a BPE trainer.
+//
+// Encoding runs the HF pipeline, in this order:
+//   1. added tokens: the text is cut at every added token (leftmost, then longest match).
+//      Tokens with normalized=false (all special tokens) are matched on the raw text, the
+//      others on the normalized text; their ids are emitted as they are.
+//   2. normalizer (null | NFC | NFD | NFKC | NFKD | Lowercase | Sequence) on the pieces
+//      between added tokens.
+//   3. pre-tokenizer (ByteLevel | Digits | Split | Sequence): pieces cut into pre-tokens;
+//      ByteLevel maps every byte to one printable character (GPT-2's bytes_to_unicode).
+//   4. model BPE: each pre-token is split into characters, then the pair of adjacent
+//      symbols with the lowest merge rank is merged (leftmost first) until none is left.
+//      Results are cached per pre-token.
+// Decoding: ids -> token strings (special ones skipped on request) -> ByteLevel decoder
+// (characters back to bytes; invalid UTF-8 becomes U+FFFD as HF's from_utf8_lossy does).
+//
+// Not applied: post_processor (encode never adds BOS/EOS; callers add them explicitly),
+// truncation and padding. They are kept and written back by save().
+//
+// A Tokenizer is immutable after construction and safe to use from several threads (the
+// per-pre-token cache is guarded by a mutex); copies share the same state.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace loom {
+
+class Tokenizer {
+ public:
+  // Load an HF tokenizer.json. Errors (std::runtime_error) name the file and, for
+  // unsupported or malformed entries, the JSON path (e.g. "pre_tokenizer.pretokenizers[1].type").
+  static Tokenizer from_file(const std::string& path);
+  static Tokenizer from_json(const std::string& json_text, const std::string& origin);
+
+  // Train byte-level BPE on texts (SmolLM2-style pre-tokenizer: individual digits, then the
+  // GPT-2 byte-level regex split), up to vocab_size entries, special tokens first, then the
+  // 256 byte characters, then one entry per merge. Follows HF's BpeTrainer: the most
+  // frequent pair wins, ties go to the smaller (left id, right id).
+  static Tokenizer train(const std::vector<std::string>& texts, int vocab_size,
+                         const std::vector<std::string>& special_tokens);
+
+  void save(const std::string& path) const;   // HF-compatible tokenizer.json
+  std::string to_json() const;                 // the same document as a string
+
+  // Added and special tokens found in `text` become their ids. Throws std::invalid_argument
+  // when text is not valid UTF-8 (the byte offset is in the message).
+  std::vector<int32_t> encode(const std::string& text) const;
+  // Ids outside the vocabulary throw std::out_of_range naming the id.
+  std::string decode(const std::vector<int32_t>& ids, bool skip_special = false) const;
+
+  int32_t token_id(const std::string& token) const;  // throws naming the token if absent
+  bool has_token(const std::string& token) const;
+  const std::string& id_to_token(int32_t id) const;  // the vocabulary string (byte-level form)
+  bool is_special(int32_t id) const;                 // an added token with special=true
+  int vocab_size() const;                             // max id + 1
+  int num_merges() const;
+  const std::string& origin() const;                  // file name or "<trained>"
+
+  // Steps 2-3 of the pipeline without added-token matching: the byte-level pre-tokens of
+  // `text` (what the trainer counts and what BPE sees).
+  std::vector<std::string> pre_tokenize(const std::string& text) const;
+
+  struct Impl;
+
+ private:
+  explicit Tokenizer(std::shared_ptr<const Impl> impl) : impl_(std::move(impl)) {}
+  std::shared_ptr<const Impl> impl_;
+};
+
+// `train tokenize --tokenizer tokenizer.json [--decode] [--skip-special]`: reads all of
+// stdin; prints the ids as a JSON array (encode) or the text (--decode, JSON array in).
+// Returns the process exit code (0 ok, 1 error, 2 usage); errors go to stderr.
+int tokenize_command(int argc, char** argv);
+
+}  // namespace loom
