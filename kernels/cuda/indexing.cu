@@ -15,7 +15,7 @@
  *   mean_pool   out[B,C] = mean_k inp[B,K,C];  dinp[b,k,c] = dout[b,c] / K
  *   l2norm      r = 1 / max(||x||, eps), out = x r (saves rnorm[N] = r)
  *               dinp = r (dout - out (dout . out)) when ||x|| > eps, else dout r
- *   argmax_rows out[N] = first index of the row maximum
+ *   argmax_rows out[N] = first index of the row maximum (a NaN counts as largest)
  * Embedding backward without float atomics: the (id, n) pairs are radix-sorted by id (a
  *   stable sort keeps n ascending within an id), and one warp per run of equal ids sums the
  *   dout rows of that run in order and adds the sum to dtable[id]. Same result every run.
@@ -220,16 +220,23 @@ __global__ void argmax_kernel(int32_t* __restrict__ out, const DT* __restrict__ 
   int lane = threadIdx.x & 31;
   if (row >= N) return;
   const DT* x = inp + row * C;
+  // "a beats b": larger, or NaN (a NaN counts as largest), or equal and earlier
+  auto beats = [](float a, int ai, float b, int bi) {
+    bool an = isnan(a), bn = isnan(b);
+    if (an != bn) return an;
+    if (an || a == b) return ai < bi;
+    return a > b;
+  };
   float best = -INFINITY;
   int bi = C;  // larger than every index: "none yet"
   for (int c = lane; c < C; c += 32) {
     float v = to_float(x[c]);
-    if (v > best || (bi == C && !(v < best))) { best = v; bi = c; }
+    if (bi == C || beats(v, c, best, bi)) { best = v; bi = c; }
   }
   for (int o = 16; o > 0; o >>= 1) {
     float ov = __shfl_xor_sync(0xffffffffu, best, o);
     int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-    if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
+    if (oi < C && (bi == C || beats(ov, oi, best, bi))) { best = ov; bi = oi; }
   }
   if (lane == 0) out[row] = bi < C ? bi : 0;
 }

@@ -87,8 +87,11 @@ __global__ void sgd_kernel(float* __restrict__ master, GT* __restrict__ copy, fl
   const float scale = grad_scale ? *grad_scale : 1.f;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     float g = to_float(grad[i]) * scale;
-    float b = mu * buf[i] + g;
-    buf[i] = b;
+    float b = g;  // without momentum (and without a buffer) the step is the gradient
+    if (buf) {
+      b = mu * buf[i] + g;
+      buf[i] = b;
+    }
     float p = master[i];
     p -= lr * (b + wd * p);
     master[i] = p;
