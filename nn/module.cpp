@@ -34,11 +34,8 @@ void Module::load_state_dict(const std::map<std::string, Tensor>& sd, const std:
                shape_str(t->shape()).c_str());
     LOOM_CHECK(it->second.shape() == t->shape(), "%s: parameter '%s' has shape %s, the model expects %s",
                source.c_str(), n.c_str(), shape_str(it->second.shape()).c_str(), shape_str(t->shape()).c_str());
-    bool rg = t->requires_grad();
-    Tensor v = it->second.to(t->dtype()).to(t->device()).contiguous();
-    if (v.same(it->second)) v = v.clone();
-    *t = v;
-    t->requires_grad_(rg);
+    // copy into the existing slot: it may be a view into an optimizer's flat buffer
+    t->copy_(it->second);
     used++;
   }
   if (strict_unused && used != sd.size()) {
