@@ -1,0 +1,104 @@
+// bench_attention.cpp: flash attention forward and forward+backward at the shapes,
+// bf16, packed varlen layout [B*T, H, D] with equal-length sequences. cudaEvent timings,
+// median of 20 after 3 warm-up runs; one JSON line per measurement, FLOPs as
+// torch_ref.py bench_kernels counts them: forward 4 B H T^2 D (x 0.5 causal), fwd+bwd 3.5x.
+//   ./bench_attention            (run beside: python3 ../shared/reference/torch_ref.py bench --workload kernels)
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "kernels/kernels.h"
+
+#if LOOM_CUDA
+#include <cuda_runtime.h>
+
+namespace cu = loom::cuda;
+using loom::bf16;
+
+static float median_ms(const std::function<void()>& f, int warmup = 3, int iters = 20) {
+  for (int i = 0; i < warmup; i++) f();
+  cu::synchronize();
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  std::vector<float> ts;
+  for (int i = 0; i < iters; i++) {
+    cudaEventRecord(a, cu::default_stream());
+    f();
+    cudaEventRecord(b, cu::default_stream());
+    cudaEventSynchronize(b);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, a, b);
+    ts.push_back(ms);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(ts.begin(), ts.end());
+  return ts[ts.size() / 2];
+}
+
+static bf16* rand_dev(size_t n, std::mt19937& rng) {
+  std::normal_distribution<float> d(0.f, 1.f);
+  std::vector<bf16> h(n);
+  for (auto& x : h) x = bf16(d(rng));
+  auto* p = static_cast<bf16*>(cu::device_malloc(n * sizeof(bf16)));
+  cu::memcpy_h2d(p, h.data(), n * sizeof(bf16), cu::default_stream());
+  return p;
+}
+
+int main() {
+  if (!cu::available()) {
+    std::printf("{\"error\":\"no CUDA device\"}\n");
+    return 4;
+  }
+  struct Shape { int B, H, T, D; bool causal; };
+  const Shape shapes[] = {{8, 12, 1024, 64, false}, {8, 16, 2048, 128, true}, {4, 9, 2048, 64, true}};
+  std::mt19937 rng(0);
+  for (const Shape& s : shapes) {
+    const int64_t N = int64_t(s.B) * s.T;
+    const size_t n = size_t(N) * s.H * s.D;
+    bf16 *q = rand_dev(n, rng), *k = rand_dev(n, rng), *v = rand_dev(n, rng), *go = rand_dev(n, rng);
+    auto* out = static_cast<bf16*>(cu::device_malloc(n * sizeof(bf16)));
+    auto* dq = static_cast<bf16*>(cu::device_malloc(n * sizeof(bf16)));
+    auto* dk = static_cast<bf16*>(cu::device_malloc(n * sizeof(bf16)));
+    auto* dv = static_cast<bf16*>(cu::device_malloc(n * sizeof(bf16)));
+    auto* lse = static_cast<float*>(cu::device_malloc(N * s.H * sizeof(float)));
+    auto* ws = static_cast<float*>(cu::device_malloc(N * s.H * sizeof(float)));
+    std::vector<int32_t> cu_h(s.B + 1);
+    for (int b = 0; b <= s.B; b++) cu_h[b] = b * s.T;
+    auto* cu_d = static_cast<int32_t*>(cu::device_malloc(cu_h.size() * sizeof(int32_t)));
+    cu::memcpy_h2d(cu_d, cu_h.data(), cu_h.size() * sizeof(int32_t), cu::default_stream());
+    const double scale = 1.0 / std::sqrt(double(s.D));
+    auto fwd = [&] {
+      cu::attention_forward<bf16>(out, lse, q, k, v, cu_d, cu_d, s.B, s.T, N, N, s.H, s.H, s.D, s.causal,
+                                  scale, cu::default_stream());
+    };
+    auto fb = [&] {
+      fwd();
+      cu::attention_backward<bf16>(dq, dk, dv, go, q, k, v, out, lse, ws, cu_d, cu_d, s.B, s.T, N, N, s.H,
+                                   s.H, s.D, s.causal, scale, cu::default_stream());
+    };
+    const double f = 4.0 * s.B * s.H * double(s.T) * s.T * s.D * (s.causal ? 0.5 : 1.0);
+    const float ms_f = median_ms(fwd), ms_fb = median_ms(fb);
+    char shape[96];
+    std::snprintf(shape, sizeof shape, "B%d H%d T%d D%d causal=%s", s.B, s.H, s.T, s.D, s.causal ? "True" : "False");
+    std::printf("{\"impl\":\"loom\",\"kernel\":\"attention_fwd\",\"ms\":%.4f,\"tflops\":%.1f,\"shape\":\"%s\"}\n",
+                ms_f, f / ms_f / 1e9, shape);
+    std::printf("{\"impl\":\"loom\",\"kernel\":\"attention_fwd_bwd\",\"ms\":%.4f,\"tflops\":%.1f,\"shape\":\"%s\"}\n",
+                ms_fb, 3.5 * f / ms_fb / 1e9, shape);
+    std::fflush(stdout);
+    for (void* p : {(void*)q, (void*)k, (void*)v, (void*)go, (void*)out, (void*)dq, (void*)dk, (void*)dv,
+                    (void*)lse, (void*)ws, (void*)cu_d})
+      cu::device_free(p);
+  }
+  return 0;
+}
+#else
+int main() {
+  std::printf("{\"error\":\"loom was built without CUDA\"}\n");
+  return 0;
+}
+#endif

@@ -1,0 +1,368 @@
+// test_cuda_kernels_b.cpp: the CUDA attention, cross-entropy, fused linear cross-entropy and
+// contrastive losses against the loom::cpu references, forward and backward, f32 and bf16.
+//
+// f32 runs compare with the CPU in f32; bf16 runs round the same random f32 data to bf16,
+// give the rounded values (as f32) to the CPU, and compare the CUDA bf16 outputs with
+// tol::kCudaBF16. Every output is poisoned with NaN before the launch. Shapes reach every
+// branch: ragged cu_seqlens with padding rows outside every sequence, GQA, causal and not,
+// decode (Lq = 1), queries that see no key (Lq > Lk, causal), hd 16/32/40/64/128, N = 1,
+// V > 1024, chunks that do not divide N.
+// Exits with code 4 (ctest: skipped) when no GPU is present.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "kernels/kernels.h"
+#include "tests/tolerances.h"
+
+using loom::bf16;
+namespace tol = loom::tol;
+namespace cu = loom::cuda;
+
+namespace {
+
+void need_gpu() {
+  if (!cu::available()) {
+    std::fprintf(stderr, "no CUDA device: skipping\n");
+    std::exit(4);
+  }
+}
+
+// A device array that uploads from / downloads to host vectors.
+template <class T>
+struct Dev {
+  T* p = nullptr;
+  size_t n = 0;
+  explicit Dev(size_t n_) : n(n_) { p = static_cast<T*>(cu::device_malloc(sizeof(T) * (n ? n : 1))); }
+  explicit Dev(const std::vector<T>& h) : Dev(h.size()) { up(h); }
+  ~Dev() { cu::device_free(p); }
+  Dev(const Dev&) = delete;
+  Dev& operator=(const Dev&) = delete;
+  void up(const std::vector<T>& h) {
+    if (n) cu::memcpy_h2d(p, h.data(), sizeof(T) * n, cu::default_stream());
+  }
+  std::vector<T> down() const {
+    std::vector<T> h(n);
+    if (n) cu::memcpy_d2h(h.data(), p, sizeof(T) * n, cu::default_stream());
+    return h;
+  }
+  void poison() { up(std::vector<T>(n, T(std::numeric_limits<float>::quiet_NaN()))); }
+};
+
+std::vector<float> randn(size_t n, std::mt19937& rng, float sd = 1.f) {
+  std::normal_distribution<float> d(0.f, sd);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+// Device-type copy of f32 data, and the f32 values the device actually sees (bf16-rounded).
+template <class T>
+std::vector<T> to_t(const std::vector<float>& v) {
+  std::vector<T> r(v.size());
+  for (size_t i = 0; i < v.size(); i++) r[i] = T(v[i]);
+  return r;
+}
+template <class T>
+std::vector<float> seen(const std::vector<float>& v) {
+  std::vector<float> r(v.size());
+  for (size_t i = 0; i < v.size(); i++) r[i] = float(T(v[i]));
+  return r;
+}
+template <class T>
+std::vector<float> to_f(const std::vector<T>& v) {
+  std::vector<float> r(v.size());
+  for (size_t i = 0; i < v.size(); i++) r[i] = float(v[i]);
+  return r;
+}
+// +inf on both sides is a match (rows that see nothing); map it to a large finite value.
+std::vector<float> inf_to_big(std::vector<float> v) {
+  for (auto& x : v)
+    if (std::isinf(x) && x > 0) x = 1e30f;
+  return v;
+}
+
+template <class T> tol::Tol out_tol() { return std::is_same<T, float>::value ? tol::kCudaF32 : tol::kCudaBF16; }
+template <class T> tol::Tol gemm_tol() { return std::is_same<T, float>::value ? tol::kCudaF32Gemm : tol::kCudaBF16; }
+template <class T> const char* tname() { return std::is_same<T, float>::value ? "f32" : "bf16"; }
+
+// ---------------------------------------------------------------------------- attention
+struct AttnCase {
+  std::vector<int> lq, lk;
+  int pad_q, pad_k;  // rows after the last sequence (outside every sequence)
+  int H, KV, hd;
+  bool causal;
+};
+
+template <class T>
+void run_attention(const AttnCase& c, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const int nseq = int(c.lq.size());
+  std::vector<int32_t> cu_q{0}, cu_k{0};
+  int max_seqlen = 0;
+  for (int i = 0; i < nseq; i++) {
+    cu_q.push_back(cu_q.back() + c.lq[i]);
+    cu_k.push_back(cu_k.back() + c.lk[i]);
+    max_seqlen = std::max({max_seqlen, c.lq[i], c.lk[i]});
+  }
+  const int64_t Nq = cu_q.back() + c.pad_q, Nk = cu_k.back() + c.pad_k;
+  const int H = c.H, KV = c.KV, hd = c.hd;
+  const double scale = 1.0 / std::sqrt(double(hd));
+  const size_t nq = size_t(Nq) * H * hd, nk = size_t(Nk) * KV * hd;
+  auto q = randn(nq, rng), k = randn(nk, rng), v = randn(nk, rng), dout = randn(nq, rng);
+  auto qs = seen<T>(q), ks = seen<T>(k), vs = seen<T>(v), dos = seen<T>(dout);
+
+  // CPU reference in f32 on the values the device sees
+  std::vector<float> out_ref(nq), lse_ref(Nq * H), dq_ref(nq), dk_ref(nk), dv_ref(nk), ws(Nq * H);
+  loom::cpu::attention_forward<float>(out_ref.data(), lse_ref.data(), qs.data(), ks.data(), vs.data(),
+                                      cu_q.data(), cu_k.data(), nseq, max_seqlen, Nq, Nk, H, KV, hd,
+                                      c.causal, scale, nullptr);
+  // the backward reference reads the device's own out (rounded), like autograd would
+  Dev<T> dq_(to_t<T>(q)), dk_(to_t<T>(k)), dv_(to_t<T>(v)), ddo(to_t<T>(dout));
+  Dev<int32_t> dcq(cu_q), dck(cu_k);
+  Dev<T> dout_(nq), ddq(nq), ddk(nk), ddv(nk);
+  Dev<float> dlse(Nq * H), dws(Nq * H);
+  dout_.poison();
+  dlse.poison();
+  cu::attention_forward<T>(dout_.p, dlse.p, dq_.p, dk_.p, dv_.p, dcq.p, dck.p, nseq, max_seqlen, Nq, Nk,
+                           H, KV, hd, c.causal, scale, cu::default_stream());
+  auto out_got = to_f(dout_.down());
+  auto lse_got = dlse.down();
+  std::string what = std::string(tname<T>()) + " hd" + std::to_string(hd) + " H" + std::to_string(H) +
+                     " KV" + std::to_string(KV) + (c.causal ? " causal" : " full");
+  INFO(what);
+  LOOM_CHECK_CLOSE(tol::compare(out_got, out_ref, out_tol<T>(), "attention out"));
+  LOOM_CHECK_CLOSE(tol::compare(inf_to_big(lse_got), inf_to_big(lse_ref), tol::kCudaF32Gemm, "attention lse"));
+
+  // backward: both sides use the CPU reference's out and lse (the saved tensors)
+  auto out_seen = seen<T>(out_ref);
+  Dev<T> dout_saved(to_t<T>(out_ref));
+  Dev<float> dlse_saved(lse_ref);
+  loom::cpu::attention_backward<float>(dq_ref.data(), dk_ref.data(), dv_ref.data(), dos.data(), qs.data(),
+                                       ks.data(), vs.data(), out_seen.data(), lse_ref.data(), ws.data(),
+                                       cu_q.data(), cu_k.data(), nseq, max_seqlen, Nq, Nk, H, KV, hd,
+                                       c.causal, scale, nullptr);
+  ddq.poison();
+  ddk.poison();
+  ddv.poison();
+  dws.poison();
+  cu::attention_backward<T>(ddq.p, ddk.p, ddv.p, ddo.p, dq_.p, dk_.p, dv_.p, dout_saved.p, dlse_saved.p,
+                            dws.p, dcq.p, dck.p, nseq, max_seqlen, Nq, Nk, H, KV, hd, c.causal, scale,
+                            cu::default_stream());
+  LOOM_CHECK_CLOSE(tol::compare(to_f(ddq.down()), dq_ref, gemm_tol<T>(), "attention dq"));
+  LOOM_CHECK_CLOSE(tol::compare(to_f(ddk.down()), dk_ref, gemm_tol<T>(), "attention dk"));
+  LOOM_CHECK_CLOSE(tol::compare(to_f(ddv.down()), dv_ref, gemm_tol<T>(), "attention dv"));
+
+  // determinism: a second backward gives the same bits
+  auto dq1 = ddq.down(), dk1 = ddk.down();
+  ddq.poison();
+  ddk.poison();
+  cu::attention_backward<T>(ddq.p, ddk.p, ddv.p, ddo.p, dq_.p, dk_.p, dv_.p, dout_saved.p, dlse_saved.p,
+                            dws.p, dcq.p, dck.p, nseq, max_seqlen, Nq, Nk, H, KV, hd, c.causal, scale,
+                            cu::default_stream());
+  auto dq2 = ddq.down(), dk2 = ddk.down();
+  CHECK(std::memcmp(dq1.data(), dq2.data(), sizeof(T) * dq1.size()) == 0);
+  CHECK(std::memcmp(dk1.data(), dk2.data(), sizeof(T) * dk1.size()) == 0);
+}
+
+const std::vector<AttnCase>& attn_cases() {
+  static const std::vector<AttnCase> cases = {
+      // ragged lengths, padding rows after the last sequence, GQA 3:1, the tiny-model head dim
+      {{7, 1, 13, 5}, {7, 1, 13, 5}, 3, 2, 6, 2, 16, false},
+      {{7, 1, 13, 5}, {7, 1, 13, 5}, 3, 2, 6, 2, 16, true},
+      // tile boundaries (64 / 128 rows), several K tiles, H == KV
+      {{130, 67, 1}, {130, 67, 1}, 5, 0, 4, 4, 64, false},
+      {{130, 67, 1}, {130, 67, 1}, 0, 5, 4, 4, 64, true},
+      // hd 128, GQA 4:1, two query tiles in dk/dv and dq
+      {{200, 33}, {200, 33}, 2, 1, 4, 1, 128, true},
+      {{200, 33}, {200, 33}, 0, 0, 4, 1, 128, false},
+      // decode: one query over many keys (bottom-right causal), and Lq = 3 over 10 keys
+      {{1, 1, 1, 3}, {9, 77, 130, 10}, 1, 2, 8, 2, 64, true},
+      // more queries than keys, causal: the first queries see nothing (out 0, lse +inf)
+      {{5, 70}, {3, 66}, 0, 0, 2, 1, 32, true},
+      // N = 1; and a head dim v2 does not cover (v1 for bf16 too)
+      {{1}, {1}, 0, 0, 1, 1, 32, false},
+      {{19, 8}, {19, 8}, 2, 0, 3, 3, 40, true},
+  };
+  return cases;
+}
+
+// ---------------------------------------------------------------------------- cross-entropy
+std::vector<int32_t> rand_targets(int64_t N, int V, std::mt19937& rng, double p_ignore) {
+  std::uniform_int_distribution<int> d(0, V - 1);
+  std::uniform_real_distribution<double> u(0, 1);
+  std::vector<int32_t> t(N);
+  for (auto& x : t) x = u(rng) < p_ignore ? -100 : d(rng);
+  return t;
+}
+
+template <class T>
+void run_ce(int64_t N, int V, double p_ignore, uint32_t seed) {
+  std::mt19937 rng(seed);
+  auto x = randn(size_t(N) * V, rng, 3.f);
+  auto xs = seen<T>(x);
+  auto tg = rand_targets(N, V, rng, p_ignore);
+  float loss_ref = 0, dloss = 0.7f;
+  std::vector<float> lse_ref(N), dx_ref(size_t(N) * V);
+  loom::cpu::cross_entropy_forward<float>(&loss_ref, lse_ref.data(), xs.data(), tg.data(), N, V, nullptr);
+  loom::cpu::cross_entropy_backward<float>(dx_ref.data(), &dloss, xs.data(), lse_ref.data(), tg.data(), N, V, nullptr);
+  Dev<T> dx_in(to_t<T>(x)), ddx(size_t(N) * V);
+  Dev<int32_t> dt(tg);
+  Dev<float> dl(1), dlse(N), ddl(std::vector<float>{dloss});
+  dl.poison();
+  dlse.poison();
+  ddx.poison();
+  cu::cross_entropy_forward<T>(dl.p, dlse.p, dx_in.p, dt.p, N, V, cu::default_stream());
+  cu::cross_entropy_backward<T>(ddx.p, ddl.p, dx_in.p, dlse.p, dt.p, N, V, cu::default_stream());
+  INFO(std::string(tname<T>()) + " N=" + std::to_string(N) + " V=" + std::to_string(V));
+  LOOM_CHECK_CLOSE(tol::compare(dl.down(), std::vector<float>{loss_ref}, tol::kCudaF32, "ce loss"));
+  LOOM_CHECK_CLOSE(tol::compare(dlse.down(), lse_ref, tol::kCudaF32, "ce lse"));
+  LOOM_CHECK_CLOSE(tol::compare(to_f(ddx.down()), dx_ref, out_tol<T>(), "ce dlogits"));
+}
+
+template <class T>
+void run_lce(int64_t N, int V, int D, int64_t chunk, double p_ignore, uint32_t seed) {
+  std::mt19937 rng(seed);
+  auto h = randn(size_t(N) * D, rng), W = randn(size_t(V) * D, rng, 0.2f);
+  auto hs = seen<T>(h), Ws = seen<T>(W);
+  auto tg = rand_targets(N, V, rng, p_ignore);
+  float loss_ref = 0;
+  std::vector<float> dh_ref(size_t(N) * D), dW_ref(size_t(V) * D), ws(size_t(std::min(chunk, N)) * V);
+  loom::cpu::fused_linear_cross_entropy<float>(&loss_ref, dh_ref.data(), dW_ref.data(), hs.data(), Ws.data(),
+                                               tg.data(), N, V, D, chunk, ws.data(), nullptr);
+  Dev<T> dh_in(to_t<T>(h)), dW_in(to_t<T>(W)), ddh(size_t(N) * D), ddW(size_t(V) * D);
+  Dev<int32_t> dt(tg);
+  Dev<float> dl(1), dws(size_t(std::min(chunk, N)) * V);
+  dl.poison();
+  ddh.poison();
+  ddW.poison();
+  dws.poison();
+  cu::fused_linear_cross_entropy<T>(dl.p, ddh.p, ddW.p, dh_in.p, dW_in.p, dt.p, N, V, D, chunk, dws.p,
+                                    cu::default_stream());
+  INFO(std::string(tname<T>()) + " N=" + std::to_string(N) + " V=" + std::to_string(V) + " D=" +
+       std::to_string(D) + " chunk=" + std::to_string(chunk));
+  LOOM_CHECK_CLOSE(tol::compare(dl.down(), std::vector<float>{loss_ref}, tol::kCudaF32Gemm, "lce loss"));
+  LOOM_CHECK_CLOSE(tol::compare(to_f(ddh.down()), dh_ref, gemm_tol<T>(), "lce dh"));
+  LOOM_CHECK_CLOSE(tol::compare(to_f(ddW.down()), dW_ref, gemm_tol<T>(), "lce dW"));
+}
+
+// ---------------------------------------------------------------------------- contrastive
+template <class T>
+void run_patch(int B, int M, int D, uint32_t seed) {
+  std::mt19937 rng(seed);
+  auto p = randn(size_t(B) * M * D, rng), t = randn(size_t(B) * M * D, rng);
+  auto ps = seen<T>(p), ts = seen<T>(t);
+  const double tau = 0.1;
+  float loss_ref = 0;
+  std::vector<float> dp_ref(p.size()), ws(size_t(B) * M * M + 2 * size_t(B) * M);
+  loom::cpu::patch_disc_loss<float>(&loss_ref, dp_ref.data(), ps.data(), ts.data(), B, M, D, tau, ws.data(), nullptr);
+  Dev<T> dp_in(to_t<T>(p)), dt_in(to_t<T>(t)), ddp(p.size());
+  Dev<float> dl(1), dws(ws.size());
+  dl.poison();
+  ddp.poison();
+  dws.poison();
+  cu::patch_disc_loss<T>(dl.p, ddp.p, dp_in.p, dt_in.p, B, M, D, tau, dws.p, cu::default_stream());
+  INFO(std::string(tname<T>()) + " B=" + std::to_string(B) + " M=" + std::to_string(M) + " D=" + std::to_string(D));
+  LOOM_CHECK_CLOSE(tol::compare(dl.down(), std::vector<float>{loss_ref}, tol::kCudaF32Gemm, "patch loss"));
+  LOOM_CHECK_CLOSE(tol::compare(to_f(ddp.down()), dp_ref, gemm_tol<T>(), "patch dpred"));
+}
+
+std::vector<float> normalized_rows(int B, int D, std::mt19937& rng) {
+  auto x = randn(size_t(B) * D, rng);
+  for (int i = 0; i < B; i++) {
+    double s = 0;
+    for (int d = 0; d < D; d++) s += double(x[i * D + d]) * x[i * D + d];
+    for (int d = 0; d < D; d++) x[i * D + d] = float(x[i * D + d] / std::sqrt(s));
+  }
+  return x;
+}
+
+template <class T>
+void run_infonce(int B, int D, uint32_t seed) {
+  std::mt19937 rng(seed);
+  auto a = normalized_rows(B, D, rng), b = normalized_rows(B, D, rng);
+  auto as = seen<T>(a), bs = seen<T>(b);
+  const double tau = 0.1;
+  float loss_ref = 0;
+  std::vector<float> da_ref(a.size()), db_ref(b.size()), ws(size_t(B) * B + 4 * size_t(B));
+  loom::cpu::infonce_loss<float>(&loss_ref, da_ref.data(), db_ref.data(), as.data(), bs.data(), B, D, tau,
+                                 ws.data(), nullptr);
+  Dev<T> da_in(to_t<T>(a)), db_in(to_t<T>(b)), dda(a.size()), ddb(b.size());
+  Dev<float> dl(1), dws(ws.size());
+  dl.poison();
+  dda.poison();
+  ddb.poison();
+  dws.poison();
+  cu::infonce_loss<T>(dl.p, dda.p, ddb.p, da_in.p, db_in.p, B, D, tau, dws.p, cu::default_stream());
+  INFO(std::string(tname<T>()) + " B=" + std::to_string(B) + " D=" + std::to_string(D));
+  LOOM_CHECK_CLOSE(tol::compare(dl.down(), std::vector<float>{loss_ref}, tol::kCudaF32Gemm, "infonce loss"));
+  LOOM_CHECK_CLOSE(tol::compare(to_f(dda.down()), da_ref, gemm_tol<T>(), "infonce da"));
+  LOOM_CHECK_CLOSE(tol::compare(to_f(ddb.down()), db_ref, gemm_tol<T>(), "infonce db"));
+}
+
+}  // namespace
+
+TEST_CASE("attention forward/backward f32 (v1) against the CPU reference", "[cuda][attention]") {
+  need_gpu();
+  uint32_t seed = 100;
+  for (const auto& c : attn_cases()) run_attention<float>(c, seed++);
+}
+
+TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU reference", "[cuda][attention]") {
+  need_gpu();
+  uint32_t seed = 200;
+  for (const auto& c : attn_cases()) run_attention<bf16>(c, seed++);
+}
+
+TEST_CASE("attention: invalid head configuration throws with the sizes", "[cuda][attention]") {
+  need_gpu();
+  REQUIRE_THROWS_WITH(cu::attention_forward<float>(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                                   nullptr, 1, 4, 4, 4, 6, 4, 16, false, 0.25,
+                                                   cu::default_stream()),
+                      Catch::Contains("H=6 KV=4"));
+}
+
+TEST_CASE("cross_entropy forward/backward against the CPU reference", "[cuda][losses]") {
+  need_gpu();
+  run_ce<float>(37, 1500, 0.2, 1);   // V > 1024, ignored rows
+  run_ce<bf16>(37, 1500, 0.2, 2);
+  run_ce<float>(1, 17, 0.0, 3);      // N = 1, V < 32
+  run_ce<bf16>(1, 17, 0.0, 4);
+  run_ce<float>(5, 33, 1.0, 5);      // every row ignored: loss 0, gradient 0
+}
+
+TEST_CASE("fused_linear_cross_entropy against the CPU reference", "[cuda][losses]") {
+  need_gpu();
+  run_lce<float>(23, 301, 40, 5, 0.25, 11);    // chunk 5 does not divide N 23; odd V
+  run_lce<bf16>(23, 301, 40, 5, 0.25, 12);
+  run_lce<float>(70, 1100, 64, 128, 0.1, 13);  // chunk > N, V > 1024
+  run_lce<bf16>(70, 1100, 64, 128, 0.1, 14);
+  run_lce<bf16>(1, 50, 16, 1, 0.0, 15);        // N = 1
+  run_lce<float>(9, 64, 24, 4, 1.0, 16);       // every target ignored
+}
+
+TEST_CASE("patch_disc_loss against the CPU reference", "[cuda][contrastive]") {
+  need_gpu();
+  run_patch<float>(3, 7, 40, 21);
+  run_patch<bf16>(3, 7, 40, 22);
+  run_patch<float>(2, 37, 130, 23);  // M > 32: several lanes per row
+  run_patch<bf16>(2, 37, 130, 24);
+  run_patch<float>(1, 150, 96, 25);  // the workload's M, B = 1
+  run_patch<bf16>(1, 150, 96, 26);
+}
+
+TEST_CASE("infonce_loss against the CPU reference", "[cuda][contrastive]") {
+  need_gpu();
+  run_infonce<float>(5, 33, 31);
+  run_infonce<bf16>(5, 33, 32);
+  run_infonce<float>(40, 64, 33);
+  run_infonce<bf16>(40, 64, 34);
+  run_infonce<float>(1, 8, 35);  // B = 1
+}
