@@ -1,0 +1,128 @@
+// tokenizer_impl.h: the state behind a Tokenizer, shared by tokenizer.cpp (encode, decode)
+// and tokenizer_io.cpp (load, save). Internal to data/tokenizer*.cpp.
+#pragma once
+#include <nlohmann/json.hpp>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "data/tokenizer.h"
+#include "data/tokenizer_text.h"
+
+namespace loom {
+
+using json = nlohmann::json;
+
+namespace tokenizer_detail {
+
+enum class Behavior { Removed, Isolated, MergedWithPrevious, MergedWithNext, Contiguous };
+
+// One pre-tokenizer step. Digits is a Split on \p{N} (HF: char::is_numeric, i.e. Nd|Nl|No).
+struct PreStep {
+  bool byte_level = false;
+  bool add_prefix_space = false, use_regex = true;      // ByteLevel
+  std::shared_ptr<text::Regex> re;                      // Split / Digits
+  Behavior behavior = Behavior::Isolated;
+  bool invert = false;
+};
+
+// GPT-2's pre-tokenizer regex, which HF's ByteLevel(use_regex=true) applies.
+inline constexpr const char* kGpt2Pattern =
+    "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
+
+struct AddedToken {
+  int32_t id;
+  std::string content;
+  bool single_word, lstrip, rstrip, normalized, special;
+};
+
+// Byte trie over added-token contents: leftmost, then longest match (HF uses Aho-Corasick
+// with MatchKind::LeftmostLongest).
+struct Trie {
+  struct Node {
+    std::unordered_map<unsigned char, int> next;
+    int token = -1;  // index into Impl::added
+  };
+  std::vector<Node> nodes{1};
+  void insert(const std::string& s, int token) {
+    int n = 0;
+    for (unsigned char c : s) {
+      auto it = nodes[n].next.find(c);
+      if (it == nodes[n].next.end()) {
+        nodes.emplace_back();
+        it = nodes[n].next.emplace(c, int(nodes.size()) - 1).first;
+      }
+      n = it->second;
+    }
+    if (nodes[n].token < 0) nodes[n].token = token;
+  }
+  bool empty() const { return nodes.size() == 1; }
+  // longest token starting at s[i]: its length and index, or {0, -1}
+  std::pair<size_t, int> longest_at(const std::string& s, size_t i) const {
+    std::pair<size_t, int> best{0, -1};
+    int n = 0;
+    for (size_t j = i; j < s.size(); j++) {
+      auto it = nodes[n].next.find((unsigned char)s[j]);
+      if (it == nodes[n].next.end()) break;
+      n = it->second;
+      if (nodes[n].token >= 0) best = {j + 1 - i, nodes[n].token};
+    }
+    return best;
+  }
+};
+
+struct Segment {
+  int32_t id;  // an added token's id, or -1 for text to tokenize
+  size_t begin, end;
+};
+
+inline uint64_t pair_key(int32_t a, int32_t b) { return (uint64_t(uint32_t(a)) << 32) | uint32_t(b); }
+
+[[noreturn]] inline void fail(const std::string& origin, const std::string& path, const std::string& msg) {
+  throw std::runtime_error("tokenizer " + origin + ": " + path + ": " + msg);
+}
+
+}  // namespace tokenizer_detail
+
+using namespace tokenizer_detail;
+
+struct Tokenizer::Impl {
+  std::string origin;
+  // model
+  std::unordered_map<std::string, int32_t> vocab;
+  std::vector<std::string> id_to_tok;  // model vocabulary and added tokens, by id
+  std::vector<uint8_t> id_kind;        // bit 0: in the model vocab, bit 1: added, bit 2: special
+  std::vector<std::string> model_tok;  // model vocabulary only, by id (for save)
+  std::unordered_map<uint64_t, std::pair<int32_t, int32_t>> merges;  // (a, b) -> (rank, merged id)
+  std::vector<std::pair<int32_t, int32_t>> merge_list;                // in rank order
+  int32_t unk_id = -1;
+  std::string unk_token;
+  bool fuse_unk = false, byte_fallback = false, ignore_merges = false;
+  // pipeline
+  std::vector<AddedToken> added;
+  std::unordered_map<std::string, int32_t> added_ids;
+  Trie raw_trie, norm_trie;  // added tokens matched before / after normalization
+  std::vector<text::NormForm> normalizers;
+  std::vector<PreStep> pre;
+  bool byte_level_decoder = true;  // else HF's no-decoder fallback: join tokens with ' '
+  // kept verbatim for save()
+  json normalizer_json, pre_json, post_json, decoder_json, truncation_json, padding_json;
+  // per pre-token cache (HF keeps one too); bounded so a long run cannot grow it forever
+  static constexpr size_t kCacheCap = 1 << 18;
+  mutable std::mutex cache_mu;
+  mutable std::unordered_map<std::string, std::vector<int32_t>> cache;
+
+  std::vector<Segment> split_added(const std::string& s, const Trie& trie) const;
+  std::string normalize(std::string s) const {
+    for (auto f : normalizers) s = text::normalize(s, f);
+    return s;
+  }
+  void pre_tokenize(const std::string& s, std::vector<std::string>& out) const;
+  void bpe(const std::string& word, std::vector<int32_t>& out) const;
+  void bpe_uncached(const std::string& word, std::vector<int32_t>& out) const;
+};
+
+}  // namespace loom
