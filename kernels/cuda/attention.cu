@@ -384,12 +384,15 @@ __device__ __forceinline__ void store_rows(bf* s, int r0, const float (&acc)[HD 
 }
 
 // =========================================================================== v2 forward
-template <int HD, int NW>
+// Block: NW warps x MT m-tiles x 16 rows = BR query rows of one head. A warp owns 16 MT rows,
+// so each K / V fragment it reads from shared memory feeds MT mma instructions (MT = 1 reads
+// 512 B of shared memory per 2 mma, which caps mma.sync at ~half its rate).
+template <int HD, int NW, int MT, int BC>
 __global__ void __launch_bounds__(NW * 32)
 attn_fwd_v2(bf* __restrict__ out, float* __restrict__ lse, const bf* __restrict__ q,
             const bf* __restrict__ k, const bf* __restrict__ v, const int32_t* __restrict__ cu_q,
             const int32_t* __restrict__ cu_k, int H, int KV, bool causal, float scale_log2) {
-  constexpr int BR = 16 * NW, BC = 64, NT = NW * 32;
+  constexpr int BR = 16 * NW * MT, NT = NW * 32;
   extern __shared__ __align__(128) unsigned char smem[];
   bf* sQ = reinterpret_cast<bf*>(smem);  // [BR][HD], later the output staging
   bf* sK = sQ + BR * HD;                 // [2][BC][HD]
@@ -406,6 +409,7 @@ attn_fwd_v2(bf* __restrict__ out, float* __restrict__ lse, const bf* __restrict_
   const bf* vbase = v + int64_t(k0) * kvstride + kvh * HD;
   const int kend = causal ? min(Lk, qs + nq + shift) : Lk;  // keys the last row sees
   const int ntiles = kend > 0 ? (kend + BC - 1) / BC : 0;
+  const int wrow = warp * 16 * MT;  // the warp's first row in the tile
 
   load_tile<HD, BR, NT>(sQ, qbase, qstride, nq);
   cp_async_commit();
@@ -416,13 +420,16 @@ attn_fwd_v2(bf* __restrict__ out, float* __restrict__ lse, const bf* __restrict_
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
-  uint32_t qf[HD / 16][4];
+  uint32_t qf[MT][HD / 16][4];
 #pragma unroll
-  for (int kk = 0; kk < HD / 16; kk++) frag_a<HD>(qf[kk], sQ, warp * 16, kk * 16, lane);
+  for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++) frag_a<HD>(qf[mt][kk], sQ, wrow + mt * 16, kk * 16, lane);
 
-  float o[HD / 8][4] = {};
-  float mrow[2] = {-INFINITY, -INFINITY}, lrow[2] = {0.f, 0.f};
-  const int row0 = qs + warp * 16 + g;  // this thread's rows: row0 (c0, c1) and row0 + 8 (c2, c3)
+  float o[MT][HD / 8][4] = {};
+  float mrow[MT][2], lrow[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++) mrow[mt][0] = mrow[mt][1] = -INFINITY, lrow[mt][0] = lrow[mt][1] = 0.f;
   for (int j = 0; j < ntiles; j++) {
     if (j + 1 < ntiles) {  // prefetch the next K/V tile into the other buffer
       const int kb = (j + 1) * BC, buf = (j + 1) & 1;
@@ -435,89 +442,103 @@ attn_fwd_v2(bf* __restrict__ out, float* __restrict__ lse, const bf* __restrict_
     const bf* cK = sK + (j & 1) * BC * HD;
     const bf* cV = sV + (j & 1) * BC * HD;
 
-    float s[BC / 8][4] = {};  // S = Q K^T for this warp's 16 rows x BC keys
+    float s[MT][BC / 8][4] = {};  // S = Q K^T for this warp's rows x BC keys
 #pragma unroll
     for (int kk = 0; kk < HD / 16; kk++) {
 #pragma unroll
       for (int np = 0; np < BC / 16; np++) {
         uint32_t b[4];
         frag_b_rows_n<HD>(b, cK, np * 16, kk * 16, lane);
-        mma_bf16(s[2 * np], qf[kk], b[0], b[1]);
-        mma_bf16(s[2 * np + 1], qf[kk], b[2], b[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+          mma_bf16(s[mt][2 * np], qf[mt][kk], b[0], b[1]);
+          mma_bf16(s[mt][2 * np + 1], qf[mt][kk], b[2], b[3]);
+        }
       }
     }
     const int kb = j * BC;
     const bool need_mask = kb + BC > Lk || (causal && kb + BC - 1 > qs + shift);
+    uint32_t pa[MT][BC / 16][4];  // P as A fragments
 #pragma unroll
-    for (int nt = 0; nt < BC / 8; nt++)
+    for (int mt = 0; mt < MT; mt++) {
+      const int row0 = qs + wrow + mt * 16 + g;  // rows row0 (c0, c1) and row0 + 8 (c2, c3)
+      if (need_mask) {
 #pragma unroll
-      for (int e = 0; e < 4; e++) {
-        float x = s[nt][e] * scale_log2;
-        if (need_mask) {
-          const int col = kb + nt * 8 + 2 * t + (e & 1), row = row0 + (e >> 1) * 8;
-          if (col >= Lk || (causal && col > row + shift)) x = -INFINITY;
+        for (int nt = 0; nt < BC / 8; nt++)
+#pragma unroll
+          for (int e = 0; e < 4; e++) {
+            const int col = kb + nt * 8 + 2 * t + (e & 1), row = row0 + (e >> 1) * 8;
+            if (col >= Lk || (causal && col > row + shift)) s[mt][nt][e] = -INFINITY;
+          }
+      }
+      // online softmax on raw scores; exp2(s * scale_log2 - m * scale_log2) is one FMA + EX2.
+      // The quad of 4 lanes t = 0..3 shares a row.
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < BC / 8; nt++) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(mrow[mt][r], mx * scale_log2);  // log2 domain
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;     // a fully masked row so far
+        const float corr = exp2f(mrow[mt][r] - m_use);
+        mrow[mt][r] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < BC / 8; nt++) {
+          s[mt][nt][2 * r] = exp2f(fmaf(s[mt][nt][2 * r], scale_log2, -m_use));
+          s[mt][nt][2 * r + 1] = exp2f(fmaf(s[mt][nt][2 * r + 1], scale_log2, -m_use));
+          sum += s[mt][nt][2 * r] + s[mt][nt][2 * r + 1];
         }
-        s[nt][e] = x;
+        lrow[mt][r] = lrow[mt][r] * corr + sum;  // this lane's partial sum; the quad adds up at the end
+#pragma unroll
+        for (int dt = 0; dt < HD / 8; dt++) {
+          o[mt][dt][2 * r] *= corr;
+          o[mt][dt][2 * r + 1] *= corr;
+        }
       }
-    // online softmax, per row r (the quad of 4 lanes t = 0..3 shares a row)
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int nt = 0; nt < BC / 8; nt++) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(mrow[r], mx);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a fully masked row so far
-      const float corr = exp2f(mrow[r] - m_use);
-      mrow[r] = m_new;
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < BC / 8; nt++) {
-        s[nt][2 * r] = exp2f(s[nt][2 * r] - m_use);
-        s[nt][2 * r + 1] = exp2f(s[nt][2 * r + 1] - m_use);
-        sum += s[nt][2 * r] + s[nt][2 * r + 1];
-      }
-      lrow[r] = lrow[r] * corr + sum;  // this lane's partial sum; the quad adds up at the end
-#pragma unroll
-      for (int dt = 0; dt < HD / 8; dt++) {
-        o[dt][2 * r] *= corr;
-        o[dt][2 * r + 1] *= corr;
-      }
+      for (int kk = 0; kk < BC / 16; kk++) c_to_a(pa[mt][kk], s[mt], kk);
     }
     // O += P V
 #pragma unroll
     for (int kk = 0; kk < BC / 16; kk++) {
-      uint32_t a[4];
-      c_to_a(a, s, kk);
 #pragma unroll
       for (int dp = 0; dp < HD / 16; dp++) {
         uint32_t b[4];
         frag_b_rows_k<HD>(b, cV, kk * 16, dp * 16, lane);
-        mma_bf16(o[2 * dp], a, b[0], b[1]);
-        mma_bf16(o[2 * dp + 1], a, b[2], b[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+          mma_bf16(o[mt][2 * dp], pa[mt][kk], b[0], b[1]);
+          mma_bf16(o[mt][2 * dp + 1], pa[mt][kk], b[2], b[3]);
+        }
       }
     }
     __syncthreads();  // everyone is done with buffer j&1 before it is refilled
   }
-  float inv[2];
 #pragma unroll
-  for (int r = 0; r < 2; r++) {
-    float l = lrow[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    inv[r] = l > 0.f ? 1.f / l : 0.f;
-    const int row = row0 + 8 * r;
-    if (t == 0 && row < Lq)
-      lse[(int64_t(q0) + row) * H + h] = l > 0.f ? (mrow[r] + log2f(l)) * kLn2 : INFINITY;
-  }
+  for (int mt = 0; mt < MT; mt++) {
+    float inv[2];
 #pragma unroll
-  for (int dt = 0; dt < HD / 8; dt++) {
-    o[dt][0] *= inv[0]; o[dt][1] *= inv[0];
-    o[dt][2] *= inv[1]; o[dt][3] *= inv[1];
+    for (int r = 0; r < 2; r++) {
+      float l = lrow[mt][r];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      inv[r] = l > 0.f ? 1.f / l : 0.f;
+      const int row = qs + wrow + mt * 16 + g + 8 * r;
+      if (t == 0 && row < Lq)
+        lse[(int64_t(q0) + row) * H + h] = l > 0.f ? (mrow[mt][r] + log2f(l)) * kLn2 : INFINITY;
+    }
+#pragma unroll
+    for (int dt = 0; dt < HD / 8; dt++) {
+      o[mt][dt][0] *= inv[0]; o[mt][dt][1] *= inv[0];
+      o[mt][dt][2] *= inv[1]; o[mt][dt][3] *= inv[1];
+    }
+    // each warp stages only its own rows of sQ (which only it has read)
+    store_rows<HD>(sQ, wrow + mt * 16, o[mt], 1.f, out + (int64_t(q0) + qs) * qstride + h * HD, qstride,
+                   nq, lane);
   }
-  // each warp stages only its own 16 rows of sQ (which only it has read)
-  store_rows<HD>(sQ, warp * 16, o, 1.f, out + (int64_t(q0) + qs) * qstride + h * HD, qstride, nq, lane);
 }
 
 // =========================================================================== v2 backward: dq
@@ -772,12 +793,14 @@ template <int HD>
 void fwd_v2(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const int32_t* cu_q,
             const int32_t* cu_k, int nseq, int max_seqlen, int H, int KV, bool causal, float scale_log2,
             cudaStream_t s) {
-  constexpr int NW = HD <= 64 ? 8 : 4, BR = 16 * NW, BC = 64;
+  // 4 warps x 2 m-tiles = 128 query rows for hd >= 64 (hd 128: 32-key tiles keep O, S and Q
+  // in registers without spills); 64 rows for the small head dims of tiny models.
+  constexpr int NW = 4, MT = HD >= 64 ? 2 : 1, BR = 16 * NW * MT, BC = HD <= 64 ? 64 : 32;
   const int smem = (BR + 4 * BC) * HD * int(sizeof(bf));
-  static bool once = (set_smem(attn_fwd_v2<HD, NW>, smem), true);
+  static bool once = (set_smem(attn_fwd_v2<HD, NW, MT, BC>, smem), true);
   (void)once;
   dim3 grid(ceil_div(max_seqlen, BR), H, nseq);
-  attn_fwd_v2<HD, NW><<<grid, NW * 32, smem, s>>>(out, lse, q, k, v, cu_q, cu_k, H, KV, causal, scale_log2);
+  attn_fwd_v2<HD, NW, MT, BC><<<grid, NW * 32, smem, s>>>(out, lse, q, k, v, cu_q, cu_k, H, KV, causal, scale_log2);
   LAUNCH_CHECK();
 }
 
