@@ -30,7 +30,7 @@
  *     key row in dk/dv), the head dim split over lanes, one key at a time with a warp
  *     reduction per dot product. A line-by-line port of the reference, readable, slow
  *     (no data reuse between rows: every warp streams K and V itself).
- *   v2_mma_tiles (bf16, hd 16/32/64/128): FlashAttention-2 structure. A block owns 16 * NW
+ *   v2_mma_tiles (bf16, hd 16/32/64/128): FlashAttention-2 structure. A block owns 16 * NW * MT
  *     query rows (forward, dq) or key rows (dk/dv), one warp per 16 rows; K/V (or Q/dout)
  *     tiles are staged in XOR-swizzled shared memory by cp.async, double-buffered so the next
  *     tile loads while this one is computed; ldmatrix feeds mma.sync m16n8k16 (bf16 in, fp32
@@ -38,11 +38,19 @@
  *     the A fragment of P for P V). Causal: tiles above the diagonal are skipped, the mask is
  *     applied only on tiles that cross it or the sequence end; the longest query tiles are
  *     scheduled first.
- *   Tiles: forward NW = 8 (128 queries) for hd <= 64, NW = 4 for hd 128 (register budget:
- *   the 16 x 128 fp32 accumulator is 64 registers per thread), 64 keys per tile.
- *   Measured (bench/bench_attention.cpp): see kernels/README.md for the numbers of this file's
- *   versions against PyTorch's FLASH_ATTENTION backend.
- *
+ *   Tiles: forward 4 warps x 2 m-tiles = 128 queries for hd 64/128 (64-key tiles at hd 64,
+ *   32 at hd 128, where O, S and Q fill 255 registers with a 72-byte spill), 4 warps x 1 m-tile
+ *   for hd 16/32. dq: 64 queries per block; dk/dv: 128 keys per block (64 at hd 128).
+ *   Measured on H200, bf16, median of 20 (bench/bench_attention.cpp; PyTorch 2.11 SDPA
+ *   FLASH_ATTENTION in the same session in brackets), TFLOP/s forward | forward+backward:
+ *                                   B8 H12 T1024 D64   B8 H16 T2048 D128 c   B4 H9 T2048 D64 c
+ *     v2, 1 m-tile per warp          154 | 136          172 | 159             120 | 112
+ *     v2, 2 m-tiles per warp         212 | 146          191 | 163             145 | 117
+ *     PyTorch FLASH_ATTENTION       (218 | 168)        (271 | 213)           (161 | 142)
+ *   One m-tile per warp reads 512 B of shared memory per 2 mma (smem-bound at ~half the mma
+ *   rate); two m-tiles halve that, +38% at hd 64. Still short of the target at hd 128 and in
+ *   the backward (0.76-0.87x of PyTorch): next steps are 2 m-tiles in the dq and dk/dv
+ *   kernels and wgmma (sm_90a) for the hd 128 forward.
  * Napkin math: forward 4 B H T^2 hd FLOP (x 0.5 causal), reads Q, K, V once per query tile
  *   (K/V re-read from L2 by every query tile of a head) and writes out + lse. B8 H16 T2048
  *   hd128 causal: 137 GFLOP -> ~0.2 ms at 650 TFLOP/s of mma.sync; bytes 4 x 67 MB = 0.27 GB

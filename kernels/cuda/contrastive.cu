@@ -38,7 +38,9 @@
  *
  * Launch shape: row norms one warp per row; patch rows one block (8 warps) per sample, warp
  *   per row; InfoNCE one warp per row / column; loss sums one 1024-thread block.
- * Versions: v1 only (cuBLAS batched GEMMs + warp-per-row kernels).
+ * Versions: v1 only (cuBLAS batched GEMMs + warp-per-row kernels). Measured on H200, bf16
+ *   (bench/bench_losses.cpp): patch_disc B128 M147 D768 forward+backward 0.38 ms; InfoNCE
+ *   B128 D768 0.039 ms.
  *
  * Reference: kernels/cpu/contrastive.cpp. Test: tests/cuda/test_cuda_kernels_b.cpp
  *   ("patch_disc_loss", "infonce_loss"); bash tools/gpu-kernels.sh tests/cuda/test_cuda_kernels_b.cpp
