@@ -31,7 +31,7 @@
  *     reduction per dot product. A line-by-line port of the reference, readable, slow
  *     (no data reuse between rows: every warp streams K and V itself).
  *   v2_mma_tiles (bf16, hd 16/32/64/128): FlashAttention-2 structure. A block owns 16 * NW * MT
- *     query rows (forward, dq) or key rows (dk/dv), one warp per 16 rows; K/V (or Q/dout)
+ *     query rows (forward, dq) or key rows (dk/dv), one warp per 16 MT rows; K/V (or Q/dout)
  *     tiles are staged in XOR-swizzled shared memory by cp.async, double-buffered so the next
  *     tile loads while this one is computed; ldmatrix feeds mma.sync m16n8k16 (bf16 in, fp32
  *     accumulate); the score tile never leaves registers (the C fragment of S is re-packed as
