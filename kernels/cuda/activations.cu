@@ -18,7 +18,8 @@
  *   per step when every pointer is 16-byte aligned, scalar otherwise and for the tail.
  *   softmax: C <= 1024: one warp per row, 4 rows per 128-thread block; larger C: one
  *   256-thread block per row.
- * Versions: v1 only (bandwidth-bound pointwise code; no alternative measured).
+ * Versions: v1 only. Measured (H200): gelu_forward 16384x768 bf16 0.021 ms = 2.39 TB/s
+ *   (4 bytes per element counted).
  * Test: tests/cuda/test_cuda_kernels_a.cpp [activations]:
  *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_kernels_a.cpp
  */

@@ -25,7 +25,8 @@
  * Launch shape (column sum): grid (ceil(O/32), R row-splits), block 32x8; partial sums
  *   [R, O] in fp32, then one thread per column adds the R partials in order to dbias:
  *   deterministic, no atomics.
- * Versions: v1 cuBLASLt + BIAS epilogue (bench/bench_kernels_a.cpp prints the measured rate).
+ * Versions: v1 cuBLASLt + BIAS epilogue. Measured (H200, bench/bench_kernels_a.cpp):
+ *   gemm_bf16 8192^3 1.37-1.38 ms = 798-803 TFLOP/s (PyTorch a @ b: 1.396 ms, 788 TFLOP/s).
  * Test: tests/cuda/test_cuda_kernels_a.cpp [matmul]:
  *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_kernels_a.cpp
  */

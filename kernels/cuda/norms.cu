@@ -33,7 +33,14 @@
  *   v1_generic_block_per_row: the reference loop, a block per row, three passes over global
  *     memory (kept as the fallback for very long rows).
  *   v2_row_in_registers: warp/block per row, 128-bit loads, the row in registers; the
- *     production path. Speed: see bench/bench_kernels_a.cpp output in kernels/README.md.
+ *     production path. Measured (H200, bench/bench_kernels_a.cpp, median of 20, bytes = 4 M C):
+ *     layernorm_fwd 16384x768 bf16 0.020 ms = 2.51-2.55 TB/s (PyTorch 0.046 ms, 1.09 TB/s);
+ *     rmsnorm_fwd 16384x576 bf16 0.016 ms = 2.30-2.35 TB/s (PyTorch 1.09 TB/s): short of the
+ *     2.5 TB/s goal; the kernel is ~16 us, so launch and the tail wave weigh. Keeping the row
+ *     as packed bf16 instead of floats did not lower the register count (53) or move the time;
+ *     forcing 10-12 blocks/SM with __launch_bounds__ spilled (24-64 B), so it was not kept.
+ *     layernorm_bwd 16384x768 bf16 0.060 ms = 1.25 TB/s counting 6 M C bytes (163 registers,
+ *     one 256-thread block per SM: the next thing to tune).
  * Test: tests/cuda/test_cuda_kernels_a.cpp [norms] (C = 1, 31, 64, 576, 768, 1030, 3000,
  *   5000, odd N, N = 1), run on the GPU machine with
  *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_kernels_a.cpp
@@ -112,25 +119,23 @@ norm_fwd(FwdArgs a) {
   if (row >= a.N) return;  // whole group exits together (TPR > 32: one row per block)
   const int C = a.C, nv = C / VEC;
   const DT* inp = static_cast<const DT*>(a.inp) + row * C;
-  float xv[kChunks][VEC];
+  // The row stays in registers in its storage type (bf16: 4 x 16 B = 16 registers instead of
+  // 32 floats): fewer registers, more resident warps, more loads in flight.
+  Pack<DT, VEC> xr[kChunks];
   float sum = 0.f;
 #pragma unroll
   for (int k = 0; k < kChunks; k++) {
     int vi = k * TPR + t;
     if (vi < nv) {
-      load_vec<DT, VEC>(xv[k], inp + vi * VEC);
+      xr[k] = *reinterpret_cast<const Pack<DT, VEC>*>(inp + vi * VEC);
       if constexpr (RESID) {
-        float y[VEC];
-        load_vec<DT, VEC>(y, static_cast<const DT*>(a.x) + row * C + vi * VEC);
+        Pack<DT, VEC> y = *reinterpret_cast<const Pack<DT, VEC>*>(static_cast<const DT*>(a.x) + row * C + vi * VEC);
 #pragma unroll
-        for (int i = 0; i < VEC; i++) xv[k][i] = to_float(from_float<DT>(xv[k][i] + y[i]));
-        store_vec<DT, VEC>(static_cast<DT*>(a.resid_out) + row * C + vi * VEC, xv[k]);
+        for (int i = 0; i < VEC; i++) xr[k].v[i] = from_float<DT>(to_float(xr[k].v[i]) + to_float(y.v[i]));
+        *reinterpret_cast<Pack<DT, VEC>*>(static_cast<DT*>(a.resid_out) + row * C + vi * VEC) = xr[k];
       }
 #pragma unroll
-      for (int i = 0; i < VEC; i++) sum += xv[k][i];
-    } else {
-#pragma unroll
-      for (int i = 0; i < VEC; i++) xv[k][i] = 0.f;
+      for (int i = 0; i < VEC; i++) sum += to_float(xr[k].v[i]);
     }
   }
   float mean = 0.f;
@@ -140,7 +145,7 @@ norm_fwd(FwdArgs a) {
   for (int k = 0; k < kChunks; k++)
     if (k * TPR + t < nv)
 #pragma unroll
-      for (int i = 0; i < VEC; i++) { float d = xv[k][i] - mean; ss += d * d; }
+      for (int i = 0; i < VEC; i++) { float d = to_float(xr[k].v[i]) - mean; ss += d * d; }
   float rstd = rsqrtf(group_sum2<TPR>(make_float2(ss, 0.f), sh).x / C + a.eps);
   if (t == 0) {
     if constexpr (!RMS) a.mean[row] = mean;
@@ -158,7 +163,7 @@ norm_fwd(FwdArgs a) {
 #pragma unroll
         for (int i = 0; i < VEC; i++) b[i] = 0.f;
 #pragma unroll
-      for (int i = 0; i < VEC; i++) o[i] = (xv[k][i] - mean) * rstd * w[i] + b[i];
+      for (int i = 0; i < VEC; i++) o[i] = (to_float(xr[k].v[i]) - mean) * rstd * w[i] + b[i];
       store_vec<DT, VEC>(out + vi * VEC, o);
     }
   }

@@ -21,7 +21,10 @@
  *   one buffer per group), grid-stride, 256 threads, 4 elements per thread per step with
  *   16-byte loads of the fp32 arrays; scalar path when a pointer is not aligned, and for the
  *   tail. Grid = 8 blocks per SM-ish (2048 blocks max), enough bytes in flight to saturate HBM.
- * Versions: v1 vectorized grid-stride (speed in kernels/README.md, bench/bench_kernels_a.cpp).
+ * Versions: v1 vectorized grid-stride. Measured (H200, bench/bench_kernels_a.cpp, median of 20):
+ *   adamw 134.5M fp32 params 0.946 ms = 3.98 TB/s (PyTorch fused 1.189 ms, foreach 3.16 ms);
+ *   with bf16 grad + bf16 copy 0.966 ms. grad_norm_squared over 134.5M bf16: 0.070 ms with
+ *   16-byte loads (0.211 ms with scalar loads and 1 element per thread per step).
  * Test: tests/cuda/test_cuda_kernels_a.cpp [optim]:
  *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_kernels_a.cpp
  */
@@ -119,10 +122,17 @@ __device__ float block_sum(float v) {
   return v;
 }
 
-template <class GT>
+// 16-byte loads when `grad` is aligned (VEC = 16 / sizeof(GT)), scalar tail.
+template <class GT, int VEC>
 __global__ void sumsq_partials(float* __restrict__ partial, const GT* __restrict__ grad, int64_t n) {
   float acc = 0.f;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x, nv = n / VEC;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < nv; i += stride) {
+    Pack<GT, VEC> g = reinterpret_cast<const Pack<GT, VEC>*>(grad)[i];
+#pragma unroll
+    for (int k = 0; k < VEC; k++) acc += to_float(g.v[k]) * to_float(g.v[k]);
+  }
+  for (int64_t i = nv * VEC + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += stride) {
     float g = to_float(grad[i]);
     acc += g * g;
   }
@@ -191,9 +201,11 @@ void ema_update(M* target, G* copy, const M* source, int64_t n, double decay, St
 template <class G> void grad_norm_squared(float* out, const G* grad, int64_t n, Stream s) {
   if (n <= 0) return;
   // the number of partials depends only on n: the same summation order every run
-  int g = int(std::min<int64_t>(1024, std::max<int64_t>(1, (n + 1023) / 1024)));
+  int g = int(std::min<int64_t>(1024, std::max<int64_t>(1, (n + 4095) / 4096)));
   float* partial = static_cast<float*>(device_malloc(sizeof(float) * g));
-  sumsq_partials<<<g, 256, 0, s>>>(partial, dptr(grad), n);
+  constexpr int V = 16 / int(sizeof(G));
+  if (aligned(grad, 16)) sumsq_partials<dev_t<G>, V><<<g, 256, 0, s>>>(partial, dptr(grad), n);
+  else sumsq_partials<dev_t<G>, 1><<<g, 256, 0, s>>>(partial, dptr(grad), n);
   LAUNCH_CHECK();
   sumsq_finish<<<1, 1024, 0, s>>>(out, partial, g);
   LAUNCH_CHECK();
