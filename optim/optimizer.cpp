@@ -1,0 +1,332 @@
+// optimizer.cpp: AdamW / SGD over flat per-group buffers, device-side clipping, schedules, EMA.
+//
+// Shape legend: n parameters of one group (the sum of its tensors' numel), k one tensor's numel.
+//   master, m, v | buf [n]  master dtype (f32; f64 when the model is f64)
+//   grad [n]                compute dtype (f32, f64, or bf16 on CUDA)
+//   copy [n]                bf16, only when compute != master dtype
+//   norm_sq_, norm_, clip_scale_ [1]  f32 on the optimizer's device
+//
+// Why flat buffers: the autograd kernels accumulate parameter gradients with `+=` into
+// whatever buffer the slot's .grad points at. Pointing every slot's .grad at a slice of one
+// flat buffer per group makes zero_grad one fill, the global norm one reduction per group and
+// the update one adamw_update launch per group (SmolLM2-135M has ~270 tensors: 270 launches
+// per step become 2), and the update also writes the bf16 compute copy in the same pass.
+//
+// Kernel types: the grad's dtype G picks the backend (dispatch_float) and the master type is
+// acc_t<G>: cpu <double,double>, <float,float>; cuda <float,float>, <float,bf16> - exactly the
+// instantiations of kernels/cpu/optim.cpp and kernels/cuda/optim.cu.
+//
+// Nothing in step(), zero_grad() or clip_grad_norm() reads a device value on the host: the
+// clip scale is a device scalar the next adamw_update reads (grad_scale).
+#include "optim/optimizer.h"
+
+#include <cfloat>
+#include <cmath>
+#include <set>
+
+#include "tensor/dispatch.h"
+
+namespace loom {
+
+struct Optimizer::Group {
+  std::string name;
+  double lr_scale = 1.0, weight_decay = 0.0;
+  std::vector<std::string> names;  // parameter names, in flat-buffer order
+  std::vector<Shape> shapes;
+  std::vector<int64_t> offsets;    // element offset of each tensor in the flat buffers
+  int64_t n = 0;
+  Tensor master, m, v, buf, grad, copy;
+
+  // the flat buffer the model's slots view (what the forward reads)
+  const Tensor& compute() const { return copy.defined() ? copy : master; }
+  Tensor slice(const Tensor& flat, size_t i) const {
+    return flat.narrow(0, offsets[i], shape_numel(shapes[i])).view(shapes[i]);
+  }
+};
+
+namespace {
+
+template <class T> T* data_or_null(const Tensor& t) { return t.defined() ? t.data<T>() : nullptr; }
+
+}  // namespace
+
+Optimizer::Optimizer(std::vector<ParamGroup> groups, const OptimConfig& cfg, DType compute_dtype,
+                     Device device)
+    : cfg_(cfg), compute_(compute_dtype), device_(device) {
+  LOOM_CHECK(cfg.kind == "adamw" || cfg.kind == "sgd", "optimizer: unknown kind '%s' (adamw | sgd)",
+             cfg.kind.c_str());
+  const bool ok_dtype = device == Device::CPU ? (compute_dtype == DType::F32 || compute_dtype == DType::F64)
+                                              : (compute_dtype == DType::F32 || compute_dtype == DType::BF16);
+  LOOM_CHECK(ok_dtype, "optimizer: compute dtype %s is not supported on %s (cpu: f32, f64; cuda: f32, bf16)",
+             dtype_name(compute_dtype), device_name(device));
+  master_dtype_ = compute_dtype == DType::F64 ? DType::F64 : DType::F32;
+  const bool adamw = cfg.kind == "adamw";
+
+  // A tensor in two groups (or twice in one, or two slots holding one tensor) is a bug: check
+  // all groups before any slot is re-pointed.
+  std::set<const void*> seen;
+  for (auto& pg : groups)
+    for (auto& [name, slot] : pg.params) {
+      if (!slot || !slot->defined() || !slot->requires_grad()) continue;
+      LOOM_CHECK(seen.insert(slot).second && seen.insert(slot->impl().get()).second,
+                 "optimizer: parameter '%s' appears twice (group '%s')", name.c_str(), pg.name.c_str());
+    }
+  try {
+    for (auto& pg : groups) {
+      auto* g = new Group();
+      groups_.push_back(g);
+      g->name = pg.name;
+      g->lr_scale = pg.lr_scale;
+      g->weight_decay = pg.weight_decay;
+      std::vector<Tensor*> slots;
+      for (auto& [name, slot] : pg.params) {
+        LOOM_CHECK(slot && slot->defined(), "optimizer: parameter '%s' of group '%s' is undefined",
+                   name.c_str(), pg.name.c_str());
+        if (!slot->requires_grad()) continue;  // frozen: left alone
+        LOOM_CHECK(slot->device() == device, "optimizer: parameter '%s' is %s, the optimizer runs on %s",
+                   name.c_str(), slot->desc().c_str(), device_name(device));
+        LOOM_CHECK(dtype_is_float(slot->dtype()), "optimizer: parameter '%s' is %s, not floating",
+                   name.c_str(), slot->desc().c_str());
+        g->names.push_back(name);
+        g->shapes.push_back(slot->shape());
+        g->offsets.push_back(g->n);
+        g->n += slot->numel();
+        slots.push_back(slot);
+      }
+      if (g->n == 0) continue;  // an empty group keeps its index and owns no buffers
+      g->master = Tensor::empty({g->n}, master_dtype_, device);
+      for (size_t i = 0; i < slots.size(); i++) g->slice(g->master, i).copy_(*slots[i]);
+      if (adamw) {
+        g->m = Tensor::zeros({g->n}, master_dtype_, device);
+        g->v = Tensor::zeros({g->n}, master_dtype_, device);
+      } else {
+        g->buf = Tensor::zeros({g->n}, master_dtype_, device);
+      }
+      g->grad = Tensor::zeros({g->n}, compute_dtype, device);
+      if (compute_dtype != master_dtype_) {
+        g->copy = Tensor::empty({g->n}, compute_dtype, device);
+        g->copy.copy_(g->master);
+      }
+      // Re-point the model's slots: value = view of the compute buffer, grad = view of the
+      // flat gradient, so backward's `+=` lands in the flat buffer.
+      for (size_t i = 0; i < slots.size(); i++) {
+        *slots[i] = g->slice(g->compute(), i);
+        slots[i]->requires_grad_(true);
+        slots[i]->set_grad(g->slice(g->grad, i));
+      }
+    }
+  } catch (...) {
+    for (auto* g : groups_) delete g;
+    throw;
+  }
+  norm_sq_ = Tensor::zeros({1}, DType::F32, device);
+  norm_ = Tensor::zeros({1}, DType::F32, device);
+  clip_scale_ = Tensor::full({1}, 1.0, DType::F32, device);
+}
+
+Optimizer::~Optimizer() {
+  for (auto* g : groups_) delete g;
+}
+
+void Optimizer::zero_grad() {
+  for (auto* g : groups_)
+    if (g->n) g->grad.fill_(0.0);  // one fill kernel per group
+}
+
+Tensor Optimizer::clip_grad_norm(double max_norm) {
+  norm_sq_.fill_(0.0);
+  for (auto* g : groups_) {
+    if (!g->n) continue;
+    dispatch_float(g->grad, [&](auto dev, auto zero) {
+      using G = decltype(zero);
+      KERNEL(dev, grad_norm_squared)(norm_sq_.data<float>(), g->grad.data<G>(), g->n, stream_for(dev));
+    });
+  }
+  // max_norm <= 0: the norm only; FLT_MAX makes the scale 1 and step() ignores it anyway.
+  const float limit = max_norm > 0 ? float(max_norm) : FLT_MAX;
+  dispatch_float(norm_sq_, [&](auto dev, auto) {
+    KERNEL(dev, clip_scale)(clip_scale_.data<float>(), norm_.data<float>(), norm_sq_.data<float>(), limit,
+                            stream_for(dev));
+  });
+  clip_pending_ = max_norm > 0;
+  // A copy, so that the caller's handle (read later, for the log) is not overwritten by the
+  // next call: 4 bytes, device to device, no host sync.
+  return norm_.clone();
+}
+
+void Optimizer::step(double lr) {
+  step_ += 1;
+  const float* scale = clip_pending_ ? clip_scale_.data<float>() : nullptr;
+  for (auto* g : groups_) {
+    if (!g->n) continue;
+    const double group_lr = lr * g->lr_scale;
+    dispatch_float(g->grad, [&](auto dev, auto zero) {
+      using G = decltype(zero);
+      using M = acc_t<G>;
+      G* copy = data_or_null<G>(g->copy);
+      if (cfg_.kind == "adamw") {
+        AdamWHyper h;
+        h.lr = float(group_lr);
+        h.beta1 = float(cfg_.beta1);
+        h.beta2 = float(cfg_.beta2);
+        h.eps = float(cfg_.eps);
+        h.weight_decay = float(g->weight_decay);
+        h.step = step_;
+        KERNEL(dev, adamw_update)(g->master.data<M>(), copy, g->m.data<M>(), g->v.data<M>(), g->grad.data<G>(),
+                                  scale, g->n, h, stream_for(dev));
+      } else {
+        KERNEL(dev, sgd_update)(g->master.data<M>(), copy, g->buf.data<M>(), g->grad.data<G>(), scale, g->n,
+                                float(group_lr), float(cfg_.momentum), float(g->weight_decay), stream_for(dev));
+      }
+    });
+  }
+  clip_pending_ = false;  // a clip scale applies to the one step after it
+}
+
+Tensor Optimizer::master(const std::string& name) const {
+  for (auto* g : groups_)
+    for (size_t i = 0; i < g->names.size(); i++)
+      if (g->names[i] == name) return g->slice(g->master, i);
+  LOOM_CHECK(false, "optimizer: no parameter named '%s' (frozen, or not in any group)", name.c_str());
+  return Tensor();
+}
+
+// The tensors are the live buffers (no copy: the state is 3x the model): save them before the
+// next step().
+std::map<std::string, Tensor> Optimizer::state_dict() const {
+  std::map<std::string, Tensor> sd;
+  for (size_t i = 0; i < groups_.size(); i++) {
+    const Group& g = *groups_[i];
+    if (!g.n) continue;
+    const std::string p = "group." + std::to_string(i) + ".";
+    sd[p + "master"] = g.master;
+    if (g.m.defined()) sd[p + "m"] = g.m;
+    if (g.v.defined()) sd[p + "v"] = g.v;
+    if (g.buf.defined()) sd[p + "buf"] = g.buf;
+  }
+  sd["step"] = Tensor::from_vector(std::vector<int64_t>{step_}, {1});
+  return sd;
+}
+
+void Optimizer::load_state_dict(const std::map<std::string, Tensor>& sd, const std::string& source) {
+  // Check everything before writing anything, so a bad file leaves the optimizer as it was.
+  std::vector<std::pair<Tensor, const Tensor*>> todo;  // (destination, source)
+  for (size_t i = 0; i < groups_.size(); i++) {
+    const Group& g = *groups_[i];
+    if (!g.n) continue;
+    const std::string p = "group." + std::to_string(i) + ".";
+    const std::pair<const char*, Tensor> slots[] = {{"master", g.master}, {"m", g.m}, {"v", g.v}, {"buf", g.buf}};
+    for (const auto& [key, dst] : slots) {
+      if (!dst.defined()) continue;
+      const std::string name = p + key;
+      auto it = sd.find(name);
+      LOOM_CHECK(it != sd.end(), "%s: missing optimizer tensor '%s' (expected %s[%lld], group '%s', %s)",
+                 source.c_str(), name.c_str(), dtype_name(master_dtype_), (long long)g.n, g.name.c_str(),
+                 cfg_.kind.c_str());
+      LOOM_CHECK(it->second.shape() == dst.shape() && dtype_is_float(it->second.dtype()),
+                 "%s: optimizer tensor '%s' is %s, expected %s[%lld] (group '%s')", source.c_str(), name.c_str(),
+                 it->second.desc().c_str(), dtype_name(master_dtype_), (long long)g.n, g.name.c_str());
+      todo.push_back({dst, &it->second});
+    }
+  }
+  auto st = sd.find("step");
+  LOOM_CHECK(st != sd.end(), "%s: missing optimizer tensor 'step'", source.c_str());
+  LOOM_CHECK(st->second.numel() == 1, "%s: optimizer tensor 'step' is %s, expected one value", source.c_str(),
+             st->second.desc().c_str());
+  if (todo.size() + 1 != sd.size()) {
+    std::string extra;  // name the entries this optimizer has no place for
+    for (auto& [k, t] : sd) {
+      bool used = k == "step";
+      for (auto& d : todo) used |= d.second == &t;
+      if (!used) extra += " '" + k + "' " + t.desc();
+    }
+    LOOM_CHECK(false, "%s: unexpected optimizer tensors (%s optimizer, %zu groups):%s", source.c_str(),
+               cfg_.kind.c_str(), groups_.size(), extra.c_str());
+  }
+  const double step = st->second.item();
+  LOOM_CHECK(step >= 0 && step == std::floor(step), "%s: optimizer tensor 'step' = %g is not a count",
+             source.c_str(), step);
+
+  for (auto& [dst, src] : todo) {
+    Tensor d = dst;
+    d.copy_(*src);  // converts dtype / device; exact for same-dtype state
+  }
+  for (auto* g : groups_)
+    if (g->n && g->copy.defined()) g->copy.copy_(g->master);  // re-derive the bf16 weights
+  step_ = int64_t(step);
+  clip_pending_ = false;
+}
+
+int64_t Optimizer::num_parameters() const {
+  int64_t n = 0;
+  for (auto* g : groups_) n += g->n;
+  return n;
+}
+
+std::vector<ParamGroup> default_groups(Module& m, double weight_decay) {
+  ParamGroup decay{"decay", 1.0, weight_decay, {}}, no_decay{"no_decay", 1.0, 0.0, {}};
+  for (auto& [name, slot] : m.named_parameters()) {
+    if (!slot->defined() || !slot->requires_grad()) continue;  // frozen (e.g. the EMA target)
+    (slot->dim() >= 2 ? decay : no_decay).params.push_back({name, slot});
+  }
+  return {decay, no_decay};
+}
+
+constexpr double kPi = 3.14159265358979323846;
+
+double lr_at(int64_t step, int64_t total, int64_t warmup, double lr, double min_lr, const std::string& schedule) {
+  LOOM_CHECK(schedule == "cosine" || schedule == "linear" || schedule == "constant",
+             "lr_at: unknown schedule '%s' (cosine | linear | constant)", schedule.c_str());
+  LOOM_CHECK(step >= 0 && warmup >= 0, "lr_at: step %lld, warmup %lld", (long long)step, (long long)warmup);
+  if (step < warmup) return lr * double(step + 1) / double(warmup);
+  if (schedule == "constant") return lr;
+  // progress through the decay phase: 0 at the end of warmup, 1 at `total` (and after)
+  const double span = double(total - warmup);
+  const double p = span <= 0 ? 1.0 : std::min(1.0, double(step - warmup) / span);
+  if (schedule == "linear") return lr + (min_lr - lr) * p;
+  return min_lr + (lr - min_lr) * 0.5 * (1.0 + std::cos(kPi * p));
+}
+
+// ------------------------------------------------------------------ EMA
+EMA::EMA(Module& target, const Optimizer& opt, const std::string& source_prefix) {
+  for (auto& [name, slot] : target.named_parameters()) {
+    Tensor src = opt.master(source_prefix + name);
+    LOOM_CHECK(slot->shape() == src.shape() && slot->device() == src.device(),
+               "EMA: target '%s' is %s, its source '%s%s' is %s", name.c_str(), slot->desc().c_str(),
+               source_prefix.c_str(), name.c_str(), src.desc().c_str());
+    LOOM_CHECK(slot->dtype() == src.dtype() || acc_dtype(slot->dtype()) == src.dtype(),
+               "EMA: target '%s' is %s; its master would be %s, but the source master is %s", name.c_str(),
+               slot->desc().c_str(), dtype_name(acc_dtype(slot->dtype())), src.desc().c_str());
+    LOOM_CHECK(slot->is_contiguous(), "EMA: target '%s' %s is not contiguous", name.c_str(), slot->desc().c_str());
+    Tensor tm;  // the target's master: the slot itself when it is already in the master dtype
+    if (slot->dtype() == src.dtype()) {
+      tm = *slot;
+    } else {
+      tm = Tensor::empty(slot->shape(), src.dtype(), slot->device());
+      tm.copy_(*slot);  // starts from the target's own (rounded) values
+    }
+    pairs_.push_back({tm, src});
+    target_slots_.push_back(slot);
+    target_master_.push_back(tm);
+  }
+}
+
+void EMA::update(double decay) {
+  for (size_t i = 0; i < pairs_.size(); i++) {
+    const Tensor& tm = pairs_[i].first;
+    const Tensor& src = pairs_[i].second;
+    const Tensor& slot = *target_slots_[i];
+    LOOM_CHECK(slot.numel() == tm.numel() && (slot.same(tm) || slot.dtype() != tm.dtype()),
+               "EMA: target slot %zu was replaced (%s) after the EMA was built", i, slot.desc().c_str());
+    // Dispatch on the copy's dtype G (bf16 on CUDA) or on the master itself; M = acc_t<G>.
+    const Tensor& by = slot.same(tm) ? tm : slot;
+    dispatch_float(by, [&](auto dev, auto zero) {
+      using G = decltype(zero);
+      using M = acc_t<G>;
+      G* copy = slot.same(tm) ? nullptr : slot.data<G>();
+      KERNEL(dev, ema_update)(tm.data<M>(), copy, src.data<M>(), tm.numel(), decay, stream_for(dev));
+    });
+  }
+}
+
+}  // namespace loom
