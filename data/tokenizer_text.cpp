@@ -149,10 +149,15 @@ std::string bytes_to_chars(const std::string& s) {
 
 // ------------------------------------------------------------------ regex
 namespace {
-// Oniguruma's \s is Unicode White_Space; PCRE2's (with UCP) is \p{Z} plus \t\n\v\f\r, which
-// misses U+0085 (NEL). Widen \s and \S; escapes and character classes are tracked so that
-// "\\s" (a backslash then 's') stays as it is.
-std::string widen_space_classes(const std::string& p) {
+// Oniguruma's \s (HF's regex engine) is exactly Unicode White_Space. PCRE2's \s (with UCP)
+// also matches U+180E MONGOLIAN VOWEL SEPARATOR, which left White_Space in Unicode 6.3; so
+// \s and \S are spelled out as the White_Space list. Escapes and character classes are
+// tracked so that "\\s" (a backslash, then 's') stays as it is.
+const char* kWhiteSpace =
+    "\\t-\\r\\x{20}\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}"
+    "\\x{3000}";
+
+std::string spell_out_spaces(const std::string& p) {
   std::string out;
   bool in_class = false;
   for (size_t i = 0; i < p.size(); i++) {
@@ -161,9 +166,9 @@ std::string widen_space_classes(const std::string& p) {
       char d = p[i + 1];
       i++;
       if (d == 's') {
-        out += in_class ? "\\s\\x{85}" : "[\\s\\x{85}]";
+        out += in_class ? kWhiteSpace : std::string("[") + kWhiteSpace + "]";
       } else if (d == 'S' && !in_class) {
-        out += "[^\\s\\x{85}]";
+        out += std::string("[^") + kWhiteSpace + "]";
       } else {
         out += c;
         out += d;
@@ -204,7 +209,7 @@ struct MatchScratch {
 }  // namespace
 
 Regex::Regex(const std::string& pattern, bool literal) : pattern_(pattern) {
-  std::string p = literal ? pattern : widen_space_classes(pattern);
+  std::string p = literal ? pattern : spell_out_spaces(pattern);
   uint32_t opts = PCRE2_UTF | (literal ? PCRE2_LITERAL : PCRE2_UCP);
   int err = 0;
   PCRE2_SIZE off = 0;

@@ -35,7 +35,8 @@ std::string bytes_to_chars(const std::string& s);  // map every byte of s
 
 // ------------------------------------------------------------------ regex
 // A compiled PCRE2 pattern (UTF, Unicode properties). HF compiles its patterns with
-// Oniguruma, whose \s is White_Space; PCRE2's \s lacks U+0085, so \s and \S are widened.
+// Oniguruma, whose \s is exactly White_Space; PCRE2's also takes U+180E, so \s and \S are
+// rewritten as the White_Space list.
 class Regex {
  public:
   // literal: match the pattern text as a plain string (HF's Split "String" pattern).

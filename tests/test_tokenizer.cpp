@@ -225,6 +225,25 @@ TEST_CASE("tokenizer: train to vocab 400, save, reload, encode identically", "[t
   CHECK(t.encode(corpus).size() * 3 < corpus.size());
 }
 
+TEST_CASE("tokenizer: trainer equals HF's BpeTrainer merge for merge (80 KB, vocab 2000)", "[tokenizer][train]") {
+  // tests/fixtures/tokenizer_train_hf: HF tokenizers 0.23.2 trained on texts.json (make_hf.py)
+  const std::string dir = "tests/fixtures/tokenizer_train_hf/";
+  std::vector<std::string> texts = json::parse(read_file(dir + "texts.json")).get<std::vector<std::string>>();
+  REQUIRE(texts.size() > 1000);
+  Tokenizer t = Tokenizer::train(texts, 2000, {"<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>"});
+  json mine = json::parse(t.to_json()), hf = json::parse(read_file(dir + "tokenizer.json"));
+  const json &mm = mine["model"]["merges"], &hm = hf["model"]["merges"];
+  size_t i = 0;
+  while (i < mm.size() && i < hm.size() && mm[i] == hm[i]) i++;
+  INFO("merges " << mm.size() << " vs HF " << hm.size() << ", first difference at " << i
+                 << (i < mm.size() && i < hm.size() ? ": " + mm[i].dump() + " vs " + hm[i].dump() : ""));
+  CHECK(i == hm.size());
+  CHECK(mm.size() == hm.size());
+  CHECK(mine["model"]["vocab"] == hf["model"]["vocab"]);
+  CHECK(mine["added_tokens"] == hf["added_tokens"]);
+  CHECK(mine["pre_tokenizer"] == hf["pre_tokenizer"]);
+}
+
 TEST_CASE("tokenizer: trainer order: most frequent pair, ties to the smaller ids", "[tokenizer][train]") {
   // "abababcd": (a,b) x3 first; then (ab,ab) x2 (left to right: abab ab c d); then three
   // pairs of count 1, and the smallest (left, right) ids win: (c,d) (alphabet ids are below
@@ -294,9 +313,11 @@ TEST_CASE("tokenizer: Split behaviours, invert, Digits, ByteLevel prefix space",
   // GPT-2 regex: contractions, a space joins the next word, trailing spaces stay apart
   CHECK(pieces(R"({"type":"ByteLevel","add_prefix_space":false})", "it's  ok\n") ==
         V{"it", "'s", "Ġ", "Ġok", "Ċ"});
-  // U+0085 (NEL) is whitespace to HF's regex engine: " \u0085" is a whitespace run, split
-  // before its last character, rather than one punctuation pre-token
+  // HF's regex \s is Unicode White_Space: U+0085 (NEL) is in it, so " \u0085" is a
+  // whitespace run split before its last character; U+180E is not (PCRE2 alone says it is),
+  // so " \u180E" is one punctuation-like pre-token
   CHECK(pieces(R"({"type":"ByteLevel","add_prefix_space":false})", "a \xC2\x85" "b").size() == 4);
+  CHECK(pieces(R"({"type":"ByteLevel","add_prefix_space":false})", "a \xE1\xA0\x8E" "b").size() == 3);
 }
 
 TEST_CASE("tokenizer: added tokens lstrip/rstrip/single_word and normalized matching", "[tokenizer]") {
