@@ -115,7 +115,9 @@ SafeTensors load_safetensors(const std::string& path) {
     }
     st.tensors[name] = t;
   }
-  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
+  // by (begin, end): a zero-size tensor at the offset where the next one starts comes first
+  std::sort(spans.begin(), spans.end(),
+            [](const Span& a, const Span& b) { return a.begin != b.begin ? a.begin < b.begin : a.end < b.end; });
   uint64_t pos = 0;
   for (auto& s : spans) {
     LOOM_CHECK(s.begin >= pos, "%s: tensor '%s' overlaps the previous tensor", path.c_str(), s.name.c_str());
@@ -123,8 +125,8 @@ SafeTensors load_safetensors(const std::string& path) {
                (unsigned long long)(s.begin - pos), s.name.c_str());
     pos = s.end;
   }
-  LOOM_CHECK(pos == data_size, "%s: %llu trailing bytes after the last tensor", path.c_str(),
-             (unsigned long long)(data_size - pos));
+  LOOM_CHECK(pos == data_size, "%s: %llu trailing bytes after the last tensor%s", path.c_str(),
+             (unsigned long long)(data_size - pos), spans.empty() ? "" : (" '" + spans.back().name + "'").c_str());
   return st;
 }
 
