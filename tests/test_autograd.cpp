@@ -1,0 +1,265 @@
+// test_autograd.cpp: the tape's semantics (autograd/autograd.h).
+//
+// - backward walks the tape in reverse recording order, and skips nodes nothing flowed into;
+// - parameter (leaf) gradients accumulate: two forward+backward passes give exactly twice the
+//   gradients of one, bit for bit in f64, for a small ViT and a small LM from nn/;
+// - NoGradGuard records nothing;
+// - a tensor used twice gets the sum of both gradients, and two inputs never share one buffer;
+// - activation gradients and saved tensors are freed by backward;
+// - backward refuses a non-scalar root without a seed, a wrong seed, and a root nothing recorded.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "autograd/ops.h"
+#include "nn/lm.h"
+#include "nn/vit.h"
+#include "tests/tolerances.h"
+
+using namespace loom;
+using Catch::Contains;
+using std::string;
+using std::vector;
+
+namespace {
+
+Tensor leaf(const Shape& s, Rng& rng) { return Tensor::randn(s, rng, 1.0, DType::F64).requires_grad_(); }
+
+// out = in (a copy), recording a node that logs `id` when its backward runs
+Tensor logged(const Tensor& in, int id, vector<int>& log) {
+  Tensor out = in.clone();
+  record("logged", {out}, [in, out, id, &log]() {
+    log.push_back(id);
+    accumulate_grad(in, grad_of(out));
+  });
+  return out;
+}
+
+bool bitwise_equal(const vector<double>& a, const vector<double>& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(double)) == 0);
+}
+
+// every parameter's gradient (zeros for a parameter nothing reached)
+std::map<string, vector<double>> grads_of(Module& m) {
+  std::map<string, vector<double>> g;
+  for (auto& [name, t] : m.named_parameters())
+    g[name] = t->grad().defined() ? t->grad().to_vector<double>() : vector<double>(size_t(t->numel()), 0.0);
+  return g;
+}
+
+void zero_grads(Module& m) {
+  for (auto& [name, t] : m.named_parameters()) t->impl()->grad.reset();
+}
+
+// second == 2 * first for every parameter; `exact` names the ones that must match bit for bit
+void check_twice(const std::map<string, vector<double>>& g1, const std::map<string, vector<double>>& g2,
+                 const std::function<bool(const string&)>& exact) {
+  for (auto& [name, a] : g1) {
+    INFO("parameter " << name);
+    const auto& b = g2.at(name);
+    vector<double> twice(a.size());
+    double norm = 0;
+    for (size_t i = 0; i < a.size(); i++) {
+      twice[i] = 2.0 * a[i];  // exact in binary floating point
+      norm += a[i] * a[i];
+    }
+    CHECK(norm > 0);  // every parameter got a gradient (else "2x" proves nothing)
+    if (exact(name)) CHECK(bitwise_equal(b, twice));
+    else LOOM_CHECK_CLOSE(tol::compare(b, twice, tol::kSameMathF64, name.c_str()));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("backward walks the tape in reverse and skips nodes without a gradient", "[autograd]") {
+  Rng rng(1);
+  Tensor x = leaf({3, 4}, rng);
+  vector<int> log;
+  Tensor a = logged(x, 1, log);
+  Tensor unused = logged(x, 99, log);  // recorded, but the loss never reads it
+  Tensor b = logged(a, 2, log);
+  Tensor c = logged(b, 3, log);
+  Tensor loss = sum(c);
+  CHECK(tape_size() == 5);
+  CHECK(a.requires_grad());
+  CHECK(a.impl()->tape_id == 0);
+  CHECK(c.impl()->tape_id == 3);
+  backward(loss);
+  CHECK(log == vector<int>{3, 2, 1});
+  CHECK(tape_size() == 0);
+  CHECK(c.impl()->tape_id == -1);
+  REQUIRE(x.grad().defined());
+  for (double g : x.grad().to_vector<double>()) CHECK(g == 1.0);
+}
+
+TEST_CASE("parameter gradients accumulate: two passes give exactly twice one pass", "[autograd]") {
+  SECTION("ViT, 2 blocks, f64") {
+    Rng rng(2);
+    ViTConfig c;
+    c.image_size = 12;
+    c.patch_size = 4;
+    c.channels = 3;
+    c.dim = 16;
+    c.depth = 2;
+    c.heads = 2;
+    c.mlp_ratio = 2;
+    ViT vit(c, Init{DType::F64, Device::CPU, &rng});
+    Tensor images = Tensor::randn({2, 3, 12, 12}, rng, 1.0, DType::F64);
+    Tensor R = Tensor::randn({2, 9, 16}, rng, 1.0, DType::F64);
+    auto pass = [&]() { backward(sum(mul(vit.forward(images), R))); };
+    zero_grads(vit);
+    pass();
+    auto g1 = grads_of(vit);
+    pass();
+    auto g2 = grads_of(vit);
+    check_twice(g1, g2, [](const string&) { return true; });
+    // zeroing starts over: a third pass after a reset equals the first
+    zero_grads(vit);
+    pass();
+    auto g3 = grads_of(vit);
+    for (auto& [name, a] : g1) {
+      INFO(name);
+      CHECK(bitwise_equal(g3.at(name), a));
+    }
+  }
+  SECTION("LM, 2 layers, GQA, packed ragged batch, tied head, f64") {
+    Rng rng(3);
+    LMConfig c;
+    c.vocab = 23;
+    c.dim = 16;
+    c.depth = 2;
+    c.heads = 4;
+    c.kv_heads = 2;
+    c.hidden = 24;
+    LM lm(c, Init{DType::F64, Device::CPU, &rng});
+    lm.loss_chunk = 5;
+    vector<int32_t> cu = {0, 6, 13};
+    SeqInfo seq = SeqInfo::packed(cu, Device::CPU);
+    vector<int32_t> ids(13), pos(13), tgt(13);
+    for (int i = 0; i < 13; i++) {
+      ids[size_t(i)] = int32_t(rng.randint(c.vocab));
+      tgt[size_t(i)] = i == 5 || i == 12 || i == 8 ? -1 : int32_t(rng.randint(c.vocab));
+      pos[size_t(i)] = i < 6 ? i : i - 6;
+    }
+    Tensor tid = Tensor::from_vector(ids, {13}), tpos = Tensor::from_vector(pos, {13});
+    Tensor ttgt = Tensor::from_vector(tgt, {13});
+    auto pass = [&]() {
+      Tensor h = lm.hidden(embedding(tid, lm.embed_tokens), tpos, seq);
+      backward(lm.loss(h, ttgt));
+    };
+    zero_grads(lm);
+    pass();
+    auto g1 = grads_of(lm);
+    pass();
+    auto g2 = grads_of(lm);
+    // The tied embedding receives two `+=` per backward (the head, then the embedding rows);
+    // on the second pass they land on a non-zero buffer, so (G + h) + e need not round like
+    // 2 (h + e): equal to same-math tolerance, not bit for bit. Every other parameter has one
+    // consumer and must be exact.
+    check_twice(g1, g2, [](const string& n) { return n != "embed_tokens.weight"; });
+  }
+}
+
+TEST_CASE("NoGradGuard records nothing", "[autograd]") {
+  Rng rng(4);
+  Tensor x = leaf({5, 6}, rng), w = leaf({3, 6}, rng);
+  clear_tape();
+  {
+    NoGradGuard ng;
+    CHECK_FALSE(grad_enabled());
+    Tensor y = sum(gelu(linear(x, w)));
+    y = mul(y, y);
+    CHECK(tape_size() == 0);
+    CHECK_FALSE(y.requires_grad());
+    REQUIRE_THROWS_WITH(backward(y), Contains("does not require grad"));
+    {
+      NoGradGuard nested;
+    }
+    CHECK_FALSE(grad_enabled());  // the inner guard restores the outer state
+  }
+  CHECK(grad_enabled());
+  Tensor y = sum(linear(x, w));
+  CHECK(tape_size() == 2);
+  backward(y);
+  CHECK(w.grad().defined());
+  CHECK(tape_size() == 0);
+}
+
+TEST_CASE("a tensor used twice gets the summed gradient", "[autograd]") {
+  Rng rng(5);
+  Tensor x = leaf({4, 3}, rng);
+  auto xv = x.to_vector<double>();
+  SECTION("x + x") {
+    backward(sum(add(x, x)));
+    for (double g : x.grad().to_vector<double>()) CHECK(g == 2.0);
+  }
+  SECTION("x * x") {
+    backward(sum(mul(x, x)));
+    auto g = x.grad().to_vector<double>();
+    for (size_t i = 0; i < g.size(); i++) CHECK(g[i] == 2.0 * xv[i]);
+  }
+  SECTION("x feeding two branches of different ops") {
+    backward(sum(add(scale(x, 3.0), unary(x, UnaryOp::Square))));
+    auto g = x.grad().to_vector<double>();
+    for (size_t i = 0; i < g.size(); i++) CHECK(g[i] == Approx(3.0 + 2.0 * xv[i]).epsilon(1e-15));
+  }
+  SECTION("two inputs passed the same gradient never share one buffer") {
+    Tensor y = leaf({4, 3}, rng);
+    backward(sum(add(x, y)));
+    REQUIRE(x.grad().defined());
+    REQUIRE(y.grad().defined());
+    CHECK(x.grad().impl()->storage != y.grad().impl()->storage);
+    x.grad().fill_(5.0);  // writing one must not change the other
+    for (double g : y.grad().to_vector<double>()) CHECK(g == 1.0);
+  }
+  SECTION("an activation used twice passes the sum on") {
+    Tensor h = scale(x, 2.0);
+    backward(sum(mul(h, h)));  // d/dx (2x)^2 = 8x
+    auto g = x.grad().to_vector<double>();
+    for (size_t i = 0; i < g.size(); i++) CHECK(g[i] == Approx(8.0 * xv[i]).epsilon(1e-15));
+  }
+}
+
+TEST_CASE("activation gradients and saved tensors are freed after backward", "[autograd]") {
+  Rng rng(6);
+  Tensor x = leaf({64, 32}, rng), w = leaf({48, 32}, rng), b = leaf({48}, rng);
+  size_t before = cpu_bytes_in_use();
+  {
+    Tensor h = linear(x, w, b);
+    Tensor a = gelu(h);
+    Tensor loss = mean(mul(a, a));
+    CHECK(cpu_bytes_in_use() > before);
+    backward(loss);
+    CHECK_FALSE(h.grad().defined());
+    CHECK_FALSE(a.grad().defined());
+    CHECK_FALSE(loss.grad().defined());
+    CHECK(x.grad().defined());
+    CHECK(w.grad().defined());
+    CHECK(b.grad().defined());
+  }
+  // once the activations go out of scope, only the three leaf gradients remain
+  size_t leaf_grads = x.grad().nbytes() + w.grad().nbytes() + b.grad().nbytes();
+  CHECK(cpu_bytes_in_use() == before + leaf_grads);
+}
+
+TEST_CASE("backward preconditions", "[autograd]") {
+  Rng rng(7);
+  Tensor x = leaf({4, 7}, rng);
+  Tensor y = scale(x, 2.0);
+  REQUIRE_THROWS_WITH(backward(y), Contains("not a scalar") && Contains("[4, 7]"));
+  REQUIRE_THROWS_WITH(backward(y, Tensor::zeros({7, 4}, DType::F64)), Contains("[7, 4]") && Contains("[4, 7]"));
+  clear_tape();
+  // with a seed of the root's shape, backward runs: d(2x)/dx * seed
+  Tensor z = scale(x, 2.0);
+  Tensor seed = Tensor::randn({4, 7}, rng, 1.0, DType::F64);
+  backward(z, seed);
+  auto g = x.grad().to_vector<double>(), s = seed.to_vector<double>();
+  for (size_t i = 0; i < g.size(); i++) CHECK(g[i] == 2.0 * s[i]);
+  Tensor c = Tensor::randn({1}, rng, 1.0, DType::F64);
+  REQUIRE_THROWS_WITH(backward(c), Contains("does not require grad"));
+  CHECK(tape_size() == 0);
+}
