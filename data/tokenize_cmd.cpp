@@ -25,11 +25,11 @@ const char* kUsage =
     "  --skip-special:   with --decode, leave special tokens out\n";
 }
 
-// argv[0] is the command's own name and is ignored.
 int tokenize_command(int argc, char** argv) {
   std::string path;
   bool decode = false, skip_special = false;
-  for (int i = 1; i < argc; i++) {
+  // argv holds the options; a leading "tokenize" (the subcommand's own name) is skipped
+  for (int i = argc > 0 && std::strcmp(argv[0], "tokenize") == 0 ? 1 : 0; i < argc; i++) {
     std::string a = argv[i];
     if (a == "--tokenizer" && i + 1 < argc) {
       path = argv[++i];

@@ -72,7 +72,8 @@ class Tokenizer {
 
 // `train tokenize --tokenizer tokenizer.json [--decode] [--skip-special]`: reads all of
 // stdin; prints the ids as a JSON array (encode) or the text (--decode, JSON array in).
-// Returns the process exit code (0 ok, 1 error, 2 usage); errors go to stderr.
+// argv holds the options (a leading "tokenize" is skipped, so both main's argv + 2 and
+// argv + 1 work). Returns the process exit code (0 ok, 1 error, 2 usage); errors go to stderr.
 int tokenize_command(int argc, char** argv);
 
 }  // namespace loom

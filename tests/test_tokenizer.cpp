@@ -407,7 +407,7 @@ TEST_CASE("tokenize command: encode to a JSON array and decode back", "[tokenize
   REQUIRE(rc == 0);
   std::vector<int32_t> ids = json::parse(out).get<std::vector<int32_t>>();
   CHECK(ids == Tokenizer::from_file(tj).encode(text));
-  auto [rc2, back] = run_cmd({"tokenize", "--tokenizer=" + tj, "--decode"}, out);
+  auto [rc2, back] = run_cmd({"--tokenizer=" + tj, "--decode"}, out);  // as main passes argv + 2
   REQUIRE(rc2 == 0);
   CHECK(back == text);
   auto [rc3, skipped] = run_cmd({"tokenize", "--tokenizer", tj, "--decode", "--skip-special"}, out);
@@ -420,5 +420,7 @@ TEST_CASE("tokenize command: encode to a JSON array and decode back", "[tokenize
   CHECK(rc5 == 1);
   CHECK(err5.find("stdin") != std::string::npos);
   CHECK(run_cmd({"tokenize"}, "").first == 2);
+  CHECK(run_cmd({}, "").first == 2);
+  CHECK(run_cmd({"--decode", "--tokenizer"}, "").first == 2);  // --tokenizer without its value
   CHECK(run_cmd({"tokenize", "--tokenizer", tj, "--bogus"}, "").first == 2);
 }
