@@ -1,0 +1,167 @@
+// test_fixtures.cpp: whole-model checks against the PyTorch / HF goldens in tests/fixtures/
+// (how they were made: tests/fixtures/README.md).
+//
+// run_check (train/check.h) rebuilds each model from the fixture, runs forward and backward
+// in f64 on the CPU and measures every output's and gradient's relative error
+// ||got - ref|| / ||ref||; each must be <= tol::kFixtureRelF64 (1e-6). Then the check is shown
+// to be able to fail: copies of a fixture with one gradient (or the loss) perturbed, written
+// with save_safetensors into a temporary directory, must fail it, and name the perturbed row.
+//
+// Paths are relative to the repository root (ctest's working directory).
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <stdexcept>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "tensor/safetensors.h"
+#include "tests/tolerances.h"
+#include "train/check.h"
+
+using namespace loom;
+using std::string;
+
+namespace {
+
+const string kDir = "tests/fixtures/";
+
+void print(const string& path, const CheckResult& r) {
+  std::printf("\ncheck %s (%s): %zu rows, worst rel err %.3e (tolerance %.0e)\n", path.c_str(), r.kind.c_str(),
+              r.rows.size(), r.worst, r.tolerance);
+  int shown = 0;
+  for (auto& row : r.rows)
+    if (row.rel_err > 1e-9 && shown++ < 8)
+      std::printf("  %-52s %9lld %.3e%s\n", row.name.c_str(), row.numel, row.rel_err,
+                  row.vs_largest ? " (ref ~0: vs largest)" : "");
+}
+
+const CheckRow* worst_row(const CheckResult& r) {
+  const CheckRow* w = nullptr;
+  for (auto& row : r.rows)
+    if (!w || !(row.rel_err <= w->rel_err)) w = &row;
+  return w;
+}
+
+void require_passes(const string& path) {
+  CheckResult r = run_check(path, "cpu");
+  print(path, r);
+  INFO(path << " (" << r.kind << "): worst " << r.worst);
+  REQUIRE(r.rows.size() > 3);
+  CHECK(r.tolerance == tol::kFixtureRelF64);
+  CHECK(r.worst <= tol::kFixtureRelF64);
+  CHECK(r.ok());
+  for (auto& row : r.rows) {
+    INFO(row.name);
+    CHECK(std::isfinite(row.rel_err));
+    CHECK(row.ref_norm > 0);
+  }
+}
+
+// A fresh directory under $TMPDIR (or /tmp), removed when the test case ends.
+struct TempDir {
+  string path;
+  TempDir() {
+    const char* t = std::getenv("TMPDIR");
+    string tmpl = string(t && *t ? t : "/tmp") + "/loom_fixtures_XXXXXX";
+    std::vector<char> buf(tmpl.begin(), tmpl.end());
+    buf.push_back('\0');
+    if (!mkdtemp(buf.data())) throw std::runtime_error("mkdtemp " + tmpl + " failed");
+    path = buf.data();
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+};
+
+void copy_file(const string& from, const string& to) {
+  std::ifstream in(from, std::ios::binary);
+  REQUIRE(in.good());
+  std::ofstream out(to, std::ios::binary);
+  out << in.rdbuf();
+  REQUIRE(out.good());
+}
+
+// st's tensors with tensor `name` replaced by a copy whose element `at` moves by
+// `rel` times the tensor's norm
+std::map<string, Tensor> perturbed(const SafeTensors& st, const string& name, int64_t at, double rel) {
+  std::map<string, Tensor> m = st.tensors;
+  Tensor t = st.at(name).clone();
+  auto v = t.to_vector<double>();
+  double norm = 0;
+  for (double x : v) norm += x * x;
+  norm = std::sqrt(norm);
+  REQUIRE(norm > 0);
+  v[size_t(at)] += rel * norm;
+  m[name] = Tensor::from_vector(v, t.shape()).to(t.dtype());
+  return m;
+}
+
+}  // namespace
+
+TEST_CASE("fixtures pass the f64 check at 1e-6", "[fixtures]") {
+  SECTION("LatentMIM (contrastive)") { require_passes(kDir + "mim_tiny_s0.safetensors"); }
+  SECTION("VLM on a packed batch") { require_passes(kDir + "vlm_tiny_s0.safetensors"); }
+  SECTION("HF Llama folder") { require_passes(kDir + "llama_tiny_s0"); }
+  SECTION("HF SigLIP vision folder") { require_passes(kDir + "siglip_tiny_s0"); }
+}
+
+TEST_CASE("a corrupted fixture fails the check", "[fixtures]") {
+  TempDir tmp;
+  const string& dir = tmp.path;
+
+  SECTION("MIM: one gradient element moved by 1e-5 of the gradient's norm") {
+    SafeTensors st = load_safetensors(kDir + "mim_tiny_s0.safetensors");
+    const string name = "grad.encoder.blocks.1.fc1.weight";
+    REQUIRE(st.has(name));
+    string path = dir + "/mim_grad.safetensors";
+    save_safetensors(path, perturbed(st, name, 17, 1e-5), st.metadata);
+    CheckResult r = run_check(path, "cpu");
+    print(path, r);
+    CHECK_FALSE(r.ok());
+    CHECK(r.worst > 5e-6);  // ~1e-5: the perturbation, seen through ||.|| / ||ref||
+    REQUIRE(worst_row(r));
+    CHECK(worst_row(r)->name == "encoder.blocks.1.fc1.weight");
+  }
+  SECTION("VLM: the loss moved by 1e-4") {
+    SafeTensors st = load_safetensors(kDir + "vlm_tiny_s0.safetensors");
+    string path = dir + "/vlm_loss.safetensors";
+    save_safetensors(path, perturbed(st, "output.loss", 0, 1e-4), st.metadata);
+    CheckResult r = run_check(path, "cpu");
+    print(path, r);
+    CHECK_FALSE(r.ok());
+    REQUIRE(worst_row(r));
+    CHECK(worst_row(r)->name == "loss");
+  }
+  SECTION("Llama folder: one gradient of the golden perturbed") {
+    const string src = kDir + "llama_tiny_s0";
+    const string out = dir + "/llama";
+    std::filesystem::create_directory(out);
+    copy_file(src + "/config.json", out + "/config.json");
+    copy_file(src + "/model.safetensors", out + "/model.safetensors");
+    SafeTensors golden = load_safetensors(src + "/golden.safetensors");
+    const string name = "grad.model.layers.1.mlp.down_proj.weight";
+    REQUIRE(golden.has(name));
+    save_safetensors(out + "/golden.safetensors", perturbed(golden, name, 3, 1e-3), golden.metadata);
+    CheckResult r = run_check(out, "cpu");
+    print(out, r);
+    CHECK_FALSE(r.ok());
+    REQUIRE(worst_row(r));
+    CHECK(worst_row(r)->name.find("down_proj") != string::npos);
+  }
+  SECTION("a NaN in a gradient fails") {
+    SafeTensors st = load_safetensors(kDir + "mim_tiny_s0.safetensors");
+    const string name = "grad.encoder.pos_embed";
+    REQUIRE(st.has(name));
+    auto m = perturbed(st, name, 0, NAN);
+    string path = dir + "/mim_nan.safetensors";
+    save_safetensors(path, m, st.metadata);
+    CheckResult r = run_check(path, "cpu");
+    CHECK_FALSE(r.ok());
+  }
+}
