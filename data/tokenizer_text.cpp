@@ -280,7 +280,10 @@ std::string normalize(const std::string& s, NormForm f) {
       uint32_t cp;
       int k = utf8_seq(p + i, s.size() - i, &cp);
       if (k <= 0) throw std::invalid_argument("normalize: invalid UTF-8");
-      append_utf8(out, uint32_t(utf8proc_tolower(utf8proc_int32_t(cp))));
+      // HF lowers char by char with Rust's to_lowercase, whose one multi-character mapping
+      // (SpecialCasing, unconditional) is U+0130 -> "i" U+0307; utf8proc gives plain "i"
+      if (cp == 0x130) out += "i\xCC\x87";
+      else append_utf8(out, uint32_t(utf8proc_tolower(utf8proc_int32_t(cp))));
       i += size_t(k);
     }
     return out;
