@@ -37,6 +37,53 @@ Tensor LMBlock::forward(const Tensor& x, const Tensor& pos, const SeqInfo& seq) 
   return add(r, down_proj.forward(swiglu(gate_proj.forward(m), up_proj.forward(m))));
 }
 
+Tensor LMBlock::forward_cached(const Tensor& x, const Tensor& pos, Tensor& k_cache, Tensor& v_cache,
+                               int64_t len) const {
+  int64_t n = x.size(0);
+  int hd = cfg.head_dim();
+  LOOM_CHECK(len + n <= k_cache.size(0), "KV cache of %lld tokens is full (%lld + %lld)", (long long)k_cache.size(0),
+             (long long)len, (long long)n);
+  Tensor h = input_layernorm.forward(x);
+  Tensor q = rope(reshape(q_proj.forward(h), {n, cfg.heads, hd}), pos, cfg.rope_theta);
+  Tensor k = rope(reshape(k_proj.forward(h), {n, cfg.kv_heads, hd}), pos, cfg.rope_theta);
+  Tensor v = reshape(v_proj.forward(h), {n, cfg.kv_heads, hd});
+  k_cache.narrow(0, len, n).copy_(k);
+  v_cache.narrow(0, len, n).copy_(v);
+  SeqInfo s;
+  s.nseq = 1;
+  s.max_seqlen = int(len + n);
+  s.cu_q = Tensor::from_vector(std::vector<int32_t>{0, int32_t(n)}, {2}, x.device());
+  s.cu_k = Tensor::from_vector(std::vector<int32_t>{0, int32_t(len + n)}, {2}, x.device());
+  // causal attention is bottom-right aligned: new token t sees the cache and new tokens <= t
+  Tensor a = attention(q, k_cache.narrow(0, 0, len + n), v_cache.narrow(0, 0, len + n), s, true,
+                       1.0 / std::sqrt(double(hd)));
+  Tensor r = add(x, o_proj.forward(reshape(a, {n, cfg.heads * hd})));
+  Tensor m = post_attention_layernorm.forward(r);
+  return add(r, down_proj.forward(swiglu(gate_proj.forward(m), up_proj.forward(m))));
+}
+
+KVCache LM::make_cache(int64_t cap) const {
+  KVCache c;
+  c.cap = cap;
+  for (size_t i = 0; i < layers.size(); i++) {
+    c.k.push_back(Tensor::zeros({cap, cfg.kv_heads, cfg.head_dim()}, embed_tokens.dtype(), embed_tokens.device()));
+    c.v.push_back(Tensor::zeros({cap, cfg.kv_heads, cfg.head_dim()}, embed_tokens.dtype(), embed_tokens.device()));
+  }
+  return c;
+}
+
+Tensor LM::hidden_cached(const Tensor& x, KVCache& cache) const {
+  NoGradGuard ng;
+  int64_t n = x.size(0);
+  std::vector<int32_t> pos(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; i++) pos[size_t(i)] = int32_t(cache.len + i);
+  Tensor p = Tensor::from_vector(pos, {n}, x.device());
+  Tensor h = x;
+  for (size_t l = 0; l < layers.size(); l++) h = layers[l]->forward_cached(h, p, cache.k[l], cache.v[l], cache.len);
+  cache.len += n;
+  return norm.forward(h);
+}
+
 LM::LM(const LMConfig& c, const Init& init) : cfg(c), norm(c.dim, c.eps, init) {
   embed_tokens = init.normal({c.vocab, c.dim}, 0.02);
   embed_.param("weight", embed_tokens);

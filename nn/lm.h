@@ -14,11 +14,20 @@ struct LMConfig {
   int head_dim() const { return dim / heads; }
 };
 
+// Keys and values of earlier tokens, per layer, for generation: [cap, KV, hd] each.
+struct KVCache {
+  std::vector<Tensor> k, v;
+  int64_t len = 0, cap = 0;
+};
+
 class LMBlock : public Module {
  public:
   LMBlock(const LMConfig& c, const Init& init);
   // x [Ntok, D], pos int32 [Ntok] -> [Ntok, D]
   Tensor forward(const Tensor& x, const Tensor& pos, const SeqInfo& seq) const;
+  // one sequence: x [n, D] are the tokens after the cache->len cached ones; appends their
+  // keys/values into k_cache/v_cache rows [len, len + n) and attends over all len + n
+  Tensor forward_cached(const Tensor& x, const Tensor& pos, Tensor& k_cache, Tensor& v_cache, int64_t len) const;
   LMConfig cfg;
   RMSNorm input_layernorm, post_attention_layernorm;
   Linear q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj;
@@ -32,6 +41,9 @@ class LM : public Module {
   // mean next-token loss over targets >= 0, through the tied head without [Ntok, V] logits
   Tensor loss(const Tensor& h, const Tensor& targets) const;
   Tensor logits(const Tensor& h) const { return linear(h, embed_tokens); }
+  KVCache make_cache(int64_t cap) const;
+  // generation (no grad): hidden states [n, D] of n new tokens of one sequence, given the cache
+  Tensor hidden_cached(const Tensor& x, KVCache& cache) const;
   LMConfig cfg;
   Tensor embed_tokens;  // [V, D]; state-dict name embed_tokens.weight
   std::vector<std::unique_ptr<LMBlock>> layers;

@@ -10,7 +10,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "train/config.h"
+#include "trainer/config.h"
 
 using loom::Config;
 

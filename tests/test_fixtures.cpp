@@ -1,7 +1,7 @@
 // test_fixtures.cpp: whole-model checks against the PyTorch / HF goldens in tests/fixtures/
 // (how they were made: tests/fixtures/README.md).
 //
-// run_check (train/check.h) rebuilds each model from the fixture, runs forward and backward
+// run_check (trainer/check.h) rebuilds each model from the fixture, runs forward and backward
 // in f64 on the CPU and measures every output's and gradient's relative error
 // ||got - ref|| / ||ref||; each must be <= tol::kFixtureRelF64 (1e-6). Then the check is shown
 // to be able to fail: copies of a fixture with one gradient (or the loss) perturbed, written
@@ -21,7 +21,7 @@
 
 #include "tensor/safetensors.h"
 #include "tests/tolerances.h"
-#include "train/check.h"
+#include "trainer/check.h"
 
 using namespace loom;
 using std::string;

@@ -1,6 +1,6 @@
 // config.cpp: parsing, validation, overrides and dump of the run configuration.
 // Values are kept as validated text (so `lr = 3e-4` dumps as written); getters convert.
-#include "train/config.h"
+#include "trainer/config.h"
 
 #include <unistd.h>
 

@@ -1,5 +1,5 @@
 // check.cpp: fixture checks against PyTorch / HF goldens (see check.h).
-#include "train/check.h"
+#include "trainer/check.h"
 
 #include <cmath>
 #include <cstdio>

@@ -1,7 +1,7 @@
 // config_schema.cpp: the one table of valid config keys, their types, defaults and help.
 // A key that is not here is an error in a config file or an override. Defaults describe a
 // small CPU-friendly run; configs/*.cfg set what differs.
-#include "train/config.h"
+#include "trainer/config.h"
 
 namespace loom {
 

@@ -4,7 +4,7 @@
 #include <sys/stat.h>
 
 #include "nn/hf.h"
-#include "train/check.h"
+#include "trainer/check.h"
 
 namespace loom {
 

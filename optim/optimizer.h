@@ -1,0 +1,94 @@
+// optimizer.h: AdamW / SGD over flat parameter buffers, with parameter groups, mixed
+// precision, device-side gradient clipping, learning-rate schedules and EMA.
+//
+// Layout (what makes one launch per group possible): the optimizer takes the model's
+// parameter slots (Tensor*), groups them, and for each group allocates flat buffers
+//   master [n] (f32, or f64 when the model is f64), m [n], v [n] (AdamW) or buf [n] (SGD),
+//   grad [n] in the compute dtype, and, when compute != master dtype, copy [n] (bf16).
+// Each slot is then re-pointed to a view of the compute copy (or of master when the dtypes
+// match) with requires_grad, and its .grad to a view of the flat grad buffer, so the kernels'
+// `+=` into parameter gradients lands in the flat buffer directly. One optimizer step is then
+// one adamw_update launch per group, which also writes the new bf16 copy.
+// Frozen parameters (requires_grad false at construction) are left alone.
+#pragma once
+#include <map>
+#include <string>
+#include <vector>
+
+#include "nn/module.h"
+
+namespace loom {
+
+struct OptimConfig {
+  std::string kind = "adamw";  // adamw | sgd
+  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, momentum = 0.9;
+};
+
+struct ParamGroup {
+  std::string name;                 // e.g. "matrices", "norms", "embeddings", "projector"
+  double lr_scale = 1.0;            // group lr = schedule lr * lr_scale
+  double weight_decay = 0.0;
+  std::vector<std::pair<std::string, Tensor*>> params;
+};
+
+// The usual split: 2-D weights (and embeddings) decay, biases / norm gains / positional
+// vectors (1-D) do not. `prefix_lr` can scale groups by name prefix ("projector." -> 10x).
+std::vector<ParamGroup> default_groups(Module& m, double weight_decay);
+
+class Optimizer {
+ public:
+  // compute_dtype: the dtype the forward runs in (F32/F64 = master dtype, or BF16 on CUDA).
+  Optimizer(std::vector<ParamGroup> groups, const OptimConfig& cfg, DType compute_dtype, Device device);
+  void zero_grad();  // zeros the flat gradient buffers (one memset per group)
+  // Global gradient norm and clip scale on the device (no host sync). Returns the norm as a
+  // device tensor f32 [1]; the next step() multiplies gradients by min(1, max_norm / norm).
+  // max_norm <= 0: no clipping (the norm is still computed).
+  Tensor clip_grad_norm(double max_norm);
+  // One update with learning rate lr (times each group's lr_scale). Gradients containing
+  // NaN/inf are the caller's business (check the norm first).
+  void step(double lr);
+  int64_t steps() const { return step_; }
+
+  // the fp32 (or f64) master value of a parameter by its name (EMA reads it)
+  Tensor master(const std::string& name) const;
+  // optimizer state for checkpoints: "group.{i}.master", "group.{i}.m", "group.{i}.v" /
+  // "group.{i}.buf", and "step"; load checks names and shapes and re-derives the copies
+  std::map<std::string, Tensor> state_dict() const;
+  void load_state_dict(const std::map<std::string, Tensor>& sd, const std::string& source);
+  int64_t num_parameters() const;
+
+  // ... implementation-defined members (flat buffers, views, clip scale tensor)
+ private:
+  struct Group;
+  std::vector<Group*> groups_;
+  OptimConfig cfg_;
+  DType compute_, master_dtype_;
+  Device device_;
+  int64_t step_ = 0;
+  Tensor norm_sq_, norm_, clip_scale_;
+  bool clip_pending_ = false;
+ public:
+  ~Optimizer();
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
+};
+
+// Learning rate at step (0-based) of `total`: linear warmup to lr, then cosine | linear |
+// constant decay to min_lr.
+double lr_at(int64_t step, int64_t total, int64_t warmup, double lr, double min_lr, const std::string& schedule);
+
+// EMA of a module's parameters from master values: target = decay * target + (1 - decay) * source.
+// target's slots are updated in place (their own dtype); source values come from `opt.master`
+// under the same names (target_prefix / source_prefix map one to the other), so the EMA sees
+// the f32 weights, not their bf16 copies.
+class EMA {
+ public:
+  EMA(Module& target, const Optimizer& opt, const std::string& source_prefix);
+  void update(double decay);  // one ema_update launch per tensor (or per flat buffer)
+ private:
+  std::vector<std::pair<Tensor, Tensor>> pairs_;  // (target master, source master)
+  std::vector<Tensor*> target_slots_;
+  std::vector<Tensor> target_master_;
+};
+
+}  // namespace loom

@@ -1,0 +1,262 @@
+// test_cuda_optim.cpp: optim/optimizer.h on CUDA, in f32 and bf16 compute, against the CPU
+// f64 optimizer given the same starting values and the same gradients.
+//
+// The gradients are written into the flat gradient buffers directly (rounded to bf16 first in
+// the bf16 runs, and the f64 reference gets the same rounded values), so the comparison is the
+// optimizer's arithmetic alone; a separate case runs a real forward/backward on the GPU and
+// checks that it lands in the flat buffers. Sizes are odd and one tensor has > 1024 columns so
+// that the vectorized update's tail and the multi-block norm are reached.
+// Exits with code 4 (skipped) when no GPU is present.
+//   bash tools/gpu-kernels.sh tests/cuda/test_cuda_optim.cpp -- tensor/tensor.cpp
+//     tensor/safetensors.cpp autograd/*.cpp nn/module.cpp optim/optimizer.cpp   (one line)
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "optim/optimizer.h"
+#include "tests/tolerances.h"
+
+using namespace loom;
+using std::vector;
+
+namespace {
+
+void need_gpu() {
+  if (!cuda::available()) {
+    std::fprintf(stderr, "no CUDA device: skipping\n");
+    std::exit(4);
+  }
+}
+
+constexpr int I = 1031, O = 67, N = 5;  // in features (> 1024), out features, rows
+
+// Linear(I -> O) times a gain vector, plus a frozen Linear. Built on the CPU in f64 from a
+// seed; to_device() gives the GPU twin with the same values.
+struct Net : Module {
+  Linear lin, frozen;
+  Tensor gain;
+  explicit Net(uint64_t seed, double gain_std = 1.0) : Net(Rng(seed), gain_std) {}
+  Net(Rng rng, double gain_std)
+      : lin(I, O, true, Init{DType::F64, Device::CPU, &rng}), frozen(I, O, true, Init{DType::F64, Device::CPU, &rng}) {
+    child("lin", lin);
+    child("frozen", frozen);
+    gain = Tensor::randn({O}, rng, gain_std, DType::F64).requires_grad_();
+    param("gain", gain);
+    // weights std 0.03 keep |z| ~ 1 over 1031 inputs (gradients O(1), so bf16's absolute
+    // tolerance is meaningful); biases random instead of Linear's zeros
+    lin.weight.copy_(Tensor::randn({O, I}, rng, 0.03, DType::F64));
+    lin.bias.copy_(Tensor::randn({O}, rng, 0.5, DType::F64));
+    frozen.requires_grad_(false);
+  }
+  Tensor loss(const Tensor& x) const {
+    Tensor y = mul(lin.forward(x), gain);
+    return sum(mul(y, y));
+  }
+  // every slot to `dt` on `dev` (keeping requires_grad)
+  void to_device(DType dt, Device dev) {
+    for (auto& [n, t] : named_parameters()) {
+      bool rg = t->requires_grad();
+      *t = t->to(dt).to(dev);
+      t->requires_grad_(rg);
+    }
+  }
+};
+
+const char* kTrained[] = {"lin.weight", "lin.bias", "gain"};
+Tensor* slot_of(Module& m, const std::string& name) {
+  for (auto& [k, t] : m.named_parameters())
+    if (k == name) return t;
+  FAIL("no parameter " << name);
+  return nullptr;
+}
+
+std::vector<ParamGroup> groups_of(Net& n) {
+  return {{"matrices", 1.0, 0.1, {{"lin.weight", &n.lin.weight}, {"frozen.weight", &n.frozen.weight}}},
+          {"vectors", 0.5, 0.02, {{"lin.bias", &n.lin.bias}, {"gain", &n.gain}, {"frozen.bias", &n.frozen.bias}}}};
+}
+
+double round_bf16(double x) { return double(float(bf16(float(x)))); }
+
+// The same random gradient into each model's flat gradient buffers (bf16-rounded when the GPU
+// computes in bf16, so that every side sees the same values).
+void set_grads(std::initializer_list<Net*> nets, Rng& rng, bool bf) {
+  for (const char* name : kTrained) {
+    Tensor* first = slot_of(**nets.begin(), name);
+    vector<double> g(size_t(first->numel()));
+    for (auto& e : g) e = bf ? round_bf16(rng.normal()) : rng.normal();
+    Tensor h = Tensor::from_vector(g, first->shape());
+    for (Net* n : nets) slot_of(*n, name)->grad().copy_(h);
+  }
+}
+
+void check_against(Net& gpu, const Optimizer& og, const Optimizer& oref, bool bf, const char* when) {
+  for (const char* name : kTrained) {
+    INFO(when << ": " << name);
+    auto want = oref.master(name).to_vector<double>();
+    auto master = og.master(name).to_vector<double>();
+    LOOM_CHECK_CLOSE(tol::compare(master, want, tol::kCudaF32, name));
+    auto slot = slot_of(gpu, name)->to_vector<double>();
+    if (bf) {
+      // the forward's weights are the master rounded to bf16, exactly
+      vector<double> rounded(master.size());
+      for (size_t i = 0; i < master.size(); i++) rounded[i] = round_bf16(master[i]);
+      CHECK(slot == rounded);
+      LOOM_CHECK_CLOSE(tol::compare(slot, want, tol::kCudaBF16, name));
+    } else {
+      CHECK(slot == master);
+    }
+  }
+}
+
+void optimizer_vs_cpu(const std::string& kind, DType compute) {
+  const bool bf = compute == DType::BF16;
+  INFO(kind << " " << dtype_name(compute));
+  Net ref(21), gpu(21);
+  gpu.to_device(DType::F32, Device::CUDA);
+  // the f32 GPU master starts from f32-rounded values: give the reference the same start
+  ref.to_device(DType::F32, Device::CPU);
+  ref.to_device(DType::F64, Device::CPU);
+  OptimConfig cfg;
+  cfg.kind = kind;
+  Optimizer oref(groups_of(ref), cfg, DType::F64, Device::CPU);
+  Optimizer og(groups_of(gpu), cfg, compute, Device::CUDA);
+  CHECK(og.num_parameters() == int64_t(O) * I + 2 * O);
+  CHECK(slot_of(gpu, "lin.weight")->dtype() == compute);
+  CHECK(slot_of(gpu, "frozen.weight")->dtype() == DType::F32);  // frozen: untouched
+  Rng rng(3);
+  const double lrs[] = {1e-2, 2e-2, 5e-3, 1e-2};
+  for (int step = 1; step <= 4; step++) {
+    INFO("step " << step);
+    og.zero_grad();
+    oref.zero_grad();
+    set_grads({&ref, &gpu}, rng, bf);
+    if (step >= 3) {  // clipped steps; the scale is < 1 on step 3 and 1 on step 4
+      const double max_norm = step == 3 ? 50.0 : 1e6;
+      Tensor ng = og.clip_grad_norm(max_norm), nr = oref.clip_grad_norm(max_norm);
+      CHECK(ng.is_cuda());
+      const double a = ng.item(), b = nr.item();
+      LOOM_CHECK_CLOSE(tol::compare(&a, &b, 1, tol::kCudaF32, "grad norm"));
+      if (step == 3) CHECK(b > 50.0);
+    }
+    og.step(lrs[step - 1]);
+    oref.step(lrs[step - 1]);
+    check_against(gpu, og, oref, bf, "after step");
+  }
+
+  // state round trip on the GPU: a fresh optimizer continues bit-identically, and its bf16
+  // weights are re-derived from the loaded masters
+  Net gpu2(99);
+  gpu2.to_device(DType::F32, Device::CUDA);
+  Optimizer og2(groups_of(gpu2), cfg, compute, Device::CUDA);
+  std::map<std::string, Tensor> host;
+  for (auto& [k, t] : og.state_dict()) host[k] = t.to(Device::CPU);  // what a checkpoint holds
+  og2.load_state_dict(host, "gpu-ckpt");
+  for (const char* name : kTrained)
+    CHECK(slot_of(gpu2, name)->to_vector<double>() == slot_of(gpu, name)->to_vector<double>());
+  Rng more(5);
+  set_grads({&gpu, &gpu2}, more, bf);
+  og.step(1e-2);
+  og2.step(1e-2);
+  for (const char* name : kTrained) {
+    CHECK(og.master(name).to_vector<double>() == og2.master(name).to_vector<double>());
+    CHECK(slot_of(gpu2, name)->to_vector<double>() == slot_of(gpu, name)->to_vector<double>());
+  }
+}
+
+}  // namespace
+
+TEST_CASE("CUDA AdamW (f32, bf16) matches the CPU f64 optimizer", "[cuda][optim]") {
+  need_gpu();
+  optimizer_vs_cpu("adamw", DType::F32);
+  optimizer_vs_cpu("adamw", DType::BF16);
+}
+
+TEST_CASE("CUDA SGD (f32, bf16) matches the CPU f64 optimizer", "[cuda][optim]") {
+  need_gpu();
+  optimizer_vs_cpu("sgd", DType::F32);
+  optimizer_vs_cpu("sgd", DType::BF16);
+}
+
+TEST_CASE("CUDA backward lands in the flat gradient buffers", "[cuda][optim]") {
+  need_gpu();
+  for (DType compute : {DType::F32, DType::BF16}) {
+    const bool bf = compute == DType::BF16;
+    INFO(dtype_name(compute));
+    // gain std 0.3 keeps |dW| <~ 1: bf16's error is relative to the sum of |terms| of
+    // dW = sum_r dz x, and kCudaBF16's atol is absolute
+    Net ref(31, 0.3), gpu(31, 0.3);
+    gpu.to_device(DType::F32, Device::CUDA);
+    Optimizer og(groups_of(gpu), OptimConfig{}, compute, Device::CUDA);
+    Rng rng(8);
+    Tensor x = Tensor::randn({N, I}, rng, 0.5, DType::F64);
+    if (bf) {  // the reference sees the GPU's inputs and weights: bf16-rounded
+      x = x.to(DType::BF16).to(DType::F64);
+      for (const char* name : kTrained) slot_of(ref, name)->copy_(slot_of(gpu, name)->to(Device::CPU));
+    }
+    Tensor xg = x.to(compute).to(Device::CUDA);
+    // poison: zero_grad must clear it
+    for (const char* name : kTrained) slot_of(gpu, name)->grad().fill_(NAN);
+    og.zero_grad();
+    const Tensor gw = gpu.lin.weight.grad();
+    backward(gpu.loss(xg));
+    backward(ref.loss(x));
+    CHECK(gpu.lin.weight.grad().same(gw));
+    const tol::Tol t = bf ? tol::kCudaBF16 : tol::kCudaF32Gemm;
+    std::map<std::string, vector<double>> once;
+    for (const char* name : kTrained) {
+      once[name] = slot_of(gpu, name)->grad().to_vector<double>();
+      LOOM_CHECK_CLOSE(tol::compare(once[name], slot_of(ref, name)->grad().to_vector<double>(), t, name));
+    }
+    backward(gpu.loss(xg));  // accumulation: twice the gradient
+    for (const char* name : kTrained) {
+      vector<double> two = once[name];
+      for (auto& e : two) e *= 2;
+      LOOM_CHECK_CLOSE(tol::compare(slot_of(gpu, name)->grad().to_vector<double>(), two, t, name));
+    }
+    CHECK_FALSE(gpu.frozen.weight.grad().defined());
+  }
+}
+
+TEST_CASE("CUDA EMA of the f32 masters into f32 and bf16 targets", "[cuda][optim]") {
+  need_gpu();
+  for (DType compute : {DType::F32, DType::BF16}) {
+    const bool bf = compute == DType::BF16;
+    INFO(dtype_name(compute));
+    Net enc(41), target(42);
+    enc.to_device(DType::F32, Device::CUDA);
+    target.to_device(compute, Device::CUDA);  // the target runs in the compute dtype
+    target.requires_grad_(false);
+    enc.frozen.requires_grad_(true);  // every target name needs a master
+    Optimizer og(groups_of(enc), OptimConfig{}, compute, Device::CUDA);
+    EMA ema(target, og, "");  // same names on both sides
+    // the reference: f64 from the target's starting values
+    const char* names[] = {"lin.weight", "lin.bias", "gain", "frozen.weight", "frozen.bias"};
+    std::map<std::string, vector<double>> want;
+    for (const char* n : names) want[n] = slot_of(target, n)->to_vector<double>();
+    Rng rng(6);
+    for (int step = 0; step < 3; step++) {
+      INFO("step " << step);
+      for (const char* n : names) {
+        Tensor* s = slot_of(enc, n);
+        vector<double> g(size_t(s->numel()));
+        for (auto& e : g) e = rng.normal();
+        s->grad().copy_(Tensor::from_vector(g, s->shape()));
+      }
+      og.step(1e-2);
+      const double decay = 0.99 - 0.1 * step;
+      ema.update(decay);
+      for (const char* n : names) {
+        auto src = og.master(n).to_vector<double>();
+        auto& w = want[n];
+        for (size_t i = 0; i < w.size(); i++) w[i] = decay * w[i] + (1 - decay) * src[i];
+        LOOM_CHECK_CLOSE(tol::compare(slot_of(target, n)->to_vector<double>(), w,
+                                      bf ? tol::kCudaBF16 : tol::kCudaF32, n));
+      }
+    }
+  }
+}

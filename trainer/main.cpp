@@ -1,0 +1,39 @@
+// main.cpp: the `train` executable.
+//   ./train CONFIG [--section.key=value ...]     train (a bare name is looked up in configs/)
+//   ./train check FIXTURE [--device cpu|cuda]    fixture check against PyTorch / HF goldens
+//   ./train tokenize --tokenizer tokenizer.json  text on stdin -> ids (JSON) on stdout
+//   ./train chat CHECKPOINT --image IMG          ask a trained VLM about an image
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <string>
+
+#include "data/tokenizer.h"
+#include "trainer/check.h"
+#include "trainer/trainer.h"
+
+static void usage() {
+  std::fprintf(stderr,
+               "usage:\n"
+               "  ./train CONFIG [--section.key=value ...]     train (configs/CONFIG when a bare name)\n"
+               "  ./train check FIXTURE [--device cpu|cuda]    compare with PyTorch/HF goldens\n"
+               "  ./train tokenize --tokenizer FILE [--decode] text <-> token ids on stdin/stdout\n"
+               "  ./train chat CHECKPOINT --image IMG [--prompt TEXT] [--temperature T]\n");
+}
+
+int main(int argc, char** argv) {
+  if (argc < 2 || !std::strcmp(argv[1], "-h") || !std::strcmp(argv[1], "--help")) {
+    usage();
+    return argc < 2 ? 2 : 0;
+  }
+  std::string cmd = argv[1];
+  try {
+    if (cmd == "check") return loom::check_command(argc - 2, argv + 2);
+    if (cmd == "tokenize") return loom::tokenize_command(argc - 2, argv + 2);
+    if (cmd == "chat") return loom::chat_command(argc - 2, argv + 2);
+    return loom::train_command(argc - 1, argv + 1);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,89 @@
+// run.h: what every trainer shares: the run folder (resolved config, metrics.jsonl, loss plot),
+// the per-step log line and progress bar, checkpoints (atomic, resumable, keep last N) and
+// the guard that skips non-finite steps.
+#pragma once
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "optim/optimizer.h"
+#include "trainer/config.h"
+
+namespace loom {
+
+struct RunContext {
+  Config cfg;
+  std::string out_dir;
+  Device device = Device::CPU;
+  DType compute = DType::F32;  // bf16 on CUDA by default
+  uint64_t seed = 0;
+};
+
+// Resolves device/dtype ("auto": CUDA + bf16 when a GPU is usable, else CPU + f32), creates
+// out_dir, prints the resolved config and saves it as out_dir/config.cfg.
+RunContext open_run(const Config& cfg);
+
+struct StepStats {
+  int64_t step = 0, total = 0;
+  double loss = 0, lr = 0, grad_norm = 0, ms = 0, data_ms = 0;
+  double items_per_s = 0;       // tokens/s (VLM) or images/s (MIM)
+  const char* items = "tok/s";
+  double mfu = -1;              // < 0: not shown (CPU)
+  double mem_mb = 0;
+  bool skipped = false;
+};
+
+class RunLog {
+ public:
+  explicit RunLog(const RunContext& ctx, bool append);
+  ~RunLog();
+  void step(const StepStats& s);  // line (every log_every) or progress bar, + metrics.jsonl
+  void event(const std::string& kind, const std::map<std::string, double>& values, const std::string& text = "");
+  void finish();                  // writes loss.svg from the metrics
+ private:
+  const RunContext& ctx_;
+  FILE* metrics_ = nullptr;
+  bool tty_;
+  int log_every_;
+  std::vector<std::pair<int64_t, double>> train_, val_;
+};
+
+// Checkpoints: out_dir/step_00001234/{model.safetensors, optimizer.safetensors, trainer.json};
+// written under a temporary name and renamed when complete; the oldest beyond keep_last are
+// removed. `model` holds the master (f32) weights under the model's names.
+struct TrainerState {
+  int64_t step = 0;
+  std::map<std::string, double> extra;  // e.g. consecutive NaN skips, best eval
+};
+void save_checkpoint(const RunContext& ctx, Module& model, const Optimizer& opt, const TrainerState& st);
+// "latest" -> newest complete checkpoint in out_dir ("" when none); a path is used as given.
+std::string find_checkpoint(const RunContext& ctx, const std::string& resume);
+TrainerState load_checkpoint(const std::string& dir, Module& model, Optimizer& opt);
+// the model weights of a checkpoint folder (for chat / init from a checkpoint)
+std::map<std::string, Tensor> load_checkpoint_model(const std::string& dir);
+std::string checkpoint_config_text(const std::string& dir);
+
+// Non-finite loss or gradient norm: skip the step and say so; too many in a row stop the run
+// (the last checkpoint stays intact).
+class NanGuard {
+ public:
+  explicit NanGuard(int max_in_a_row) : max_(max_in_a_row) {}
+  // true: apply the step; false: skip it. Throws after max_in_a_row consecutive skips.
+  bool ok(int64_t step, double loss, double grad_norm);
+  int64_t skipped() const { return total_; }
+ private:
+  int max_, run_ = 0;
+  int64_t total_ = 0;
+};
+
+double now_ms();
+// master weights for saving: opt.master(name) for trained parameters, the slot otherwise
+std::map<std::string, Tensor> model_master_state(Module& model, const Optimizer& opt);
+// parameters whose name starts with one of the comma-separated prefixes are frozen
+void freeze_prefixes(Module& m, const std::string& prefixes);
+// one-line parameter count and memory summary
+std::string describe_params(Module& m);
+
+}  // namespace loom

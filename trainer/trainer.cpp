@@ -1,0 +1,324 @@
+// trainer.cpp: the vlm_sft / vlm_pretrain trainers, the dispatch of ./train CONFIG, and the
+// chat command. The MIM trainer is in mim_trainer.cpp. One step: batch (prefetched) ->
+// forward -> backward (x grad_accum) -> clip -> NaN guard -> AdamW -> log / eval / save.
+#include "trainer/trainer.h"
+
+#include <cmath>
+#include <cstring>
+#include <fstream>
+
+#include "data/images.h"
+#include "data/shapes.h"
+#include "nn/hf.h"
+#include "trainer/mim_trainer.h"
+#include "trainer/prefetch.h"
+#include "trainer/vlm_task.h"
+
+namespace loom {
+
+// FLOPs of one VLM training step (SPEC §3: 3x forward; forward = 2 x matmul params per
+// token + attention 4 n D per token per layer with n the mean attended length).
+static double vlm_step_flops(const VLMConfig& c, const PackedBatch& pb) {
+  double lm_mat = 0;
+  int hd = c.lm.head_dim();
+  lm_mat += double(c.lm.depth) * (double(c.lm.dim) * (c.lm.heads + 2 * c.lm.kv_heads) * hd +
+                                 double(c.lm.heads) * hd * c.lm.dim + 3.0 * c.lm.dim * c.lm.hidden);
+  lm_mat += double(c.lm.vocab) * c.lm.dim;
+  double attn_tok = 0;  // sum over tokens of the attended length (causal: position + 1)
+  for (size_t i = 0; i + 1 < pb.cu_seqlens.size(); i++) {
+    double L = pb.cu_seqlens[i + 1] - pb.cu_seqlens[i];
+    attn_tok += L * (L + 1) / 2;
+  }
+  double lm = 2 * lm_mat * double(pb.real_tokens) + 4.0 * c.lm.dim * c.lm.depth * attn_tok;
+  int N = c.vit.num_patches();
+  double vit_mat = double(c.vit.depth) * (4.0 * c.vit.dim * c.vit.dim + 2.0 * c.vit.mlp_ratio * c.vit.dim * c.vit.dim);
+  double vit = double(pb.images.size()) * N * (2 * vit_mat + 4.0 * N * c.vit.dim * c.vit.depth);
+  return 3 * (lm + vit);
+}
+
+static double memory_mb(Device d) {
+  return d == Device::CUDA ? double(cuda::bytes_in_use()) / 1048576.0 : double(cpu_bytes_in_use()) / 1048576.0;
+}
+
+struct VLMEval {
+  double val_loss = 0, accuracy = 0;
+  std::map<std::string, std::pair<int, int>> by_type;  // qtype -> (correct, total)
+};
+
+static std::string trim(std::string s) {
+  while (!s.empty() && std::isspace((unsigned char)s.back())) s.pop_back();
+  size_t i = 0;
+  while (i < s.size() && std::isspace((unsigned char)s[i])) i++;
+  return s.substr(i);
+}
+
+static VLMEval evaluate_vlm(const VLM& m, const VLMData& d, const RunContext& ctx, int max_samples) {
+  NoGradGuard ng;
+  VLMEval e;
+  int n = std::min<int>(max_samples, int(d.val.size()));
+  // validation loss on packed batches of the held-out samples
+  std::vector<Sample> vs(d.val_samples.begin(), d.val_samples.begin() + n);
+  auto rows = plan_rows(vs, ctx.cfg.get_int("data.pack_max_length"), true);
+  double loss_sum = 0;
+  int nb = 0;
+  size_t per = size_t(std::max(1, ctx.cfg.get_int("train.batch_size")));
+  for (size_t r = 0; r < rows.size(); r += per) {
+    std::vector<std::vector<int>> chunk(rows.begin() + long(r), rows.begin() + long(std::min(rows.size(), r + per)));
+    PackedBatch pb = build_batch(vs, chunk, ctx.cfg.get_int("data.pack_max_length"), d.pad_id, d.image_token);
+    loss_sum += m.loss(to_device(d, vs, pb, ctx.device, ctx.compute)).item();
+    nb++;
+  }
+  e.val_loss = nb ? loss_sum / nb : 0;
+  // exact-match answers by greedy generation
+  Rng rng(0);
+  size_t px = size_t(d.channels) * d.image_size * d.image_size;
+  int correct = 0;
+  for (int i = 0; i < n; i++) {
+    const QA& q = d.val[size_t(i)];
+    Tensor img = Tensor::from_vector(d.images[size_t(q.image)], {1, d.channels, d.image_size, d.image_size})
+                     .to(ctx.compute)
+                     .to(ctx.device);
+    (void)px;
+    auto ids = generate(m, img, qa_prompt(d, q.question), ctx.cfg.get_int("eval.max_new_tokens"), d.end_id, 0, rng);
+    bool ok = trim(d.tok->decode(ids, true)) == trim(q.answer);
+    correct += ok;
+    e.by_type[q.qtype].first += ok;
+    e.by_type[q.qtype].second++;
+  }
+  e.accuracy = n ? double(correct) / n : 0;
+  return e;
+}
+
+static std::string eval_table(const VLMEval& e, const VLMData& d) {
+  std::string s = "answer accuracy (exact match, greedy) vs majority baseline:\n";
+  char b[160];
+  for (auto& [t, h] : e.by_type) {
+    double base = d.baseline.count(t) ? d.baseline.at(t) : 0;
+    std::snprintf(b, sizeof b, "  %-10s %5.1f%%  (%d/%d)   baseline %5.1f%%\n", t.c_str(), 100.0 * h.first / h.second,
+                  h.first, h.second, 100 * base);
+    s += b;
+  }
+  std::snprintf(b, sizeof b, "  %-10s %5.1f%%             baseline %5.1f%%", "all", 100 * e.accuracy,
+                100 * (d.baseline.count("all") ? d.baseline.at("all") : 0));
+  return s + b;
+}
+
+// Initial weights from an HF model folder or one of our checkpoints.
+static void init_vlm_from(VLM& m, const Config& cfg) {
+  std::string lm_init = cfg.get_str("model.lm_init"), vis = cfg.get_str("model.vision_init");
+  if (!lm_init.empty()) {
+    std::ifstream f(lm_init + "/trainer.json");
+    if (f.good()) {  // our checkpoint: take every lm.* weight
+      std::map<std::string, Tensor> sd;
+      for (auto& [k, v] : load_checkpoint_model(lm_init))
+        if (k.rfind("lm.", 0) == 0) sd[k.substr(3)] = v;
+      m.lm.load_state_dict(sd, lm_init);
+    } else {
+      HFFolder h = read_hf_folder(lm_init);
+      m.lm.load_state_dict(llama_to_loom(h.weights, m.lm.cfg, lm_init), lm_init);
+    }
+    std::printf("initialized lm from %s\n", lm_init.c_str());
+  }
+  if (!vis.empty()) {
+    std::ifstream f(vis + "/trainer.json");
+    if (f.good()) {  // our checkpoint: a MIM run's encoder.* or a VLM's vision.*
+      std::map<std::string, Tensor> sd;
+      for (auto& [k, v] : load_checkpoint_model(vis)) {
+        if (k.rfind("encoder.", 0) == 0) sd[k.substr(8)] = v;
+        else if (k.rfind("vision.", 0) == 0) sd[k.substr(7)] = v;
+      }
+      m.vision.load_state_dict(sd, vis);
+    } else {
+      HFFolder h = read_hf_folder(vis);
+      m.vision.load_state_dict(siglip_to_loom(h.weights, m.vision.cfg, vis), vis);
+    }
+    std::printf("initialized vision from %s\n", vis.c_str());
+  }
+}
+
+static int train_vlm(const RunContext& ctx) {
+  const Config& cfg = ctx.cfg;
+  double t_setup = now_ms();
+  VLMConfig probe = vlm_config_from(cfg, 1, 0);
+  VLMData d = build_vlm_data(ctx, probe.image_tokens());
+  VLMConfig vc = vlm_config_from(cfg, d.tok->vocab_size(), d.image_token);
+  std::printf("%s\n%s", d.stats.log_lines().c_str(), d.baseline_text.c_str());
+  Rng init_rng(ctx.seed);
+  VLM m(vc, Init{DType::F32, ctx.device, &init_rng});
+  init_vlm_from(m, cfg);
+  freeze_prefixes(m, cfg.get_str("train.freeze"));
+  std::printf("%s (vision %.3fM, projector %.3fM, lm %.3fM)\n", describe_params(m).c_str(),
+              m.vision.num_parameters() / 1e6, m.projector.num_parameters() / 1e6, m.lm.num_parameters() / 1e6);
+  OptimConfig oc;
+  oc.kind = cfg.get_str("train.optimizer");
+  oc.beta1 = cfg.get_float("train.beta1");
+  oc.beta2 = cfg.get_float("train.beta2");
+  oc.eps = cfg.get_float("train.eps");
+  oc.momentum = cfg.get_float("train.momentum");
+  Optimizer opt(default_groups(m, cfg.get_float("train.weight_decay")), oc, ctx.compute, ctx.device);
+
+  int64_t steps = cfg.get_int64("train.steps"), start = 0;
+  int bs = cfg.get_int("train.batch_size"), accum = std::max(1, cfg.get_int("train.grad_accum"));
+  int row = cfg.get_int("data.pack_max_length");
+  std::string ck = find_checkpoint(ctx, cfg.get_str("train.resume"));
+  TrainerState st;
+  if (!ck.empty()) {
+    st = load_checkpoint(ck, m, opt);
+    start = st.step;
+    std::printf("resumed from %s at step %lld\n", ck.c_str(), (long long)start);
+  }
+  // batch of micro-step s: rows [s*bs, (s+1)*bs) of the epoch's shuffled row order
+  int64_t nrows = int64_t(d.rows.size());
+  auto make = [&, nrows](int64_t micro) {
+    std::vector<std::vector<int>> rows;
+    for (int i = 0; i < bs; i++) {
+      int64_t g = micro * bs + i, epoch = g / nrows;
+      Rng r(ctx.seed * 1000003ull + uint64_t(epoch));
+      std::vector<int32_t> perm = r.permutation(int(nrows));
+      rows.push_back(d.rows[size_t(perm[size_t(g % nrows)])]);
+    }
+    return build_batch(d.train, rows, row, d.pad_id, d.image_token);
+  };
+  std::printf("setup %.1f s; %lld training samples in %lld packed rows, %d rows per step\n", (now_ms() - t_setup) / 1e3,
+              (long long)d.train.size(), (long long)nrows, bs * accum);
+
+  if (cfg.get_bool("train.dry_run")) {
+    PackedBatch pb = make(0);
+    double t0 = now_ms();
+    Tensor loss = m.loss(to_device(d, d.train, pb, ctx.device, ctx.compute));
+    backward(loss);
+    std::printf("dry run: one step, loss %.4f, %.1f ms, memory %.1f MB, %s\n", loss.item(), now_ms() - t0,
+                memory_mb(ctx.device), describe_params(m).c_str());
+    return 0;
+  }
+
+  RunLog log(ctx, start > 0);
+  NanGuard guard(cfg.get_int("train.max_nan_skips"));
+  Prefetcher<PackedBatch> loader(make, start * accum, steps * accum, std::max(1, cfg.get_int("data.workers")), 4);
+  int64_t eval_every = cfg.get_int64("train.eval_every"), save_every = cfg.get_int64("train.save_every");
+  int64_t epoch_rows_seen = start * accum * bs;
+  for (int64_t s = start; s < steps; s++) {
+    double t0 = now_ms(), wait = 0, flops = 0;
+    int64_t tokens = 0;
+    double loss_v = 0;
+    for (int a = 0; a < accum; a++) {
+      double w0 = now_ms();
+      PackedBatch pb = loader.next();
+      wait += now_ms() - w0;
+      if (epoch_rows_seen % nrows < int64_t(bs) && epoch_rows_seen > 0)
+        log.event("epoch", {{"step", double(s)}}, "epoch " + std::to_string(epoch_rows_seen / nrows) + "\n" + d.stats.log_lines());
+      epoch_rows_seen += bs;
+      tokens += pb.real_tokens;
+      flops += vlm_step_flops(vc, pb);
+      Tensor loss = m.loss(to_device(d, d.train, pb, ctx.device, ctx.compute));
+      Tensor scaled = accum > 1 ? scale(loss, 1.0 / accum) : loss;
+      backward(scaled);
+      loss_v += loss.item() / accum;
+    }
+    double norm = opt.clip_grad_norm(cfg.get_float("train.grad_clip")).item();
+    double lr = lr_at(s, steps, cfg.get_int64("train.warmup_steps"), cfg.get_float("train.lr"),
+                      cfg.get_float("train.min_lr"), cfg.get_str("train.schedule"));
+    bool ok = guard.ok(s + 1, loss_v, norm);
+    if (ok) opt.step(lr);
+    opt.zero_grad();
+    if (ctx.device == Device::CUDA) cuda::synchronize();
+    double ms = now_ms() - t0;
+    StepStats ss{s + 1, steps, loss_v, lr, norm, ms, wait, double(tokens) / (ms / 1e3), "tok/s",
+                 ctx.device == Device::CUDA ? flops / (ms / 1e3) / 989e12 : -1, memory_mb(ctx.device), !ok};
+    log.step(ss);
+    bool last = s + 1 == steps;
+    if ((eval_every > 0 && (s + 1) % eval_every == 0) || last) {
+      VLMEval e = evaluate_vlm(m, d, ctx, last ? cfg.get_int("eval.samples") : std::min(100, cfg.get_int("eval.samples")));
+      std::map<std::string, double> v = {{"step", double(s + 1)}, {"val_loss", e.val_loss}, {"accuracy", e.accuracy}};
+      for (auto& [t, h] : e.by_type) v["acc_" + t] = double(h.first) / h.second;
+      log.event("eval", v, "eval at step " + std::to_string(s + 1) + ": val loss " + std::to_string(e.val_loss) + "\n" +
+                               eval_table(e, d));
+    }
+    if ((save_every > 0 && (s + 1) % save_every == 0) || last) {
+      st.step = s + 1;
+      st.extra["nan_skipped"] = double(guard.skipped());
+      save_checkpoint(ctx, m, opt, st);
+    }
+  }
+  log.finish();
+  return 0;
+}
+
+int train_command(int argc, char** argv) {
+  std::string path = argv[0];
+  std::vector<std::string> overrides;
+  for (int i = 1; i < argc; i++) {
+    std::string a = argv[i];
+    LOOM_CHECK(a.rfind("--", 0) == 0 && a.find('=') != std::string::npos,
+               "argument '%s': overrides look like --section.key=value", a.c_str());
+    overrides.push_back(a);
+  }
+  Config cfg = Config::load(path, overrides);
+  RunContext ctx = open_run(cfg);
+  std::string trainer = cfg.get_str("train.trainer");
+  if (trainer == "vlm_sft" || trainer == "vlm_pretrain") return train_vlm(ctx);
+  if (trainer == "vit_mim") return train_mim(ctx);
+  LOOM_CHECK(false, "%s: train.trainer '%s' (vlm_sft, vlm_pretrain, vit_mim)", cfg.source().c_str(), trainer.c_str());
+}
+
+// ./train chat CHECKPOINT --image IMG [--prompt TEXT] [--temperature T] [--max_new_tokens N]
+int chat_command(int argc, char** argv) {
+  std::string ck, image, prompt, device = "auto";
+  double temperature = 0;
+  int max_new = 32;
+  for (int i = 0; i < argc; i++) {
+    std::string a = argv[i];
+    auto val = [&](const char* name) -> std::string {
+      LOOM_CHECK(i + 1 < argc, "chat: %s needs a value", name);
+      return argv[++i];
+    };
+    if (a == "--image") image = val("--image");
+    else if (a == "--prompt") prompt = val("--prompt");
+    else if (a == "--temperature") temperature = std::stod(val("--temperature"));
+    else if (a == "--max_new_tokens") max_new = std::stoi(val("--max_new_tokens"));
+    else if (a == "--device") device = val("--device");
+    else if (a.rfind("--", 0) == 0) LOOM_CHECK(false, "chat: unknown option %s", a.c_str());
+    else ck = a;
+  }
+  LOOM_CHECK(!ck.empty(), "usage: ./train chat CHECKPOINT --image IMG [--prompt TEXT] [--temperature T]");
+  if (ck == "latest" || ck.find("step_") == std::string::npos) {  // a run folder: its newest checkpoint
+    RunContext tmp;
+    tmp.out_dir = ck == "latest" ? "runs/vlm_sft" : ck;
+    std::string found = find_checkpoint(tmp, "latest");
+    LOOM_CHECK(!found.empty(), "chat: no checkpoint in %s", tmp.out_dir.c_str());
+    ck = found;
+  }
+  Config cfg = Config::parse(checkpoint_config_text(ck), ck + "/trainer.json");
+  cfg.set("train.device", device);
+  cfg.set("train.out_dir", ck + "/..");
+  RunContext ctx;
+  ctx.cfg = cfg;
+  ctx.out_dir = ck + "/..";
+  bool gpu = cuda::available();
+  ctx.device = (device == "cuda" || (device == "auto" && gpu)) ? Device::CUDA : Device::CPU;
+  ctx.compute = DType::F32;
+  VLMConfig probe = vlm_config_from(cfg, 1, 0);
+  VLMData d = build_vlm_data(ctx, probe.image_tokens());
+  VLMConfig vc = vlm_config_from(cfg, d.tok->vocab_size(), d.image_token);
+  Rng rng(0);
+  VLM m(vc, Init{DType::F32, ctx.device, &rng});
+  m.load_state_dict(load_checkpoint_model(ck), ck + "/model.safetensors");
+  std::vector<float> px;
+  std::string err;
+  if (image.empty()) {  // no image given: a fresh scene from the default dataset
+    VQASample s = make_shapes_sample(987654321, d.image_size, 7);
+    px = s.image;
+    if (prompt.empty()) prompt = s.question;
+    std::printf("(no --image: a generated scene; the expected answer is \"%s\")\n", s.answer.c_str());
+  } else {
+    ImageStatus stt = load_image_chw(image, d.image_size, d.channels, px, &err);
+    LOOM_CHECK(stt == ImageStatus::Ok, "chat: %s: %s %s", image.c_str(), to_string(stt), err.c_str());
+  }
+  if (prompt.empty()) prompt = "What colour is the circle?";
+  Tensor img = Tensor::from_vector(px, {1, d.channels, d.image_size, d.image_size}).to(ctx.device);
+  auto ids = generate(m, img, qa_prompt(d, prompt), max_new, d.end_id, temperature, rng);
+  std::printf("user: %s\nassistant: %s\n", prompt.c_str(), d.tok->decode(ids, true).c_str());
+  return 0;
+}
+
+}  // namespace loom

@@ -1,0 +1,245 @@
+// vlm_task.cpp: datasets, tokenization, batches and generation for the VLM (see vlm_task.h).
+#include "trainer/vlm_task.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "data/chat.h"
+#include "data/fashion_mnist.h"
+#include "data/jsonl.h"
+#include "data/shapes.h"
+
+namespace loom {
+
+static const std::vector<std::string> kSpecials = {"<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>"};
+
+static bool file_exists(const std::string& p) {
+  struct stat s;
+  return stat(p.c_str(), &s) == 0;
+}
+
+VLMConfig vlm_config_from(const Config& cfg, int vocab, int image_token) {
+  VLMConfig c;
+  c.vit.image_size = cfg.get_int("model.image_size");
+  c.vit.patch_size = cfg.get_int("model.patch_size");
+  c.vit.channels = cfg.get_int("model.channels");
+  c.vit.dim = cfg.get_int("model.vit_dim");
+  c.vit.depth = cfg.get_int("model.vit_depth");
+  c.vit.heads = cfg.get_int("model.vit_heads");
+  c.vit.mlp_ratio = cfg.get_int("model.vit_mlp_ratio");
+  c.lm.vocab = cfg.get_int("model.lm_vocab") > 0 ? cfg.get_int("model.lm_vocab") : vocab;
+  LOOM_CHECK(c.lm.vocab >= vocab, "%s: model.lm_vocab %d is smaller than the tokenizer's %d ids", cfg.source().c_str(),
+             c.lm.vocab, vocab);
+  c.lm.dim = cfg.get_int("model.lm_dim");
+  c.lm.depth = cfg.get_int("model.lm_depth");
+  c.lm.heads = cfg.get_int("model.lm_heads");
+  c.lm.kv_heads = cfg.get_int("model.lm_kv_heads");
+  c.lm.hidden = cfg.get_int("model.lm_hidden");
+  c.lm.rope_theta = cfg.get_float("model.rope_theta");
+  c.shuffle = cfg.get_int("model.shuffle");
+  c.image_token = image_token;
+  LOOM_CHECK(c.vit.grid() % c.shuffle == 0, "%s: the %dx%d patch grid does not divide by model.shuffle = %d",
+             cfg.source().c_str(), c.vit.grid(), c.vit.grid(), c.shuffle);
+  return c;
+}
+
+Sample encode_qa(const VLMData& d, const std::string& question, const std::string& answer, int image) {
+  ChatEncoding e = apply_chat_template(*d.tok, {{"user", std::string(kImageTag) + "\n" + question}, {"assistant", answer}});
+  Sample s;
+  s.image = image;
+  for (size_t i = 0; i < e.ids.size(); i++) {
+    if (e.ids[i] == d.image_token) {  // one <image> id -> image_tokens positions, never trained
+      s.ids.insert(s.ids.end(), size_t(d.image_tokens), d.image_token);
+      s.labels.insert(s.labels.end(), size_t(d.image_tokens), kIgnoreLabel);
+    } else {
+      s.ids.push_back(e.ids[i]);
+      s.labels.push_back(e.labels[i]);
+    }
+  }
+  return s;
+}
+
+std::vector<int32_t> qa_prompt(const VLMData& d, const std::string& question) {
+  std::vector<int32_t> ids = chat_prompt(*d.tok, {{"user", std::string(kImageTag) + "\n" + question}}), out;
+  for (int32_t t : ids) {
+    if (t == d.image_token) out.insert(out.end(), size_t(d.image_tokens), d.image_token);
+    else out.push_back(t);
+  }
+  return out;
+}
+
+// Majority baseline: always answering a question type's most frequent training answer.
+static void qa_baseline(VLMData& d, const std::vector<QA>& train_qa) {
+  std::map<std::string, std::map<std::string, int>> counts;
+  for (auto& q : train_qa) counts[q.qtype][q.answer]++;
+  std::map<std::string, std::pair<int, int>> hit;  // qtype -> (correct, total) on validation
+  for (auto& q : d.val) {
+    auto& c = counts[q.qtype];
+    std::string best;
+    int bc = -1;
+    for (auto& [a, n] : c)
+      if (n > bc) bc = n, best = a;
+    hit[q.qtype].first += q.answer == best;
+    hit[q.qtype].second++;
+    hit["all"].first += q.answer == best;
+    hit["all"].second++;
+  }
+  d.baseline_text.clear();
+  for (auto& [t, h] : hit) {
+    d.baseline[t] = h.second ? double(h.first) / h.second : 0;
+    char b[128];
+    std::snprintf(b, sizeof b, "majority baseline %-10s %5.1f%%\n", t.c_str(), 100 * d.baseline[t]);
+    d.baseline_text += b;
+  }
+}
+
+VLMData build_vlm_data(const RunContext& ctx, int image_tokens) {
+  const Config& cfg = ctx.cfg;
+  VLMData d;
+  d.image_size = cfg.get_int("model.image_size");
+  d.channels = cfg.get_int("model.channels");
+  d.image_tokens = image_tokens;
+  std::string ds = cfg.get_str("data.dataset");
+  uint64_t seed = uint64_t(cfg.get_int64("data.seed"));
+  int ntrain = cfg.get_int("data.train_samples"), nval = cfg.get_int("data.val_samples");
+  std::vector<QA> train_qa;
+  if (ds == "shapes") {
+    LOOM_CHECK(d.channels == 3, "%s: the shapes dataset is RGB: model.channels must be 3", cfg.source().c_str());
+    // train = samples [0, ntrain), validation = [ntrain, ntrain + nval): disjoint by index
+    for (int i = 0; i < ntrain + nval; i++) {
+      VQASample s = make_shapes_sample(i, d.image_size, seed);
+      d.images.push_back(std::move(s.image));
+      QA q{s.question, s.answer, s.qtype, i};
+      (i < ntrain ? train_qa : d.val).push_back(q);
+    }
+  } else if (ds == "fashion_mnist") {
+    LOOM_CHECK(d.channels == 1 && d.image_size == 28, "%s: fashion_mnist images are 1x28x28 (model.channels = 1, "
+               "model.image_size = 28)", cfg.source().c_str());
+    ImageSet tr = load_fashion_mnist("train", "/usr/share/datasets/fashion-mnist", ntrain);
+    ImageSet te = load_fashion_mnist("test", "/usr/share/datasets/fashion-mnist", nval);
+    const auto& names = fashion_mnist_classes();
+    size_t px = size_t(tr.c) * tr.h * tr.w;
+    auto add = [&](const ImageSet& s, std::vector<QA>& out) {
+      for (int i = 0; i < s.n; i++) {
+        d.images.emplace_back(s.pixels.begin() + long(i * px), s.pixels.begin() + long((i + 1) * px));
+        out.push_back({"What piece of clothing is this?", names[size_t(s.labels[size_t(i)])], "class",
+                       int(d.images.size()) - 1});
+      }
+    };
+    add(tr, train_qa);
+    add(te, d.val);
+  } else if (ds == "jsonl") {
+    JsonlOptions o;
+    o.image_size = d.image_size;
+    o.channels = d.channels;
+    o.strict = cfg.get_bool("data.strict");
+    DataStats st;
+    auto convs = load_llava_jsonl(cfg.get_str("data.path"), o, &st);
+    std::printf("%s\n", st.summary().c_str());
+    LOOM_CHECK(!convs.empty(), "%s: no usable conversations", cfg.get_str("data.path").c_str());
+    int nv = std::min<int>(nval, int(convs.size()) / 10);
+    for (size_t i = 0; i < convs.size(); i++) {
+      auto& c = convs[i];
+      d.images.push_back(std::move(c.image));
+      std::string q = c.turns[0].value;
+      size_t at = q.find(kImageTag);
+      if (at != std::string::npos) q.erase(at, std::string(kImageTag).size());
+      while (!q.empty() && (q[0] == '\n' || q[0] == ' ')) q.erase(0, 1);
+      QA qa{q, c.turns.size() > 1 ? c.turns[1].value : "", "qa", int(d.images.size()) - 1};
+      (int(i) >= int(convs.size()) - nv ? d.val : train_qa).push_back(qa);
+    }
+  } else {
+    LOOM_CHECK(false, "%s: data.dataset = %s is not a VLM dataset (shapes, fashion_mnist, jsonl)",
+               cfg.source().c_str(), ds.c_str());
+  }
+
+  // tokenizer: given, cached from an earlier run, or trained on this corpus
+  std::string tp = cfg.get_str("data.tokenizer"), cache = ctx.out_dir + "/tokenizer.json";
+  if (!tp.empty()) d.tok = std::make_shared<Tokenizer>(Tokenizer::from_file(tp));
+  else if (file_exists(cache)) d.tok = std::make_shared<Tokenizer>(Tokenizer::from_file(cache));
+  else {
+    std::vector<std::string> corpus;
+    for (auto& q : train_qa) corpus.push_back(q.question + "\n" + q.answer);
+    corpus.push_back("user\nassistant\nsystem\n");
+    double t0 = now_ms();
+    d.tok = std::make_shared<Tokenizer>(Tokenizer::train(corpus, cfg.get_int("data.vocab_size"), kSpecials));
+    d.tok->save(cache);
+    std::printf("trained a byte-level BPE tokenizer: %d ids in %.0f ms (cached in %s)\n", d.tok->vocab_size(),
+                now_ms() - t0, cache.c_str());
+  }
+  for (auto& s : kSpecials)
+    LOOM_CHECK(d.tok->has_token(s), "%s: the tokenizer lacks the special token %s", d.tok->origin().c_str(), s.c_str());
+  d.image_token = d.tok->token_id("<image>");
+  d.pad_id = d.tok->token_id("<|endoftext|>");
+  d.end_id = d.tok->token_id("<|im_end|>");
+
+  for (auto& q : train_qa) d.train.push_back(encode_qa(d, q.question, q.answer, q.image));
+  for (auto& q : d.val) d.val_samples.push_back(encode_qa(d, q.question, q.answer, q.image));
+  int row = cfg.get_int("data.pack_max_length");
+  d.rows = plan_rows(d.train, row, cfg.get_bool("data.use_sequence_packing"), cfg.get_bool("data.strict"), &d.stats);
+  LOOM_CHECK(!d.rows.empty(), "%s: no training sample fits data.pack_max_length = %d", cfg.source().c_str(), row);
+  if (d.stats.too_long) std::printf("warning: %lld samples longer than %d tokens skipped\n", (long long)d.stats.too_long, row);
+  qa_baseline(d, train_qa);
+  return d;
+}
+
+VLMBatch to_device(const VLMData& d, const std::vector<Sample>& samples, const PackedBatch& pb, Device dev, DType dtype) {
+  (void)samples;
+  VLMBatch b;
+  int64_t n = int64_t(pb.ids.size());
+  size_t px = size_t(d.channels) * d.image_size * d.image_size;
+  std::vector<float> img(pb.images.size() * px);
+  for (size_t i = 0; i < pb.images.size(); i++) {
+    const auto& src = d.images[size_t(pb.images[i])];
+    std::copy(src.begin(), src.end(), img.begin() + long(i * px));
+  }
+  b.images = Tensor::from_vector(img, {int64_t(pb.images.size()), d.channels, d.image_size, d.image_size})
+                 .to(dtype)
+                 .to(dev);
+  b.ids = Tensor::from_vector(pb.ids, {n}, dev);
+  b.pos = Tensor::from_vector(pb.pos, {n}, dev);
+  b.targets = Tensor::from_vector(pb.targets, {n}, dev);
+  b.image_positions = Tensor::from_vector(pb.image_positions, {int64_t(pb.image_positions.size())}, dev);
+  b.seq = SeqInfo::packed(pb.cu_seqlens, dev);
+  return b;
+}
+
+std::vector<int32_t> generate(const VLM& m, const Tensor& image, const std::vector<int32_t>& prompt, int max_new,
+                              int32_t stop_id, double temperature, Rng& rng) {
+  NoGradGuard ng;
+  Device dev = m.lm.embed_tokens.device();
+  int64_t n = int64_t(prompt.size());
+  KVCache cache = m.lm.make_cache(n + max_new + 1);
+  VLMBatch b;
+  b.images = image;
+  b.ids = Tensor::from_vector(prompt, {n}, dev);
+  std::vector<int32_t> ip;
+  for (int64_t i = 0; i < n; i++)
+    if (prompt[size_t(i)] == m.cfg.image_token) ip.push_back(int32_t(i));
+  b.image_positions = Tensor::from_vector(ip, {int64_t(ip.size())}, dev);
+  if (ip.empty()) b.images = Tensor();
+  Tensor h = m.lm.hidden_cached(m.embed(b), cache);  // prefill
+  std::vector<int32_t> out;
+  for (int t = 0; t < max_new; t++) {
+    std::vector<double> logits = m.lm.logits(h.narrow(0, h.size(0) - 1, 1)).to_vector<double>();
+    int32_t next = 0;
+    if (temperature <= 0) {
+      next = int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    } else {  // sample from softmax(logits / T)
+      double mx = *std::max_element(logits.begin(), logits.end()), z = 0;
+      for (auto& l : logits) z += (l = std::exp((l - mx) / temperature));
+      double u = rng.uniform() * z;
+      for (size_t i = 0; i < logits.size(); i++)
+        if ((u -= logits[i]) <= 0) { next = int32_t(i); break; }
+    }
+    if (next == stop_id) break;
+    out.push_back(next);
+    Tensor id = Tensor::from_vector(std::vector<int32_t>{next}, {1}, dev);
+    h = m.lm.hidden_cached(embedding(id, m.lm.embed_tokens), cache);
+  }
+  return out;
+}
+
+}  // namespace loom

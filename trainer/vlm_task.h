@@ -1,0 +1,51 @@
+// vlm_task.h: the VLM data pipeline and model for the vlm_sft / vlm_pretrain trainers and the
+// chat command: conversations -> chat template -> expanded image tokens -> packed batches.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "data/packing.h"
+#include "data/tokenizer.h"
+#include "nn/vlm.h"
+#include "trainer/run.h"
+
+namespace loom {
+
+struct QA {
+  std::string question, answer, qtype;
+  int image = -1;  // index into the image list
+};
+
+struct VLMData {
+  std::shared_ptr<Tokenizer> tok;
+  int32_t image_token = -1, pad_id = 0, end_id = -1;  // <image>, <|endoftext|>, <|im_end|>
+  int image_size = 0, channels = 3, image_tokens = 0;
+  std::vector<std::vector<float>> images;  // train and validation images
+  std::vector<Sample> train;               // tokenized, image tokens expanded
+  std::vector<QA> val;                     // held-out questions (generation eval)
+  std::vector<Sample> val_samples;         // the same, tokenized (validation loss)
+  std::vector<std::vector<int>> rows;      // packing plan of `train`
+  PackingStats stats;
+  std::string baseline_text;               // majority-answer baseline per question type
+  std::map<std::string, double> baseline;  // qtype -> accuracy
+};
+
+// Builds the dataset named by data.dataset (shapes | fashion_mnist | jsonl) with its
+// tokenizer (given, or trained on the corpus and cached in the run folder).
+VLMData build_vlm_data(const RunContext& ctx, int image_tokens);
+VLMConfig vlm_config_from(const Config& cfg, int vocab, int image_token);
+
+// Encodes one conversation (user asks about the image, assistant answers) into a Sample.
+Sample encode_qa(const VLMData& d, const std::string& question, const std::string& answer, int image);
+// The generation prompt for a question (image tokens expanded), ending in "assistant\n".
+std::vector<int32_t> qa_prompt(const VLMData& d, const std::string& question);
+
+// A packed batch on the device: images [Bi, C, H, W] in `dtype`, indices int32.
+VLMBatch to_device(const VLMData& d, const std::vector<Sample>& samples, const PackedBatch& pb, Device dev, DType dtype);
+
+// Greedy (temperature 0) or sampled generation with a KV cache; stops at stop_id.
+std::vector<int32_t> generate(const VLM& m, const Tensor& image, const std::vector<int32_t>& prompt, int max_new,
+                              int32_t stop_id, double temperature, Rng& rng);
+
+}  // namespace loom
