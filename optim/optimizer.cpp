@@ -62,14 +62,20 @@ Optimizer::Optimizer(std::vector<ParamGroup> groups, const OptimConfig& cfg, DTy
   master_dtype_ = compute_dtype == DType::F64 ? DType::F64 : DType::F32;
   const bool adamw = cfg.kind == "adamw";
 
-  // A tensor in two groups (or twice in one, or two slots holding one tensor) is a bug: check
-  // all groups before any slot is re-pointed.
+  // Check every group before any slot is re-pointed, so a bad call leaves the model as it was.
+  // A tensor in two groups (or twice in one, or two slots holding one tensor) is a bug.
   std::set<const void*> seen;
   for (auto& pg : groups)
     for (auto& [name, slot] : pg.params) {
-      if (!slot || !slot->defined() || !slot->requires_grad()) continue;
+      LOOM_CHECK(slot && slot->defined(), "optimizer: parameter '%s' of group '%s' is undefined",
+                 name.c_str(), pg.name.c_str());
+      if (!slot->requires_grad()) continue;  // frozen: left alone
       LOOM_CHECK(seen.insert(slot).second && seen.insert(slot->impl().get()).second,
                  "optimizer: parameter '%s' appears twice (group '%s')", name.c_str(), pg.name.c_str());
+      LOOM_CHECK(slot->device() == device, "optimizer: parameter '%s' is %s, the optimizer runs on %s",
+                 name.c_str(), slot->desc().c_str(), device_name(device));
+      LOOM_CHECK(dtype_is_float(slot->dtype()), "optimizer: parameter '%s' is %s, not floating",
+                 name.c_str(), slot->desc().c_str());
     }
   try {
     for (auto& pg : groups) {
@@ -80,13 +86,7 @@ Optimizer::Optimizer(std::vector<ParamGroup> groups, const OptimConfig& cfg, DTy
       g->weight_decay = pg.weight_decay;
       std::vector<Tensor*> slots;
       for (auto& [name, slot] : pg.params) {
-        LOOM_CHECK(slot && slot->defined(), "optimizer: parameter '%s' of group '%s' is undefined",
-                   name.c_str(), pg.name.c_str());
-        if (!slot->requires_grad()) continue;  // frozen: left alone
-        LOOM_CHECK(slot->device() == device, "optimizer: parameter '%s' is %s, the optimizer runs on %s",
-                   name.c_str(), slot->desc().c_str(), device_name(device));
-        LOOM_CHECK(dtype_is_float(slot->dtype()), "optimizer: parameter '%s' is %s, not floating",
-                   name.c_str(), slot->desc().c_str());
+        if (!slot->requires_grad()) continue;
         g->names.push_back(name);
         g->shapes.push_back(slot->shape());
         g->offsets.push_back(g->n);

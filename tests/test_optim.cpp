@@ -475,7 +475,9 @@ TEST_CASE("optimizer preconditions throw with names", "[optim]") {
   CHECK_THROWS_WITH(Optimizer(groups_of(net), bad, DType::F32, Device::CPU), Catch::Contains("lion"));
   std::vector<ParamGroup> twice = {{"a", 1.0, 0.0, {{"enc.weight", &net.enc.weight}}},
                                    {"b", 1.0, 0.0, {{"enc.weight", &net.enc.weight}}}};
+  const auto impl = net.enc.weight.impl();
   CHECK_THROWS_WITH(Optimizer(twice, OptimConfig{}, DType::F32, Device::CPU), Catch::Contains("enc.weight"));
+  CHECK(net.enc.weight.impl() == impl);  // nothing was re-pointed
   // an empty group is allowed and holds nothing
   std::vector<ParamGroup> with_empty = {{"empty", 1.0, 0.0, {}}, {"all", 1.0, 0.0, {{"gain", &net.gain}}}};
   Optimizer opt(with_empty, OptimConfig{}, DType::F32, Device::CPU);
