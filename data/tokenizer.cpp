@@ -216,7 +216,7 @@ void Tokenizer::Impl::bpe_uncached(const std::string& word, std::vector<int32_t>
           bytes.push_back(bt->second);
         }
         if (bytes.size() == len) {
-          if (pending_unk >= 0) add(unk_id, 0), pending_unk = -1;
+          // HF leaves a pending unk pending here: it lands after these byte tokens
           for (int32_t b : bytes) add(b, 1);
           done = true;
         }

@@ -287,6 +287,7 @@ TEST_CASE("tokenizer: BPE rank order, ignore_merges, unk, fuse_unk, byte_fallbac
   Tokenizer b = Tokenizer::from_json(fb, "tiny");
   CHECK(b.encode("xab") == std::vector<int32_t>{9, 3});
   CHECK(b.encode("yab") == std::vector<int32_t>{6, 3});
+  CHECK(b.encode("yxa") == std::vector<int32_t>{9, 6, 0});  // HF: the pending unk lands after
 }
 
 TEST_CASE("tokenizer: Split behaviours, invert, Digits, ByteLevel prefix space", "[tokenizer]") {
