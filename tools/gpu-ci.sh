@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The GPU machine's whole check in one call (carry .deps, see tools/gpu-prep.sh):
+# CUDA build, every test (CPU and GPU), the fixture checks on CUDA, the kernel benchmark beside
+# the PyTorch reference, and short training runs. Each part is time-boxed; logs go to
+# $OUT/work and come back as $OUT/gpu-ci.tgz plus the bench table.
+#   bash tools/gpu-ci.sh [parts...]     parts: build test check bench vlm mim (default: all)
+set -uo pipefail
+OUT=${OUT:-out}
+W=$OUT/work
+mkdir -p "$W"
+export LD_LIBRARY_PATH=$PWD/.deps/lib:${LD_LIBRARY_PATH:-}
+export NCCL_NVLS_ENABLE=0
+parts=${*:-build test check bench vlm mim}
+log() { echo "[$(date +%T)] $*" | tee -a "$W/summary.txt"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$W/summary.txt" 2>&1
+for p in $parts; do
+  case $p in
+    build)
+      t0=$(date +%s)
+      cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_CUDA=ON -DLOOM_CUDA_ARCH=90 > "$W/configure.log" 2>&1 &&
+        cmake --build build -j 16 > "$W/build.log" 2>&1
+      rc=$?; log "build rc=$rc in $(( $(date +%s) - t0 )) s"
+      [ $rc -ne 0 ] && { grep -E "error" "$W/build.log" | head -40; tar czf "$OUT/gpu-ci.tgz" -C "$W" .; exit 1; } ;;
+    test)
+      (cd build && timeout 300 ctest -j 8 --timeout 240 --output-on-failure) > "$W/test.log" 2>&1
+      log "ctest rc=$?: $(grep -E 'tests passed|tests failed' "$W/test.log")"
+      grep -E "Passed|Failed|Skipped|\*\*\*" "$W/test.log" | tail -40 >> "$W/summary.txt" ;;
+    check)
+      for f in tests/fixtures/mim_tiny_s0.safetensors tests/fixtures/vlm_tiny_s0.safetensors tests/fixtures/llama_tiny_s0 tests/fixtures/siglip_tiny_s0; do
+        ./build/train check "$f" --device cuda > "$W/check_$(basename $f .safetensors).log" 2>&1
+        log "check --device cuda $f rc=$?: $(tail -1 "$W/check_$(basename $f .safetensors).log")"
+      done ;;
+    bench)
+      OUT=$W timeout 300 bash bench/run.sh build > "$W/bench.log" 2>&1
+      log "bench rc=$?"; cp "$W/table.md" "$OUT/bench_table.md" 2>/dev/null ;;
+    vlm)
+      timeout 150 ./build/train vlm_sft.cfg --train.out_dir="$W/vlm_sft" > "$W/vlm_sft.log" 2>&1
+      log "vlm_sft rc=$?: $(grep -E '^  all' "$W/vlm_sft.log" | tail -1)" ;;
+    mim)
+      timeout ${MIM_SECONDS:-200} ./build/train vit_mim.cfg ${MIM_ARGS:-} --train.out_dir="$W/vit_mim" > "$W/vit_mim.log" 2>&1
+      log "vit_mim rc=$?: $(grep -E 'eval at step' "$W/vit_mim.log" | tail -1)" ;;
+  esac
+done
+rm -rf "$W"/*/step_* 2>/dev/null
+tar czf "$OUT/gpu-ci.tgz" -C "$W" .
+cat "$W/summary.txt"
