@@ -21,6 +21,7 @@ void device_free(void*) { no_cuda(); }
 void memcpy_h2d(void*, const void*, size_t, Stream) { no_cuda(); }
 void memcpy_d2h(void*, const void*, size_t, Stream) { no_cuda(); }
 void memcpy_d2d(void*, const void*, size_t, Stream) { no_cuda(); }
+void memcpy_2d(void*, size_t, const void*, size_t, size_t, size_t, Stream) { no_cuda(); }
 void memset_zero(void*, size_t, Stream) { no_cuda(); }
 void* pinned_malloc(size_t) { no_cuda(); }
 void pinned_free(void*) { no_cuda(); }

@@ -71,6 +71,9 @@ void memcpy_h2d(void* dst, const void* src, size_t bytes, Stream s);
 void memcpy_d2h(void* dst, const void* src, size_t bytes, Stream s);  // synchronizes s
 void memcpy_d2d(void* dst, const void* src, size_t bytes, Stream s);
 void memset_zero(void* dst, size_t bytes, Stream s);
+// rows x width_bytes from src (row pitch spitch) to dst (row pitch dpitch), on the device:
+// writes a narrow()ed window of a contiguous tensor (autograd's narrow backward)
+void memcpy_2d(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width_bytes, size_t rows, Stream s);
 void* pinned_malloc(size_t bytes);
 void pinned_free(void* p);
 void synchronize();

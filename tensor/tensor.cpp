@@ -467,8 +467,29 @@ void Tensor::copy_(const Tensor& src) {
   else if (d.device() == Device::CPU) cuda::memcpy_d2h(d.raw(), s.raw(), nb, cuda::default_stream());
   else cuda::memcpy_d2d(d.raw(), s.raw(), nb, cuda::default_stream());
   // 4. strided destination: scatter the contiguous result back through our strides
+  if (!d.same(*this) && device() == Device::CUDA) {
+    // A window of a contiguous tensor (narrow): a contiguous suffix of `width` elements per
+    // row, the remaining dims collapsing to rows of one pitch -> one 2-D copy.
+    int nd = dim(), k = nd;
+    int64_t width = 1;
+    while (k > 0 && (shape()[size_t(k - 1)] == 1 || strides()[size_t(k - 1)] == width)) width *= shape()[size_t(--k)];
+    int64_t rows = 1, pitch = -1;
+    bool ok = true;
+    for (int i = k - 1; i >= 0; i--) {
+      if (shape()[size_t(i)] == 1) continue;
+      if (pitch < 0) pitch = strides()[size_t(i)];
+      else ok &= strides()[size_t(i)] == pitch * rows;
+      rows *= shape()[size_t(i)];
+    }
+    if (pitch < 0) pitch = width;
+    LOOM_CHECK(ok, "copy_ into a strided CUDA tensor %s: only windows of contiguous tensors are supported",
+               desc().c_str());
+    size_t es = dtype_size(dtype());
+    cuda::memcpy_2d(raw(), size_t(pitch) * es, d.raw(), size_t(width) * es, size_t(width) * es, size_t(rows),
+                    cuda::default_stream());
+    return;
+  }
   if (!d.same(*this)) {
-    LOOM_CHECK(device() == Device::CPU, "copy_ into a strided CUDA tensor is not supported (%s)", desc().c_str());
     dispatch_any(*this, [&](auto, auto zero) {
       using T = decltype(zero);
       const T* in = static_cast<const T*>(d.raw());

@@ -37,7 +37,7 @@ for p in $parts; do
       timeout 150 ./build/train vlm_sft.cfg --train.out_dir="$W/vlm_sft" > "$W/vlm_sft.log" 2>&1
       log "vlm_sft rc=$?: $(grep -E '^  all' "$W/vlm_sft.log" | tail -1)" ;;
     mim)
-      timeout ${MIM_SECONDS:-200} ./build/train vit_mim.cfg ${MIM_ARGS:-} --train.out_dir="$W/vit_mim" > "$W/vit_mim.log" 2>&1
+      timeout ${MIM_SECONDS:-200} ./build/train vit_mim.cfg --data.path=.deps/fashion-mnist ${MIM_ARGS:-} --train.out_dir="$W/vit_mim" > "$W/vit_mim.log" 2>&1
       log "vit_mim rc=$?: $(grep -E 'eval at step' "$W/vit_mim.log" | tail -1)" ;;
   esac
 done

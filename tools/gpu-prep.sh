@@ -17,6 +17,7 @@ for l in libpcre2-8.so.0 libz.so.1 libutf8proc.so.2; do
   [ -e $ML/$l ] && cp -L $ML/$l $D/lib/
 done
 (cd $D/lib && ln -sf libpcre2-8.so.0 libpcre2-8.so && ln -sf libz.so.1 libz.so && { [ -e libutf8proc.so.2 ] && ln -sf libutf8proc.so.2 libutf8proc.so || true; })
+mkdir -p $D/fashion-mnist && cp /usr/share/datasets/fashion-mnist/*.gz $D/fashion-mnist/ 2>/dev/null || echo "no fashion-mnist here (dataset-fashion-mnist)"
 rm -rf $D/shared/reference $D/shared/fixtures
 cp -r ../shared/reference ../shared/fixtures $D/shared/
 chmod -R u+w $D

@@ -167,6 +167,11 @@ void memcpy_d2h(void* dst, const void* src, size_t bytes, Stream s) {
   CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s));
   CUDA_CHECK(cudaStreamSynchronize(s));  // the caller reads dst next
 }
+void memcpy_2d(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width_bytes, size_t rows, Stream s) {
+  if (rows == 0 || width_bytes == 0) return;
+  CUDA_CHECK(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width_bytes, rows, cudaMemcpyDefault, s));
+}
+
 void memcpy_d2d(void* dst, const void* src, size_t bytes, Stream s) {
   if (bytes) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s));
 }
