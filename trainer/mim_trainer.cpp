@@ -159,6 +159,7 @@ int train_mim(const RunContext& ctx) {
   oc.eps = cfg.get_float("train.eps");
   oc.momentum = cfg.get_float("train.momentum");
   Optimizer opt(default_groups(m, cfg.get_float("train.weight_decay")), oc, ctx.compute, ctx.device);
+  cast_frozen(m, ctx.compute);
   EMA ema(m.target, opt, "encoder.");
 
   int probe_n = std::min(train.n, 10000);  // the probe trains on the first 10k training images

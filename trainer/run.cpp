@@ -306,6 +306,11 @@ void freeze_prefixes(Module& m, const std::string& prefixes) {
       if (name.rfind(pre, 0) == 0) t->requires_grad_(false);
 }
 
+void cast_frozen(Module& m, DType compute) {
+  for (auto& [name, t] : m.named_parameters())
+    if (!t->requires_grad() && t->dtype() != compute) *t = t->to(compute);
+}
+
 std::string describe_params(Module& m) {
   int64_t total = 0, trained = 0;
   for (auto& [n, t] : m.named_parameters()) {

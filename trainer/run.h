@@ -83,6 +83,9 @@ double now_ms();
 std::map<std::string, Tensor> model_master_state(Module& model, const Optimizer& opt);
 // parameters whose name starts with one of the comma-separated prefixes are frozen
 void freeze_prefixes(Module& m, const std::string& prefixes);
+// parameters the optimizer does not own (frozen, the EMA target) converted to the compute
+// dtype, so a bf16 forward sees one dtype (call after building the optimizer)
+void cast_frozen(Module& m, DType compute);
 // one-line parameter count and memory summary
 std::string describe_params(Module& m);
 

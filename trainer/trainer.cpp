@@ -156,6 +156,7 @@ static int train_vlm(const RunContext& ctx) {
   oc.eps = cfg.get_float("train.eps");
   oc.momentum = cfg.get_float("train.momentum");
   Optimizer opt(default_groups(m, cfg.get_float("train.weight_decay")), oc, ctx.compute, ctx.device);
+  cast_frozen(m, ctx.compute);
 
   int64_t steps = cfg.get_int64("train.steps"), start = 0;
   int bs = cfg.get_int("train.batch_size"), accum = std::max(1, cfg.get_int("train.grad_accum"));
