@@ -86,6 +86,7 @@ const std::vector<ConfigKey>& config_schema() {
       {"train", "dry_run", B, "false", "build everything, run one step, print shapes and exit", nullptr},
       {"train", "profile", B, "false", "time each phase of the step and print a table", nullptr},
       {"train", "max_nan_skips", I, "5", "consecutive non-finite losses skipped before aborting", nullptr},
+      {"train", "stop_at", I, "0", "stop after this step as if interrupted, checkpoint kept (0 = run to train.steps)", nullptr},
       // ---------------------------------------------------------------- eval
       {"eval", "samples", I, "200", "evaluation samples", nullptr},
       {"eval", "max_new_tokens", I, "8", "greedy decoding length for VQA answers", nullptr},

@@ -265,6 +265,7 @@ int train_mim(const RunContext& ctx) {
     log.step({s + 1, steps, loss, lr, norm, ms, wait, nviews * B / (ms / 1e3), "img/s",
               ctx.device == Device::CUDA ? step_flops / (ms / 1e3) / 989e12 : -1, mem, !ok});
     bool last = s + 1 == steps;
+    bool stop = cfg.get_int64("train.stop_at") > 0 && s + 1 >= cfg.get_int64("train.stop_at") && !last;
     if ((eval_every > 0 && (s + 1) % eval_every == 0) || last) {
       double acc = probe(encode_all(m.encoder, probe_tr, ctx), probe_tr, encode_all(m.encoder, test, ctx), test,
                          mc.vit.dim, cfg);
@@ -277,10 +278,14 @@ int train_mim(const RunContext& ctx) {
                     100 * baselines["probe_random_init"]);
       log.event("eval", v, txt);
     }
-    if ((save_every > 0 && (s + 1) % save_every == 0) || last) {
+    if ((save_every > 0 && (s + 1) % save_every == 0) || last || stop) {
       st.step = s + 1;
       st.extra = baselines;
       save_checkpoint(ctx, m, opt, st);
+    }
+    if (stop) {
+      std::printf("stopped at step %lld (train.stop_at); resume with --train.resume=latest\n", (long long)(s + 1));
+      break;
     }
   }
   log.finish();

@@ -228,6 +228,7 @@ static int train_vlm(const RunContext& ctx) {
                  ctx.device == Device::CUDA ? flops / (ms / 1e3) / 989e12 : -1, memory_mb(ctx.device), !ok};
     log.step(ss);
     bool last = s + 1 == steps;
+    bool stop = cfg.get_int64("train.stop_at") > 0 && s + 1 >= cfg.get_int64("train.stop_at") && !last;
     if ((eval_every > 0 && (s + 1) % eval_every == 0) || last) {
       VLMEval e = evaluate_vlm(m, d, ctx, last ? cfg.get_int("eval.samples") : std::min(100, cfg.get_int("eval.samples")));
       std::map<std::string, double> v = {{"step", double(s + 1)}, {"val_loss", e.val_loss}, {"accuracy", e.accuracy}};
@@ -235,10 +236,14 @@ static int train_vlm(const RunContext& ctx) {
       log.event("eval", v, "eval at step " + std::to_string(s + 1) + ": val loss " + std::to_string(e.val_loss) + "\n" +
                                eval_table(e, d));
     }
-    if ((save_every > 0 && (s + 1) % save_every == 0) || last) {
+    if ((save_every > 0 && (s + 1) % save_every == 0) || last || stop) {
       st.step = s + 1;
       st.extra["nan_skipped"] = double(guard.skipped());
       save_checkpoint(ctx, m, opt, st);
+    }
+    if (stop) {
+      std::printf("stopped at step %lld (train.stop_at); resume with --train.resume=latest\n", (long long)(s + 1));
+      break;
     }
   }
   log.finish();
