@@ -1,6 +1,9 @@
 // autograd.cpp: the tape (see autograd.h).
 #include "autograd/autograd.h"
 
+#include <chrono>
+#include <map>
+
 #include "tensor/dispatch.h"
 
 namespace loom {
@@ -15,6 +18,47 @@ thread_local std::vector<Node> g_tape;
 thread_local bool g_grad_enabled = true;
 }  // namespace
 
+// ------------------------------------------------------------------ profiling
+namespace {
+bool g_profile = false;
+double g_mark = 0;
+std::map<std::string, std::pair<double, double>> g_prof;  // category -> (forward ms, backward ms)
+double prof_now() {
+  if (cuda::available()) cuda::synchronize();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+std::string category_of(const std::string& op) {
+  if (op == "attention") return "attention";
+  if (op == "linear" || op == "matmul") return "linear (MLP, projections)";
+  if (op == "layernorm" || op == "rmsnorm" || op == "l2_normalize") return "norms";
+  if (op == "gelu" || op == "silu" || op == "swiglu" || op == "softmax") return "activations";
+  if (op.find("cross_entropy") != std::string::npos || op == "patch_disc_loss" || op == "infonce_loss") return "loss";
+  return "other (views, adds, indexing, rope)";
+}
+}  // namespace
+
+void profile_enable(bool on) { g_profile = on; }
+bool profile_enabled() { return g_profile; }
+void profile_mark() {
+  if (g_profile) g_mark = prof_now();
+}
+void profile_add(const std::string& category, double ms) {
+  if (g_profile) g_prof[category].first += ms;
+}
+void profile_reset() { g_prof.clear(); }
+std::string profile_report(int64_t steps) {
+  double total = 0;
+  for (auto& [k, v] : g_prof) total += v.first + v.second;
+  std::string s = "profile (ms per step; forward | backward | share):\n";
+  char b[200];
+  for (auto& [k, v] : g_prof) {
+    std::snprintf(b, sizeof b, "  %-38s %9.2f | %9.2f | %5.1f%%\n", k.c_str(), v.first / double(std::max<int64_t>(steps, 1)),
+                  v.second / double(std::max<int64_t>(steps, 1)), 100 * (v.first + v.second) / std::max(total, 1e-9));
+    s += b;
+  }
+  return s;
+}
+
 bool grad_enabled() { return g_grad_enabled; }
 NoGradGuard::NoGradGuard() : prev(g_grad_enabled) { g_grad_enabled = false; }
 NoGradGuard::~NoGradGuard() { g_grad_enabled = prev; }
@@ -27,6 +71,11 @@ bool any_requires_grad(std::initializer_list<Tensor> inputs) {
 }
 
 void record(const char* name, std::initializer_list<Tensor> outputs, std::function<void()> backward) {
+  if (g_profile) {  // this op's forward ran since the previous record (or mark)
+    double t = prof_now();
+    g_prof[category_of(name)].first += t - g_mark;
+    g_mark = t;
+  }
   Node n{name, {}, std::move(backward)};
   for (auto& t : outputs) {
     t.impl()->requires_grad = true;
@@ -84,7 +133,11 @@ void backward(const Tensor& root, const Tensor& seed) {
     Node& n = g_tape[size_t(i)];
     bool any = false;
     for (auto& o : n.outputs) any |= bool(o->grad);
-    if (any) n.backward();
+    if (any) {
+      double t0 = g_profile ? prof_now() : 0;
+      n.backward();
+      if (g_profile) g_prof[category_of(n.name)].second += prof_now() - t0;
+    }
     n.backward = nullptr;  // frees what the node saved
     for (auto& o : n.outputs) {
       o->grad.reset();  // activation gradients live only until their producer has run

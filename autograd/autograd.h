@@ -10,6 +10,7 @@
 // their producer's backward has run.
 #pragma once
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "tensor/tensor.h"
@@ -47,5 +48,17 @@ void accumulate_grad(const Tensor& x, const Tensor& g, bool fresh = false);
 // x's gradient buffer for a `+=` kernel, created as zeros when absent. Undefined when x does
 // not require grad (the kernel then skips that output: pass a null pointer).
 Tensor grad_buffer(const Tensor& x);
+
+// ---- profiling (--train.profile=1)
+// While on, each recorded op's forward time (since the previous op or profile_mark()) and each
+// node's backward time are added to a per-category table (attention, linear, norms,
+// activations, loss, other); CUDA is synchronized around each op so the times are real.
+// Costs a synchronization per op: for finding where time goes, not for speed runs.
+void profile_enable(bool on);
+bool profile_enabled();
+void profile_mark();                                  // start of a forward: the next op's time starts here
+void profile_add(const std::string& category, double ms);  // e.g. "optimizer", "data"
+std::string profile_report(int64_t steps);            // the table, ms per step
+void profile_reset();
 
 }  // namespace loom

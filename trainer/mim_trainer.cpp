@@ -245,11 +245,15 @@ int train_mim(const RunContext& ctx) {
   NanGuard guard(cfg.get_int("train.max_nan_skips"));
   Prefetcher<Batch> loader(make, start, steps, std::max(1, cfg.get_int("data.workers")), 4);
   int64_t eval_every = cfg.get_int64("train.eval_every"), save_every = cfg.get_int64("train.save_every");
+  profile_enable(cfg.get_bool("train.profile"));
   for (int64_t s = start; s < steps; s++) {
     double t0 = now_ms(), w0 = now_ms();
     Batch b = loader.next();
     double wait = now_ms() - w0;
+    profile_add("data (waiting for the loader)", wait);
+    profile_mark();
     double loss = run_step(b);
+    double o0 = now_ms();
     double norm = opt.clip_grad_norm(cfg.get_float("train.grad_clip")).item();
     double lr = lr_at(s, steps, cfg.get_int64("train.warmup_steps"), cfg.get_float("train.lr"),
                       cfg.get_float("train.min_lr"), cfg.get_str("train.schedule"));
@@ -260,6 +264,7 @@ int train_mim(const RunContext& ctx) {
     }
     opt.zero_grad();
     if (ctx.device == Device::CUDA) cuda::synchronize();
+    profile_add("optimizer (clip, AdamW, EMA, zero)", now_ms() - o0);
     double ms = now_ms() - t0;
     double mem = ctx.device == Device::CUDA ? cuda::bytes_in_use() / 1048576.0 : cpu_bytes_in_use() / 1048576.0;
     log.step({s + 1, steps, loss, lr, norm, ms, wait, nviews * B / (ms / 1e3), "img/s",
@@ -289,6 +294,7 @@ int train_mim(const RunContext& ctx) {
     }
   }
   log.finish();
+  if (cfg.get_bool("train.profile")) std::printf("%s", profile_report(steps - start).c_str());
   return 0;
 }
 

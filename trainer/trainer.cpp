@@ -198,6 +198,7 @@ static int train_vlm(const RunContext& ctx) {
   Prefetcher<PackedBatch> loader(make, start * accum, steps * accum, std::max(1, cfg.get_int("data.workers")), 4);
   int64_t eval_every = cfg.get_int64("train.eval_every"), save_every = cfg.get_int64("train.save_every");
   int64_t epoch_rows_seen = start * accum * bs;
+  profile_enable(cfg.get_bool("train.profile"));
   for (int64_t s = start; s < steps; s++) {
     double t0 = now_ms(), wait = 0, flops = 0;
     int64_t tokens = 0;
@@ -206,16 +207,22 @@ static int train_vlm(const RunContext& ctx) {
       double w0 = now_ms();
       PackedBatch pb = loader.next();
       wait += now_ms() - w0;
+      profile_add("data (waiting for the loader)", now_ms() - w0);
       if (epoch_rows_seen % nrows < int64_t(bs) && epoch_rows_seen > 0)
         log.event("epoch", {{"step", double(s)}}, "epoch " + std::to_string(epoch_rows_seen / nrows) + "\n" + d.stats.log_lines());
       epoch_rows_seen += bs;
       tokens += pb.real_tokens;
       flops += vlm_step_flops(vc, pb);
-      Tensor loss = m.loss(to_device(d, d.train, pb, ctx.device, ctx.compute));
+      double h0 = now_ms();
+      VLMBatch vb = to_device(d, d.train, pb, ctx.device, ctx.compute);
+      profile_add("data (host to device)", now_ms() - h0);
+      profile_mark();
+      Tensor loss = m.loss(vb);
       Tensor scaled = accum > 1 ? scale(loss, 1.0 / accum) : loss;
       backward(scaled);
       loss_v += loss.item() / accum;
     }
+    double o0 = now_ms();
     double norm = opt.clip_grad_norm(cfg.get_float("train.grad_clip")).item();
     double lr = lr_at(s, steps, cfg.get_int64("train.warmup_steps"), cfg.get_float("train.lr"),
                       cfg.get_float("train.min_lr"), cfg.get_str("train.schedule"));
@@ -223,6 +230,7 @@ static int train_vlm(const RunContext& ctx) {
     if (ok) opt.step(lr);
     opt.zero_grad();
     if (ctx.device == Device::CUDA) cuda::synchronize();
+    profile_add("optimizer (clip, AdamW, zero)", now_ms() - o0);
     double ms = now_ms() - t0;
     StepStats ss{s + 1, steps, loss_v, lr, norm, ms, wait, double(tokens) / (ms / 1e3), "tok/s",
                  ctx.device == Device::CUDA ? flops / (ms / 1e3) / 989e12 : -1, memory_mb(ctx.device), !ok};
@@ -247,6 +255,7 @@ static int train_vlm(const RunContext& ctx) {
     }
   }
   log.finish();
+  if (cfg.get_bool("train.profile")) std::printf("%s", profile_report(steps - start).c_str());
   return 0;
 }
 
