@@ -39,6 +39,11 @@
  *     2.5 TB/s goal; the kernel is ~16 us, so launch and the tail wave weigh. Keeping the row
  *     as packed bf16 instead of floats did not lower the register count (53) or move the time;
  *     forcing 10-12 blocks/SM with __launch_bounds__ spilled (24-64 B), so it was not kept.
+     Also tried at 16384x576 and not kept (same session, this kernel at 2.27-2.39 TB/s):
+     8 threads x 9 vectors per row, 4 rows per warp (95 registers) 2.10-2.17 TB/s, with 6
+     blocks/SM forced (80 registers, spills) 1.93-1.97; 16 threads x 5 vectors 2.06-2.16;
+     loading the weight slice with the row (86 registers) 2.15-2.19 and LayerNorm 768 fell to
+     2.30. More rows in flight per SM did not help: the time is not the number of waves.
  *     layernorm_bwd 16384x768 bf16 0.060 ms = 1.25 TB/s counting 6 M C bytes (163 registers,
  *     one 256-thread block per SM: the next thing to tune).
  * Test: tests/cuda/test_cuda_kernels_a.cpp [norms] (C = 1, 31, 64, 576, 768, 1030, 3000,
