@@ -26,6 +26,7 @@ int main(int argc, char** argv) {
     usage();
     return argc < 2 ? 2 : 0;
   }
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // logs appear line by line when piped to a file
   std::string cmd = argv[1];
   try {
     if (cmd == "check") return loom::check_command(argc - 2, argv + 2);

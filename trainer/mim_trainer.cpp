@@ -73,13 +73,7 @@ double knn_probe(const std::vector<float>& xtr, const std::vector<int32_t>& ytr,
 
 static MIMConfig mim_config_from(const Config& cfg) {
   MIMConfig c;
-  c.vit.image_size = cfg.get_int("model.image_size");
-  c.vit.patch_size = cfg.get_int("model.patch_size");
-  c.vit.channels = cfg.get_int("model.channels");
-  c.vit.dim = cfg.get_int("model.vit_dim");
-  c.vit.depth = cfg.get_int("model.vit_depth");
-  c.vit.heads = cfg.get_int("model.vit_heads");
-  c.vit.mlp_ratio = cfg.get_int("model.vit_mlp_ratio");
+  c.vit = vit_config_from(cfg);
   c.pred_dim = cfg.get_int("model.pred_dim");
   c.pred_depth = cfg.get_int("model.pred_depth");
   c.pred_heads = cfg.get_int("model.pred_heads");
@@ -152,12 +146,7 @@ int train_mim(const RunContext& ctx) {
   freeze_prefixes(m, cfg.get_str("train.freeze"));
   m.target.requires_grad_(false);
   std::printf("%s\n", describe_params(m).c_str());
-  OptimConfig oc;
-  oc.kind = cfg.get_str("train.optimizer");
-  oc.beta1 = cfg.get_float("train.beta1");
-  oc.beta2 = cfg.get_float("train.beta2");
-  oc.eps = cfg.get_float("train.eps");
-  oc.momentum = cfg.get_float("train.momentum");
+  OptimConfig oc = optim_config_from(cfg);
   Optimizer opt(default_groups(m, cfg.get_float("train.weight_decay")), oc, ctx.compute, ctx.device);
   cast_frozen(m, ctx.compute);
   EMA ema(m.target, opt, "encoder.");

@@ -306,6 +306,28 @@ void freeze_prefixes(Module& m, const std::string& prefixes) {
       if (name.rfind(pre, 0) == 0) t->requires_grad_(false);
 }
 
+ViTConfig vit_config_from(const Config& cfg) {
+  ViTConfig c;
+  c.image_size = cfg.get_int("model.image_size");
+  c.patch_size = cfg.get_int("model.patch_size");
+  c.channels = cfg.get_int("model.channels");
+  c.dim = cfg.get_int("model.vit_dim");
+  c.depth = cfg.get_int("model.vit_depth");
+  c.heads = cfg.get_int("model.vit_heads");
+  c.mlp_ratio = cfg.get_int("model.vit_mlp_ratio");
+  return c;
+}
+
+OptimConfig optim_config_from(const Config& cfg) {
+  OptimConfig oc;
+  oc.kind = cfg.get_str("train.optimizer");
+  oc.beta1 = cfg.get_float("train.beta1");
+  oc.beta2 = cfg.get_float("train.beta2");
+  oc.eps = cfg.get_float("train.eps");
+  oc.momentum = cfg.get_float("train.momentum");
+  return oc;
+}
+
 void cast_frozen(Module& m, DType compute) {
   for (auto& [name, t] : m.named_parameters())
     if (!t->requires_grad() && t->dtype() != compute) *t = t->to(compute);

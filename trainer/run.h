@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "nn/vit.h"
 #include "optim/optimizer.h"
 #include "trainer/config.h"
 
@@ -86,6 +87,9 @@ void freeze_prefixes(Module& m, const std::string& prefixes);
 // parameters the optimizer does not own (frozen, the EMA target) converted to the compute
 // dtype, so a bf16 forward sees one dtype (call after building the optimizer)
 void cast_frozen(Module& m, DType compute);
+// the [model] ViT keys and the [train] optimizer keys
+ViTConfig vit_config_from(const Config& cfg);
+OptimConfig optim_config_from(const Config& cfg);
 // one-line parameter count and memory summary
 std::string describe_params(Module& m);
 

@@ -149,12 +149,7 @@ static int train_vlm(const RunContext& ctx) {
   freeze_prefixes(m, cfg.get_str("train.freeze"));
   std::printf("%s (vision %.3fM, projector %.3fM, lm %.3fM)\n", describe_params(m).c_str(),
               m.vision.num_parameters() / 1e6, m.projector.num_parameters() / 1e6, m.lm.num_parameters() / 1e6);
-  OptimConfig oc;
-  oc.kind = cfg.get_str("train.optimizer");
-  oc.beta1 = cfg.get_float("train.beta1");
-  oc.beta2 = cfg.get_float("train.beta2");
-  oc.eps = cfg.get_float("train.eps");
-  oc.momentum = cfg.get_float("train.momentum");
+  OptimConfig oc = optim_config_from(cfg);
   Optimizer opt(default_groups(m, cfg.get_float("train.weight_decay")), oc, ctx.compute, ctx.device);
   cast_frozen(m, ctx.compute);
 

@@ -22,13 +22,7 @@ static bool file_exists(const std::string& p) {
 
 VLMConfig vlm_config_from(const Config& cfg, int vocab, int image_token) {
   VLMConfig c;
-  c.vit.image_size = cfg.get_int("model.image_size");
-  c.vit.patch_size = cfg.get_int("model.patch_size");
-  c.vit.channels = cfg.get_int("model.channels");
-  c.vit.dim = cfg.get_int("model.vit_dim");
-  c.vit.depth = cfg.get_int("model.vit_depth");
-  c.vit.heads = cfg.get_int("model.vit_heads");
-  c.vit.mlp_ratio = cfg.get_int("model.vit_mlp_ratio");
+  c.vit = vit_config_from(cfg);
   c.lm.vocab = cfg.get_int("model.lm_vocab") > 0 ? cfg.get_int("model.lm_vocab") : vocab;
   LOOM_CHECK(c.lm.vocab >= vocab, "%s: model.lm_vocab %d is smaller than the tokenizer's %d ids", cfg.source().c_str(),
              c.lm.vocab, vocab);
