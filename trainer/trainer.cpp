@@ -232,7 +232,7 @@ static int train_vlm(const RunContext& ctx) {
     log.step(ss);
     bool last = s + 1 == steps;
     bool stop = cfg.get_int64("train.stop_at") > 0 && s + 1 >= cfg.get_int64("train.stop_at") && !last;
-    if ((eval_every > 0 && (s + 1) % eval_every == 0) || last) {
+    if (((eval_every > 0 && (s + 1) % eval_every == 0) || last) && !d.val.empty()) {
       VLMEval e = evaluate_vlm(m, d, ctx, last ? cfg.get_int("eval.samples") : std::min(100, cfg.get_int("eval.samples")));
       std::map<std::string, double> v = {{"step", double(s + 1)}, {"val_loss", e.val_loss}, {"accuracy", e.accuracy}};
       for (auto& [t, h] : e.by_type) v["acc_" + t] = double(h.first) / h.second;

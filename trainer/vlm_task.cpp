@@ -144,8 +144,17 @@ VLMData build_vlm_data(const RunContext& ctx, int image_tokens) {
       QA qa{q, c.turns.size() > 1 ? c.turns[1].value : "", "qa", int(d.images.size()) - 1};
       (int(i) >= int(convs.size()) - nv ? d.val : train_qa).push_back(qa);
     }
+  } else if (ds == "synthetic") {
+    // SPEC §3 timing workload: random images (a pool of 64) and random text of lognormal
+    // length; no tokenizer text, no evaluation
+    Rng r(seed);
+    for (int i = 0; i < 64; i++) {
+      std::vector<float> img(size_t(d.channels) * d.image_size * d.image_size);
+      for (auto& x : img) x = float(r.normal());
+      d.images.push_back(std::move(img));
+    }
   } else {
-    LOOM_CHECK(false, "%s: data.dataset = %s is not a VLM dataset (shapes, fashion_mnist, jsonl)",
+    LOOM_CHECK(false, "%s: data.dataset = %s is not a VLM dataset (shapes, fashion_mnist, jsonl, synthetic)",
                cfg.source().c_str(), ds.c_str());
   }
 
@@ -169,6 +178,25 @@ VLMData build_vlm_data(const RunContext& ctx, int image_tokens) {
   d.pad_id = d.tok->token_id("<|endoftext|>");
   d.end_id = d.tok->token_id("<|im_end|>");
 
+  if (ds == "synthetic") {  // samples: image tokens + lognormal(median, sigma) text tokens, all trained
+    Rng r(seed + 1);
+    int n = ntrain > 0 ? ntrain : 4096, V = cfg.get_int("model.lm_vocab") > 0 ? cfg.get_int("model.lm_vocab") : d.tok->vocab_size();
+    double med = cfg.get_float("data.synth_median_len"), sig = cfg.get_float("data.synth_sigma");
+    for (int i = 0; i < n; i++) {
+      int L = int(std::exp(r.normal() * sig + std::log(med)));
+      L = std::max(cfg.get_int("data.synth_min_len"), std::min(cfg.get_int("data.synth_max_len"), L));
+      Sample s;
+      s.image = i % int(d.images.size());
+      s.ids.assign(size_t(d.image_tokens), d.image_token);
+      s.labels.assign(size_t(d.image_tokens), kIgnoreLabel);
+      for (int t = 0; t < L; t++) {
+        int32_t id = int32_t(4 + r.randint(V - 4));  // past the special tokens
+        s.ids.push_back(id);
+        s.labels.push_back(id);
+      }
+      d.train.push_back(std::move(s));
+    }
+  }
   for (auto& q : train_qa) d.train.push_back(encode_qa(d, q.question, q.answer, q.image));
   for (auto& q : d.val) d.val_samples.push_back(encode_qa(d, q.question, q.answer, q.image));
   int row = cfg.get_int("data.pack_max_length");
