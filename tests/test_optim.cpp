@@ -29,7 +29,11 @@ constexpr int N = 3, I = 7, O = 5;  // rows, in features, out features: no multi
 // The tolerance of a T computation against the f64 reference.
 template <class T> tol::Tol tol_of() { return std::is_same_v<T, double> ? tol::kSameMathF64 : tol::kCpuF32; }
 
-double f32(double x) { return double(float(x)); }  // what an f32 hyper-parameter holds
+// what an f32 hyper-parameter holds; volatile keeps -O2 from folding the round trip away
+double f32(double x) {
+  volatile float f = float(x);
+  return double(f);
+}
 
 struct Net : Module {
   Linear enc, frozen;
