@@ -22,7 +22,7 @@ for p in $parts; do
       rc=$?; log "build rc=$rc in $(( $(date +%s) - t0 )) s"
       [ $rc -ne 0 ] && { grep -E "error" "$W/build.log" | head -40; tar czf "$OUT/gpu-ci.tgz" -C "$W" .; exit 1; } ;;
     test)
-      (cd build && timeout 300 ctest -j 8 --timeout 240 --output-on-failure) > "$W/test.log" 2>&1
+      (cd build && OMP_NUM_THREADS=2 timeout 300 ctest -j 8 --timeout 240 --output-on-failure) > "$W/test.log" 2>&1
       log "ctest rc=$?: $(grep -E 'tests passed|tests failed' "$W/test.log")"
       grep -E "Passed|Failed|Skipped|\*\*\*" "$W/test.log" | tail -40 >> "$W/summary.txt" ;;
     check)
@@ -36,6 +36,14 @@ for p in $parts; do
     vlm)
       timeout 150 ./build/train vlm_sft.cfg --train.out_dir="$W/vlm_sft" > "$W/vlm_sft.log" 2>&1
       log "vlm_sft rc=$?: $(grep -E '^  all' "$W/vlm_sft.log" | tail -1)" ;;
+    e2e)  # SPEC §3 training steps: ours (bench_*.cfg) and the PyTorch reference (eager)
+      for c in bench_vlm_sft bench_mim; do
+        timeout 150 ./build/train $c.cfg --train.out_dir="$W/$c" > "$W/$c.log" 2>&1
+        log "$c rc=$?: $(grep -E '^step +2[0-5]/' "$W/$c.log" | tail -1)"
+      done
+      REF=.deps/shared/reference/torch_ref.py
+      timeout 200 python3 $REF bench --workload mim,vlm --compile 0 --out "$W" > "$W/torch_e2e.log" 2>&1
+      log "torch e2e rc=$?"; grep -E '"workload"' "$W/torch_e2e.log" >> "$W/summary.txt" ;;
     mim)
       timeout ${MIM_SECONDS:-200} ./build/train vit_mim.cfg --data.path=.deps/fashion-mnist ${MIM_ARGS:-} --train.out_dir="$W/vit_mim" > "$W/vit_mim.log" 2>&1
       log "vit_mim rc=$?: $(grep -E 'eval at step' "$W/vit_mim.log" | tail -1)" ;;
