@@ -38,19 +38,34 @@
  *     the A fragment of P for P V). Causal: tiles above the diagonal are skipped, the mask is
  *     applied only on tiles that cross it or the sequence end; the longest query tiles are
  *     scheduled first.
- *   Tiles: forward 4 warps x 2 m-tiles = 128 queries for hd 64/128 (64-key tiles at hd 64,
- *   32 at hd 128, where O, S and Q fill 255 registers with a 72-byte spill), 4 warps x 1 m-tile
- *   for hd 16/32. dq: 64 queries per block; dk/dv: 128 keys per block (64 at hd 128).
+ *   Tiles: forward 4 warps x 2 m-tiles = 128 queries x 64-key tiles for hd 64/128 (hd 128
+ *   re-reads the Q fragments from shared memory at every k-step: O and S fill the registers;
+ *   holding Q too forced 32-key tiles and a 72-byte spill), 4 warps x 1 m-tile for hd 16/32.
+ *   dq: 4 warps x 2 m-tiles = 128 queries x 32-key tiles at hd 64 (Q, dO, S, dP, dQ in
+ *   registers), 64 queries x 64 keys (32 at hd 128) elsewhere. dk/dv: 128 keys per block
+ *   (64 at hd 128), one m-tile per warp.
  *   Measured on H200, bf16, median of 20 (bench/bench_attention.cpp; PyTorch 2.11 SDPA
  *   FLASH_ATTENTION in the same session in brackets), TFLOP/s forward | forward+backward:
  *                                   B8 H12 T1024 D64   B8 H16 T2048 D128 c   B4 H9 T2048 D64 c
  *     v2, 1 m-tile per warp          154 | 136          172 | 159             120 | 112
- *     v2, 2 m-tiles per warp         212 | 146          191 | 163             145 | 117
+ *     v2, 2 m-tiles fwd (earlier)    212 | 146          191 | 163             145 | 117
  *     PyTorch FLASH_ATTENTION       (218 | 168)        (271 | 213)           (161 | 142)
+ *   Second session (runs of the same binaries interleaved; spread between repeats ~1%):
+ *     v2 as above                    211 | 146          192 | 164             143 | 118
+ *     + hd128 fwd Q from smem, 64-key tiles; dq 2 m-tiles at hd 64
+ *                                    211 | 156          226 | 172             145 | 120
+ *     same + dk/dv 2 m-tiles at hd 64 (4 warps x 32 keys, query tiles of 32, 255 registers)
+ *                                    211 | 154          224 | 171             145 | 109
+ *     PyTorch FLASH_ATTENTION       (215 | 140)        (266 | 214)           (153 | 143)
+ *   (PyTorch's first-shape fwd+bwd read 168-178 in other sessions: compare with care.)
+ *   The kept version again in a third session: 213 | 152, 226 | 171, 145 | 117.
  *   One m-tile per warp reads 512 B of shared memory per 2 mma (smem-bound at ~half the mma
- *   rate); two m-tiles halve that, +38% at hd 64. Still short of the target at hd 128 and in
- *   the backward (0.76-0.87x of PyTorch): next steps are 2 m-tiles in the dq and dk/dv
- *   kernels and wgmma (sm_90a) for the hd 128 forward.
+ *   rate); two m-tiles halve that: +38% in the forward at hd 64; in the dq pass +4-6% fwd+bwd
+ *   on the full hd 64 case, nothing measurable on the causal one; hd 128 forward +17%. Two m-tiles in dk/dv helped the full hd 64 case (+3%) but lost 8% causal (fewer,
+ *   fatter warps per block finish the diagonal tiles later): not kept. Still short of the
+ *   target at hd 128 (0.85x forward) and in the causal backward (0.81-0.84x): next steps are
+ *   wgmma (sm_90a) for the hd 128 forward, and in dk/dv a layout where 8 warps share 2 m-tiles
+ *   of keys and split the query tile (reuse without the 128-register accumulators per warp).
  * Napkin math: forward 4 B H T^2 hd FLOP (x 0.5 causal), reads Q, K, V once per query tile
  *   (K/V re-read from L2 by every query tile of a head) and writes out + lse. B8 H16 T2048
  *   hd128 causal: 137 GFLOP -> ~0.2 ms at 650 TFLOP/s of mma.sync; bytes 4 x 67 MB = 0.27 GB
@@ -394,8 +409,10 @@ __device__ __forceinline__ void store_rows(bf* s, int r0, const float (&acc)[HD 
 // =========================================================================== v2 forward
 // Block: NW warps x MT m-tiles x 16 rows = BR query rows of one head. A warp owns 16 MT rows,
 // so each K / V fragment it reads from shared memory feeds MT mma instructions (MT = 1 reads
-// 512 B of shared memory per 2 mma, which caps mma.sync at ~half its rate).
-template <int HD, int NW, int MT, int BC>
+// 512 B of shared memory per 2 mma, which caps mma.sync at ~half its rate). QREG: the warp's
+// Q fragments stay in registers for the whole key loop; otherwise they are re-read from sQ at
+// every k-step (hd 128: frees 64 registers for 64-key tiles without spills).
+template <int HD, int NW, int MT, int BC, bool QREG>
 __global__ void __launch_bounds__(NW * 32)
 attn_fwd_v2(bf* __restrict__ out, float* __restrict__ lse, const bf* __restrict__ q,
             const bf* __restrict__ k, const bf* __restrict__ v, const int32_t* __restrict__ cu_q,
@@ -428,11 +445,13 @@ attn_fwd_v2(bf* __restrict__ out, float* __restrict__ lse, const bf* __restrict_
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
-  uint32_t qf[MT][HD / 16][4];
+  uint32_t qf[MT][HD / 16][4];  // !QREG: each entry lives only through its k-step
+  if (QREG) {
 #pragma unroll
-  for (int mt = 0; mt < MT; mt++)
+    for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-    for (int kk = 0; kk < HD / 16; kk++) frag_a<HD>(qf[mt][kk], sQ, wrow + mt * 16, kk * 16, lane);
+      for (int kk = 0; kk < HD / 16; kk++) frag_a<HD>(qf[mt][kk], sQ, wrow + mt * 16, kk * 16, lane);
+  }
 
   float o[MT][HD / 8][4] = {};
   float mrow[MT][2], lrow[MT][2];
@@ -453,6 +472,10 @@ attn_fwd_v2(bf* __restrict__ out, float* __restrict__ lse, const bf* __restrict_
     float s[MT][BC / 8][4] = {};  // S = Q K^T for this warp's rows x BC keys
 #pragma unroll
     for (int kk = 0; kk < HD / 16; kk++) {
+      if (!QREG) {
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) frag_a<HD>(qf[mt][kk], sQ, wrow + mt * 16, kk * 16, lane);
+      }
 #pragma unroll
       for (int np = 0; np < BC / 16; np++) {
         uint32_t b[4];
@@ -550,16 +573,17 @@ attn_fwd_v2(bf* __restrict__ out, float* __restrict__ lse, const bf* __restrict_
 }
 
 // =========================================================================== v2 backward: dq
-// Block: 16 NW query rows of one head; loops over key tiles like the forward. Per tile:
+// Block: 16 NW MT query rows of one head, one warp per 16 MT rows (each K / V fragment read
+// from shared memory feeds MT mma pairs, as in the forward); loops over key tiles. Per tile:
 // S = Q K^T, P = exp2(S - lse), dP = dO V^T, dS = P (dP - delta), dQ += dS K.
-template <int HD, int NW, int BC>
+template <int HD, int NW, int MT, int BC>
 __global__ void __launch_bounds__(NW * 32)
 attn_bwd_dq_v2(bf* __restrict__ dq, const bf* __restrict__ dout, const bf* __restrict__ q,
                const bf* __restrict__ k, const bf* __restrict__ v, const float* __restrict__ lse,
                const float* __restrict__ delta, const int32_t* __restrict__ cu_q,
                const int32_t* __restrict__ cu_k, int H, int KV, bool causal, float scale,
                float scale_log2) {
-  constexpr int BR = 16 * NW, NT = NW * 32;
+  constexpr int BR = 16 * NW * MT, NT = NW * 32;
   extern __shared__ __align__(128) unsigned char smem[];
   bf* sQ = reinterpret_cast<bf*>(smem);  // [BR][HD], later the dq staging
   bf* sO = sQ + BR * HD;                 // [BR][HD] dout
@@ -577,6 +601,7 @@ attn_bwd_dq_v2(bf* __restrict__ dq, const bf* __restrict__ dout, const bf* __res
   const bf* vbase = v + int64_t(k0) * kvstride + kvh * HD;
   const int kend = causal ? min(Lk, qs + nq + shift) : Lk;
   const int ntiles = kend > 0 ? (kend + BC - 1) / BC : 0;
+  const int wrow = warp * 16 * MT;  // the warp's first row in the tile
 
   load_tile<HD, BR, NT>(sQ, q + qoff, qstride, nq);
   load_tile<HD, BR, NT>(sO, dout + qoff, qstride, nq);
@@ -588,22 +613,25 @@ attn_bwd_dq_v2(bf* __restrict__ dq, const bf* __restrict__ dout, const bf* __res
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
-  uint32_t qf[HD / 16][4], of[HD / 16][4];
+  uint32_t qf[MT][HD / 16][4], of[MT][HD / 16][4];
 #pragma unroll
-  for (int kk = 0; kk < HD / 16; kk++) {
-    frag_a<HD>(qf[kk], sQ, warp * 16, kk * 16, lane);
-    frag_a<HD>(of[kk], sO, warp * 16, kk * 16, lane);
-  }
-  const int row0 = qs + warp * 16 + g;
-  float lse2[2], dl[2];
+  for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-  for (int r = 0; r < 2; r++) {
-    const int row = row0 + 8 * r;
-    const bool ok = row < Lq;
-    lse2[r] = ok ? lse[(int64_t(q0) + row) * H + h] * kLog2e : INFINITY;  // +inf: p = 0
-    dl[r] = ok ? delta[(int64_t(q0) + row) * H + h] : 0.f;
-  }
-  float acc[HD / 8][4] = {};
+    for (int kk = 0; kk < HD / 16; kk++) {
+      frag_a<HD>(qf[mt][kk], sQ, wrow + mt * 16, kk * 16, lane);
+      frag_a<HD>(of[mt][kk], sO, wrow + mt * 16, kk * 16, lane);
+    }
+  float lse2[MT][2], dl[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      const int row = qs + wrow + mt * 16 + g + 8 * r;
+      const bool ok = row < Lq;
+      lse2[mt][r] = ok ? lse[(int64_t(q0) + row) * H + h] * kLog2e : INFINITY;  // +inf: p = 0
+      dl[mt][r] = ok ? delta[(int64_t(q0) + row) * H + h] : 0.f;
+    }
+  float acc[MT][HD / 8][4] = {};
   for (int j = 0; j < ntiles; j++) {
     if (j + 1 < ntiles) {
       const int kb = (j + 1) * BC, buf = (j + 1) & 1;
@@ -615,49 +643,65 @@ attn_bwd_dq_v2(bf* __restrict__ dq, const bf* __restrict__ dout, const bf* __res
     __syncthreads();
     const bf* cK = sK + (j & 1) * BC * HD;
     const bf* cV = sV + (j & 1) * BC * HD;
-    float s[BC / 8][4] = {}, dp[BC / 8][4] = {};
+    float s[MT][BC / 8][4] = {}, dp[MT][BC / 8][4] = {};
 #pragma unroll
     for (int kk = 0; kk < HD / 16; kk++) {
 #pragma unroll
       for (int np = 0; np < BC / 16; np++) {
         uint32_t b[4];
         frag_b_rows_n<HD>(b, cK, np * 16, kk * 16, lane);
-        mma_bf16(s[2 * np], qf[kk], b[0], b[1]);
-        mma_bf16(s[2 * np + 1], qf[kk], b[2], b[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+          mma_bf16(s[mt][2 * np], qf[mt][kk], b[0], b[1]);
+          mma_bf16(s[mt][2 * np + 1], qf[mt][kk], b[2], b[3]);
+        }
         frag_b_rows_n<HD>(b, cV, np * 16, kk * 16, lane);
-        mma_bf16(dp[2 * np], of[kk], b[0], b[1]);
-        mma_bf16(dp[2 * np + 1], of[kk], b[2], b[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+          mma_bf16(dp[mt][2 * np], of[mt][kk], b[0], b[1]);
+          mma_bf16(dp[mt][2 * np + 1], of[mt][kk], b[2], b[3]);
+        }
       }
     }
     const int kb = j * BC;
-    const bool need_mask = kb + BC > Lk || (causal && kb + BC - 1 > qs + shift);
+    const bool need_mask = kb + BC > Lk || (causal && kb + BC - 1 > qs + wrow + shift);
 #pragma unroll
-    for (int nt = 0; nt < BC / 8; nt++)
+    for (int mt = 0; mt < MT; mt++) {
+      const int row0 = qs + wrow + mt * 16 + g;
 #pragma unroll
-      for (int e = 0; e < 4; e++) {
-        const int r = e >> 1;
-        float p = exp2f(s[nt][e] * scale_log2 - lse2[r]);
-        if (need_mask) {
-          const int col = kb + nt * 8 + 2 * t + (e & 1), row = row0 + 8 * r;
-          if (col >= Lk || (causal && col > row + shift)) p = 0.f;
+      for (int nt = 0; nt < BC / 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const int r = e >> 1;
+          float p = exp2f(s[mt][nt][e] * scale_log2 - lse2[mt][r]);
+          if (need_mask) {
+            const int col = kb + nt * 8 + 2 * t + (e & 1), row = row0 + 8 * r;
+            if (col >= Lk || (causal && col > row + shift)) p = 0.f;
+          }
+          s[mt][nt][e] = p * (dp[mt][nt][e] - dl[mt][r]);  // dS
         }
-        s[nt][e] = p * (dp[nt][e] - dl[r]);  // dS
-      }
+    }
 #pragma unroll
     for (int kk = 0; kk < BC / 16; kk++) {  // dQ += dS K
-      uint32_t a[4];
-      c_to_a(a, s, kk);
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; mt++) c_to_a(a[mt], s[mt], kk);
 #pragma unroll
       for (int dd = 0; dd < HD / 16; dd++) {
         uint32_t b[4];
         frag_b_rows_k<HD>(b, cK, kk * 16, dd * 16, lane);
-        mma_bf16(acc[2 * dd], a, b[0], b[1]);
-        mma_bf16(acc[2 * dd + 1], a, b[2], b[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+          mma_bf16(acc[mt][2 * dd], a[mt], b[0], b[1]);
+          mma_bf16(acc[mt][2 * dd + 1], a[mt], b[2], b[3]);
+        }
       }
     }
     __syncthreads();
   }
-  store_rows<HD>(sQ, warp * 16, acc, scale, dq + qoff, qstride, nq, lane);
+#pragma unroll
+  for (int mt = 0; mt < MT; mt++)  // each warp stages only its own rows of sQ
+    store_rows<HD>(sQ, wrow + mt * 16, acc[mt], scale, dq + qoff, qstride, nq, lane);
 }
 
 // =========================================================================== v2 backward: dk, dv
@@ -801,14 +845,17 @@ template <int HD>
 void fwd_v2(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const int32_t* cu_q,
             const int32_t* cu_k, int nseq, int max_seqlen, int H, int KV, bool causal, float scale_log2,
             cudaStream_t s) {
-  // 4 warps x 2 m-tiles = 128 query rows for hd >= 64 (hd 128: 32-key tiles keep O, S and Q
-  // in registers without spills); 64 rows for the small head dims of tiny models.
-  constexpr int NW = 4, MT = HD >= 64 ? 2 : 1, BR = 16 * NW * MT, BC = HD <= 64 ? 64 : 32;
+  // 4 warps x 2 m-tiles = 128 query rows for hd >= 64, 64-key tiles; at hd 128 the Q
+  // fragments are re-read from shared memory at every k-step so that O and a 64-key S fit in
+  // registers (8 bytes of spill instead of 72 with Q held and 32-key tiles). 64 rows for the
+  // small head dims of tiny models.
+  constexpr int NW = 4, MT = HD >= 64 ? 2 : 1, BR = 16 * NW * MT, BC = 64;
+  constexpr bool QREG = HD <= 64;
   const int smem = (BR + 4 * BC) * HD * int(sizeof(bf));
-  static bool once = (set_smem(attn_fwd_v2<HD, NW, MT, BC>, smem), true);
+  static bool once = (set_smem(attn_fwd_v2<HD, NW, MT, BC, QREG>, smem), true);
   (void)once;
   dim3 grid(ceil_div(max_seqlen, BR), H, nseq);
-  attn_fwd_v2<HD, NW, MT, BC><<<grid, NW * 32, smem, s>>>(out, lse, q, k, v, cu_q, cu_k, H, KV, causal, scale_log2);
+  attn_fwd_v2<HD, NW, MT, BC, QREG><<<grid, NW * 32, smem, s>>>(out, lse, q, k, v, cu_q, cu_k, H, KV, causal, scale_log2);
   LAUNCH_CHECK();
 }
 
@@ -817,14 +864,15 @@ void bwd_v2(bf* dq, bf* dk, bf* dv, const bf* dout, const bf* q, const bf* k, co
             const float* lse, const float* delta, const int32_t* cu_q, const int32_t* cu_k, int nseq,
             int max_seqlen, int H, int KV, bool causal, float scale, cudaStream_t s) {
   const float scale_log2 = scale * kLog2e;
-  {  // dq: 64 query rows per block; 32-key tiles at hd 128 keep S, dP and dQ in registers
-    constexpr int NW = 4, BR = 64, BC = HD <= 64 ? 64 : 32;
+  {  // dq: 4 warps x 2 m-tiles = 128 query rows at hd 64 (32-key tiles: Q, dO, S, dP and dQ
+     // stay in registers), 1 m-tile (64 rows) elsewhere (hd 128: 32-key tiles)
+    constexpr int NW = 4, MT = HD == 64 ? 2 : 1, BR = 16 * NW * MT, BC = HD < 64 ? 64 : 32;
     const int smem = (2 * BR + 4 * BC) * HD * int(sizeof(bf));
-    static bool once = (set_smem(attn_bwd_dq_v2<HD, NW, BC>, smem), true);
+    static bool once = (set_smem(attn_bwd_dq_v2<HD, NW, MT, BC>, smem), true);
     (void)once;
     dim3 grid(ceil_div(max_seqlen, BR), H, nseq);
-    attn_bwd_dq_v2<HD, NW, BC><<<grid, NW * 32, smem, s>>>(dq, dout, q, k, v, lse, delta, cu_q,
-                                                           cu_k, H, KV, causal, scale, scale_log2);
+    attn_bwd_dq_v2<HD, NW, MT, BC><<<grid, NW * 32, smem, s>>>(dq, dout, q, k, v, lse, delta, cu_q,
+                                                               cu_k, H, KV, causal, scale, scale_log2);
     LAUNCH_CHECK();
   }
   {  // dk, dv: 128 keys per block (64 at hd 128), query tiles of 64 (32 at hd 128)
