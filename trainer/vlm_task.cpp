@@ -181,7 +181,7 @@ VLMData build_vlm_data(const RunContext& ctx, int image_tokens) {
   if (ds == "synthetic") {  // samples: image tokens + lognormal(median, sigma) text tokens, all trained
     Rng r(seed + 1);
     int n = ntrain > 0 ? ntrain : 4096, V = cfg.get_int("model.lm_vocab") > 0 ? cfg.get_int("model.lm_vocab") : d.tok->vocab_size();
-    double med = cfg.get_float("data.synth_median_len"), sig = cfg.get_float("data.synth_sigma");
+    double med = cfg.get_int("data.synth_median_len"), sig = cfg.get_float("data.synth_sigma");
     for (int i = 0; i < n; i++) {
       int L = int(std::exp(r.normal() * sig + std::log(med)));
       L = std::max(cfg.get_int("data.synth_min_len"), std::min(cfg.get_int("data.synth_max_len"), L));
