@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "nn/vlm.h"
 #include "trainer/run.h"
 #include "trainer/trainer.h"
 
@@ -102,4 +103,46 @@ TEST_CASE("config errors name the file, the line or the key, before any work", "
   REQUIRE_THROWS_WITH(run_train({"vlm_sft.cfg", "--train.steps=abc", "--train.out_dir=" + d}), Contains("train.steps"));
   REQUIRE_THROWS_WITH(run_train({"no_such_config.cfg"}), Contains("no_such_config"));
   REQUIRE_THROWS_WITH(run_train({"vlm_sft.cfg", "positional"}), Contains("--section.key=value"));
+}
+
+TEST_CASE("parameter groups: embeddings, projector, matrices, norms with their own lr and decay", "[trainer]") {
+  VLMConfig c;
+  c.vit = ViTConfig{8, 4, 3, 16, 1, 2, 4, 1e-6};
+  c.lm.vocab = 40;
+  c.lm.dim = 16;
+  c.lm.depth = 1;
+  c.lm.heads = 2;
+  c.lm.kv_heads = 1;
+  c.lm.hidden = 32;
+  Rng rng(3);
+  VLM m(c, Init{DType::F32, Device::CPU, &rng});
+  m.vision.norm.weight.requires_grad_(false);  // frozen: in no group
+  auto find = [](const std::vector<ParamGroup>& gs, const std::string& name) -> const ParamGroup* {
+    for (auto& g : gs)
+      for (auto& [n, t] : g.params)
+        if (n == name) return &g;
+    return nullptr;
+  };
+  // defaults: two groups (decay for every matrix, none for 1-D), as before groups existed
+  auto d = param_groups_from(m, Config::load("vlm_sft.cfg"));
+  REQUIRE(d.size() == 2);
+  CHECK(find(d, "projector.weight")->name == "decay");
+  CHECK(find(d, "lm.norm.weight")->name == "no_decay");
+  CHECK(find(d, "vision.norm.weight") == nullptr);
+  // any factor set: four groups
+  auto g = param_groups_from(m, Config::load("vlm_sft.cfg", {"--train.lr_scale_projector=10",
+                                                              "--train.embeddings_weight_decay=0", "--train.weight_decay=0.1"}));
+  REQUIRE(g.size() == 4);
+  CHECK(find(g, "projector.weight")->name == "projector");
+  CHECK(find(g, "projector.weight")->lr_scale == 10.0);
+  CHECK(find(g, "lm.embed_tokens.weight")->name == "embeddings");
+  CHECK(find(g, "lm.embed_tokens.weight")->weight_decay == 0.0);
+  CHECK(find(g, "vision.pos_embed")->name == "embeddings");
+  CHECK(find(g, "lm.layers.0.q_proj.weight")->name == "matrices");
+  CHECK(find(g, "lm.layers.0.q_proj.weight")->weight_decay == 0.1);
+  CHECK(find(g, "vision.blocks.0.qkv.bias")->name == "norms");
+  CHECK(find(g, "vision.blocks.0.qkv.bias")->weight_decay == 0.0);
+  size_t n = 0;
+  for (auto& gr : g) n += gr.params.size();
+  CHECK(int64_t(n) == int64_t(m.named_parameters().size()) - 1);  // all but the frozen one
 }

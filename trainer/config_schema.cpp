@@ -85,6 +85,10 @@ const std::vector<ConfigKey>& config_schema() {
       {"train", "resume", S, "", "\"\" = fresh start, latest = newest checkpoint in out_dir, or a checkpoint path", nullptr},
       {"train", "dry_run", B, "false", "build everything, run one step, print shapes and exit", nullptr},
       {"train", "profile", B, "false", "time each phase of the step and print a table", nullptr},
+      {"train", "lr_scale_embeddings", F, "1.0", "learning-rate factor of the embeddings group (token/position embeddings, mask token)", nullptr},
+      {"train", "lr_scale_projector", F, "1.0", "learning-rate factor of the projector group (VLM)", nullptr},
+      {"train", "lr_scale_norms", F, "1.0", "learning-rate factor of the norms group (norm gains and biases, 1-D)", nullptr},
+      {"train", "embeddings_weight_decay", F, "-1", "weight decay of the embeddings group (-1: train.weight_decay; norms get none)", nullptr},
       {"train", "max_nan_skips", I, "5", "consecutive non-finite losses skipped before aborting", nullptr},
       {"train", "stop_at", I, "0", "stop after this step as if interrupted, checkpoint kept (0 = run to train.steps)", nullptr},
       // ---------------------------------------------------------------- eval

@@ -159,7 +159,7 @@ int train_mim(const RunContext& ctx) {
   m.target.requires_grad_(false);
   std::printf("%s\n", describe_params(m).c_str());
   OptimConfig oc = optim_config_from(cfg);
-  Optimizer opt(default_groups(m, cfg.get_float("train.weight_decay")), oc, ctx.compute, ctx.device);
+  Optimizer opt(param_groups_from(m, cfg), oc, ctx.compute, ctx.device);
   cast_frozen(m, ctx.compute);
   EMA ema(m.target, opt, "encoder.");
 

@@ -306,6 +306,35 @@ void freeze_prefixes(Module& m, const std::string& prefixes) {
       if (name.rfind(pre, 0) == 0) t->requires_grad_(false);
 }
 
+std::vector<ParamGroup> param_groups_from(Module& m, const Config& cfg) {
+  double wd = cfg.get_float("train.weight_decay"), ewd = cfg.get_float("train.embeddings_weight_decay");
+  if (ewd < 0) ewd = wd;
+  double s_emb = cfg.get_float("train.lr_scale_embeddings"), s_proj = cfg.get_float("train.lr_scale_projector"),
+         s_norm = cfg.get_float("train.lr_scale_norms");
+  auto has = [](const std::string& n, const char* part) { return n.find(part) != std::string::npos; };
+  // With every factor at its default the four groups collapse to two (decay: all matrices,
+  // embeddings and the projector; no decay: 1-D), in parameter order, so runs made before the
+  // groups existed reproduce bit for bit.
+  bool split = s_emb != 1.0 || s_proj != 1.0 || s_norm != 1.0 || ewd != wd;
+  std::vector<ParamGroup> g;
+  if (split) {
+    g = {{"matrices", 1.0, wd, {}}, {"embeddings", s_emb, ewd, {}}, {"projector", s_proj, wd, {}}, {"norms", s_norm, 0.0, {}}};
+  } else {
+    g = {{"decay", 1.0, wd, {}}, {"no_decay", 1.0, 0.0, {}}};
+  }
+  for (auto& [name, t] : m.named_parameters()) {
+    if (!t->requires_grad()) continue;
+    size_t i;
+    if (!split) i = t->dim() >= 2 ? 0 : 1;
+    else if (has(name, "embed_tokens") || has(name, "pos_embed") || has(name, "pred_pos") || has(name, "mask_token")) i = 1;
+    else if (name.rfind("projector.", 0) == 0) i = 2;
+    else if (t->dim() < 2) i = 3;
+    else i = 0;
+    g[i].params.push_back({name, t});
+  }
+  return g;
+}
+
 ViTConfig vit_config_from(const Config& cfg) {
   ViTConfig c;
   c.image_size = cfg.get_int("model.image_size");

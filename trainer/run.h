@@ -87,6 +87,10 @@ void freeze_prefixes(Module& m, const std::string& prefixes);
 // parameters the optimizer does not own (frozen, the EMA target) converted to the compute
 // dtype, so a bf16 forward sees one dtype (call after building the optimizer)
 void cast_frozen(Module& m, DType compute);
+// Parameter groups with their own lr factor and weight decay: "embeddings" (embed_tokens,
+// pos_embed, pred_pos, mask_token), "projector" (projector.*), "norms" (1-D: gains, biases),
+// "matrices" (everything else); frozen parameters are left out.
+std::vector<ParamGroup> param_groups_from(Module& m, const Config& cfg);
 // the [model] ViT keys and the [train] optimizer keys
 ViTConfig vit_config_from(const Config& cfg);
 OptimConfig optim_config_from(const Config& cfg);

@@ -150,7 +150,7 @@ static int train_vlm(const RunContext& ctx) {
   std::printf("%s (vision %.3fM, projector %.3fM, lm %.3fM)\n", describe_params(m).c_str(),
               m.vision.num_parameters() / 1e6, m.projector.num_parameters() / 1e6, m.lm.num_parameters() / 1e6);
   OptimConfig oc = optim_config_from(cfg);
-  Optimizer opt(default_groups(m, cfg.get_float("train.weight_decay")), oc, ctx.compute, ctx.device);
+  Optimizer opt(param_groups_from(m, cfg), oc, ctx.compute, ctx.device);
   cast_frozen(m, ctx.compute);
 
   int64_t steps = cfg.get_int64("train.steps"), start = 0;
