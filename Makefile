@@ -5,6 +5,7 @@
 #   make deps       install the Debian packages the build needs (no-op when present)
 #   make CUDA=0 ... force the CPU-only build (its own build folder: build-cpu/)
 #   make CUDA_ARCH=80 ...  build the CUDA backend for another architecture
+#   make NATIVE=0 ...      a portable binary (no -march=native for the CPU code)
 NVCC := $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 ifeq ($(NVCC),)
   CUDA ?= 0
@@ -13,6 +14,7 @@ else
 endif
 CUDA_ARCH ?= 90
 JOBS ?= $(shell nproc)
+NATIVE ?= 1
 
 ifeq ($(CUDA),0)
   BUILD ?= build-cpu
@@ -33,7 +35,7 @@ build: $(BUILD)/CMakeCache.txt
 	cmake --build $(BUILD) -j $(JOBS)
 
 $(BUILD)/CMakeCache.txt:
-	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS)
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DLOOM_NATIVE=$(if $(filter 0,$(NATIVE)),OFF,ON) $(CMAKE_FLAGS)
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
