@@ -63,9 +63,8 @@ ViTConfig siglip_config(const std::string& dir) {
   c.depth = j.at("num_hidden_layers");
   c.heads = j.at("num_attention_heads");
   int inter = j.at("intermediate_size");
-  LOOM_CHECK(inter % c.dim == 0, "%s/config.json: intermediate_size %d is not a multiple of hidden_size %d",
-             dir.c_str(), inter, c.dim);
   c.mlp_ratio = inter / c.dim;
+  c.mlp_hidden = inter;  // SigLIP widths need not be a multiple of hidden_size
   c.eps = j.value("layer_norm_eps", 1e-6);
   std::string act = j.value("hidden_act", "gelu_pytorch_tanh");
   LOOM_CHECK(act == "gelu_pytorch_tanh", "%s/config.json: hidden_act '%s' (only gelu_pytorch_tanh)", dir.c_str(),

@@ -37,7 +37,7 @@ LatentMIM::LatentMIM(const MIMConfig& c, const Init& init)
   pred_pos = init.normal({c.vit.num_patches(), c.pred_dim}, 0.02);
   param("pred_pos", pred_pos);
   for (int i = 0; i < c.pred_depth; i++) {
-    pred_blocks.push_back(std::make_unique<ViTBlock>(c.pred_dim, c.pred_heads, 4, c.vit.eps, init));
+    pred_blocks.push_back(std::make_unique<ViTBlock>(c.pred_dim, c.pred_heads, 4 * c.pred_dim, c.vit.eps, init));
     pred_blocks_.child(std::to_string(i), *pred_blocks.back());
   }
   child("pred_blocks", pred_blocks_);

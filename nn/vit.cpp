@@ -5,9 +5,9 @@
 
 namespace loom {
 
-ViTBlock::ViTBlock(int dim_, int heads_, int mlp_ratio, double eps, const Init& init)
+ViTBlock::ViTBlock(int dim_, int heads_, int mlp_hidden, double eps, const Init& init)
     : dim(dim_), heads(heads_), norm1(dim_, eps, init), norm2(dim_, eps, init), qkv(dim_, 3 * dim_, true, init),
-      proj(dim_, dim_, true, init), fc1(dim_, mlp_ratio * dim_, true, init), fc2(mlp_ratio * dim_, dim_, true, init) {
+      proj(dim_, dim_, true, init), fc1(dim_, mlp_hidden, true, init), fc2(mlp_hidden, dim_, true, init) {
   LOOM_CHECK(dim % heads == 0, "ViT block: dim %d is not divisible by %d heads", dim, heads);
   child("norm1", norm1);
   child("qkv", qkv);
@@ -39,7 +39,7 @@ ViT::ViT(const ViTConfig& c, const Init& init)
   pos_embed = init.normal({c.num_patches(), c.dim}, 0.02);
   param("pos_embed", pos_embed);
   for (int i = 0; i < c.depth; i++) {
-    blocks.push_back(std::make_unique<ViTBlock>(c.dim, c.heads, c.mlp_ratio, c.eps, init));
+    blocks.push_back(std::make_unique<ViTBlock>(c.dim, c.heads, c.hidden(), c.eps, init));
     blocks_.child(std::to_string(i), *blocks.back());
   }
   child("blocks", blocks_);

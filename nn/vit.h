@@ -10,13 +10,15 @@ namespace loom {
 struct ViTConfig {
   int image_size = 224, patch_size = 16, channels = 3, dim = 768, depth = 12, heads = 12, mlp_ratio = 4;
   double eps = 1e-6;
+  int mlp_hidden = 0;  // MLP width when it is not a multiple of dim (HF SigLIP); 0: mlp_ratio * dim
+  int hidden() const { return mlp_hidden > 0 ? mlp_hidden : mlp_ratio * dim; }
   int num_patches() const { return (image_size / patch_size) * (image_size / patch_size); }
   int grid() const { return image_size / patch_size; }
 };
 
 class ViTBlock : public Module {
  public:
-  ViTBlock(int dim, int heads, int mlp_ratio, double eps, const Init& init);
+  ViTBlock(int dim, int heads, int mlp_hidden, double eps, const Init& init);
   // x [B, N, D] -> [B, N, D]; bidirectional attention within each of the B rows
   Tensor forward(const Tensor& x, const SeqInfo& rows) const;
   int dim, heads;

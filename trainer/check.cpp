@@ -158,9 +158,22 @@ static CheckResult check_vlm(const SafeTensors& st, Device dev, DType dt) {
   b.pos = st.at("input.pos").to(DType::I32).reshape({n}).to(dev);
   b.targets = st.at("input.targets").to(DType::I32).reshape({n}).to(dev);
   b.image_positions = Tensor::from_vector(img_pos, {int64_t(img_pos.size())}, dev);
-  auto cu = st.at("input.cu_seqlens").to_vector<int32_t>();
-  // padding tokens beyond the last document: a segment of their own
-  if (!cu.empty() && cu.back() < n) cu.push_back(int32_t(n));
+  // Segments: runs of one document inside a row (input.doc_id; padding is -1 and, as in the
+  // reference's mask, attends only to itself: one segment per padding token). Without doc_id,
+  // the fixture's cu_seqlens, with any tail as one more segment.
+  std::vector<int32_t> cu{0};
+  if (st.has("input.doc_id")) {
+    Tensor doc = st.at("input.doc_id").to(DType::I32);
+    auto dv = doc.to_vector<int32_t>();
+    int64_t row = doc.dim() == 2 ? doc.size(1) : n;
+    for (int64_t t = 1; t <= n; t++) {
+      bool boundary = t == n || t % row == 0 || dv[size_t(t)] != dv[size_t(t - 1)] || dv[size_t(t)] < 0;
+      if (boundary) cu.push_back(int32_t(t));
+    }
+  } else {
+    cu = st.at("input.cu_seqlens").to_vector<int32_t>();
+    if (!cu.empty() && cu.back() < n) cu.push_back(int32_t(n));
+  }
   b.seq = SeqInfo::packed(cu, dev);
   Tensor loss = m.loss(b);
   backward(loss);

@@ -217,7 +217,7 @@ int train_mim(const RunContext& ctx) {
   };
   // FLOPs of a step (SPEC §3): encoder 3x on K patches, target 1x on N, predictor 3x on N
   auto vit_tok = [](const ViTConfig& c, int n) {
-    return 2.0 * c.depth * (4.0 * c.dim * c.dim + 2.0 * c.mlp_ratio * c.dim * c.dim) + 4.0 * c.depth * n * c.dim;
+    return 2.0 * c.depth * (4.0 * c.dim * c.dim + 2.0 * c.hidden() * c.dim) + 4.0 * c.depth * n * c.dim;
   };
   ViTConfig pc;
   pc.dim = mc.pred_dim;

@@ -31,7 +31,7 @@ static double vlm_step_flops(const VLMConfig& c, const PackedBatch& pb) {
   }
   double lm = 2 * lm_mat * double(pb.real_tokens) + 4.0 * c.lm.dim * c.lm.depth * attn_tok;
   int N = c.vit.num_patches();
-  double vit_mat = double(c.vit.depth) * (4.0 * c.vit.dim * c.vit.dim + 2.0 * c.vit.mlp_ratio * c.vit.dim * c.vit.dim);
+  double vit_mat = double(c.vit.depth) * (4.0 * c.vit.dim * c.vit.dim + 2.0 * c.vit.hidden() * c.vit.dim);
   double vit = double(pb.images.size()) * N * (2 * vit_mat + 4.0 * N * c.vit.dim * c.vit.depth);
   return 3 * (lm + vit);
 }
