@@ -65,20 +65,18 @@ static VLMEval evaluate_vlm(const VLM& m, const VLMData& d, const RunContext& ct
   for (size_t r = 0; r < rows.size(); r += per) {
     std::vector<std::vector<int>> chunk(rows.begin() + long(r), rows.begin() + long(std::min(rows.size(), r + per)));
     PackedBatch pb = build_batch(vs, chunk, ctx.cfg.get_int("data.pack_max_length"), d.pad_id, d.image_token);
-    loss_sum += m.loss(to_device(d, vs, pb, ctx.device, ctx.compute)).item();
+    loss_sum += m.loss(to_device(d, pb, ctx.device, ctx.compute)).item();
     nb++;
   }
   e.val_loss = nb ? loss_sum / nb : 0;
   // exact-match answers by greedy generation
   Rng rng(0);
-  size_t px = size_t(d.channels) * d.image_size * d.image_size;
   int correct = 0;
   for (int i = 0; i < n; i++) {
     const QA& q = d.val[size_t(i)];
     Tensor img = Tensor::from_vector(d.images[size_t(q.image)], {1, d.channels, d.image_size, d.image_size})
                      .to(ctx.compute)
                      .to(ctx.device);
-    (void)px;
     auto ids = generate(m, img, qa_prompt(d, q.question), ctx.cfg.get_int("eval.max_new_tokens"), d.end_id, 0, rng);
     bool ok = trim(d.tok->decode(ids, true)) == trim(q.answer);
     correct += ok;
@@ -181,7 +179,7 @@ static int train_vlm(const RunContext& ctx) {
   if (cfg.get_bool("train.dry_run")) {
     PackedBatch pb = make(0);
     double t0 = now_ms();
-    Tensor loss = m.loss(to_device(d, d.train, pb, ctx.device, ctx.compute));
+    Tensor loss = m.loss(to_device(d, pb, ctx.device, ctx.compute));
     backward(loss);
     std::printf("dry run: one step, loss %.4f, %.1f ms, memory %.1f MB, %s\n", loss.item(), now_ms() - t0,
                 memory_mb(ctx.device), describe_params(m).c_str());
@@ -209,7 +207,7 @@ static int train_vlm(const RunContext& ctx) {
       tokens += pb.real_tokens;
       flops += vlm_step_flops(vc, pb);
       double h0 = now_ms();
-      VLMBatch vb = to_device(d, d.train, pb, ctx.device, ctx.compute);
+      VLMBatch vb = to_device(d, pb, ctx.device, ctx.compute);
       profile_add("data (host to device)", now_ms() - h0);
       profile_mark();
       Tensor loss = m.loss(vb);

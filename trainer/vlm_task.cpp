@@ -207,8 +207,7 @@ VLMData build_vlm_data(const RunContext& ctx, int image_tokens) {
   return d;
 }
 
-VLMBatch to_device(const VLMData& d, const std::vector<Sample>& samples, const PackedBatch& pb, Device dev, DType dtype) {
-  (void)samples;
+VLMBatch to_device(const VLMData& d, const PackedBatch& pb, Device dev, DType dtype) {
   VLMBatch b;
   int64_t n = int64_t(pb.ids.size());
   size_t px = size_t(d.channels) * d.image_size * d.image_size;

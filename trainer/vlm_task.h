@@ -42,7 +42,7 @@ Sample encode_qa(const VLMData& d, const std::string& question, const std::strin
 std::vector<int32_t> qa_prompt(const VLMData& d, const std::string& question);
 
 // A packed batch on the device: images [Bi, C, H, W] in `dtype`, indices int32.
-VLMBatch to_device(const VLMData& d, const std::vector<Sample>& samples, const PackedBatch& pb, Device dev, DType dtype);
+VLMBatch to_device(const VLMData& d, const PackedBatch& pb, Device dev, DType dtype);
 
 // Greedy (temperature 0) or sampled generation with a KV cache; stops at stop_id.
 std::vector<int32_t> generate(const VLM& m, const Tensor& image, const std::vector<int32_t>& prompt, int max_new,
