@@ -1,0 +1,123 @@
+// attention_tiles.cuh: the tile primitives the tensor-core attention kernels share
+// (kernels/cuda/attention.cu, attention_sm90.cu): cp.async staging into XOR-swizzled shared
+// memory, ldmatrix fragments, mma.sync m16n8k16 (bf16 in, fp32 accumulate), and the C -> A
+// fragment repack that keeps the score tile in registers. See attention.cu's header for the
+// algorithm and the measured versions.
+#pragma once
+#include "kernels/cuda/common.cuh"
+
+namespace loom::cuda::attn {
+
+using bf = __nv_bfloat16;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return uint32_t(__cvta_generic_to_shared(p));
+}
+// 16-byte async copy global -> shared; !valid zero-fills the 16 bytes (reads nothing).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+// c[16x8] += a[16x16] b[16x8], bf16 inputs, fp32 accumulators (thread: rows lane/4 and +8,
+// columns 2 (lane%4) and +1 of c).
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // lo in the low half: the lower column
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Element offset of (row r, 16-byte chunk c) in a [rows, HD] bf16 tile. The chunk index is
+// XORed with the row's position inside a 128-byte line group so that the 8 rows one ldmatrix
+// reads fall in 8 different bank groups (no conflicts) for every HD in 16..128.
+template <int HD>
+__device__ __forceinline__ int swz(int r, int c) {
+  constexpr int NC = HD / 8, NCS = NC < 8 ? NC : 8, RPL = 8 / NCS;
+  return r * HD + ((c ^ ((r / RPL) & (NCS - 1))) * 8);
+}
+// Pointer an ldmatrix lane passes: row r, column col (a multiple of 8).
+template <int HD>
+__device__ __forceinline__ const bf* at(const bf* s, int r, int col) {
+  return s + swz<HD>(r, col / 8);
+}
+
+// Rows [0, R) of a global matrix (row r at src + r * stride) into a swizzled tile; rows >=
+// nvalid are zero-filled (so masked keys multiply finite zeros, never stale NaN).
+template <int HD, int R, int NT>
+__device__ __forceinline__ void load_tile(bf* s, const bf* src, int64_t stride, int nvalid) {
+  constexpr int NC = HD / 8;
+  for (int idx = threadIdx.x; idx < R * NC; idx += NT) {
+    const int r = idx / NC, c = idx % NC;
+    const bool ok = r < nvalid;
+    cp_async16(s + swz<HD>(r, c), ok ? src + r * stride + c * 8 : src, ok);
+  }
+}
+// A-operand fragment (16 rows from r0, k columns k0..k0+15) of a row-major tile.
+template <int HD>
+__device__ __forceinline__ void frag_a(uint32_t (&a)[4], const bf* s, int r0, int k0, int lane) {
+  ldsm_x4(a, at<HD>(s, r0 + (lane & 7) + ((lane >> 3) & 1) * 8, k0 + (lane >> 4) * 8));
+}
+// B-operand fragments of two n-tiles (n0, n0+8) for k-step k0, from a tile whose rows are
+// the n dimension (K in S = Q K^T): b[0..1] n-tile n0, b[2..3] n-tile n0+8.
+template <int HD>
+__device__ __forceinline__ void frag_b_rows_n(uint32_t (&b)[4], const bf* s, int n0, int k0, int lane) {
+  ldsm_x4(b, at<HD>(s, n0 + (lane & 7) + (lane >> 4) * 8, k0 + ((lane >> 3) & 1) * 8));
+}
+// Same, from a tile whose rows are the k dimension (V in O = P V), transposed on load.
+template <int HD>
+__device__ __forceinline__ void frag_b_rows_k(uint32_t (&b)[4], const bf* s, int k0, int n0, int lane) {
+  ldsm_x4_t(b, at<HD>(s, k0 + (lane & 7) + ((lane >> 3) & 1) * 8, n0 + (lane >> 4) * 8));
+}
+// The C fragments of n-tiles 2kk, 2kk+1 (16 x 16 fp32) as the A fragment of the next product.
+template <int N>
+__device__ __forceinline__ void c_to_a(uint32_t (&a)[4], const float (&c)[N][4], int kk) {
+  a[0] = pack_bf16(c[2 * kk][0], c[2 * kk][1]);
+  a[1] = pack_bf16(c[2 * kk][2], c[2 * kk][3]);
+  a[2] = pack_bf16(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+  a[3] = pack_bf16(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+}
+// Writes the warp's 16 rows of acc (C layout) into rows r0.. of a swizzled tile, then copies
+// them to global (row r at dst + r * stride) for rows < nvalid, 16 bytes per lane.
+template <int HD>
+__device__ __forceinline__ void store_rows(bf* s, int r0, const float (&acc)[HD / 8][4], float mul,
+                                           bf* dst, int64_t stride, int nvalid, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int dt = 0; dt < HD / 8; dt++) {
+    const int col = dt * 8 + 2 * t;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      const int row = r0 + g + 8 * r;
+      *reinterpret_cast<uint32_t*>(s + swz<HD>(row, col / 8) + (col & 7)) =
+          pack_bf16(acc[dt][2 * r] * mul, acc[dt][2 * r + 1] * mul);
+    }
+  }
+  __syncwarp();
+  constexpr int NC = HD / 8;
+  for (int idx = lane; idx < 16 * NC; idx += 32) {
+    const int r = idx / NC, c = idx % NC;
+    if (r0 + r < nvalid)
+      *reinterpret_cast<uint4*>(dst + int64_t(r0 + r) * stride + c * 8) =
+          *reinterpret_cast<const uint4*>(s + swz<HD>(r0 + r, c));
+  }
+}
+
+}  // namespace loom::cuda::attn
