@@ -3,6 +3,7 @@
 # compiles kernels/cpu/*.cpp, kernels/cuda/*.cu and the named test files (each linked with the
 # Catch2 main) using 16 jobs, then runs each test. Needs .deps (tools/gpu-prep.sh) carried.
 #   bash tools/gpu-kernels.sh tests/cuda/test_cuda_norms.cpp [more tests] [-- extra sources]
+# A file under bench/ is linked with its own main (no Catch2) and run the same way.
 # Logs: $OUT/kbuild.log and $OUT/<test>.log
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -33,7 +34,8 @@ for s in kernels/cpu/*.cpp kernels/cuda/*.cu "${extra[@]}"; do lib+=($B/$(echo "
 rc=0
 for t in "${tests[@]}"; do
   name=$(basename "$t" .cpp)
-  g++ -fopenmp -o $B/$name $B/$(echo "$t" | tr '/' '_').o $B/tests_catch_main.cpp.o "${lib[@]}" \
+  main=$B/tests_catch_main.cpp.o; case "$t" in bench/*) main= ;; esac
+  g++ -fopenmp -o $B/$name $B/$(echo "$t" | tr '/' '_').o $main "${lib[@]}" \
     -L/usr/local/cuda/lib64 -lcudart -lcublasLt -lcublas -lpthread >> "$OUT/kbuild.log" 2>&1 || { echo "link failed: $name"; tail -30 "$OUT/kbuild.log"; rc=1; continue; }
   echo "== $name"
   $B/$name ${TEST_ARGS:-} > "$OUT/$name.log" 2>&1; r=$?
