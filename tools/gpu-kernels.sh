@@ -10,8 +10,10 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 B=/tmp/kbuild; mkdir -p $B
 NVCC=${NVCC:-nvcc}
 ARCH=${CUDA_ARCH:-90}
-INC="-I. -I/usr/include/eigen3 -I.deps/include"
+INC="-I. -I/usr/include/eigen3 -I.deps/include -I/usr/local/cuda/include"
 DEF="-DLOOM_CUDA=1 -DPCRE2_CODE_UNIT_WIDTH=8"
+GENCODE="-arch=sm_$ARCH"
+if [ "$ARCH" = 90 ]; then GENCODE="-gencode=arch=compute_90a,code=sm_90a"; DEF="$DEF -DLOOM_SM90A=1"; fi
 tests=(); extra=()
 while [ $# -gt 0 ]; do
   if [ "$1" = "--" ]; then shift; extra=("$@"); break; fi
@@ -21,11 +23,11 @@ objs=()
 compile() {  # src -> obj
   local src=$1 obj=$B/$(echo "$1" | tr '/' '_').o
   case "$src" in
-    *.cu) $NVCC -std=c++17 -O3 -arch=sm_$ARCH --expt-relaxed-constexpr -lineinfo $INC $DEF -c "$src" -o "$obj" ;;
+    *.cu) $NVCC -std=c++17 -O3 $GENCODE --expt-relaxed-constexpr -lineinfo $INC $DEF -c "$src" -o "$obj" ;;
     *) g++ -std=c++17 -O2 -fopenmp $INC $DEF -c "$src" -o "$obj" ;;
   esac
 }
-export -f compile; export B NVCC ARCH INC DEF
+export -f compile; export B NVCC ARCH INC DEF GENCODE
 srcs=(kernels/cpu/*.cpp kernels/cuda/*.cu tests/catch_main.cpp "${tests[@]}" "${extra[@]}")
 printf '%s\n' "${srcs[@]}" | xargs -P 16 -I{} bash -c 'compile {} || echo "FAILED {}"' > "$OUT/kbuild.log" 2>&1
 if grep -q FAILED "$OUT/kbuild.log"; then grep -E "error|FAILED" "$OUT/kbuild.log" | head -80; exit 1; fi

@@ -816,7 +816,9 @@ void attention_forward(T* out, acc_t<T>* lse, const T* q, const T* k, const T* v
       auto qq = reinterpret_cast<const bf*>(q);
       auto kk = reinterpret_cast<const bf*>(k);
       auto vv = reinterpret_cast<const bf*>(v);
-      switch (hd) {
+      if (fwd_sm90_available(hd))
+        fwd_sm90(o, lse, qq, kk, vv, cu_q, cu_k, nseq, max_seqlen, H, KV, hd, causal, scale_log2, s);
+      else switch (hd) {
         case 16: fwd_v2<16>(o, lse, qq, kk, vv, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, scale_log2, s); break;
         case 32: fwd_v2<32>(o, lse, qq, kk, vv, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, scale_log2, s); break;
         case 64: fwd_v2<64>(o, lse, qq, kk, vv, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, scale_log2, s); break;

@@ -120,4 +120,49 @@ __device__ __forceinline__ void store_rows(bf* s, int r0, const float (&acc)[HD 
   }
 }
 
+// Host entry points of attention_sm90.cu (the wgmma forward). available: built for sm_90a
+// (LOOM_SM90A), running on a compute-capability 9.0 device, hd 64 or 128, and not turned off
+// with LOOM_ATTN_SM90=0.
+bool fwd_sm90_available(int hd);
+void fwd_sm90(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const int32_t* cu_q,
+              const int32_t* cu_k, int nseq, int max_seqlen, int H, int KV, int hd, bool causal,
+              float scale_log2, cudaStream_t s);
+
+// ---- single-pass backward (attention.cu, attn_bwd_v2_atomic_dq)
+// Stores four 8x8 bf16 matrices transposed: register r[i] holds matrix i in the mma C layout
+// (lane: row lane/4, columns 2 (lane%4) and +1, packed); lanes 8i..8i+7 pass the addresses of
+// the 8 rows of matrix i as it lands in shared memory (= its columns in registers), 16 bytes
+// each. sm_90 has stmatrix; before it each lane writes its 8 halves one by one.
+__device__ __forceinline__ void stsm_x4_t(void* p, const uint32_t (&r)[4], int lane) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  (void)lane;
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};\n"
+               ::"r"(smem_addr(p)), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+#else
+  // lane holds (row lane/4, columns c, c+1) of each matrix: in memory, column c is the row
+  // whose address lane 8i + c passed, and lane/4 the element inside it
+  const int g = lane >> 2, c = 2 * (lane & 3);
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    const bf* v = reinterpret_cast<const bf*>(&r[i]);
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+      const unsigned long long row = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(p), 8 * i + c + e);
+      reinterpret_cast<bf*>(row)[g] = v[e];
+    }
+  }
+  __syncwarp();
+#endif
+}
+// dst[0..1] += (a, b) in global memory, fp32, one vector reduction (sm_90) or two atomics.
+// dst must be 8-byte aligned.
+__device__ __forceinline__ void red_add_f32x2(float* dst, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
+#else
+  atomicAdd(dst, a);
+  atomicAdd(dst + 1, b);
+#endif
+}
+
 }  // namespace loom::cuda::attn

@@ -1,0 +1,389 @@
+/*
+ * attention_sm90.cu: the flash-attention forward on Hopper tensor cores (wgmma, sm_90a).
+ * Same contract, masks and results as attn_fwd_v2 in attention.cu (read that header first:
+ * the math, shapes, causal bottom-right alignment and rows outside every sequence are the
+ * same); this file only changes how the two tile products are issued.
+ *
+ * Why a second kernel: mma.sync (v2) gives each warp a 16 x 8 product and needs every operand
+ * fragment in the warp's registers; at head dim 128 the O accumulator of 2 m-tiles alone is
+ * 128 registers per thread, so v2 re-reads Q from shared memory at every k-step and still
+ * tops out at ~230 TFLOP/s. wgmma is issued by a warpgroup (4 warps, 128 threads) for a
+ * 64-row tile and reads its B operand (and here A for Q K^T) straight from shared memory: the
+ * 64 x HD O accumulator is spread over 128 threads (HD/2 registers each), and no fragment of
+ * K or V passes through registers.
+ *
+ * Block: NWG warpgroups x 64 query rows = BR rows of one head, one sequence; BC-key tiles.
+ *   Q [BR][HD], K and V [2][BC][HD] (double-buffered by cp.async as in v2) in shared memory in
+ *   the 128-byte swizzle wgmma reads: a tile is stored as HD/64 column halves [rows][64], each
+ *   row 128 bytes, the 16-byte chunk c of row r at chunk c ^ (r % 8); tiles 1024-byte aligned.
+ * Per key tile, per warpgroup (rows wr.. wr+63):
+ *   S = Q K^T       HD/16 wgmma m64nBCk16, A = Q and B = K from shared memory (both K-major)
+ *   mask, online softmax on the S accumulators (the thread layout of a wgmma accumulator is
+ *                   mma.sync's C layout per warp, so the v2 softmax code carries over)
+ *   P -> bf16       repacked in registers as the A operand (the C -> A trick of v2)
+ *   O += P V        BC/16 wgmma m64nHDk16, A = P from registers, B = V from shared memory
+ *                   read transposed (MN-major descriptor: V stays [keys][HD] as loaded)
+ *   Each group is committed and waited for before its result is used; the two warpgroups of a
+ *   block (and the warps of other blocks) overlap one's softmax with the other's products.
+ *   Causal: a warpgroup skips key tiles that lie wholly above its own diagonal.
+ * Shared-memory descriptors: start address >> 4, leading byte offset (MN-major B: the
+ *   distance between the 64-column halves, BC * 128 bytes; unused for K-major), stride byte
+ *   offset 1024 (8 rows of 128 bytes), swizzle mode 128 B. A k-step of 16 along a K-major
+ *   row moves the start address by 32 bytes inside the swizzle atom.
+ * Needs sm_90a (the build passes -gencode arch=compute_90a,code=sm_90a for CUDA_ARCH=90 and
+ *   defines LOOM_SM90A); elsewhere the kernel body is empty and attention.cu keeps v2.
+ *
+ * Versions (H200, bf16, TFLOP/s forward, bench/bench_attention.cpp, one call; the SPEC shapes
+ * B8 H12 T1024 D64 full | B8 H16 T2048 D128 causal | B4 H9 T2048 D64 causal):
+ *   v2 (attention.cu, mma.sync), same call           212 | 226 | 146
+ *   sm90 v1: S and P V each issued and waited for, block-wide barrier per key tile
+ *     2 warpgroups x 64-key tiles                     237 | 250 | 166
+ *     3 warpgroups x 128-key tiles                    222 | 321 | 179
+ *     2 warpgroups x 64 keys, 2 blocks per SM         233 | 290 | 166
+ *     2 warpgroups x 128-key tiles                    216 | 284 | 165
+ *   PyTorch 2.11 FLASH_ATTENTION (earlier call)      224 | 277 | 145
+ *   Kept: 3 x 128 except hd 64 full (2 x 64). Not done yet: overlapping one tile's softmax with
+ *   the next tile's Q K^T inside a warpgroup (needs a second S in registers: 3 x 128 at hd 128
+ *   already uses 168 registers x 384 threads, the whole register file), and a producer warp
+ *   with mbarriers instead of the block-wide barrier that keeps the warpgroups in step.
+ *
+ * Test: tests/cuda/test_cuda_kernels_b.cpp ("attention ...", every bf16 case with hd 64/128
+ *   runs this kernel on an H100/H200, and the v2 kernel with LOOM_ATTN_SM90=0).
+ */
+#include <cstdint>
+#include <cstdlib>
+
+#include "kernels/cuda/attention_tiles.cuh"
+
+namespace loom::cuda::attn {
+namespace {
+
+// ------------------------------------------------------------------------ wgmma primitives
+// Element offset of (row r, 16-byte chunk c) in an R-row tile stored as 64-column halves with
+// the 128-byte swizzle (chunk c & 7 of row r lands at chunk (c & 7) ^ (r & 7)).
+template <int R>
+__device__ __forceinline__ int sw128(int r, int c) {
+  return (c >> 3) * (R * 64) + r * 64 + (((c & 7) ^ (r & 7)) << 3);
+}
+// Rows [0, R) of a global [*, HD] matrix (row stride `stride`) into an sw128 tile; rows >=
+// nvalid zero-filled.
+template <int HD, int R, int NT>
+__device__ __forceinline__ void load_tile_sw128(bf* s, const bf* src, int64_t stride, int nvalid) {
+  constexpr int NC = HD / 8;
+  for (int idx = threadIdx.x; idx < R * NC; idx += NT) {
+    const int r = idx / NC, c = idx % NC;
+    const bool ok = r < nvalid;
+    cp_async16(s + sw128<R>(r, c), ok ? src + r * stride + c * 8 : src, ok);
+  }
+}
+// Shared-memory matrix descriptor, 128-byte swizzle, 8-row groups 1024 bytes apart.
+__device__ __forceinline__ uint64_t sdesc(const bf* p, uint32_t lbo_bytes) {
+  const uint64_t a = smem_addr(p);
+  return ((a & 0x3FFFF) >> 4) | (uint64_t((lbo_bytes >> 4) & 0x3FFF) << 16) | (uint64_t(1024 >> 4) << 32) |
+         (1ull << 62);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// cp.async writes are generic-proxy writes; wgmma reads through the async proxy.
+__device__ __forceinline__ void fence_smem_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Ties accumulator registers to this point, so the compiler reads them only after the wait
+// (the wgmma asm "writes" them at issue, the hardware writes them before the wait returns).
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&d)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; i++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) asm volatile("" : "+f"(d[i][e])::"memory");
+}
+
+// D[64 x N] (+)= A[64 x 16] B[16 x N]. wgmma_ss: A and B from shared memory; accumulate 0
+// overwrites D. wgmma_rs: A from registers in mma.sync's A-fragment layout (warp w of the
+// warpgroup holds rows 16w..16w+15). TB = 0: B is K-major ([N][K] rows), 1: MN-major.
+// N = 8 x the first extent of d (64 or 128).
+template <int TB>
+__device__ __forceinline__ void wgmma_ss(float (&d)[8][4], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, p, 1, 1, 0, %35;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "l"(da), "l"(db), "r"(accumulate), "n"(TB));
+}
+template <int TB>
+__device__ __forceinline__ void wgmma_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, %37;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(TB), "r"(1));
+}
+template <int TB>
+__device__ __forceinline__ void wgmma_ss(float (&d)[16][4], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, 0, %67;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
+        "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
+        "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
+        "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
+        "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+      : "l"(da), "l"(db), "r"(accumulate), "n"(TB));
+}
+template <int TB>
+__device__ __forceinline__ void wgmma_rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %70, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, %69;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
+        "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
+        "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
+        "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
+        "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(TB), "r"(1));
+}
+
+// ------------------------------------------------------------------------ the kernel
+template <int HD, int NWG, int BC, int MINB>
+__global__ void __launch_bounds__(NWG * 128, MINB)
+attn_fwd_sm90(bf* __restrict__ out, float* __restrict__ lse, const bf* __restrict__ q,
+              const bf* __restrict__ k, const bf* __restrict__ v, const int32_t* __restrict__ cu_q,
+              const int32_t* __restrict__ cu_k, int H, int KV, bool causal, float scale_log2) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int BR = 64 * NWG, NT = NWG * 128;
+  extern __shared__ unsigned char smem_raw[];
+  bf* sQ = reinterpret_cast<bf*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  bf* sK = sQ + BR * HD;      // [2][BC * HD]
+  bf* sV = sK + 2 * BC * HD;  // [2][BC * HD]
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int g = lane >> 2, t = lane & 3;
+  const int seq = blockIdx.z, h = blockIdx.y, kvh = h / (H / KV);
+  const int q0 = cu_q[seq], Lq = cu_q[seq + 1] - q0, k0 = cu_k[seq], Lk = cu_k[seq + 1] - k0;
+  const int qs = (gridDim.x - 1 - blockIdx.x) * BR;  // longest (causal) tiles start first
+  if (qs >= Lq) return;
+  const int nq = min(BR, Lq - qs), shift = Lk - Lq;
+  const int64_t qstride = int64_t(H) * HD, kvstride = int64_t(KV) * HD;
+  const bf* kbase = k + int64_t(k0) * kvstride + kvh * HD;
+  const bf* vbase = v + int64_t(k0) * kvstride + kvh * HD;
+  const int kend = causal ? min(Lk, qs + nq + shift) : Lk;  // keys the block's last row sees
+  const int ntiles = kend > 0 ? (kend + BC - 1) / BC : 0;
+  const int wr = wg * 64;                          // the warpgroup's first row in the tile
+  const int wlast = min(qs + wr + 63, Lq - 1);     // its last valid row (sequence position)
+
+  load_tile_sw128<HD, BR, NT>(sQ, q + (int64_t(q0) + qs) * qstride + h * HD, qstride, nq);
+  if (ntiles > 0) {
+    load_tile_sw128<HD, BC, NT>(sK, kbase, kvstride, min(BC, Lk));
+    load_tile_sw128<HD, BC, NT>(sV, vbase, kvstride, min(BC, Lk));
+  }
+  cp_async_commit();
+
+  float o[HD / 8][4] = {};
+  float mrow[2] = {-INFINITY, -INFINITY}, lrow[2] = {0.f, 0.f};
+  for (int j = 0; j < ntiles; j++) {
+    if (j + 1 < ntiles) {  // prefetch the next K/V tile into the other buffer
+      const int kb = (j + 1) * BC, buf = (j + 1) & 1;
+      load_tile_sw128<HD, BC, NT>(sK + buf * BC * HD, kbase + kb * kvstride, kvstride, min(BC, Lk - kb));
+      load_tile_sw128<HD, BC, NT>(sV + buf * BC * HD, vbase + kb * kvstride, kvstride, min(BC, Lk - kb));
+    }
+    cp_async_commit();
+    cp_async_wait<1>();  // tile j (and Q) have landed
+    fence_smem_async();
+    __syncthreads();
+    const int kb = j * BC;
+    // a tile wholly above this warpgroup's diagonal (or past its rows) adds nothing to it
+    const bool skip = qs + wr >= Lq || (causal && kb > wlast + shift);
+    if (!skip) {
+      const bf* cK = sK + (j & 1) * BC * HD;
+      const bf* cV = sV + (j & 1) * BC * HD;
+      float s[BC / 8][4];
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; kk++)  // S = Q K^T
+        wgmma_ss<0>(s, sdesc(sQ + (kk / 4) * BR * 64 + wr * 64 + (kk % 4) * 16, 0),
+                    sdesc(cK + (kk / 4) * BC * 64 + (kk % 4) * 16, 0), kk > 0);
+      wg_commit();
+      wg_wait0();
+      fence_regs(s);
+
+      const bool need_mask = kb + BC > Lk || (causal && kb + BC - 1 > qs + wr + shift);
+      const int row0 = qs + wr + warp * 16 + g;  // rows row0 (c0, c1) and row0 + 8 (c2, c3)
+      if (need_mask) {
+#pragma unroll
+        for (int nt = 0; nt < BC / 8; nt++)
+#pragma unroll
+          for (int e = 0; e < 4; e++) {
+            const int col = kb + nt * 8 + 2 * t + (e & 1), row = row0 + (e >> 1) * 8;
+            if (col >= Lk || (causal && col > row + shift)) s[nt][e] = -INFINITY;
+          }
+      }
+      // online softmax in the log2 domain, as in v2; the quad t = 0..3 shares a row
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < BC / 8; nt++) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(mrow[r], mx * scale_log2);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row that saw nothing yet
+        const float corr = exp2f(mrow[r] - m_use);
+        mrow[r] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < BC / 8; nt++) {
+          s[nt][2 * r] = exp2f(fmaf(s[nt][2 * r], scale_log2, -m_use));
+          s[nt][2 * r + 1] = exp2f(fmaf(s[nt][2 * r + 1], scale_log2, -m_use));
+          sum += s[nt][2 * r] + s[nt][2 * r + 1];
+        }
+        lrow[r] = lrow[r] * corr + sum;
+#pragma unroll
+        for (int dt = 0; dt < HD / 8; dt++) {
+          o[dt][2 * r] *= corr;
+          o[dt][2 * r + 1] *= corr;
+        }
+      }
+      uint32_t pa[BC / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < BC / 16; kk++) c_to_a(pa[kk], s, kk);
+      fence_regs(o);
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < BC / 16; kk++)  // O += P V, V read transposed (MN-major)
+        wgmma_rs<1>(o, pa[kk], sdesc(cV + kk * 16 * 64, BC * 128));
+      wg_commit();
+      wg_wait0();
+      fence_regs(o);
+    }
+    __syncthreads();  // everyone is done with buffer j&1 before it is refilled
+  }
+  cp_async_wait<0>();
+
+  // epilogue: O / l, lse; the warp stages its 16 rows in its own rows of sQ, then 16-byte stores
+  float inv[2];
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    float l = lrow[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    inv[r] = l > 0.f ? 1.f / l : 0.f;
+    const int row = qs + wr + warp * 16 + g + 8 * r;
+    if (t == 0 && row < Lq) lse[(int64_t(q0) + row) * H + h] = l > 0.f ? (mrow[r] + log2f(l)) * kLn2 : INFINITY;
+  }
+  const int r0 = wr + warp * 16;
+#pragma unroll
+  for (int dt = 0; dt < HD / 8; dt++)
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      const int row = r0 + g + 8 * r;
+      *reinterpret_cast<uint32_t*>(sQ + sw128<BR>(row, dt) + 2 * t) =
+          pack_bf16(o[dt][2 * r] * inv[r], o[dt][2 * r + 1] * inv[r]);
+    }
+  __syncwarp();
+  constexpr int NC = HD / 8;
+  bf* obase = out + (int64_t(q0) + qs) * qstride + h * HD;
+  for (int idx = lane; idx < 16 * NC; idx += 32) {
+    const int r = idx / NC, c = idx % NC;
+    if (r0 + r < nq)
+      *reinterpret_cast<uint4*>(obase + int64_t(r0 + r) * qstride + c * 8) =
+          *reinterpret_cast<const uint4*>(sQ + sw128<BR>(r0 + r, c));
+  }
+#endif
+}
+
+template <int HD, int NWG, int BC, int MINB = 1>
+void launch(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const int32_t* cu_q,
+            const int32_t* cu_k, int nseq, int max_seqlen, int H, int KV, bool causal, float scale_log2,
+            cudaStream_t s) {
+  constexpr int BR = 64 * NWG;
+  const int smem = (BR + 4 * BC) * HD * int(sizeof(bf)) + 1024;  // + 1024: alignment slack
+  static const bool once = [smem] {
+    CUDA_CHECK(cudaFuncSetAttribute(attn_fwd_sm90<HD, NWG, BC, MINB>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    return true;
+  }();
+  (void)once;
+  dim3 grid(ceil_div(max_seqlen, BR), H, nseq);
+  attn_fwd_sm90<HD, NWG, BC, MINB><<<grid, NWG * 128, smem, s>>>(out, lse, q, k, v, cu_q, cu_k, H, KV, causal, scale_log2);
+  LAUNCH_CHECK();
+}
+
+}  // namespace
+
+bool fwd_sm90_available(int hd) {
+#if LOOM_SM90A
+  const char* e = std::getenv("LOOM_ATTN_SM90");  // read at every call: tests switch it
+  if (e && e[0] == '0') return false;
+  static const int ok = [] {
+    int dev = 0, major = 0, minor = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+    return int(major == 9 && minor == 0);
+  }();
+  return ok && (hd == 64 || hd == 128);
+#else
+  (void)hd;
+  return false;
+#endif
+}
+
+void fwd_sm90(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const int32_t* cu_q,
+              const int32_t* cu_k, int nseq, int max_seqlen, int H, int KV, int hd, bool causal,
+              float scale_log2, cudaStream_t s) {
+  // Tile configurations, measured on the SPEC shapes (H200, TFLOP/s forward; see the header):
+  //   cfg  warpgroups x BC   hd 64 full   hd 128 causal   hd 64 causal
+  //   1    2 x 64            237          250             166
+  //   2    3 x 128           222          321             179
+  //   3    2 x 64, 2 blocks  233          290             166
+  //   4    2 x 128           216          284             165
+  // Default: 3 x 128 (cfg 2), except hd 64 without the causal mask: 2 x 64 (cfg 1).
+  // LOOM_ATTN_CFG=N forces one (benchmarking).
+  static const int forced = [] { const char* e = std::getenv("LOOM_ATTN_CFG"); return e ? std::atoi(e) : 0; }();
+  const int cfg = forced ? forced : (hd == 64 && !causal ? 1 : 2);
+#define LOOM_FWD90(HD_, NWG_, BC_, MINB_) \
+  launch<HD_, NWG_, BC_, MINB_>(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, scale_log2, s)
+  if (hd == 64) {
+    switch (cfg) {
+      case 1: LOOM_FWD90(64, 2, 64, 1); break;
+      case 3: LOOM_FWD90(64, 2, 64, 2); break;
+      case 4: LOOM_FWD90(64, 2, 128, 1); break;
+      default: LOOM_FWD90(64, 3, 128, 1); break;
+    }
+  } else {
+    switch (cfg) {
+      case 1: LOOM_FWD90(128, 2, 64, 1); break;
+      case 3: LOOM_FWD90(128, 2, 64, 2); break;
+      case 4: LOOM_FWD90(128, 2, 128, 1); break;
+      default: LOOM_FWD90(128, 3, 128, 1); break;
+    }
+  }
+#undef LOOM_FWD90
+}
+
+}  // namespace loom::cuda::attn
