@@ -34,6 +34,8 @@ for r in loom:
             add(f"{k} {shape} vs {be}", r, find(ref, f"{k}[{be}]", shape), tgt)
     elif k in ("layernorm_fwd", "rmsnorm_fwd"):
         add(f"{k} {shape}", r, find(ref, k), "2.5 TB/s")
+    elif k == "copy_d2d":
+        add(f"{k} {shape}: the device-to-device copy ceiling", r, None, None)
     elif k == "gemm_bf16":
         add(f"{k} {shape}", r, find(ref, k), 0.95)
     elif k == "adamw" and "bf16" not in (shape or ""):

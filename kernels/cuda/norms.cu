@@ -44,6 +44,13 @@
      blocks/SM forced (80 registers, spills) 1.93-1.97; 16 threads x 5 vectors 2.06-2.16;
      loading the weight slice with the row (86 registers) 2.15-2.19 and LayerNorm 768 fell to
      2.30. More rows in flight per SM did not help: the time is not the number of waves.
+ *     Third session, the ceiling (H200, one call, event-timed medians of 50): a device-to-device
+ *     cudaMemcpyAsync of the same 37.7 MB moves 2.54 TB/s with the 4 rotating buffer sets
+ *     (every byte from DRAM) and this kernel 2.36 TB/s (93% of the copy); with one buffer
+ *     called again and again, as torch_ref.py times PyTorch, 3.09 TB/s (copy 3.21). Tried and
+ *     not kept: a warp per row with 36 bytes per lane (two 16-byte chunks and one 4-byte word,
+ *     every lane busy) 2.21 cold, the same as a persistent grid-stride kernel 2.35, without
+ *     the streaming cache hints 2.11. bench_kernels_a prints both methods and the copy.
  *     layernorm_bwd 16384x768 bf16 0.060 ms = 1.25 TB/s counting 6 M C bytes (163 registers,
  *     one 256-thread block per SM: the next thing to tune).
  * Test: tests/cuda/test_cuda_kernels_a.cpp [norms] (C = 1, 31, 64, 576, 768, 1030, 3000,
