@@ -816,9 +816,11 @@ void attention_forward(T* out, acc_t<T>* lse, const T* q, const T* k, const T* v
       auto qq = reinterpret_cast<const bf*>(q);
       auto kk = reinterpret_cast<const bf*>(k);
       auto vv = reinterpret_cast<const bf*>(v);
-      if (fwd_sm90_available(hd))
-        fwd_sm90(o, lse, qq, kk, vv, cu_q, cu_k, nseq, max_seqlen, H, KV, hd, causal, scale_log2, s);
-      else switch (hd) {
+      if (fwd_sm90_available(hd) && nseq < 65535) {  // writes the rows outside every sequence itself
+        fwd_sm90(o, lse, qq, kk, vv, cu_q, cu_k, nseq, max_seqlen, Nq, H, KV, hd, causal, scale_log2, s);
+        return;
+      }
+      switch (hd) {
         case 16: fwd_v2<16>(o, lse, qq, kk, vv, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, scale_log2, s); break;
         case 32: fwd_v2<32>(o, lse, qq, kk, vv, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, scale_log2, s); break;
         case 64: fwd_v2<64>(o, lse, qq, kk, vv, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, scale_log2, s); break;

@@ -26,6 +26,7 @@
  *   Each group is committed and waited for before its result is used; the two warpgroups of a
  *   block (and the warps of other blocks) overlap one's softmax with the other's products.
  *   Causal: a warpgroup skips key tiles that lie wholly above its own diagonal.
+ *   Rows outside every sequence are zeroed by an extra z-slice of the grid (no second launch).
  * Shared-memory descriptors: start address >> 4, leading byte offset (MN-major B: the
  *   distance between the 64-column halves, BC * 128 bytes; unused for K-major), stride byte
  *   offset 1024 (8 rows of 128 bytes), swizzle mode 128 B. A k-step of 16 along a K-major
@@ -175,9 +176,23 @@ template <int HD, int NWG, int BC, int MINB>
 __global__ void __launch_bounds__(NWG * 128, MINB)
 attn_fwd_sm90(bf* __restrict__ out, float* __restrict__ lse, const bf* __restrict__ q,
               const bf* __restrict__ k, const bf* __restrict__ v, const int32_t* __restrict__ cu_q,
-              const int32_t* __restrict__ cu_k, int H, int KV, bool causal, float scale_log2) {
+              const int32_t* __restrict__ cu_k, int64_t Nq, int H, int KV, bool causal, float scale_log2) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int BR = 64 * NWG, NT = NWG * 128;
+  if (blockIdx.z == gridDim.z - 1) {
+    // the last z-slice: rows outside every sequence, [0, cu_q[0]) and [cu_q[nseq], Nq), get
+    // out = 0 and lse = +inf for head blockIdx.y (no separate launch; usually no rows at all)
+    const int nseq = gridDim.z - 1, h = blockIdx.y;
+    const int64_t lo = cu_q[0], hi = cu_q[nseq], n_out = lo + (Nq - hi);
+    constexpr int NC = HD / 8;
+    for (int64_t i = int64_t(blockIdx.x) * NT + threadIdx.x; i < n_out * NC; i += int64_t(gridDim.x) * NT) {
+      const int64_t j = i / NC, row = j < lo ? j : hi + (j - lo);
+      const int c = int(i % NC);
+      *reinterpret_cast<uint4*>(out + (row * H + h) * HD + c * 8) = make_uint4(0u, 0u, 0u, 0u);
+      if (c == 0) lse[row * H + h] = INFINITY;
+    }
+    return;
+  }
   extern __shared__ unsigned char smem_raw[];
   bf* sQ = reinterpret_cast<bf*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   bf* sK = sQ + BR * HD;      // [2][BC * HD]
@@ -319,8 +334,8 @@ attn_fwd_sm90(bf* __restrict__ out, float* __restrict__ lse, const bf* __restric
 
 template <int HD, int NWG, int BC, int MINB = 1>
 void launch(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const int32_t* cu_q,
-            const int32_t* cu_k, int nseq, int max_seqlen, int H, int KV, bool causal, float scale_log2,
-            cudaStream_t s) {
+            const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int H, int KV, bool causal,
+            float scale_log2, cudaStream_t s) {
   constexpr int BR = 64 * NWG;
   const int smem = (BR + 4 * BC) * HD * int(sizeof(bf)) + 1024;  // + 1024: alignment slack
   static const bool once = [smem] {
@@ -328,8 +343,9 @@ void launch(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const in
     return true;
   }();
   (void)once;
-  dim3 grid(ceil_div(max_seqlen, BR), H, nseq);
-  attn_fwd_sm90<HD, NWG, BC, MINB><<<grid, NWG * 128, smem, s>>>(out, lse, q, k, v, cu_q, cu_k, H, KV, causal, scale_log2);
+  dim3 grid(ceil_div(max_seqlen, BR), H, nseq + 1);  // z = nseq: the rows outside every sequence
+  attn_fwd_sm90<HD, NWG, BC, MINB><<<grid, NWG * 128, smem, s>>>(out, lse, q, k, v, cu_q, cu_k, Nq, H, KV,
+                                                                  causal, scale_log2);
   LAUNCH_CHECK();
 }
 
@@ -354,7 +370,7 @@ bool fwd_sm90_available(int hd) {
 }
 
 void fwd_sm90(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const int32_t* cu_q,
-              const int32_t* cu_k, int nseq, int max_seqlen, int H, int KV, int hd, bool causal,
+              const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int H, int KV, int hd, bool causal,
               float scale_log2, cudaStream_t s) {
   // Tile configurations, measured on the SPEC shapes (H200, TFLOP/s forward; see the header):
   //   cfg  warpgroups x BC   hd 64 full   hd 128 causal   hd 64 causal
@@ -367,7 +383,7 @@ void fwd_sm90(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const 
   static const int forced = [] { const char* e = std::getenv("LOOM_ATTN_CFG"); return e ? std::atoi(e) : 0; }();
   const int cfg = forced ? forced : (hd == 64 && !causal ? 1 : 2);
 #define LOOM_FWD90(HD_, NWG_, BC_, MINB_) \
-  launch<HD_, NWG_, BC_, MINB_>(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, scale_log2, s)
+  launch<HD_, NWG_, BC_, MINB_>(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, H, KV, causal, scale_log2, s)
   if (hd == 64) {
     switch (cfg) {
       case 1: LOOM_FWD90(64, 2, 64, 1); break;

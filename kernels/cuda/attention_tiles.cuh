@@ -124,8 +124,9 @@ __device__ __forceinline__ void store_rows(bf* s, int r0, const float (&acc)[HD 
 // (LOOM_SM90A), running on a compute-capability 9.0 device, hd 64 or 128, and not turned off
 // with LOOM_ATTN_SM90=0.
 bool fwd_sm90_available(int hd);
+// Writes every row of out and lse (rows outside every sequence: 0 and +inf). nseq, max_seqlen > 0.
 void fwd_sm90(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const int32_t* cu_q,
-              const int32_t* cu_k, int nseq, int max_seqlen, int H, int KV, int hd, bool causal,
+              const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int H, int KV, int hd, bool causal,
               float scale_log2, cudaStream_t s);
 
 // ---- single-pass backward (attention.cu, attn_bwd_v2_atomic_dq)
