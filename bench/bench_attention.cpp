@@ -2,6 +2,8 @@
 // bf16, packed varlen layout [B*T, H, D] with equal-length sequences. cudaEvent timings,
 // median of 20 after 3 warm-up runs; one JSON line per measurement, FLOPs as
 // torch_ref.py bench_kernels counts them: forward 4 B H T^2 D (x 0.5 causal), fwd+bwd 3.5x.
+// fwd+bwd is timed with the default single-pass backward (atomic dq) and with the
+// deterministic two-pass one (attention_fwd_bwd_deterministic).
 //   ./bench_attention            (run beside: python3 ../shared/reference/torch_ref.py bench --workload kernels)
 #include <algorithm>
 #include <cmath>
@@ -66,7 +68,7 @@ int main() {
     auto* dk = static_cast<bf16*>(cu::device_malloc(n * sizeof(bf16)));
     auto* dv = static_cast<bf16*>(cu::device_malloc(n * sizeof(bf16)));
     auto* lse = static_cast<float*>(cu::device_malloc(N * s.H * sizeof(float)));
-    auto* ws = static_cast<float*>(cu::device_malloc(N * s.H * sizeof(float)));
+    auto* ws = static_cast<float*>(cu::device_malloc(N * s.H * (s.D + 1) * sizeof(float)));
     std::vector<int32_t> cu_h(s.B + 1);
     for (int b = 0; b <= s.B; b++) cu_h[b] = b * s.T;
     auto* cu_d = static_cast<int32_t*>(cu::device_malloc(cu_h.size() * sizeof(int32_t)));
@@ -82,13 +84,20 @@ int main() {
                                    s.H, s.D, s.causal, scale, cu::default_stream());
     };
     const double f = 4.0 * s.B * s.H * double(s.T) * s.T * s.D * (s.causal ? 0.5 : 1.0);
+    const bool was = cu::deterministic_attention();
+    cu::set_deterministic_attention(false);
     const float ms_f = median_ms(fwd), ms_fb = median_ms(fb);
+    cu::set_deterministic_attention(true);
+    const float ms_fbd = median_ms(fb);
+    cu::set_deterministic_attention(was);
     char shape[96];
     std::snprintf(shape, sizeof shape, "B%d H%d T%d D%d causal=%s", s.B, s.H, s.T, s.D, s.causal ? "True" : "False");
     std::printf("{\"impl\":\"loom\",\"kernel\":\"attention_fwd\",\"ms\":%.4f,\"tflops\":%.1f,\"shape\":\"%s\"}\n",
                 ms_f, f / ms_f / 1e9, shape);
     std::printf("{\"impl\":\"loom\",\"kernel\":\"attention_fwd_bwd\",\"ms\":%.4f,\"tflops\":%.1f,\"shape\":\"%s\"}\n",
                 ms_fb, 3.5 * f / ms_fb / 1e9, shape);
+    std::printf("{\"impl\":\"loom\",\"kernel\":\"attention_fwd_bwd_deterministic\",\"ms\":%.4f,\"tflops\":%.1f,\"shape\":\"%s\"}\n",
+                ms_fbd, 3.5 * f / ms_fbd / 1e9, shape);
     std::fflush(stdout);
     for (void* p : {(void*)q, (void*)k, (void*)v, (void*)go, (void*)out, (void*)dq, (void*)dk, (void*)dv,
                     (void*)lse, (void*)ws, (void*)cu_d})

@@ -30,5 +30,7 @@ Stream default_stream() { no_cuda(); }
 size_t bytes_in_use() { no_cuda(); }
 size_t peak_bytes_in_use() { no_cuda(); }
 void reset_peak_bytes() { no_cuda(); }
+void set_deterministic_attention(bool) { no_cuda(); }
+bool deterministic_attention() { no_cuda(); }
 
 }  // namespace loom::cuda

@@ -81,6 +81,13 @@ Stream default_stream();
 size_t bytes_in_use();                  // allocator statistics for logs
 size_t peak_bytes_in_use();
 void reset_peak_bytes();
+
+// Attention backward (kernels/cuda/attention.cu), bf16 at hd 64/128: by default one pass over
+// the key tiles that adds dq with fp32 atomics (fast; dq differs from run to run in the last
+// bits). Deterministic: the two-pass kernels, every output row written by one block, bitwise
+// reproducible. LOOM_DETERMINISTIC=1 in the environment turns it on at start.
+void set_deterministic_attention(bool on);
+bool deterministic_attention();
 }  // namespace cuda
 
 }  // namespace loom

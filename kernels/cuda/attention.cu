@@ -15,14 +15,21 @@
  *   tile rescales the accumulator by exp(m_old - m_new). Scores live in the log2 domain
  *   (scale * log2(e) folded into one multiply) so every exponential is one exp2.
  * Backward (p recomputed from lse, nothing else saved):
- *   delta_t = dout_t . out_t                           (workspace [Nq, H])
+ *   delta_t = dout_t . out_t                           (workspace, [Nq, H] after dq_acc)
  *   dp_j = dout_t . v_j,  ds_j = p_j (dp_j - delta_t)
- *   dq_t = scale sum_j ds_j k_j                        (=)   one pass over query tiles
- *   dk_j = scale sum_{h in group, t} ds_j q_t          (=)   one pass over key tiles, the
- *   dv_j = sum_{h in group, t} p_j dout_t              (=)   group's query heads walked in order
- *   Two passes instead of one pass with atomic dq: each output row is written by exactly one
- *   block, so the result is bitwise deterministic; the price is recomputing S and dP in the
- *   dq pass (7 tile GEMMs per tile pair instead of 5).
+ *   dq_t = scale sum_j ds_j k_j                        (=)
+ *   dk_j = scale sum_{h in group, t} ds_j q_t          (=)
+ *   dv_j = sum_{h in group, t} p_j dout_t              (=)
+ *   Two schedules, chosen at run time (set_deterministic_attention(), LOOM_DETERMINISTIC=1):
+ *   - single pass (the default; bf16, hd 64/128): one block per key tile walks the query
+ *     tiles that see it (the group's query heads in order), keeps dK and dV in registers and
+ *     adds each tile pair's dQ contribution with fp32 atomics into dq_acc [Nq, H, hd] fp32
+ *     (workspace, zeroed first; dq = bf16(scale dq_acc) at the end). 5 tile GEMMs per tile
+ *     pair. The order of the fp32 additions into dq_acc changes from run to run: dq differs in
+ *     the last bits between runs (dk, dv do not).
+ *   - deterministic: one pass over query tiles for dq and one over key tiles for dk, dv; each
+ *     output row is written by exactly one block, bitwise reproducible; the price is
+ *     recomputing S and dP in the dq pass (7 tile GEMMs per tile pair). hd 16/32 always run it.
  * Rows outside every sequence: out = dq = 0, lse = +inf; key rows outside: dk = dv = 0.
  *
  * Versions:
@@ -44,6 +51,14 @@
  *   dq: 4 warps x 2 m-tiles = 128 queries x 32-key tiles at hd 64 (Q, dO, S, dP, dQ in
  *   registers), 64 queries x 64 keys (32 at hd 128) elsewhere. dk/dv: 128 keys per block
  *   (64 at hd 128), one m-tile per warp.
+ *   Single pass: the dk/dv block (one m-tile of 16 keys per warp, S^T and dP^T in registers)
+ *   plus, per tile pair, dS^T stored transposed into shared memory as bf16 (stmatrix .trans),
+ *   a barrier, dQ_tile = dS K split over the warps (a 32 x 32 block each) and
+ *   red.global.add.v2.f32 of the result. hd 128: 8 warps = 128 keys per block, query tiles
+ *   of 64 (255 registers, no spill, 145 KB shared memory, 1 block per SM); hd 64: 4 warps =
+ *   64 keys, query tiles of 64 (225 registers, 2 blocks per SM). Blocks go by chunks of
+ *   (kv head, sequence) pairs holding ~32 MB of Q, dO and dq_acc, key tile 0 of every pair
+ *   of the chunk first (causal: longest first).
  *   Measured on H200, bf16, median of 20 (bench/bench_attention.cpp; PyTorch 2.11 SDPA
  *   FLASH_ATTENTION in the same session in brackets), TFLOP/s forward | forward+backward:
  *                                   B8 H12 T1024 D64   B8 H16 T2048 D128 c   B4 H9 T2048 D64 c
@@ -66,15 +81,47 @@
  *   target at hd 128 (0.85x forward) and in the causal backward (0.81-0.84x): next steps are
  *   wgmma (sm_90a) for the hd 128 forward, and in dk/dv a layout where 8 warps share 2 m-tiles
  *   of keys and split the query tile (reuse without the 128-register accumulators per warp).
+ *   Single-pass backward, H200, ms over 3 runs of the bench (TFLOP/s in brackets; the forward
+ *   is the sm90 wgmma kernel):
+ *     shape                 forward      fwd+bwd, single pass   fwd+bwd, deterministic
+ *     B8 H12 T1024 D64      0.106 (243)  0.514-0.516 (175)      0.574-0.575 (157)
+ *     B8 H16 T2048 D128 c   0.431 (319)  2.150-2.158 (224)      2.625-2.645 (182)
+ *     B4 H9 T2048 D64 c     0.105 (182)  0.413-0.418 (162)      0.548-0.554 (123)
+ *     PyTorch FLASH_ATTENTION fwd+bwd in an earlier session: 0.610, 2.250, 0.530.
+ *   The backward alone (fwd+bwd - fwd): 0.41, 1.72, 0.31 ms single pass against 0.47, 2.21,
+ *   0.44 deterministic (-12%, -22%, -30%); 2.19 ms at hd 128 causal before the single pass.
+ *   Measured alternatives (earlier runs of the same session, chunks of ~24 MB; fwd+bwd ms for
+ *   the three shapes):
+ *     hd 64 with 8 warps x 16 keys per block: 0.522-0.532, 0.428-0.429 (kept: 0.512-0.515,
+ *       0.421-0.423); hd 128 with query tiles of 32: 8 warps 2.52, 4 warps 2.45 (kept 2.20-2.22;
+ *       2.15 with the ~32 MB chunks split evenly; 16 pairs per chunk, an uneven split at hd 64
+ *       causal (16 + 16 + 4 pairs): 0.480 against 0.423).
+ *     Block order (hd 64 then with 8 warps) pair-major, every key tile of one kv head, then the
+ *       next: 0.530, 2.255, 0.487: the long causal blocks of the last heads start late and run
+ *       alone at the end.
+ *       Key-tile-major over all pairs (longest first globally): 0.550, 2.366, 0.429: the Q, dO
+ *       and dq_acc rows of every head are in flight at once and the atomics miss in L2.
+ *     The atomics are the main cost: with the reductions left out (a probe, dq wrong) hd 128
+ *       ran 1.91 ms, without the dQ product at all 1.79 ms (kept: 2.22 in that run). Tried
+ *       without gain: red.v4 after a lane shuffle (2.26); the partial staged in shared memory
+ *       and added 512 contiguous bytes per warp at the next tile pair's start (2.21; spread
+ *       over the next S / dP products instead: spills, 2.32).
  * Napkin math: forward 4 B H T^2 hd FLOP (x 0.5 causal), reads Q, K, V once per query tile
  *   (K/V re-read from L2 by every query tile of a head) and writes out + lse. B8 H16 T2048
  *   hd128 causal: 137 GFLOP -> ~0.2 ms at 650 TFLOP/s of mma.sync; bytes 4 x 67 MB = 0.27 GB
  *   -> 0.08 ms. Compute-bound: the gap to the mma peak is the figure of merit.
+ *   Single-pass backward: 2.5x the forward FLOP (5 tile GEMMs against 2), and fp32 atomics of
+ *   BRQ x hd x 4 bytes per tile pair, i.e. 4 / (10 BC) bytes per FLOP: 1.1 GB at 128 keys per
+ *   block on the hd 128 shape (343 GFLOP), into an L2-resident dq_acc; plus zeroing and
+ *   converting dq_acc (0.34 GB moved there). The atomics cost ~0.3 ms of the 1.7 ms (above).
  *
  * Reference: kernels/cpu/attention.cpp. Test: tests/cuda/test_cuda_kernels_b.cpp
  *   ("attention ..."); bench: bench/bench_attention.cpp. On the GPU machine:
  *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_kernels_b.cpp
  */
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -709,6 +756,192 @@ attn_bwd_dkdv_v2(bf* __restrict__ dk, bf* __restrict__ dv, const bf* __restrict_
   store_rows<HD>(sV, warp * 16, dva, 1.f, dv + koff, kvstride, nk, lane);
 }
 
+// =========================================================================== v2 backward, single pass
+// attn_bwd_dkdv_v2's block and loop (16 NW keys of one kv head; the group's query heads and
+// the query tiles that see the keys), plus the dQ contribution of every tile pair, so that S
+// and dP are computed once: dS is staged in shared memory as bf16 (queries x keys), then all
+// warps split dQ_tile = dS K (BRQ x HD; WM warps along the rows, NW / WM along the columns)
+// and add it with fp32 vector reductions into dq_acc (zeroed before, converted to bf16 after).
+// 5 tile GEMMs per tile pair instead of 7. The order in which blocks add into a dq_acc row
+// changes from run to run: dq is not bitwise reproducible (fp32 rounding only).
+template <int HD, int NW, int BRQ, int WM>
+__global__ void __launch_bounds__(NW * 32)
+attn_bwd_v2_atomic_dq(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ dq_acc,
+                      const bf* __restrict__ dout, const bf* __restrict__ q, const bf* __restrict__ k,
+                      const bf* __restrict__ v, const float* __restrict__ lse,
+                      const float* __restrict__ delta, const int32_t* __restrict__ cu_q,
+                      const int32_t* __restrict__ cu_k, int nseq, int H, int KV, int n_kt,
+                      int chunk_pairs, bool causal, float scale, float scale_log2) {
+  constexpr int BC = 16 * NW, NT = NW * 32;
+  constexpr int WN = NW / WM, QM = BRQ / WM, QN = HD / WN;  // a warp's block of dQ: QM x QN
+  static_assert(NW % WM == 0 && QM % 16 == 0 && QN % 16 == 0, "dQ warp blocks are whole 16x16 tiles");
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf* sK = reinterpret_cast<bf*>(smem);  // [BC][HD], later the dk staging
+  bf* sV = sK + BC * HD;                 // [BC][HD], later the dv staging
+  bf* sQ = sV + BC * HD;                 // [2][BRQ][HD]
+  bf* sO = sQ + 2 * BRQ * HD;            // [2][BRQ][HD] dout
+  bf* sS = sO + 2 * BRQ * HD;            // [BRQ][BC] dS of the current tile pair, queries x keys
+  float* sL = reinterpret_cast<float*>(sS + BRQ * BC);  // [2][BRQ] lse * log2(e)
+  float* sD = sL + 2 * BRQ;                             // [2][BRQ] delta
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+  // block -> (key tile kt, kv head, sequence). The (kv head, sequence) pairs go in chunks of
+  // chunk_pairs; inside a chunk key tile 0 of every pair first, then tile 1, ... Causal: the
+  // first key tiles see the most queries, so the long blocks start first and the short ones
+  // fill the tail; the chunk keeps the Q, dO and dq_acc rows that the running blocks share
+  // in L2 (see bwd_v2_atomic).
+  const int pairs = KV * nseq, per_chunk = chunk_pairs * n_kt;
+  const int chunk = int(blockIdx.x) / per_chunk, within = int(blockIdx.x) % per_chunk;
+  const int pc = min(chunk_pairs, pairs - chunk * chunk_pairs);
+  const int kt = within / pc, pair = chunk * chunk_pairs + within % pc;
+  const int seq = pair / KV, kvh = pair % KV, group = H / KV;
+  const int q0 = cu_q[seq], Lq = cu_q[seq + 1] - q0, k0 = cu_k[seq], Lk = cu_k[seq + 1] - k0;
+  const int ks = kt * BC;
+  if (ks >= Lk) return;
+  const int nk = min(BC, Lk - ks), shift = Lk - Lq;
+  const int64_t qstride = int64_t(H) * HD, kvstride = int64_t(KV) * HD;
+  const int64_t koff = (int64_t(k0) + ks) * kvstride + kvh * HD;
+  const int t_min = causal ? max(0, ks - shift) : 0;  // the first query that sees key ks
+  const int n_qt = t_min < Lq ? (Lq - t_min + BRQ - 1) / BRQ : 0;
+  const int n_it = group * n_qt;
+  auto qtile = [&](int it) { return t_min + (it % n_qt) * BRQ; };  // iteration -> first query
+
+  auto load_q_tile = [&](int it, int buf) {
+    const int h = kvh * group + it / n_qt, qt = qtile(it);
+    const int nq = min(BRQ, Lq - qt);
+    const int64_t off = (int64_t(q0) + qt) * qstride + h * HD;
+    load_tile<HD, BRQ, NT>(sQ + buf * BRQ * HD, q + off, qstride, nq);
+    load_tile<HD, BRQ, NT>(sO + buf * BRQ * HD, dout + off, qstride, nq);
+    for (int i = threadIdx.x; i < BRQ; i += NT) {
+      const bool ok = i < nq;
+      const int64_t st = (int64_t(q0) + qt + i) * H + h;
+      sL[buf * BRQ + i] = ok ? lse[st] * kLog2e : INFINITY;
+      sD[buf * BRQ + i] = ok ? delta[st] : 0.f;
+    }
+  };
+  load_tile<HD, BC, NT>(sK, k + koff, kvstride, nk);
+  load_tile<HD, BC, NT>(sV, v + koff, kvstride, nk);
+  if (n_it > 0) load_q_tile(0, 0);
+  cp_async_commit();
+
+  float dka[HD / 8][4] = {}, dva[HD / 8][4] = {};
+  const int key0 = ks + warp * 16 + g;  // this thread's keys: key0 (c0, c1) and key0 + 8
+  const int wm = warp / WN, wn = warp % WN;  // the warp's dQ block: rows wm QM.., columns wn QN..
+  for (int it = 0; it < n_it; it++) {
+    // Two barriers per tile pair, none at the end of the loop: the buffer refilled here was
+    // last read before the previous pair's dQ barrier, which every warp has passed; the barrier
+    // below says tile `it` landed and every warp is done with the previous dQ product (sS).
+    if (it + 1 < n_it) load_q_tile(it + 1, (it + 1) & 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    const int buf = it & 1, h = kvh * group + it / n_qt, qt = qtile(it);
+    const bf* cQ = sQ + buf * BRQ * HD;
+    const bf* cO = sO + buf * BRQ * HD;
+    const float* cL = sL + buf * BRQ;
+    const float* cD = sD + buf * BRQ;
+    float st[BRQ / 8][4] = {}, dpt[BRQ / 8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++) {
+      uint32_t ka[4], va[4];
+      frag_a<HD>(ka, sK, warp * 16, kk * 16, lane);
+      frag_a<HD>(va, sV, warp * 16, kk * 16, lane);
+#pragma unroll
+      for (int np = 0; np < BRQ / 16; np++) {
+        uint32_t b[4];
+        frag_b_rows_n<HD>(b, cQ, np * 16, kk * 16, lane);  // S^T = K Q^T
+        mma_bf16(st[2 * np], ka, b[0], b[1]);
+        mma_bf16(st[2 * np + 1], ka, b[2], b[3]);
+        frag_b_rows_n<HD>(b, cO, np * 16, kk * 16, lane);  // dP^T = V dO^T
+        mma_bf16(dpt[2 * np], va, b[0], b[1]);
+        mma_bf16(dpt[2 * np + 1], va, b[2], b[3]);
+      }
+    }
+    const bool need_mask = ks + BC > Lk || (causal && ks + BC - 1 > qt + shift);
+#pragma unroll
+    for (int nt = 0; nt < BRQ / 8; nt++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int qc = nt * 8 + 2 * t + (e & 1);
+        float p = exp2f(st[nt][e] * scale_log2 - cL[qc]);  // rows past Lq have lse +inf: p = 0
+        if (need_mask) {
+          const int key = key0 + 8 * (e >> 1);
+          if (key >= Lk || (causal && key > qt + qc + shift)) p = 0.f;
+        }
+        st[nt][e] = p;
+        dpt[nt][e] = p * (dpt[nt][e] - cD[qc]);  // dS^T
+      }
+#pragma unroll
+    for (int kk = 0; kk < BRQ / 16; kk++) {
+      uint32_t pa[4], da[4];
+      c_to_a(pa, st, kk);
+      c_to_a(da, dpt, kk);
+      // da is dS^T (this warp's 16 keys x queries 16 kk..) as four 8x8 matrices: keys 0-7 and
+      // 8-15 of queries 16 kk.., then of 16 kk + 8..; stored transposed into sS, each lands as
+      // 8 query rows x 8 keys (one 16-byte chunk per row)
+      const int m = lane >> 3;
+      stsm_x4_t(sS + swz<BC>(kk * 16 + (m >> 1) * 8 + (lane & 7), 2 * warp + (m & 1)), da, lane);
+#pragma unroll
+      for (int dd = 0; dd < HD / 16; dd++) {
+        uint32_t b[4];
+        frag_b_rows_k<HD>(b, cO, kk * 16, dd * 16, lane);  // dV += P^T dO
+        mma_bf16(dva[2 * dd], pa, b[0], b[1]);
+        mma_bf16(dva[2 * dd + 1], pa, b[2], b[3]);
+        frag_b_rows_k<HD>(b, cQ, kk * 16, dd * 16, lane);  // dK += dS^T Q
+        mma_bf16(dka[2 * dd], da, b[0], b[1]);
+        mma_bf16(dka[2 * dd + 1], da, b[2], b[3]);
+      }
+    }
+    __syncthreads();  // all of dS is in sS
+    float dqa[QM / 16][QN / 8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; kk++) {  // dQ_tile = dS K (scale applied at the conversion)
+      uint32_t a[QM / 16][4];
+#pragma unroll
+      for (int mt = 0; mt < QM / 16; mt++) frag_a<BC>(a[mt], sS, wm * QM + mt * 16, kk * 16, lane);
+#pragma unroll
+      for (int dd = 0; dd < QN / 16; dd++) {
+        uint32_t b[4];
+        frag_b_rows_k<HD>(b, sK, kk * 16, wn * QN + dd * 16, lane);
+#pragma unroll
+        for (int mt = 0; mt < QM / 16; mt++) {
+          mma_bf16(dqa[mt][2 * dd], a[mt], b[0], b[1]);
+          mma_bf16(dqa[mt][2 * dd + 1], a[mt], b[2], b[3]);
+        }
+      }
+    }
+    // Each lane adds pairs of columns (a warp's reduction: 8 rows x 32 bytes). Query rows past
+    // the sequence are skipped (they belong to the next sequence or to no row at all).
+    const int nq = min(BRQ, Lq - qt);
+    float* dst = dq_acc + ((int64_t(q0) + qt) * H + h) * HD + wn * QN + 2 * t;
+#pragma unroll
+    for (int mt = 0; mt < QM / 16; mt++)
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        const int row = wm * QM + mt * 16 + g + 8 * r;
+        if (row < nq) {
+#pragma unroll
+          for (int nt = 0; nt < QN / 8; nt++)
+            red_add_f32x2(dst + row * qstride + nt * 8, dqa[mt][nt][2 * r], dqa[mt][nt][2 * r + 1]);
+        }
+      }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // K/V landed (no query tile ran) or every warp is done reading sK
+  store_rows<HD>(sK, warp * 16, dka, scale, dk + koff, kvstride, nk, lane);
+  store_rows<HD>(sV, warp * 16, dva, 1.f, dv + koff, kvstride, nk, lane);
+}
+
+// dq [rows, H, hd] = bf16(scale * dq_acc), 4 elements per thread (n is a multiple of 4).
+__global__ void dq_from_acc(bf* __restrict__ dq, const float* __restrict__ acc, int64_t n, float scale) {
+  const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
+  if (i >= n) return;
+  const float4 a = *reinterpret_cast<const float4*>(acc + i);
+  uint2 o;
+  o.x = pack_bf16(a.x * scale, a.y * scale);
+  o.y = pack_bf16(a.z * scale, a.w * scale);
+  *reinterpret_cast<uint2*>(dq + i) = o;
+}
+
 // =========================================================================== launchers
 void check_args(const char* op, int nseq, int max_seqlen, int H, int KV, int hd) {
   if (H <= 0 || KV <= 0 || H % KV != 0)
@@ -775,6 +1008,51 @@ void bwd_v2(bf* dq, bf* dk, bf* dv, const bf* dout, const bf* q, const bf* k, co
   }
 }
 
+template <int HD, int NW, int BRQ, int WM>
+void bwd_atomic_launch(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, const bf* k,
+                       const bf* v, const float* lse, const float* delta, const int32_t* cu_q,
+                       const int32_t* cu_k, int nseq, int max_seqlen, int H, int KV, bool causal,
+                       float scale, cudaStream_t s) {
+  constexpr int BC = 16 * NW;
+  const int smem = (2 * BC + 4 * BRQ) * HD * int(sizeof(bf)) + BRQ * BC * int(sizeof(bf)) +
+                   4 * BRQ * int(sizeof(float));
+  static bool once = (set_smem(attn_bwd_v2_atomic_dq<HD, NW, BRQ, WM>, smem), true);
+  (void)once;
+  // Chunks of (kv head, sequence) pairs whose Q, dO (bf16) and dq_acc (fp32) rows take about
+  // 32 MB (H200 L2: 50 MB), split evenly so that the last chunk is not a small tail.
+  const int n_kt = ceil_div(max_seqlen, BC), pairs = KV * nseq;
+  const double pair_bytes = double(H / KV) * std::max(max_seqlen, 1) * HD * 8.0;
+  const int fit = std::max(1, int(32.0 * 1024 * 1024 / pair_bytes));
+  const int chunk_pairs = ceil_div(pairs, ceil_div(pairs, fit));
+  attn_bwd_v2_atomic_dq<HD, NW, BRQ, WM><<<pairs * n_kt, NW * 32, smem, s>>>(
+      dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, H, KV, n_kt, chunk_pairs,
+      causal, scale, scale * kLog2e);
+  LAUNCH_CHECK();
+}
+
+// Single pass (hd 64 / 128): dq_acc [Nq, H, HD] fp32 is zeroed, accumulated into by every key
+// tile, then converted. Rows outside every sequence are never added to: dq = 0 there.
+template <int HD>
+void bwd_v2_atomic(bf* dq, bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, const bf* k,
+                   const bf* v, const float* lse, const float* delta, const int32_t* cu_q,
+                   const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int H, int KV,
+                   bool causal, float scale, cudaStream_t s) {
+  const int64_t n = Nq * H * HD;
+  CUDA_CHECK(cudaMemsetAsync(dq_acc, 0, size_t(n) * sizeof(float), s));
+  if (nseq > 0 && max_seqlen > 0) {
+    // hd 128: 8 warps x 16 keys, query tiles of 64 (255 registers, no spill; 1 block per SM).
+    // hd 64: 4 warps x 16 keys, query tiles of 64 (225 registers; 2 blocks per SM).
+    if constexpr (HD == 128)
+      bwd_atomic_launch<HD, 8, 64, 2>(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, scale, s);
+    else
+      bwd_atomic_launch<HD, 4, 64, 2>(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, scale, s);
+  }
+  if (n > 0) {
+    dq_from_acc<<<ceil_div(n / 4, 256), 256, 0, s>>>(dq, dq_acc, n, scale);
+    LAUNCH_CHECK();
+  }
+}
+
 template <class T, int DPL>
 void fwd_v1(T* out, float* lse, const T* q, const T* k, const T* v, const int32_t* cu_q,
             const int32_t* cu_k, int nseq, int64_t Nq, int H, int KV, int hd, bool causal,
@@ -799,7 +1077,18 @@ void bwd_v1(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, const T*
   LAUNCH_CHECK();
 }
 
+std::atomic<bool>& deterministic_flag() {  // LOOM_DETERMINISTIC=1 sets it at first use
+  static std::atomic<bool> on{[] {
+    const char* e = std::getenv("LOOM_DETERMINISTIC");
+    return e != nullptr && std::string(e) == "1";
+  }()};
+  return on;
+}
+
 }  // namespace
+
+void set_deterministic_attention(bool on) { deterministic_flag() = on; }
+bool deterministic_attention() { return deterministic_flag(); }
 
 template <class T>
 void attention_forward(T* out, acc_t<T>* lse, const T* q, const T* k, const T* v,
@@ -844,31 +1133,41 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T*
                         int64_t Nq, int64_t Nk, int H, int KV, int hd, bool causal, double scale,
                         Stream s) {
   check_args("attention_backward", nseq, max_seqlen, H, KV, hd);
-  float* delta = workspace;
+  // workspace: dq_acc [Nq, H, hd] first (its float2 alignment then does not depend on Nq H),
+  // delta [Nq, H] after it
+  float* dq_acc = workspace;
+  float* delta = workspace + Nq * H * hd;
   if (Nq > 0) {
     attn_delta<<<ceil_div(Nq * H, 8), 256, 0, s>>>(delta, dptr(dout), dptr(out), Nq * H, hd);
     LAUNCH_CHECK();
   }
   if (std::is_same<T, bf16>::value && v2_supports(hd)) {
-    if (nseq > 0 && max_seqlen > 0) {
-      auto a = reinterpret_cast<bf*>(dq);
-      auto b = reinterpret_cast<bf*>(dk);
-      auto c = reinterpret_cast<bf*>(dv);
-      auto o = reinterpret_cast<const bf*>(dout);
-      auto qq = reinterpret_cast<const bf*>(q);
-      auto kk = reinterpret_cast<const bf*>(k);
-      auto vv = reinterpret_cast<const bf*>(v);
-      const float sc = float(scale);
-      switch (hd) {
-        case 16: bwd_v2<16>(a, b, c, o, qq, kk, vv, lse, delta, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, sc, s); break;
-        case 32: bwd_v2<32>(a, b, c, o, qq, kk, vv, lse, delta, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, sc, s); break;
-        case 64: bwd_v2<64>(a, b, c, o, qq, kk, vv, lse, delta, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, sc, s); break;
-        default: bwd_v2<128>(a, b, c, o, qq, kk, vv, lse, delta, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, sc, s); break;
+    auto a = reinterpret_cast<bf*>(dq);
+    auto b = reinterpret_cast<bf*>(dk);
+    auto c = reinterpret_cast<bf*>(dv);
+    auto o = reinterpret_cast<const bf*>(dout);
+    auto qq = reinterpret_cast<const bf*>(q);
+    auto kk = reinterpret_cast<const bf*>(k);
+    auto vv = reinterpret_cast<const bf*>(v);
+    const float sc = float(scale);
+    if (!deterministic_attention() && (hd == 64 || hd == 128)) {  // writes every dq row itself
+      if (hd == 64)
+        bwd_v2_atomic<64>(a, b, c, dq_acc, o, qq, kk, vv, lse, delta, cu_q, cu_k, nseq, max_seqlen, Nq, H, KV, causal, sc, s);
+      else
+        bwd_v2_atomic<128>(a, b, c, dq_acc, o, qq, kk, vv, lse, delta, cu_q, cu_k, nseq, max_seqlen, Nq, H, KV, causal, sc, s);
+    } else {
+      if (nseq > 0 && max_seqlen > 0) {
+        switch (hd) {
+          case 16: bwd_v2<16>(a, b, c, o, qq, kk, vv, lse, delta, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, sc, s); break;
+          case 32: bwd_v2<32>(a, b, c, o, qq, kk, vv, lse, delta, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, sc, s); break;
+          case 64: bwd_v2<64>(a, b, c, o, qq, kk, vv, lse, delta, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, sc, s); break;
+          default: bwd_v2<128>(a, b, c, o, qq, kk, vv, lse, delta, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, sc, s); break;
+        }
       }
-    }
-    if (Nq > 0) {
-      zero_outside<<<ceil_div(Nq, 8), 256, 0, s>>>(dptr(dq), nullptr, cu_q, nseq, Nq, H * hd, 0);
-      LAUNCH_CHECK();
+      if (Nq > 0) {
+        zero_outside<<<ceil_div(Nq, 8), 256, 0, s>>>(dptr(dq), nullptr, cu_q, nseq, Nq, H * hd, 0);
+        LAUNCH_CHECK();
+      }
     }
     if (Nk > 0) {
       zero_outside<<<ceil_div(Nk, 8), 256, 0, s>>>(dptr(dk), nullptr, cu_k, nseq, Nk, KV * hd, 0);

@@ -101,8 +101,11 @@ struct AttnCase {
   bool causal;
 };
 
+// deterministic: the bf16 backward's two-pass kernels (bitwise reproducible); otherwise the
+// single pass with atomic dq (hd 64/128), whose dq may differ between runs in the last bits.
 template <class T>
-void run_attention(const AttnCase& c, uint32_t seed) {
+void run_attention(const AttnCase& c, uint32_t seed, bool deterministic) {
+  cu::set_deterministic_attention(deterministic);
   std::mt19937 rng(seed);
   const int nseq = int(c.lq.size());
   std::vector<int32_t> cu_q{0}, cu_k{0};
@@ -120,7 +123,8 @@ void run_attention(const AttnCase& c, uint32_t seed) {
   auto qs = seen<T>(q), ks = seen<T>(k), vs = seen<T>(v), dos = seen<T>(dout);
 
   // CPU reference in f32 on the values the device sees
-  std::vector<float> out_ref(nq), lse_ref(Nq * H), dq_ref(nq), dk_ref(nk), dv_ref(nk), ws(Nq * H);
+  const size_t nws = size_t(Nq) * H * (hd + 1);  // workspace: delta and the dq accumulator
+  std::vector<float> out_ref(nq), lse_ref(Nq * H), dq_ref(nq), dk_ref(nk), dv_ref(nk), ws(nws);
   loom::cpu::attention_forward<float>(out_ref.data(), lse_ref.data(), qs.data(), ks.data(), vs.data(),
                                       cu_q.data(), cu_k.data(), nseq, max_seqlen, Nq, Nk, H, KV, hd,
                                       c.causal, scale, nullptr);
@@ -128,7 +132,7 @@ void run_attention(const AttnCase& c, uint32_t seed) {
   Dev<T> dq_(to_t<T>(q)), dk_(to_t<T>(k)), dv_(to_t<T>(v)), ddo(to_t<T>(dout));
   Dev<int32_t> dcq(cu_q), dck(cu_k);
   Dev<T> dout_(nq), ddq(nq), ddk(nk), ddv(nk);
-  Dev<float> dlse(Nq * H), dws(Nq * H);
+  Dev<float> dlse(Nq * H), dws(nws);
   dout_.poison();
   dlse.poison();
   cu::attention_forward<T>(dout_.p, dlse.p, dq_.p, dk_.p, dv_.p, dcq.p, dck.p, nseq, max_seqlen, Nq, Nk,
@@ -136,7 +140,8 @@ void run_attention(const AttnCase& c, uint32_t seed) {
   auto out_got = to_f(dout_.down());
   auto lse_got = dlse.down();
   std::string what = std::string(tname<T>()) + " hd" + std::to_string(hd) + " H" + std::to_string(H) +
-                     " KV" + std::to_string(KV) + (c.causal ? " causal" : " full");
+                     " KV" + std::to_string(KV) + (c.causal ? " causal" : " full") +
+                     (deterministic ? " deterministic" : " fast");
   INFO(what);
   LOOM_CHECK_CLOSE(tol::compare(out_got, out_ref, out_tol<T>(), "attention out"));
   LOOM_CHECK_CLOSE(tol::compare(inf_to_big(lse_got), inf_to_big(lse_ref), tol::kCudaF32Gemm, "attention lse"));
@@ -160,16 +165,23 @@ void run_attention(const AttnCase& c, uint32_t seed) {
   LOOM_CHECK_CLOSE(tol::compare(to_f(ddk.down()), dk_ref, gemm_tol<T>(), "attention dk"));
   LOOM_CHECK_CLOSE(tol::compare(to_f(ddv.down()), dv_ref, gemm_tol<T>(), "attention dv"));
 
-  // determinism: a second backward gives the same bits
-  auto dq1 = ddq.down(), dk1 = ddk.down();
+  // A second backward over the same (dirty) workspace. dk and dv are written by one block per
+  // row in both settings: the same bits. dq too when deterministic; with atomic dq it must
+  // still match the reference.
+  auto dq1 = ddq.down(), dk1 = ddk.down(), dv1 = ddv.down();
   ddq.poison();
   ddk.poison();
+  ddv.poison();
   cu::attention_backward<T>(ddq.p, ddk.p, ddv.p, ddo.p, dq_.p, dk_.p, dv_.p, dout_saved.p, dlse_saved.p,
                             dws.p, dcq.p, dck.p, nseq, max_seqlen, Nq, Nk, H, KV, hd, c.causal, scale,
                             cu::default_stream());
-  auto dq2 = ddq.down(), dk2 = ddk.down();
-  CHECK(std::memcmp(dq1.data(), dq2.data(), sizeof(T) * dq1.size()) == 0);
+  auto dq2 = ddq.down(), dk2 = ddk.down(), dv2 = ddv.down();
+  if (deterministic)
+    CHECK(std::memcmp(dq1.data(), dq2.data(), sizeof(T) * dq1.size()) == 0);
+  else
+    LOOM_CHECK_CLOSE(tol::compare(to_f(dq2), dq_ref, gemm_tol<T>(), "attention dq (second run)"));
   CHECK(std::memcmp(dk1.data(), dk2.data(), sizeof(T) * dk1.size()) == 0);
+  CHECK(std::memcmp(dv1.data(), dv2.data(), sizeof(T) * dv1.size()) == 0);
 }
 
 const std::vector<AttnCase>& attn_cases() {
@@ -190,6 +202,15 @@ const std::vector<AttnCase>& attn_cases() {
       // N = 1; and a head dim v2 does not cover (v1 for bf16 too)
       {{1}, {1}, 0, 0, 1, 1, 32, false},
       {{19, 8}, {19, 8}, 2, 0, 3, 3, 40, true},
+      // several key tiles and several query tiles per block (128 / 64 at hd 128 and 64), ragged,
+      // GQA, padding rows: every dq row gets additions from several blocks
+      {{300, 129, 1}, {300, 129, 1}, 3, 2, 4, 2, 128, true},
+      {{300, 129, 1}, {300, 129, 1}, 0, 0, 4, 2, 128, false},
+      {{300, 129, 1}, {300, 129, 1}, 2, 3, 6, 2, 64, true},
+      {{300, 129, 1}, {300, 129, 1}, 0, 1, 6, 2, 64, false},
+      // Lq != Lk across tiles, causal: shift 190 and -60 (the first 60 queries see nothing)
+      {{100, 260}, {290, 200}, 1, 1, 4, 2, 128, true},
+      {{100, 260}, {290, 200}, 0, 2, 4, 4, 64, true},
   };
   return cases;
 }
@@ -311,14 +332,22 @@ void run_infonce(int B, int D, uint32_t seed) {
 
 TEST_CASE("attention forward/backward f32 (v1) against the CPU reference", "[cuda][attention]") {
   need_gpu();
+  const bool was = cu::deterministic_attention();
   uint32_t seed = 100;
-  for (const auto& c : attn_cases()) run_attention<float>(c, seed++);
+  for (const auto& c : attn_cases()) run_attention<float>(c, seed++, true);  // v1: one path, deterministic
+  cu::set_deterministic_attention(was);
 }
 
 TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU reference", "[cuda][attention]") {
   need_gpu();
+  const bool was = cu::deterministic_attention();
   uint32_t seed = 200;
-  for (const auto& c : attn_cases()) run_attention<bf16>(c, seed++);
+  for (const auto& c : attn_cases()) {
+    run_attention<bf16>(c, seed, false);  // single pass, atomic dq
+    run_attention<bf16>(c, seed, true);   // two passes, bitwise reproducible
+    seed++;
+  }
+  cu::set_deterministic_attention(was);
 }
 
 TEST_CASE("attention: invalid head configuration throws with the sizes", "[cuda][attention]") {
