@@ -338,8 +338,15 @@ TEST_CASE("attention forward/backward f32 (v1) against the CPU reference", "[cud
   cu::set_deterministic_attention(was);
 }
 
+// On an H100/H200 build for sm_90a the bf16 forward at hd 64/128 is the wgmma kernel
+// (attention_sm90.cu); the case below runs everything again with it turned off, so the
+// mma.sync forward (v2) stays tested on the machine that has both.
 TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU reference", "[cuda][attention]") {
   need_gpu();
+  const char* before = std::getenv("LOOM_ATTN_SM90");
+  const std::string saved = before ? before : "";
+  SECTION("the default forward (wgmma on sm_90a)") {}
+  SECTION("the mma.sync forward (LOOM_ATTN_SM90=0)") { setenv("LOOM_ATTN_SM90", "0", 1); }
   const bool was = cu::deterministic_attention();
   uint32_t seed = 200;
   for (const auto& c : attn_cases()) {
@@ -348,6 +355,8 @@ TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU ref
     seed++;
   }
   cu::set_deterministic_attention(was);
+  if (before) setenv("LOOM_ATTN_SM90", saved.c_str(), 1);
+  else unsetenv("LOOM_ATTN_SM90");
 }
 
 TEST_CASE("attention: invalid head configuration throws with the sizes", "[cuda][attention]") {
