@@ -106,6 +106,23 @@
  *       without gain: red.v4 after a lane shuffle (2.26); the partial staged in shared memory
  *       and added 512 contiguous bytes per warp at the next tile pair's start (2.21; spread
  *       over the next S / dP products instead: spills, 2.32).
+ *   Then (same day, H200, one call each): the delta computation and the dq_acc zeroing fused
+ *     into one launch (attn_bwd_prep: 16-byte loads, HD/8 threads per row), and the dq
+ *     conversion and the zeroing of dk/dv rows outside every sequence into another
+ *     (attn_bwd_finish): 6 launches -> 3. fwd+bwd 0.514 / 2.150 / 0.418 -> 0.493 / 2.118 /
+ *     0.399 ms. Alternative hd 64 tilings in that call, none better (0.497-0.504 and
+ *     0.406-0.413 ms): 8 warps x 16 keys with the dQ split 2 x 4 or 4 x 2, 4 warps with query
+ *     tiles of 32 (167 registers, 3 blocks per SM).
+ *   A wgmma single pass at hd 64 was written and passed every test, and was slower, so it is
+ *     not kept: per query tile of 64 and warpgroup of 64 keys, S^T and dP^T by wgmma from
+ *     shared memory, dV and dK with P^T / dS^T from registers, dS^T staged in shared memory
+ *     and read as a transposed A for dQ = dS K, the same fp32 reductions. 2 warpgroups x 64
+ *     keys (230 registers, 1 block per SM): 0.635 / 0.576 ms fwd+bwd on the two hd 64 shapes;
+ *     1 warpgroup (2 blocks per SM): 0.571 / 0.514; this mma.sync single pass in the same
+ *     call: 0.496 / 0.401. Every product there is waited for before its result is used (the
+ *     exponentials, the reductions), with at most 2 warpgroups per SM to hide it; it would
+ *     need the next tile's S^T / dP^T in flight during this tile's elementwise work (a second
+ *     set of accumulators: 64 more registers) to pay.
  * Napkin math: forward 4 B H T^2 hd FLOP (x 0.5 causal), reads Q, K, V once per query tile
  *   (K/V re-read from L2 by every query tile of a head) and writes out + lse. B8 H16 T2048
  *   hd128 causal: 137 GFLOP -> ~0.2 ms at 650 TFLOP/s of mma.sync; bytes 4 x 67 MB = 0.27 GB
@@ -932,14 +949,52 @@ attn_bwd_v2_atomic_dq(bf* __restrict__ dk, bf* __restrict__ dv, float* __restric
 }
 
 // dq [rows, H, hd] = bf16(scale * dq_acc), 4 elements per thread (n is a multiple of 4).
-__global__ void dq_from_acc(bf* __restrict__ dq, const float* __restrict__ acc, int64_t n, float scale) {
-  const int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
-  if (i >= n) return;
-  const float4 a = *reinterpret_cast<const float4*>(acc + i);
-  uint2 o;
-  o.x = pack_bf16(a.x * scale, a.y * scale);
-  o.y = pack_bf16(a.z * scale, a.w * scale);
-  *reinterpret_cast<uint2*>(dq + i) = o;
+// The single pass's first launch (replaces attn_delta and a memset): for every (row, head) r
+// of [Nq * H, HD], delta[r] = dout[r, :] . out[r, :] in fp32 and dq_acc[r, :] = 0. HD / 8
+// threads per row, 16-byte loads; the row's threads are adjacent lanes (HD / 8 divides 32).
+template <int HD>
+__global__ void attn_bwd_prep(float* __restrict__ delta, float* __restrict__ dq_acc, const bf* __restrict__ dout,
+                              const bf* __restrict__ out, int64_t rows) {
+  constexpr int TPR = HD / 8;
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, r = i / TPR;
+  const int c = int(i % TPR);
+  float s = 0.f;
+  if (r < rows) {
+    const uint4 a = *reinterpret_cast<const uint4*>(dout + r * HD + c * 8);
+    const uint4 b = *reinterpret_cast<const uint4*>(out + r * HD + c * 8);
+    const bf* pa = reinterpret_cast<const bf*>(&a);
+    const bf* pb = reinterpret_cast<const bf*>(&b);
+#pragma unroll
+    for (int j = 0; j < 8; j++) s += __bfloat162float(pa[j]) * __bfloat162float(pb[j]);
+    float4* z = reinterpret_cast<float4*>(dq_acc + r * HD + c * 8);
+    z[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+    z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+#pragma unroll
+  for (int o = TPR / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  if (r < rows && c == 0) delta[r] = s;
+}
+
+// The single pass's last launch: dq = bf16(scale dq_acc) (4 elements per thread), and the rows
+// of dk and dv outside every key sequence, [0, cu_k[0]) and [cu_k[nseq], Nk), set to 0 (grid
+// stride, 8 elements per thread): no separate zeroing launches.
+__global__ void attn_bwd_finish(bf* __restrict__ dq, const float* __restrict__ acc, int64_t n, float scale,
+                                bf* __restrict__ dk, bf* __restrict__ dv, const int32_t* __restrict__ cu_k,
+                                int nseq, int64_t Nk, int kv_width) {
+  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, i = t * 4;
+  if (i < n) {
+    const float4 a = *reinterpret_cast<const float4*>(acc + i);
+    uint2 o;
+    o.x = pack_bf16(a.x * scale, a.y * scale);
+    o.y = pack_bf16(a.z * scale, a.w * scale);
+    *reinterpret_cast<uint2*>(dq + i) = o;
+  }
+  const int64_t lo = cu_k[0], hi = cu_k[nseq], cpr = kv_width / 8, m = (lo + Nk - hi) * cpr;
+  for (int64_t j = t; j < m; j += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t rr = j / cpr, row = rr < lo ? rr : hi + (rr - lo), off = row * kv_width + (j % cpr) * 8;
+    *reinterpret_cast<uint4*>(dk + off) = make_uint4(0u, 0u, 0u, 0u);
+    *reinterpret_cast<uint4*>(dv + off) = make_uint4(0u, 0u, 0u, 0u);
+  }
 }
 
 // =========================================================================== launchers
@@ -1030,15 +1085,19 @@ void bwd_atomic_launch(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* 
   LAUNCH_CHECK();
 }
 
-// Single pass (hd 64 / 128): dq_acc [Nq, H, HD] fp32 is zeroed, accumulated into by every key
-// tile, then converted. Rows outside every sequence are never added to: dq = 0 there.
+// Single pass (hd 64 / 128), three launches: prep (delta, dq_acc = 0), the block kernel
+// (dk, dv, dq_acc +=), finish (dq from dq_acc; dk, dv rows outside every sequence = 0). Rows of
+// dq outside every sequence are never added to: dq = 0 there.
 template <int HD>
-void bwd_v2_atomic(bf* dq, bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, const bf* k,
-                   const bf* v, const float* lse, const float* delta, const int32_t* cu_q,
-                   const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int H, int KV,
+void bwd_v2_atomic(bf* dq, bf* dk, bf* dv, float* dq_acc, float* delta, const bf* dout, const bf* out,
+                   const bf* q, const bf* k, const bf* v, const float* lse, const int32_t* cu_q,
+                   const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV,
                    bool causal, float scale, cudaStream_t s) {
-  const int64_t n = Nq * H * HD;
-  CUDA_CHECK(cudaMemsetAsync(dq_acc, 0, size_t(n) * sizeof(float), s));
+  const int64_t rows = Nq * H, n = rows * HD;
+  if (rows > 0) {
+    attn_bwd_prep<HD><<<ceil_div(rows * (HD / 8), 256), 256, 0, s>>>(delta, dq_acc, dout, out, rows);
+    LAUNCH_CHECK();
+  }
   if (nseq > 0 && max_seqlen > 0) {
     // hd 128: 8 warps x 16 keys, query tiles of 64 (255 registers, no spill; 1 block per SM).
     // hd 64: 4 warps x 16 keys, query tiles of 64 (225 registers; 2 blocks per SM).
@@ -1047,8 +1106,9 @@ void bwd_v2_atomic(bf* dq, bf* dk, bf* dv, float* dq_acc, const bf* dout, const 
     else
       bwd_atomic_launch<HD, 4, 64, 2>(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, scale, s);
   }
-  if (n > 0) {
-    dq_from_acc<<<ceil_div(n / 4, 256), 256, 0, s>>>(dq, dq_acc, n, scale);
+  if (n > 0 || Nk > 0) {
+    attn_bwd_finish<<<std::max(1, ceil_div(n / 4, 256)), 256, 0, s>>>(dq, dq_acc, n, scale, dk, dv, cu_k, nseq, Nk,
+                                                                      KV * HD);
     LAUNCH_CHECK();
   }
 }
@@ -1137,6 +1197,25 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T*
   // delta [Nq, H] after it
   float* dq_acc = workspace;
   float* delta = workspace + Nq * H * hd;
+  if (std::is_same<T, bf16>::value && !deterministic_attention() && (hd == 64 || hd == 128)) {
+    // the single pass: writes every row of dq, dk and dv itself
+    auto a = reinterpret_cast<bf*>(dq);
+    auto b = reinterpret_cast<bf*>(dk);
+    auto c = reinterpret_cast<bf*>(dv);
+    auto o = reinterpret_cast<const bf*>(dout);
+    auto oo = reinterpret_cast<const bf*>(out);
+    auto qq = reinterpret_cast<const bf*>(q);
+    auto kk = reinterpret_cast<const bf*>(k);
+    auto vv = reinterpret_cast<const bf*>(v);
+    const float sc = float(scale);
+    if (hd == 64)
+      bwd_v2_atomic<64>(a, b, c, dq_acc, delta, o, oo, qq, kk, vv, lse, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV,
+                        causal, sc, s);
+    else
+      bwd_v2_atomic<128>(a, b, c, dq_acc, delta, o, oo, qq, kk, vv, lse, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H,
+                         KV, causal, sc, s);
+    return;
+  }
   if (Nq > 0) {
     attn_delta<<<ceil_div(Nq * H, 8), 256, 0, s>>>(delta, dptr(dout), dptr(out), Nq * H, hd);
     LAUNCH_CHECK();
@@ -1150,24 +1229,17 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T*
     auto kk = reinterpret_cast<const bf*>(k);
     auto vv = reinterpret_cast<const bf*>(v);
     const float sc = float(scale);
-    if (!deterministic_attention() && (hd == 64 || hd == 128)) {  // writes every dq row itself
-      if (hd == 64)
-        bwd_v2_atomic<64>(a, b, c, dq_acc, o, qq, kk, vv, lse, delta, cu_q, cu_k, nseq, max_seqlen, Nq, H, KV, causal, sc, s);
-      else
-        bwd_v2_atomic<128>(a, b, c, dq_acc, o, qq, kk, vv, lse, delta, cu_q, cu_k, nseq, max_seqlen, Nq, H, KV, causal, sc, s);
-    } else {
-      if (nseq > 0 && max_seqlen > 0) {
-        switch (hd) {
-          case 16: bwd_v2<16>(a, b, c, o, qq, kk, vv, lse, delta, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, sc, s); break;
-          case 32: bwd_v2<32>(a, b, c, o, qq, kk, vv, lse, delta, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, sc, s); break;
-          case 64: bwd_v2<64>(a, b, c, o, qq, kk, vv, lse, delta, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, sc, s); break;
-          default: bwd_v2<128>(a, b, c, o, qq, kk, vv, lse, delta, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, sc, s); break;
-        }
+    if (nseq > 0 && max_seqlen > 0) {  // the two passes (deterministic; hd 16/32 always)
+      switch (hd) {
+        case 16: bwd_v2<16>(a, b, c, o, qq, kk, vv, lse, delta, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, sc, s); break;
+        case 32: bwd_v2<32>(a, b, c, o, qq, kk, vv, lse, delta, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, sc, s); break;
+        case 64: bwd_v2<64>(a, b, c, o, qq, kk, vv, lse, delta, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, sc, s); break;
+        default: bwd_v2<128>(a, b, c, o, qq, kk, vv, lse, delta, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, sc, s); break;
       }
-      if (Nq > 0) {
-        zero_outside<<<ceil_div(Nq, 8), 256, 0, s>>>(dptr(dq), nullptr, cu_q, nseq, Nq, H * hd, 0);
-        LAUNCH_CHECK();
-      }
+    }
+    if (Nq > 0) {
+      zero_outside<<<ceil_div(Nq, 8), 256, 0, s>>>(dptr(dq), nullptr, cu_q, nseq, Nq, H * hd, 0);
+      LAUNCH_CHECK();
     }
     if (Nk > 0) {
       zero_outside<<<ceil_div(Nk, 8), 256, 0, s>>>(dptr(dk), nullptr, cu_k, nseq, Nk, KV * hd, 0);
