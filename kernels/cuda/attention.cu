@@ -656,6 +656,90 @@ attn_bwd_dq_v2(bf* __restrict__ dq, const bf* __restrict__ dout, const bf* __res
     store_rows<HD>(sQ, wrow + mt * 16, acc[mt], scale, dq + qoff, qstride, nq, lane);
 }
 
+// =========================================================================== v2 backward: shared pieces
+// Pieces of a key-tile block's work per query tile, used by attn_bwd_dkdv_v2 and the single
+// pass. A warp owns 16 keys (rows warp*16.. of sK / sV); cQ, cO, cL, cD are the current
+// query tile's Q, dO, lse * log2(e) and delta in shared memory.
+
+// Q, dO (rows qt.. of query head h, nq of them valid) into buffer buf; lse and delta beside them
+// (+inf / 0 past nq, so that p = 0 there).
+template <int HD, int BRQ, int NT>
+__device__ __forceinline__ void load_q_dout_tile(bf* sQ, bf* sO, float* sL, float* sD, int buf, const bf* q,
+                                                 const bf* dout, const float* lse, const float* delta,
+                                                 int q0, int qt, int h, int H, int Lq) {
+  const int nq = min(BRQ, Lq - qt);
+  const int64_t qstride = int64_t(H) * HD, off = (int64_t(q0) + qt) * qstride + h * HD;
+  load_tile<HD, BRQ, NT>(sQ + buf * BRQ * HD, q + off, qstride, nq);
+  load_tile<HD, BRQ, NT>(sO + buf * BRQ * HD, dout + off, qstride, nq);
+  for (int i = threadIdx.x; i < BRQ; i += NT) {
+    const bool ok = i < nq;
+    const int64_t st = (int64_t(q0) + qt + i) * H + h;
+    sL[buf * BRQ + i] = ok ? lse[st] * kLog2e : INFINITY;
+    sD[buf * BRQ + i] = ok ? delta[st] : 0.f;
+  }
+}
+
+// st = P^T and dpt = dS^T (the warp's 16 keys x BRQ queries, C layout): S^T = K Q^T and
+// dP^T = V dO^T by mma, then p = exp2(s scale log2(e) - lse), masked past Lk and above the
+// causal diagonal (query tile starting at qt), dS^T = p (dP^T - delta).
+template <int HD, int BRQ>
+__device__ __forceinline__ void dkdv_p_ds(float (&st)[BRQ / 8][4], float (&dpt)[BRQ / 8][4], const bf* sK,
+                                          const bf* sV, const bf* cQ, const bf* cO, const float* cL,
+                                          const float* cD, int warp, int lane, int key0, int Lk, bool need_mask,
+                                          bool causal, int qt, int shift, float scale_log2) {
+  const int t = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < BRQ / 8; nt++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) st[nt][e] = dpt[nt][e] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; kk++) {
+    uint32_t ka[4], va[4];
+    frag_a<HD>(ka, sK, warp * 16, kk * 16, lane);
+    frag_a<HD>(va, sV, warp * 16, kk * 16, lane);
+#pragma unroll
+    for (int np = 0; np < BRQ / 16; np++) {
+      uint32_t b[4];
+      frag_b_rows_n<HD>(b, cQ, np * 16, kk * 16, lane);  // S^T = K Q^T
+      mma_bf16(st[2 * np], ka, b[0], b[1]);
+      mma_bf16(st[2 * np + 1], ka, b[2], b[3]);
+      frag_b_rows_n<HD>(b, cO, np * 16, kk * 16, lane);  // dP^T = V dO^T
+      mma_bf16(dpt[2 * np], va, b[0], b[1]);
+      mma_bf16(dpt[2 * np + 1], va, b[2], b[3]);
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < BRQ / 8; nt++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int qc = nt * 8 + 2 * t + (e & 1);  // query column inside the tile
+      float p = exp2f(st[nt][e] * scale_log2 - cL[qc]);  // rows past Lq have lse +inf: p = 0
+      if (need_mask) {
+        const int key = key0 + 8 * (e >> 1);
+        if (key >= Lk || (causal && key > qt + qc + shift)) p = 0.f;
+      }
+      st[nt][e] = p;
+      dpt[nt][e] = p * (dpt[nt][e] - cD[qc]);  // dS^T
+    }
+}
+
+// dV += P^T dO and dK += dS^T Q for queries 16 kk..16 kk+15 (pa, da: A fragments of P^T, dS^T).
+template <int HD>
+__device__ __forceinline__ void dkdv_accumulate(float (&dva)[HD / 8][4], float (&dka)[HD / 8][4],
+                                                const uint32_t (&pa)[4], const uint32_t (&da)[4], const bf* cQ,
+                                                const bf* cO, int kk, int lane) {
+#pragma unroll
+  for (int dd = 0; dd < HD / 16; dd++) {
+    uint32_t b[4];
+    frag_b_rows_k<HD>(b, cO, kk * 16, dd * 16, lane);  // dV += P^T dO
+    mma_bf16(dva[2 * dd], pa, b[0], b[1]);
+    mma_bf16(dva[2 * dd + 1], pa, b[2], b[3]);
+    frag_b_rows_k<HD>(b, cQ, kk * 16, dd * 16, lane);  // dK += dS^T Q
+    mma_bf16(dka[2 * dd], da, b[0], b[1]);
+    mma_bf16(dka[2 * dd + 1], da, b[2], b[3]);
+  }
+}
+
 // =========================================================================== v2 backward: dk, dv
 // Block: 16 NW key rows of one kv head, one warp per 16 keys (its dK, dV rows live in its
 // registers). Walks the group's query heads and the query tiles (BRQ rows) that see the
@@ -676,30 +760,21 @@ attn_bwd_dkdv_v2(bf* __restrict__ dk, bf* __restrict__ dv, const bf* __restrict_
   bf* sO = sQ + 2 * BRQ * HD;            // [2][BRQ][HD] dout
   float* sL = reinterpret_cast<float*>(sO + 2 * BRQ * HD);  // [2][BRQ] lse * log2(e)
   float* sD = sL + 2 * BRQ;                                 // [2][BRQ] delta
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2;
   const int seq = blockIdx.z, kvh = blockIdx.y, group = H / KV;
   const int q0 = cu_q[seq], Lq = cu_q[seq + 1] - q0, k0 = cu_k[seq], Lk = cu_k[seq + 1] - k0;
   const int ks = blockIdx.x * BC;  // causal: the first key tiles see the most queries; start them first
   if (ks >= Lk) return;
   const int nk = min(BC, Lk - ks), shift = Lk - Lq;
-  const int64_t qstride = int64_t(H) * HD, kvstride = int64_t(KV) * HD;
+  const int64_t kvstride = int64_t(KV) * HD;
   const int64_t koff = (int64_t(k0) + ks) * kvstride + kvh * HD;
   const int t_min = causal ? max(0, ks - shift) : 0;  // the first query that sees key ks
   const int n_qt = t_min < Lq ? (Lq - t_min + BRQ - 1) / BRQ : 0;
   const int n_it = group * n_qt;
 
   auto load_q_tile = [&](int it, int buf) {
-    const int h = kvh * group + it / n_qt, qt = t_min + (it % n_qt) * BRQ;
-    const int nq = min(BRQ, Lq - qt);
-    const int64_t off = (int64_t(q0) + qt) * qstride + h * HD;
-    load_tile<HD, BRQ, NT>(sQ + buf * BRQ * HD, q + off, qstride, nq);
-    load_tile<HD, BRQ, NT>(sO + buf * BRQ * HD, dout + off, qstride, nq);
-    for (int i = threadIdx.x; i < BRQ; i += NT) {
-      const bool ok = i < nq;
-      const int64_t st = (int64_t(q0) + qt + i) * H + h;
-      sL[buf * BRQ + i] = ok ? lse[st] * kLog2e : INFINITY;
-      sD[buf * BRQ + i] = ok ? delta[st] : 0.f;
-    }
+    load_q_dout_tile<HD, BRQ, NT>(sQ, sO, sL, sD, buf, q, dout, lse, delta, q0, t_min + (it % n_qt) * BRQ,
+                                  kvh * group + it / n_qt, H, Lq);
   };
   load_tile<HD, BC, NT>(sK, k + koff, kvstride, nk);
   load_tile<HD, BC, NT>(sV, v + koff, kvstride, nk);
@@ -718,52 +793,16 @@ attn_bwd_dkdv_v2(bf* __restrict__ dk, bf* __restrict__ dv, const bf* __restrict_
     const bf* cO = sO + buf * BRQ * HD;
     const float* cL = sL + buf * BRQ;
     const float* cD = sD + buf * BRQ;
-    float st[BRQ / 8][4] = {}, dpt[BRQ / 8][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; kk++) {
-      uint32_t ka[4], va[4];
-      frag_a<HD>(ka, sK, warp * 16, kk * 16, lane);
-      frag_a<HD>(va, sV, warp * 16, kk * 16, lane);
-#pragma unroll
-      for (int np = 0; np < BRQ / 16; np++) {
-        uint32_t b[4];
-        frag_b_rows_n<HD>(b, cQ, np * 16, kk * 16, lane);  // S^T = K Q^T
-        mma_bf16(st[2 * np], ka, b[0], b[1]);
-        mma_bf16(st[2 * np + 1], ka, b[2], b[3]);
-        frag_b_rows_n<HD>(b, cO, np * 16, kk * 16, lane);  // dP^T = V dO^T
-        mma_bf16(dpt[2 * np], va, b[0], b[1]);
-        mma_bf16(dpt[2 * np + 1], va, b[2], b[3]);
-      }
-    }
+    float st[BRQ / 8][4], dpt[BRQ / 8][4];
     const bool need_mask = ks + BC > Lk || (causal && ks + BC - 1 > qt + shift);
-#pragma unroll
-    for (int nt = 0; nt < BRQ / 8; nt++)
-#pragma unroll
-      for (int e = 0; e < 4; e++) {
-        const int qc = nt * 8 + 2 * t + (e & 1);  // query column inside the tile
-        float p = exp2f(st[nt][e] * scale_log2 - cL[qc]);  // rows past Lq have lse +inf: p = 0
-        if (need_mask) {
-          const int key = key0 + 8 * (e >> 1);
-          if (key >= Lk || (causal && key > qt + qc + shift)) p = 0.f;
-        }
-        st[nt][e] = p;
-        dpt[nt][e] = p * (dpt[nt][e] - cD[qc]);  // dS^T
-      }
+    dkdv_p_ds<HD, BRQ>(st, dpt, sK, sV, cQ, cO, cL, cD, warp, lane, key0, Lk, need_mask, causal, qt, shift,
+                       scale_log2);
 #pragma unroll
     for (int kk = 0; kk < BRQ / 16; kk++) {
       uint32_t pa[4], da[4];
       c_to_a(pa, st, kk);
       c_to_a(da, dpt, kk);
-#pragma unroll
-      for (int dd = 0; dd < HD / 16; dd++) {
-        uint32_t b[4];
-        frag_b_rows_k<HD>(b, cO, kk * 16, dd * 16, lane);  // dV += P^T dO
-        mma_bf16(dva[2 * dd], pa, b[0], b[1]);
-        mma_bf16(dva[2 * dd + 1], pa, b[2], b[3]);
-        frag_b_rows_k<HD>(b, cQ, kk * 16, dd * 16, lane);  // dK += dS^T Q
-        mma_bf16(dka[2 * dd], da, b[0], b[1]);
-        mma_bf16(dka[2 * dd + 1], da, b[2], b[3]);
-      }
+      dkdv_accumulate<HD>(dva, dka, pa, da, cQ, cO, kk, lane);
     }
     __syncthreads();
   }
@@ -823,17 +862,8 @@ attn_bwd_v2_atomic_dq(bf* __restrict__ dk, bf* __restrict__ dv, float* __restric
   auto qtile = [&](int it) { return t_min + (it % n_qt) * BRQ; };  // iteration -> first query
 
   auto load_q_tile = [&](int it, int buf) {
-    const int h = kvh * group + it / n_qt, qt = qtile(it);
-    const int nq = min(BRQ, Lq - qt);
-    const int64_t off = (int64_t(q0) + qt) * qstride + h * HD;
-    load_tile<HD, BRQ, NT>(sQ + buf * BRQ * HD, q + off, qstride, nq);
-    load_tile<HD, BRQ, NT>(sO + buf * BRQ * HD, dout + off, qstride, nq);
-    for (int i = threadIdx.x; i < BRQ; i += NT) {
-      const bool ok = i < nq;
-      const int64_t st = (int64_t(q0) + qt + i) * H + h;
-      sL[buf * BRQ + i] = ok ? lse[st] * kLog2e : INFINITY;
-      sD[buf * BRQ + i] = ok ? delta[st] : 0.f;
-    }
+    load_q_dout_tile<HD, BRQ, NT>(sQ, sO, sL, sD, buf, q, dout, lse, delta, q0, qtile(it), kvh * group + it / n_qt,
+                                  H, Lq);
   };
   load_tile<HD, BC, NT>(sK, k + koff, kvstride, nk);
   load_tile<HD, BC, NT>(sV, v + koff, kvstride, nk);
@@ -856,37 +886,10 @@ attn_bwd_v2_atomic_dq(bf* __restrict__ dk, bf* __restrict__ dv, float* __restric
     const bf* cO = sO + buf * BRQ * HD;
     const float* cL = sL + buf * BRQ;
     const float* cD = sD + buf * BRQ;
-    float st[BRQ / 8][4] = {}, dpt[BRQ / 8][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; kk++) {
-      uint32_t ka[4], va[4];
-      frag_a<HD>(ka, sK, warp * 16, kk * 16, lane);
-      frag_a<HD>(va, sV, warp * 16, kk * 16, lane);
-#pragma unroll
-      for (int np = 0; np < BRQ / 16; np++) {
-        uint32_t b[4];
-        frag_b_rows_n<HD>(b, cQ, np * 16, kk * 16, lane);  // S^T = K Q^T
-        mma_bf16(st[2 * np], ka, b[0], b[1]);
-        mma_bf16(st[2 * np + 1], ka, b[2], b[3]);
-        frag_b_rows_n<HD>(b, cO, np * 16, kk * 16, lane);  // dP^T = V dO^T
-        mma_bf16(dpt[2 * np], va, b[0], b[1]);
-        mma_bf16(dpt[2 * np + 1], va, b[2], b[3]);
-      }
-    }
+    float st[BRQ / 8][4], dpt[BRQ / 8][4];
     const bool need_mask = ks + BC > Lk || (causal && ks + BC - 1 > qt + shift);
-#pragma unroll
-    for (int nt = 0; nt < BRQ / 8; nt++)
-#pragma unroll
-      for (int e = 0; e < 4; e++) {
-        const int qc = nt * 8 + 2 * t + (e & 1);
-        float p = exp2f(st[nt][e] * scale_log2 - cL[qc]);  // rows past Lq have lse +inf: p = 0
-        if (need_mask) {
-          const int key = key0 + 8 * (e >> 1);
-          if (key >= Lk || (causal && key > qt + qc + shift)) p = 0.f;
-        }
-        st[nt][e] = p;
-        dpt[nt][e] = p * (dpt[nt][e] - cD[qc]);  // dS^T
-      }
+    dkdv_p_ds<HD, BRQ>(st, dpt, sK, sV, cQ, cO, cL, cD, warp, lane, key0, Lk, need_mask, causal, qt, shift,
+                       scale_log2);
 #pragma unroll
     for (int kk = 0; kk < BRQ / 16; kk++) {
       uint32_t pa[4], da[4];
@@ -897,16 +900,7 @@ attn_bwd_v2_atomic_dq(bf* __restrict__ dk, bf* __restrict__ dv, float* __restric
       // 8 query rows x 8 keys (one 16-byte chunk per row)
       const int m = lane >> 3;
       stsm_x4_t(sS + swz<BC>(kk * 16 + (m >> 1) * 8 + (lane & 7), 2 * warp + (m & 1)), da, lane);
-#pragma unroll
-      for (int dd = 0; dd < HD / 16; dd++) {
-        uint32_t b[4];
-        frag_b_rows_k<HD>(b, cO, kk * 16, dd * 16, lane);  // dV += P^T dO
-        mma_bf16(dva[2 * dd], pa, b[0], b[1]);
-        mma_bf16(dva[2 * dd + 1], pa, b[2], b[3]);
-        frag_b_rows_k<HD>(b, cQ, kk * 16, dd * 16, lane);  // dK += dS^T Q
-        mma_bf16(dka[2 * dd], da, b[0], b[1]);
-        mma_bf16(dka[2 * dd + 1], da, b[2], b[3]);
-      }
+      dkdv_accumulate<HD>(dva, dka, pa, da, cQ, cO, kk, lane);
     }
     __syncthreads();  // all of dS is in sS
     float dqa[QM / 16][QN / 8][4] = {};
@@ -948,7 +942,6 @@ attn_bwd_v2_atomic_dq(bf* __restrict__ dk, bf* __restrict__ dv, float* __restric
   store_rows<HD>(sV, warp * 16, dva, 1.f, dv + koff, kvstride, nk, lane);
 }
 
-// dq [rows, H, hd] = bf16(scale * dq_acc), 4 elements per thread (n is a multiple of 4).
 // The single pass's first launch (replaces attn_delta and a memset): for every (row, head) r
 // of [Nq * H, HD], delta[r] = dout[r, :] . out[r, :] in fp32 and dq_acc[r, :] = 0. HD / 8
 // threads per row, 16-byte loads; the row's threads are adjacent lanes (HD / 8 divides 32).

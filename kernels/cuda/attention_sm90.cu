@@ -172,8 +172,8 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[16][4], const uint32_t (&a)[
 }
 
 // ------------------------------------------------------------------------ the kernel
-template <int HD, int NWG, int BC, int MINB>
-__global__ void __launch_bounds__(NWG * 128, MINB)
+template <int HD, int NWG, int BC>
+__global__ void __launch_bounds__(NWG * 128, 1)
 attn_fwd_sm90(bf* __restrict__ out, float* __restrict__ lse, const bf* __restrict__ q,
               const bf* __restrict__ k, const bf* __restrict__ v, const int32_t* __restrict__ cu_q,
               const int32_t* __restrict__ cu_k, int64_t Nq, int H, int KV, bool causal, float scale_log2) {
@@ -332,19 +332,19 @@ attn_fwd_sm90(bf* __restrict__ out, float* __restrict__ lse, const bf* __restric
 #endif
 }
 
-template <int HD, int NWG, int BC, int MINB = 1>
+template <int HD, int NWG, int BC>
 void launch(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const int32_t* cu_q,
             const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int H, int KV, bool causal,
             float scale_log2, cudaStream_t s) {
   constexpr int BR = 64 * NWG;
   const int smem = (BR + 4 * BC) * HD * int(sizeof(bf)) + 1024;  // + 1024: alignment slack
   static const bool once = [smem] {
-    CUDA_CHECK(cudaFuncSetAttribute(attn_fwd_sm90<HD, NWG, BC, MINB>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    CUDA_CHECK(cudaFuncSetAttribute(attn_fwd_sm90<HD, NWG, BC>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     return true;
   }();
   (void)once;
   dim3 grid(ceil_div(max_seqlen, BR), H, nseq + 1);  // z = nseq: the rows outside every sequence
-  attn_fwd_sm90<HD, NWG, BC, MINB><<<grid, NWG * 128, smem, s>>>(out, lse, q, k, v, cu_q, cu_k, Nq, H, KV,
+  attn_fwd_sm90<HD, NWG, BC><<<grid, NWG * 128, smem, s>>>(out, lse, q, k, v, cu_q, cu_k, Nq, H, KV,
                                                                   causal, scale_log2);
   LAUNCH_CHECK();
 }
@@ -372,34 +372,14 @@ bool fwd_sm90_available(int hd) {
 void fwd_sm90(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const int32_t* cu_q,
               const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int H, int KV, int hd, bool causal,
               float scale_log2, cudaStream_t s) {
-  // Tile configurations, measured on the SPEC shapes (H200, TFLOP/s forward; see the header):
-  //   cfg  warpgroups x BC   hd 64 full   hd 128 causal   hd 64 causal
-  //   1    2 x 64            237          250             166
-  //   2    3 x 128           222          321             179
-  //   3    2 x 64, 2 blocks  233          290             166
-  //   4    2 x 128           216          284             165
-  // Default: 3 x 128 (cfg 2), except hd 64 without the causal mask: 2 x 64 (cfg 1).
-  // LOOM_ATTN_CFG=N forces one (benchmarking).
-  static const int forced = [] { const char* e = std::getenv("LOOM_ATTN_CFG"); return e ? std::atoi(e) : 0; }();
-  const int cfg = forced ? forced : (hd == 64 && !causal ? 1 : 2);
-#define LOOM_FWD90(HD_, NWG_, BC_, MINB_) \
-  launch<HD_, NWG_, BC_, MINB_>(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, H, KV, causal, scale_log2, s)
-  if (hd == 64) {
-    switch (cfg) {
-      case 1: LOOM_FWD90(64, 2, 64, 1); break;
-      case 3: LOOM_FWD90(64, 2, 64, 2); break;
-      case 4: LOOM_FWD90(64, 2, 128, 1); break;
-      default: LOOM_FWD90(64, 3, 128, 1); break;
-    }
-  } else {
-    switch (cfg) {
-      case 1: LOOM_FWD90(128, 2, 64, 1); break;
-      case 3: LOOM_FWD90(128, 2, 64, 2); break;
-      case 4: LOOM_FWD90(128, 2, 128, 1); break;
-      default: LOOM_FWD90(128, 3, 128, 1); break;
-    }
-  }
-#undef LOOM_FWD90
+  // 3 warpgroups x 128-key tiles, except hd 64 without the causal mask: 2 x 64 (the header's
+  // version table has the configurations measured).
+  if (hd == 128)
+    launch<128, 3, 128>(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, H, KV, causal, scale_log2, s);
+  else if (causal)
+    launch<64, 3, 128>(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, H, KV, causal, scale_log2, s);
+  else
+    launch<64, 2, 64>(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, H, KV, causal, scale_log2, s);
 }
 
 }  // namespace loom::cuda::attn
