@@ -45,7 +45,8 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const SeqInf
     record("attention", {out}, [q, k, v, qc, kc, vc, out, lse, seq, Nq, Nk, H, KV, hd, causal, scale]() {
       Tensor g = grad_of(out).contiguous();
       Tensor dq = Tensor::empty_like(qc), dk = Tensor::empty_like(kc), dv = Tensor::empty_like(vc);
-      Tensor ws = acc_empty({Nq, H, hd + 1}, q);  // delta and the dq accumulator
+      // delta [Nq, H]; the CUDA single pass also needs its fp32 dq accumulator [Nq, H, hd]
+      Tensor ws = acc_empty({Nq, H, q.is_cuda() ? hd + 1 : 1}, q);
       dispatch_float(g, [&](auto dev, auto zero) {
         using T = decltype(zero);
         using A = acc_t<T>;

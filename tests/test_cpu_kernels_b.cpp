@@ -189,7 +189,7 @@ void run_attention_backward(vector<T>& dq, vector<T>& dk, vector<T>& dv, const v
   dq = poisoned<T>(q.size());
   dk = poisoned<T>(k.size());
   dv = poisoned<T>(v.size());
-  auto ws = poisoned<acc_t<T>>(c.Nq * c.H * (c.hd + 1));
+  auto ws = poisoned<acc_t<T>>(c.Nq * c.H);
   int max_seqlen = 0;
   for (size_t i = 0; i + 1 < c.cu_q.size(); i++)
     max_seqlen = std::max({max_seqlen, c.cu_q[i + 1] - c.cu_q[i], c.cu_k[i + 1] - c.cu_k[i]});

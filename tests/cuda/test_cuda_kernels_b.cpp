@@ -123,8 +123,8 @@ void run_attention(const AttnCase& c, uint32_t seed, bool deterministic) {
   auto qs = seen<T>(q), ks = seen<T>(k), vs = seen<T>(v), dos = seen<T>(dout);
 
   // CPU reference in f32 on the values the device sees
-  const size_t nws = size_t(Nq) * H * (hd + 1);  // workspace: delta and the dq accumulator
-  std::vector<float> out_ref(nq), lse_ref(Nq * H), dq_ref(nq), dk_ref(nk), dv_ref(nk), ws(nws);
+  const size_t nws = size_t(Nq) * H * (hd + 1);  // CUDA workspace: delta and the dq accumulator
+  std::vector<float> out_ref(nq), lse_ref(Nq * H), dq_ref(nq), dk_ref(nk), dv_ref(nk), ws(Nq * H);
   loom::cpu::attention_forward<float>(out_ref.data(), lse_ref.data(), qs.data(), ks.data(), vs.data(),
                                       cu_q.data(), cu_k.data(), nseq, max_seqlen, Nq, Nk, H, KV, hd,
                                       c.causal, scale, nullptr);
