@@ -1,12 +1,25 @@
 // ops_attention.cpp: packed (varlen), grouped-query, causal or bidirectional attention.
+#include <map>
+#include <mutex>
+#include <tuple>
+
 #include "autograd/ops_util.h"
 
 namespace loom {
 
 SeqInfo SeqInfo::dense(int B, int T, Device device) {
+  // Cached per (B, T, device): the offsets are uploaded once, not at every forward (an upload
+  // from pageable memory waits for the GPU), and a captured step finds them in place.
+  static std::mutex mu;
+  static std::map<std::tuple<int, int, int>, SeqInfo> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto key = std::make_tuple(B, T, int(device));
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
   std::vector<int32_t> cu(size_t(B) + 1);
   for (int b = 0; b <= B; b++) cu[size_t(b)] = b * T;
   SeqInfo s = packed(cu, device);
+  cache.emplace(key, s);
   return s;
 }
 

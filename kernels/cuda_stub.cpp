@@ -30,6 +30,18 @@ Stream default_stream() { no_cuda(); }
 size_t bytes_in_use() { no_cuda(); }
 size_t peak_bytes_in_use() { no_cuda(); }
 void reset_peak_bytes() { no_cuda(); }
+size_t bytes_reserved() { no_cuda(); }
+size_t peak_bytes_reserved() { no_cuda(); }
+Stream copy_stream() { no_cuda(); }
+void* event_create(bool) { no_cuda(); }
+void event_destroy(void*) { no_cuda(); }
+void event_record(void*, Stream) { no_cuda(); }
+void stream_wait_event(Stream, void*) { no_cuda(); }
+void event_synchronize(void*) { no_cuda(); }
+bool event_done(void*) { no_cuda(); }
+float event_elapsed_ms(void*, void*) { no_cuda(); }
+void memcpy_h2d_async(void*, const void*, size_t, Stream) { no_cuda(); }
+void memcpy_d2h_async(void*, const void*, size_t, Stream) { no_cuda(); }
 void set_deterministic_attention(bool) { no_cuda(); }
 bool deterministic_attention() { no_cuda(); }
 

@@ -81,6 +81,23 @@ Stream default_stream();
 size_t bytes_in_use();                  // allocator statistics for logs
 size_t peak_bytes_in_use();
 void reset_peak_bytes();
+size_t bytes_reserved();                // held from the driver: in use + cached free blocks
+size_t peak_bytes_reserved();           // since reset_peak_bytes()
+// A second stream for host-to-device uploads of the next batch while the default stream
+// computes (created with cudaStreamNonBlocking: no implicit ordering with stream 0).
+Stream copy_stream();
+// Events (opaque handles): order work between streams and time it without a host sync.
+void* event_create(bool timing = false);
+void event_destroy(void* e);
+void event_record(void* e, Stream s);
+void stream_wait_event(Stream s, void* e);   // later work on s waits for e (no host wait)
+void event_synchronize(void* e);             // the host waits for e
+bool event_done(void* e);                    // has e completed? (never waits)
+float event_elapsed_ms(void* start, void* end);
+// host -> device from page-locked memory: returns at once, the copy runs in stream order
+void memcpy_h2d_async(void* dst, const void* src, size_t bytes, Stream s);
+// device -> page-locked host memory: returns at once; read dst after an event on s
+void memcpy_d2h_async(void* dst, const void* src, size_t bytes, Stream s);
 
 // Attention backward (kernels/cuda/attention.cu), bf16 at hd 64/128: by default one pass over
 // the key tiles that adds dq with fp32 atomics (fast; dq differs from run to run in the last

@@ -4,7 +4,8 @@
 //   master, m, v | buf [n]  master dtype (f32; f64 when the model is f64)
 //   grad [n]                compute dtype (f32, f64, or bf16 on CUDA)
 //   copy [n]                bf16, only when compute != master dtype
-//   norm_sq_, norm_, clip_scale_ [1]  f32 on the optimizer's device
+//   norm_sq_, norm_ [1], ctl_ [4]  f32 on the optimizer's device (ctl_: kernels.inc's step
+//                                  control {gradient scale, applied, t, lr})
 //
 // Why flat buffers: the autograd kernels accumulate parameter gradients with `+=` into
 // whatever buffer the slot's .grad points at. Pointing every slot's .grad at a slice of one
@@ -17,7 +18,9 @@
 // instantiations of kernels/cpu/optim.cpp and kernels/cuda/optim.cu.
 //
 // Nothing in step(), zero_grad() or clip_grad_norm() reads a device value on the host: the
-// clip scale is a device scalar the next adamw_update reads (grad_scale).
+// clip scale, the skip of a non-finite step, the step count t of the bias corrections and the
+// learning rate are device scalars (ctl_) that the update kernels read, so a whole training
+// step can be enqueued (or captured into a CUDA graph) without waiting for the GPU.
 #include "optim/optimizer.h"
 
 #include <cfloat>
@@ -121,7 +124,7 @@ Optimizer::Optimizer(std::vector<ParamGroup> groups, const OptimConfig& cfg, DTy
   }
   norm_sq_ = Tensor::zeros({1}, DType::F32, device);
   norm_ = Tensor::zeros({1}, DType::F32, device);
-  clip_scale_ = Tensor::full({1}, 1.0, DType::F32, device);
+  ctl_ = Tensor::from_vector(std::vector<float>{1.f, 1.f, 0.f, 0.f}, {4}, device);
 }
 
 Optimizer::~Optimizer() {
@@ -133,7 +136,10 @@ void Optimizer::zero_grad() {
     if (g->n) g->grad.fill_(0.0);  // one fill kernel per group
 }
 
-Tensor Optimizer::clip_grad_norm(double max_norm) {
+Tensor Optimizer::clip_grad_norm(double max_norm, const Tensor& loss) {
+  LOOM_CHECK(!loss.defined() || (loss.numel() == 1 && loss.dtype() == DType::F32 && loss.device() == device_),
+             "clip_grad_norm: the loss must be one f32 value on %s, got %s", device_name(device_),
+             loss.desc().c_str());
   norm_sq_.fill_(0.0);
   for (auto* g : groups_) {
     if (!g->n) continue;
@@ -142,45 +148,48 @@ Tensor Optimizer::clip_grad_norm(double max_norm) {
       KERNEL(dev, grad_norm_squared)(norm_sq_.data<float>(), g->grad.data<G>(), g->n, stream_for(dev));
     });
   }
-  // max_norm <= 0: the norm only; FLT_MAX makes the scale 1 and step() ignores it anyway.
-  const float limit = max_norm > 0 ? float(max_norm) : FLT_MAX;
   dispatch_float(norm_sq_, [&](auto dev, auto) {
-    KERNEL(dev, clip_scale)(clip_scale_.data<float>(), norm_.data<float>(), norm_sq_.data<float>(), limit,
-                            stream_for(dev));
+    KERNEL(dev, step_control)(ctl_.data<float>(), norm_.data<float>(), norm_sq_.data<float>(),
+                              loss.defined() ? loss.data<float>() : nullptr, float(max_norm), stream_for(dev));
   });
-  clip_pending_ = max_norm > 0;
+  controlled_ = true;
   // A copy, so that the caller's handle (read later, for the log) is not overwritten by the
   // next call: 4 bytes, device to device, no host sync.
   return norm_.clone();
 }
 
-void Optimizer::step(double lr) {
-  step_ += 1;
-  const float* scale = clip_pending_ ? clip_scale_.data<float>() : nullptr;
+void Optimizer::set_lr(double lr) { ctl_.narrow(0, 3, 1).fill_(lr); }
+
+int64_t Optimizer::steps() const { return int64_t(ctl_.narrow(0, 2, 1).item()); }
+
+void Optimizer::step() {
+  if (!controlled_)  // no norm this step: scale 1, applied, t + 1
+    dispatch_float(ctl_, [&](auto dev, auto) {
+      KERNEL(dev, step_control)(ctl_.data<float>(), nullptr, nullptr, nullptr, 0.0f, stream_for(dev));
+    });
+  controlled_ = false;
+  const float* ctl = ctl_.data<float>();
   for (auto* g : groups_) {
     if (!g->n) continue;
-    const double group_lr = lr * g->lr_scale;
     dispatch_float(g->grad, [&](auto dev, auto zero) {
       using G = decltype(zero);
       using M = acc_t<G>;
       G* copy = data_or_null<G>(g->copy);
       if (cfg_.kind == "adamw") {
         AdamWHyper h;
-        h.lr = float(group_lr);
+        h.lr = float(g->lr_scale);  // times the schedule's lr, ctl[3]
         h.beta1 = float(cfg_.beta1);
         h.beta2 = float(cfg_.beta2);
         h.eps = float(cfg_.eps);
         h.weight_decay = float(g->weight_decay);
-        h.step = step_;
         KERNEL(dev, adamw_update)(g->master.data<M>(), copy, g->m.data<M>(), g->v.data<M>(), g->grad.data<G>(),
-                                  scale, g->n, h, stream_for(dev));
+                                  ctl, g->n, h, stream_for(dev));
       } else {
-        KERNEL(dev, sgd_update)(g->master.data<M>(), copy, g->buf.data<M>(), g->grad.data<G>(), scale, g->n,
-                                float(group_lr), float(cfg_.momentum), float(g->weight_decay), stream_for(dev));
+        KERNEL(dev, sgd_update)(g->master.data<M>(), copy, g->buf.data<M>(), g->grad.data<G>(), ctl, g->n,
+                                float(g->lr_scale), float(cfg_.momentum), float(g->weight_decay), stream_for(dev));
       }
     });
   }
-  clip_pending_ = false;  // a clip scale applies to the one step after it
 }
 
 Tensor Optimizer::master(const std::string& name) const {
@@ -204,7 +213,7 @@ std::map<std::string, Tensor> Optimizer::state_dict() const {
     if (g.v.defined()) sd[p + "v"] = g.v;
     if (g.buf.defined()) sd[p + "buf"] = g.buf;
   }
-  sd["step"] = Tensor::from_vector(std::vector<int64_t>{step_}, {1});
+  sd["step"] = Tensor::from_vector(std::vector<int64_t>{steps()}, {1});
   return sd;
 }
 
@@ -253,8 +262,8 @@ void Optimizer::load_state_dict(const std::map<std::string, Tensor>& sd, const s
   }
   for (auto* g : groups_)
     if (g->n && g->copy.defined()) g->copy.copy_(g->master);  // re-derive the bf16 weights
-  step_ = int64_t(step);
-  clip_pending_ = false;
+  ctl_.narrow(0, 2, 1).fill_(step);
+  controlled_ = false;
 }
 
 int64_t Optimizer::num_parameters() const {
@@ -306,6 +315,7 @@ EMA::EMA(Module& target, const Optimizer& opt, const std::string& source_prefix)
       tm.copy_(*slot);  // starts from the target's own (rounded) values
     }
     pairs_.push_back({tm, src});
+    ctl_ = opt.control();
     target_slots_.push_back(slot);
     target_master_.push_back(tm);
   }
@@ -324,7 +334,8 @@ void EMA::update(double decay) {
       using G = decltype(zero);
       using M = acc_t<G>;
       G* copy = slot.same(tm) ? nullptr : slot.data<G>();
-      KERNEL(dev, ema_update)(tm.data<M>(), copy, src.data<M>(), tm.numel(), decay, stream_for(dev));
+      KERNEL(dev, ema_update)(tm.data<M>(), copy, src.data<M>(), ctl_.defined() ? ctl_.data<float>() : nullptr,
+                              tm.numel(), decay, stream_for(dev));
     });
   }
 }

@@ -40,14 +40,22 @@ class Optimizer {
   // compute_dtype: the dtype the forward runs in (F32/F64 = master dtype, or BF16 on CUDA).
   Optimizer(std::vector<ParamGroup> groups, const OptimConfig& cfg, DType compute_dtype, Device device);
   void zero_grad();  // zeros the flat gradient buffers (one memset per group)
-  // Global gradient norm and clip scale on the device (no host sync). Returns the norm as a
-  // device tensor f32 [1]; the next step() multiplies gradients by min(1, max_norm / norm).
-  // max_norm <= 0: no clipping (the norm is still computed).
-  Tensor clip_grad_norm(double max_norm);
-  // One update with learning rate lr (times each group's lr_scale). Gradients containing
-  // NaN/inf are the caller's business (check the norm first).
-  void step(double lr);
-  int64_t steps() const { return step_; }
+  // Global gradient norm and the step's control on the device (no host sync): returns the norm
+  // as a device tensor f32 [1]; the next step() multiplies gradients by min(1, max_norm / norm)
+  // (max_norm <= 0: no clipping, the norm is still computed) and is skipped, on the device,
+  // when the norm or `loss` (optional, a device scalar) is not finite.
+  Tensor clip_grad_norm(double max_norm, const Tensor& loss = Tensor());
+  // The learning rate of the next step() (times each group's lr_scale), written to the device
+  // control vector by a one-element fill: call it outside a captured step.
+  void set_lr(double lr);
+  // One update with the last set_lr (all of it on the device: graph-capturable).
+  void step();
+  void step(double lr) { set_lr(lr); step(); }
+  // Applied steps (skipped ones do not count): reads the device, so it waits for the GPU.
+  int64_t steps() const;
+  // The step control [4] f32 (kernels.inc): {gradient scale, applied 1 / skipped 0, t, lr}.
+  // The EMA reads it to skip with the optimizer; a trainer copies [1] out to log skips.
+  const Tensor& control() const { return ctl_; }
 
   // the fp32 (or f64) master value of a parameter by its name (EMA reads it)
   Tensor master(const std::string& name) const;
@@ -64,9 +72,8 @@ class Optimizer {
   OptimConfig cfg_;
   DType compute_, master_dtype_;
   Device device_;
-  int64_t step_ = 0;
-  Tensor norm_sq_, norm_, clip_scale_;
-  bool clip_pending_ = false;
+  Tensor norm_sq_, norm_, ctl_;
+  bool controlled_ = false;  // clip_grad_norm made this step's control
  public:
   ~Optimizer();
   Optimizer(const Optimizer&) = delete;
@@ -86,6 +93,7 @@ class EMA {
   EMA(Module& target, const Optimizer& opt, const std::string& source_prefix);
   void update(double decay);  // one ema_update launch per tensor (or per flat buffer)
  private:
+  Tensor ctl_;  // the optimizer's step control: skipped steps skip the EMA too
   std::vector<std::pair<Tensor, Tensor>> pairs_;  // (target master, source master)
   std::vector<Tensor*> target_slots_;
   std::vector<Tensor> target_master_;

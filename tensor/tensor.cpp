@@ -130,7 +130,13 @@ Storage::Storage(size_t n, Device d) : bytes(n), device(d) {
   }
 }
 
+Storage::Storage(void* d, size_t n, Device dev, std::shared_ptr<void> o)
+    : data(d), bytes(n), device(dev), owner(std::move(o)) {
+  if (!owner) owner = std::shared_ptr<void>(d, [](void*) {});  // marks the memory as borrowed
+}
+
 Storage::~Storage() {
+  if (owner) return;  // borrowed: the owner frees it
   if (device == Device::CPU) {
     std::free(data);
     g_cpu_bytes -= bytes;
@@ -165,6 +171,16 @@ Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
   for (auto d : shape) LOOM_CHECK(d >= 0, "negative dimension in shape %s", shape_str(shape).c_str());
   auto impl = std::make_shared<TensorImpl>();
   impl->storage = std::make_shared<Storage>(size_t(shape_numel(shape)) * dtype_size(dtype), device);
+  impl->shape = shape;
+  impl->strides = contiguous_strides(shape);
+  impl->dtype = dtype;
+  return Tensor(impl);
+}
+
+Tensor Tensor::wrap(void* data, const Shape& shape, DType dtype, Device device, std::shared_ptr<void> owner) {
+  for (auto d : shape) LOOM_CHECK(d >= 0, "negative dimension in shape %s", shape_str(shape).c_str());
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = std::make_shared<Storage>(data, size_t(shape_numel(shape)) * dtype_size(dtype), device, std::move(owner));
   impl->shape = shape;
   impl->strides = contiguous_strides(shape);
   impl->dtype = dtype;

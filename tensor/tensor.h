@@ -30,7 +30,11 @@ struct Storage {
   size_t bytes = 0;
   Device device = Device::CPU;
   Storage(size_t bytes, Device device);
+  // Memory owned elsewhere (a pinned batch slab, a device input slot): never freed here;
+  // `owner` keeps it alive as long as a tensor views it.
+  Storage(void* data, size_t bytes, Device device, std::shared_ptr<void> owner);
   ~Storage();
+  std::shared_ptr<void> owner;  // set for borrowed memory
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
 };
@@ -79,6 +83,8 @@ class Tensor {
                       Device device = Device::CPU);
   static Tensor rand(const Shape& shape, Rng& rng, double lo = 0.0, double hi = 1.0,
                      DType dtype = DType::F32, Device device = Device::CPU);
+  // a contiguous view of memory owned elsewhere (see Storage's borrowing constructor)
+  static Tensor wrap(void* data, const Shape& shape, DType dtype, Device device, std::shared_ptr<void> owner);
   // a fresh tensor like x (same shape, dtype, device), uninitialized / zeros
   static Tensor empty_like(const Tensor& x);
   static Tensor zeros_like(const Tensor& x);

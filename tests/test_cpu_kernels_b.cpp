@@ -612,12 +612,20 @@ TEST_CASE("adamw_update: 3 steps equal torch.optim.AdamW's formula", "[cpu][opti
         ref_p[i] -= lr * (wd * ref_p[i] + mhat / (std::sqrt(vhat) + eps));
       }
       auto copy = poisoned<double>(n);
+      // with the device step control: scale, applied, t (the host's h.step is then ignored), lr x 1
+      const float ctl[4] = {scale, 1.0f, float(step), 1.0f};
+      if (with_scale_and_copy) hp.step = -7;
       cpu::adamw_update<double, double>(master.data(), with_scale_and_copy ? copy.data() : nullptr, m.data(),
-                                        v.data(), grad.data(), with_scale_and_copy ? &scale : nullptr, n, hp, s0);
+                                        v.data(), grad.data(), with_scale_and_copy ? ctl : nullptr, n, hp, s0);
       const auto grad32 = cast<float>(grad);
       auto copy32 = poisoned<float>(n);
       cpu::adamw_update<float, float>(master32.data(), with_scale_and_copy ? copy32.data() : nullptr, m32.data(),
-                                      v32.data(), grad32.data(), with_scale_and_copy ? &scale : nullptr, n, hp, s0);
+                                      v32.data(), grad32.data(), with_scale_and_copy ? ctl : nullptr, n, hp, s0);
+      // a skipped step (ctl[1] == 0) writes nothing
+      const float skip[4] = {1.0f, 0.0f, float(step), 1.0f};
+      auto before = master;
+      cpu::adamw_update<double, double>(master.data(), nullptr, m.data(), v.data(), grad.data(), skip, n, hp, s0);
+      check_same(master, before, (tag + " skipped step").c_str());
       const std::string t = tag + " step " + std::to_string(step);
       LOOM_CHECK_CLOSE(tol::compare(master, ref_p, tol::kSameMathF64, (t + " master").c_str()));
       LOOM_CHECK_CLOSE(tol::compare(m, ref_m, tol::kSameMathF64, (t + " m").c_str()));
@@ -646,7 +654,8 @@ TEST_CASE("sgd_update with momentum and decoupled weight decay, 3 steps", "[cpu]
       ref_p[i] -= double(lr) * (ref_buf[i] + double(wd) * ref_p[i]);
     }
     auto copy = poisoned<double>(n);
-    cpu::sgd_update<double, double>(master.data(), copy.data(), buf.data(), grad.data(), &scale, n, lr, mu, wd, s0);
+    const float ctl[4] = {scale, 1.0f, float(step), 1.0f};
+    cpu::sgd_update<double, double>(master.data(), copy.data(), buf.data(), grad.data(), ctl, n, lr, mu, wd, s0);
     LOOM_CHECK_CLOSE(tol::compare(master, ref_p, tol::kSameMathF64, "sgd master"));
     LOOM_CHECK_CLOSE(tol::compare(buf, ref_buf, tol::kSameMathF64, "sgd buf"));
     check_same(copy, master, "sgd copy");
@@ -670,16 +679,20 @@ TEST_CASE("ema_update: target = decay target + (1 - decay) source", "[cpu][optim
     const auto source = randn(n, 910 + step);
     for (int64_t i = 0; i < n; i++) ref[i] = decay * ref[i] + (1 - decay) * source[i];
     auto copy = poisoned<double>(n);
-    cpu::ema_update<double, double>(target.data(), copy.data(), source.data(), n, decay, s0);
+    cpu::ema_update<double, double>(target.data(), copy.data(), source.data(), nullptr, n, decay, s0);
     const auto source32 = cast<float>(source);
-    cpu::ema_update<float, float>(target32.data(), nullptr, source32.data(), n, decay, s0);
+    const float applied[4] = {1.0f, 1.0f, 1.0f, 1.0f}, skipped[4] = {1.0f, 0.0f, 1.0f, 1.0f};
+    cpu::ema_update<float, float>(target32.data(), nullptr, source32.data(), applied, n, decay, s0);
+    auto before = target32;
+    cpu::ema_update<float, float>(target32.data(), nullptr, source32.data(), skipped, n, decay, s0);
+    check_same(target32, before, "ema skipped with the optimizer");
     LOOM_CHECK_CLOSE(tol::compare(target, ref, tol::kSameMathF64, "ema target"));
     check_same(copy, target, "ema copy");
     LOOM_CHECK_CLOSE(tol::compare(target32, ref, tol::kCpuF32, "ema f32 target"));
   }
 }
 
-TEST_CASE("grad_norm_squared accumulates; clip_scale follows clip_grad_norm_", "[cpu][optim]") {
+TEST_CASE("grad_norm_squared accumulates; step_control follows clip_grad_norm_ and skips non-finite steps", "[cpu][optim]") {
   const auto g1 = randn(100003, 1000), g2 = randn(17, 1001);
   double ref = 0.5;
   for (double x : g1) ref += x * x;
@@ -690,15 +703,24 @@ TEST_CASE("grad_norm_squared accumulates; clip_scale follows clip_grad_norm_", "
   cpu::grad_norm_squared<float>(&out, g2f.data(), int64_t(g2f.size()), s0);
   LOOM_CHECK_CLOSE(tol::compare(&out, &ref, 1, tol::kCpuF32, "grad norm^2"));
 
-  float scale = NAN, norm = NAN;
-  const float norm_sq = 16.0f;
-  cpu::clip_scale(&scale, &norm, &norm_sq, 1.0f, s0);
+  float ctl[4] = {NAN, NAN, 3.0f, 0.5f}, norm = NAN;
+  const float norm_sq = 16.0f, loss = 2.5f, bad = INFINITY, nan_sq = NAN;
+  cpu::step_control(ctl, &norm, &norm_sq, &loss, 1.0f, s0);
   CHECK(norm == 4.0f);
-  CHECK(scale == 1.0f / (4.0f + 1e-6f));
-  cpu::clip_scale(&scale, &norm, &norm_sq, 10.0f, s0);
-  CHECK(scale == 1.0f);  // never scales up
+  CHECK(ctl[0] == 1.0f / (4.0f + 1e-6f));
+  CHECK((ctl[1] == 1.0f && ctl[2] == 4.0f && ctl[3] == 0.5f));  // applied: t + 1; lr untouched
+  cpu::step_control(ctl, &norm, &norm_sq, nullptr, 10.0f, s0);
+  CHECK(ctl[0] == 1.0f);  // never scales up
+  cpu::step_control(ctl, &norm, &norm_sq, nullptr, 0.0f, s0);
+  CHECK(ctl[0] == 1.0f);  // max_norm <= 0: no clipping
   const float zero = 0.0f;
-  cpu::clip_scale(&scale, &norm, &zero, 1.0f, s0);
+  cpu::step_control(ctl, &norm, &zero, nullptr, 1.0f, s0);
   CHECK(norm == 0.0f);
-  CHECK(scale == 1.0f);
+  CHECK((ctl[0] == 1.0f && ctl[2] == 7.0f));
+  cpu::step_control(ctl, &norm, &norm_sq, &bad, 1.0f, s0);  // non-finite loss: skipped, t stays
+  CHECK((ctl[1] == 0.0f && ctl[2] == 7.0f));
+  cpu::step_control(ctl, &norm, &nan_sq, nullptr, 1.0f, s0);  // non-finite gradients: skipped
+  CHECK((ctl[1] == 0.0f && ctl[2] == 7.0f && std::isnan(norm)));
+  cpu::step_control(ctl, nullptr, nullptr, nullptr, 1.0f, s0);  // no norm: scale 1, applied
+  CHECK((ctl[0] == 1.0f && ctl[1] == 1.0f && ctl[2] == 8.0f));
 }

@@ -10,6 +10,8 @@
 #include "data/images.h"
 #include "nn/mim.h"
 #include "trainer/prefetch.h"
+#include "trainer/staging.h"
+#include "trainer/step_log.h"
 
 namespace loom {
 
@@ -189,29 +191,40 @@ int train_mim(const RunContext& ctx) {
 
   int B = cfg.get_int("train.batch_size"), nviews = mc.contrastive ? 2 : 1;
   size_t px = size_t(train.c) * train.h * train.w;
-  struct Batch {
-    std::vector<float> images;
-    std::vector<std::vector<int32_t>> keep, masked;
-  };
   int N = mc.vit.num_patches(), K = mc.keep_count();
+  // A batch is built by a loader thread straight into page-locked memory: the images already
+  // in the compute dtype (bf16 on the GPU: half the bytes of f32, no conversion in the step),
+  // then each view's kept and masked patch indices. The main thread only enqueues its upload.
+  const DType img_dt = ctx.compute;
+  auto pool = std::make_shared<PinnedPool>(ctx.device);
+  std::vector<std::pair<DType, int64_t>> layout = {{img_dt, int64_t(B) * int64_t(px)}};
+  for (int v = 0; v < nviews; v++) {
+    layout.push_back({DType::I32, int64_t(B) * K});
+    layout.push_back({DType::I32, int64_t(B) * (N - K)});
+  }
+  const size_t batch_bytes = StagedBatch::bytes_for(layout);
   auto make = [&](int64_t s) {
     Rng r(ctx.seed * 7919ull + uint64_t(s) * 104729ull + 17);
-    Batch b;
-    b.images.resize(size_t(B) * px);
+    StagedBatch b(pool, batch_bytes);
+    void* img = b.add("images", img_dt, {B, train.c, train.h, train.w});
     for (int i = 0; i < B; i++) {
       int idx = int(r.randint(train.n));
-      std::copy(train.pixels.begin() + long(size_t(idx) * px), train.pixels.begin() + long(size_t(idx + 1) * px),
-                b.images.begin() + long(size_t(i) * px));
+      const float* src = train.pixels.data() + size_t(idx) * px;
+      if (img_dt == DType::BF16)
+        for (size_t j = 0; j < px; j++) static_cast<bf16*>(img)[size_t(i) * px + j] = bf16(src[j]);
+      else if (img_dt == DType::F64)
+        for (size_t j = 0; j < px; j++) static_cast<double*>(img)[size_t(i) * px + j] = src[j];
+      else
+        std::copy(src, src + px, static_cast<float*>(img) + size_t(i) * px);
     }
     for (int v = 0; v < nviews; v++) {
-      std::vector<int32_t> keep(size_t(B) * K), masked(size_t(B) * (N - K));
+      int32_t* keep = b.add_as<int32_t>("keep" + std::to_string(v), DType::I32, {B, K});
+      int32_t* masked = b.add_as<int32_t>("masked" + std::to_string(v), DType::I32, {B, N - K});
       for (int i = 0; i < B; i++) {
         auto p = r.permutation(N);
-        std::copy(p.begin(), p.begin() + K, keep.begin() + long(size_t(i) * K));
-        std::copy(p.begin() + K, p.end(), masked.begin() + long(size_t(i) * (N - K)));
+        std::copy(p.begin(), p.begin() + K, keep + size_t(i) * K);
+        std::copy(p.begin() + K, p.end(), masked + size_t(i) * (N - K));
       }
-      b.keep.push_back(keep);
-      b.masked.push_back(masked);
     }
     return b;
   };
@@ -225,54 +238,59 @@ int train_mim(const RunContext& ctx) {
   pc.heads = mc.pred_heads;
   double step_flops = nviews * double(B) * (3.0 * K * vit_tok(mc.vit, K) + N * vit_tok(mc.vit, N) + 3.0 * N * vit_tok(pc, N));
 
-  auto run_step = [&](const Batch& b) {
-    Tensor imgs = Tensor::from_vector(b.images, {B, train.c, train.h, train.w}).to(ctx.compute).to(ctx.device);
+  Uploader up(ctx.device);
+  // forward + backward of one batch; returns the loss as a device scalar (no host read)
+  auto run_step = [&](const StagedBatch& b) {
+    auto t = up.upload(b);
     std::vector<MIMView> views;
     for (int v = 0; v < nviews; v++)
-      views.push_back({imgs, Tensor::from_vector(b.keep[size_t(v)], {B, K}, ctx.device),
-                       Tensor::from_vector(b.masked[size_t(v)], {B, N - K}, ctx.device)});
+      views.push_back({t["images"], t["keep" + std::to_string(v)], t["masked" + std::to_string(v)]});
     Tensor loss = m.forward(views);
     backward(loss);
-    return loss.item();
+    return loss;
   };
   if (cfg.get_bool("train.dry_run")) {
     double t0 = now_ms();
-    double l = run_step(make(0));
+    double l = run_step(make(0)).item();
     std::printf("dry run: one step, loss %.4f, %.1f ms, %s\n", l, now_ms() - t0, describe_params(m).c_str());
     return 0;
   }
 
   RunLog log(ctx, start > 0);
   NanGuard guard(cfg.get_int("train.max_nan_skips"));
-  Prefetcher<Batch> loader(make, start, steps, std::max(1, cfg.get_int("data.workers")), 4);
+  AsyncStepLog slog(ctx, log, guard, "img/s");
+  Prefetcher<StagedBatch> loader(make, start, steps, std::max(1, cfg.get_int("data.workers")), 4);
   int64_t eval_every = cfg.get_int64("train.eval_every"), save_every = cfg.get_int64("train.save_every");
+  const double grad_clip = cfg.get_float("train.grad_clip");
   profile_enable(cfg.get_bool("train.profile"));
   for (int64_t s = start; s < steps; s++) {
-    double t0 = now_ms(), w0 = now_ms();
-    Batch b = loader.next();
+    double w0 = now_ms();
+    StagedBatch b = loader.next();
     double wait = now_ms() - w0;
     profile_add("data (waiting for the loader)", wait);
     profile_mark();
-    double loss = run_step(b);
+    slog.begin_step();
+    Tensor loss = run_step(b);
     double o0 = now_ms();
-    double norm = opt.clip_grad_norm(cfg.get_float("train.grad_clip")).item();
     double lr = lr_at(s, steps, cfg.get_int64("train.warmup_steps"), cfg.get_float("train.lr"),
                       cfg.get_float("train.min_lr"), cfg.get_str("train.schedule"));
-    bool ok = guard.ok(s + 1, loss, norm);
-    if (ok) {
-      opt.step(lr);
-      ema.update(mc.ema);
-    }
+    // clip, skip a non-finite step, AdamW and EMA: all decided on the device
+    Tensor norm = opt.clip_grad_norm(grad_clip, loss.dtype() == DType::F32 ? loss : Tensor());
+    opt.set_lr(lr);
+    opt.step();
+    ema.update(mc.ema);
     opt.zero_grad();
-    if (ctx.device == Device::CUDA) cuda::synchronize();
+    up.step_done();
+    if (profile_enabled() && ctx.device == Device::CUDA) cuda::synchronize();
     profile_add("optimizer (clip, AdamW, EMA, zero)", now_ms() - o0);
-    double ms = now_ms() - t0;
-    double mem = ctx.device == Device::CUDA ? cuda::bytes_in_use() / 1048576.0 : cpu_bytes_in_use() / 1048576.0;
-    log.step({s + 1, steps, loss, lr, norm, ms, wait, nviews * B / (ms / 1e3), "img/s",
-              ctx.device == Device::CUDA ? step_flops / (ms / 1e3) / 989e12 : -1, mem, !ok});
+    slog.post({s + 1, steps, lr, wait, double(nviews * B), step_flops}, loss.dtype() == DType::F32 ? loss : cast(loss, DType::F32),
+              norm, opt.control().narrow(0, 1, 1));
     bool last = s + 1 == steps;
     bool stop = cfg.get_int64("train.stop_at") > 0 && s + 1 >= cfg.get_int64("train.stop_at") && !last;
-    if (((eval_every > 0 && (s + 1) % eval_every == 0) || last) && test.n > 0) {
+    bool eval_now = ((eval_every > 0 && (s + 1) % eval_every == 0) || last) && test.n > 0;
+    bool save_now = (save_every > 0 && (s + 1) % save_every == 0) || last || stop;
+    slog.flush(eval_now || save_now || stop);
+    if (eval_now) {
       double acc = probe(encode_all(m.encoder, probe_tr, ctx), probe_tr, encode_all(m.encoder, test, ctx), test,
                          mc.vit.dim, cfg);
       std::map<std::string, double> v = baselines;
@@ -284,16 +302,18 @@ int train_mim(const RunContext& ctx) {
                     100 * baselines["probe_random_init"]);
       log.event("eval", v, txt);
     }
-    if ((save_every > 0 && (s + 1) % save_every == 0) || last || stop) {
+    if (save_now) {
       st.step = s + 1;
       st.extra = baselines;
       save_checkpoint(ctx, m, opt, st);
     }
+    if (eval_now || save_now) slog.restart_timing();
     if (stop) {
       std::printf("stopped at step %lld (train.stop_at); resume with --train.resume=latest\n", (long long)(s + 1));
       break;
     }
   }
+  slog.flush(true);
   log.finish();
   if (cfg.get_bool("train.profile")) std::printf("%s", profile_report(steps - start).c_str());
   return 0;

@@ -96,6 +96,7 @@ void RunLog::step(const StepStats& s) {
             {"lr", s.lr}, {"grad_norm", std::isfinite(s.grad_norm) ? json(s.grad_norm) : json(nullptr)},
             {"ms", s.ms}, {"data_ms", s.data_ms}, {s.items, s.items_per_s}, {"mem_mb", s.mem_mb},
             {"skipped", s.skipped}};
+  if (s.reserved_mb >= 0) j["reserved_mb"] = s.reserved_mb;
   if (s.mfu >= 0) j["mfu"] = s.mfu;
   std::fprintf(metrics_, "%s\n", j.dump().c_str());
   std::fflush(metrics_);
@@ -105,7 +106,11 @@ void RunLog::step(const StepStats& s) {
                         (long long)s.step, (long long)s.total, s.loss, s.lr, s.grad_norm, s.ms,
                         fmt_rate(s.items_per_s).c_str(), s.items, s.data_ms);
   if (s.mfu >= 0) n += std::snprintf(line + n, sizeof line - size_t(n), " | MFU %.1f%%", 100 * s.mfu);
-  std::snprintf(line + n, sizeof line - size_t(n), " | mem %.0f MB%s", s.mem_mb, s.skipped ? " | SKIPPED" : "");
+  if (s.reserved_mb >= 0)
+    n += std::snprintf(line + n, sizeof line - size_t(n), " | peak %.0f MB, reserved %.0f MB", s.mem_mb, s.reserved_mb);
+  else
+    n += std::snprintf(line + n, sizeof line - size_t(n), " | mem %.0f MB", s.mem_mb);
+  std::snprintf(line + n, sizeof line - size_t(n), "%s", s.skipped ? " | SKIPPED" : "");
   bool due = s.step % log_every_ == 0 || s.step == s.total || s.step == 1 || s.skipped;
   if (tty_) {  // a progress bar that the periodic lines scroll past
     int width = 30, done = int(width * double(s.step) / double(std::max<int64_t>(s.total, 1)));

@@ -32,7 +32,8 @@ struct StepStats {
   double items_per_s = 0;       // tokens/s (VLM) or images/s (MIM)
   const char* items = "tok/s";
   double mfu = -1;              // < 0: not shown (CPU)
-  double mem_mb = 0;
+  double mem_mb = 0;             // peak allocated (device on CUDA runs, host on CPU runs)
+  double reserved_mb = -1;       // held by the caching allocator (CUDA); < 0: not shown
   bool skipped = false;
 };
 

@@ -12,6 +12,7 @@
 #include "nn/hf.h"
 #include "trainer/mim_trainer.h"
 #include "trainer/prefetch.h"
+#include "trainer/step_log.h"
 #include "trainer/vlm_task.h"
 
 namespace loom {
@@ -173,6 +174,22 @@ static int train_vlm(const RunContext& ctx) {
     }
     return build_batch(d.train, rows, row, d.pad_id, d.image_token);
   };
+  // What the loader threads hand over: the batch already in page-locked memory (images in the
+  // compute dtype), with the FLOPs of its step counted on the way.
+  struct Staged {
+    StagedBatch batch;
+    double flops = 0;
+    int64_t real_tokens = 0;
+  };
+  auto pool = std::make_shared<PinnedPool>(ctx.device);
+  auto make_staged = [&](int64_t micro) {
+    PackedBatch pb = make(micro);
+    Staged st;
+    st.flops = vlm_step_flops(vc, pb);
+    st.real_tokens = pb.real_tokens;
+    st.batch = stage_batch(d, pb, pool, ctx.compute);
+    return st;
+  };
   std::printf("setup %.1f s; %lld training samples in %lld packed rows, %d rows per step\n", (now_ms() - t_setup) / 1e3,
               (long long)d.train.size(), (long long)nrows, bs * accum);
 
@@ -188,65 +205,76 @@ static int train_vlm(const RunContext& ctx) {
 
   RunLog log(ctx, start > 0);
   NanGuard guard(cfg.get_int("train.max_nan_skips"));
-  Prefetcher<PackedBatch> loader(make, start * accum, steps * accum, std::max(1, cfg.get_int("data.workers")), 4);
+  AsyncStepLog slog(ctx, log, guard, "tok/s");
+  Uploader up(ctx.device);
+  Prefetcher<Staged> loader(make_staged, start * accum, steps * accum, std::max(1, cfg.get_int("data.workers")), 4);
   int64_t eval_every = cfg.get_int64("train.eval_every"), save_every = cfg.get_int64("train.save_every");
   int64_t epoch_rows_seen = start * accum * bs;
+  const double grad_clip = cfg.get_float("train.grad_clip");
   profile_enable(cfg.get_bool("train.profile"));
   for (int64_t s = start; s < steps; s++) {
-    double t0 = now_ms(), wait = 0, flops = 0;
+    double wait = 0, flops = 0;
     int64_t tokens = 0;
-    double loss_v = 0;
+    Tensor loss_sum;  // the step's mean loss over its micro-batches, on the device
+    slog.begin_step();
     for (int a = 0; a < accum; a++) {
       double w0 = now_ms();
-      PackedBatch pb = loader.next();
+      Staged sb = loader.next();
       wait += now_ms() - w0;
       profile_add("data (waiting for the loader)", now_ms() - w0);
       if (epoch_rows_seen % nrows < int64_t(bs) && epoch_rows_seen > 0)
         log.event("epoch", {{"step", double(s)}}, "epoch " + std::to_string(epoch_rows_seen / nrows) + "\n" + d.stats.log_lines());
       epoch_rows_seen += bs;
-      tokens += pb.real_tokens;
-      flops += vlm_step_flops(vc, pb);
+      tokens += sb.real_tokens;
+      flops += sb.flops;
       double h0 = now_ms();
-      VLMBatch vb = to_device(d, pb, ctx.device, ctx.compute);
+      VLMBatch vb = from_staged(sb.batch, up.upload(sb.batch));
       profile_add("data (host to device)", now_ms() - h0);
       profile_mark();
       Tensor loss = m.loss(vb);
       Tensor scaled = accum > 1 ? scale(loss, 1.0 / accum) : loss;
       backward(scaled);
-      loss_v += loss.item() / accum;
+      up.step_done();
+      NoGradGuard ng;
+      Tensor l = accum > 1 ? scale(loss, 1.0 / accum) : loss;
+      loss_sum = loss_sum.defined() ? add(loss_sum, l) : l;
     }
     double o0 = now_ms();
-    double norm = opt.clip_grad_norm(cfg.get_float("train.grad_clip")).item();
     double lr = lr_at(s, steps, cfg.get_int64("train.warmup_steps"), cfg.get_float("train.lr"),
                       cfg.get_float("train.min_lr"), cfg.get_str("train.schedule"));
-    bool ok = guard.ok(s + 1, loss_v, norm);
-    if (ok) opt.step(lr);
+    Tensor loss_f32 = loss_sum.dtype() == DType::F32 ? loss_sum : loss_sum.to(DType::F32);
+    // clip, skip a non-finite step and AdamW: all decided on the device
+    Tensor norm = opt.clip_grad_norm(grad_clip, loss_f32.device() == ctx.device ? loss_f32 : Tensor());
+    opt.set_lr(lr);
+    opt.step();
     opt.zero_grad();
-    if (ctx.device == Device::CUDA) cuda::synchronize();
+    if (profile_enabled() && ctx.device == Device::CUDA) cuda::synchronize();
     profile_add("optimizer (clip, AdamW, zero)", now_ms() - o0);
-    double ms = now_ms() - t0;
-    StepStats ss{s + 1, steps, loss_v, lr, norm, ms, wait, double(tokens) / (ms / 1e3), "tok/s",
-                 ctx.device == Device::CUDA ? flops / (ms / 1e3) / 989e12 : -1, memory_mb(ctx.device), !ok};
-    log.step(ss);
+    slog.post({s + 1, steps, lr, wait, double(tokens), flops}, loss_f32, norm, opt.control().narrow(0, 1, 1));
     bool last = s + 1 == steps;
     bool stop = cfg.get_int64("train.stop_at") > 0 && s + 1 >= cfg.get_int64("train.stop_at") && !last;
-    if (((eval_every > 0 && (s + 1) % eval_every == 0) || last) && !d.val.empty()) {
+    bool eval_now = ((eval_every > 0 && (s + 1) % eval_every == 0) || last) && !d.val.empty();
+    bool save_now = (save_every > 0 && (s + 1) % save_every == 0) || last || stop;
+    slog.flush(eval_now || save_now || stop);
+    if (eval_now) {
       VLMEval e = evaluate_vlm(m, d, ctx, last ? cfg.get_int("eval.samples") : std::min(100, cfg.get_int("eval.samples")));
       std::map<std::string, double> v = {{"step", double(s + 1)}, {"val_loss", e.val_loss}, {"accuracy", e.accuracy}};
       for (auto& [t, h] : e.by_type) v["acc_" + t] = double(h.first) / h.second;
       log.event("eval", v, "eval at step " + std::to_string(s + 1) + ": val loss " + std::to_string(e.val_loss) + "\n" +
                                eval_table(e, d));
     }
-    if ((save_every > 0 && (s + 1) % save_every == 0) || last || stop) {
+    if (save_now) {
       st.step = s + 1;
       st.extra["nan_skipped"] = double(guard.skipped());
       save_checkpoint(ctx, m, opt, st);
     }
+    if (eval_now || save_now) slog.restart_timing();
     if (stop) {
       std::printf("stopped at step %lld (train.stop_at); resume with --train.resume=latest\n", (long long)(s + 1));
       break;
     }
   }
+  slog.flush(true);
   log.finish();
   if (cfg.get_bool("train.profile")) std::printf("%s", profile_report(steps - start).c_str());
   return 0;

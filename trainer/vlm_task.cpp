@@ -227,6 +227,52 @@ VLMBatch to_device(const VLMData& d, const PackedBatch& pb, Device dev, DType dt
   return b;
 }
 
+StagedBatch stage_batch(const VLMData& d, const PackedBatch& pb, const std::shared_ptr<PinnedPool>& pool, DType dtype) {
+  const int64_t n = int64_t(pb.ids.size()), ni = int64_t(pb.images.size());
+  const size_t px = size_t(d.channels) * d.image_size * d.image_size;
+  const int64_t nip = int64_t(pb.image_positions.size()), ncu = int64_t(pb.cu_seqlens.size());
+  StagedBatch b(pool, StagedBatch::bytes_for({{dtype, ni * int64_t(px)}, {DType::I32, n}, {DType::I32, n},
+                                              {DType::I32, n}, {DType::I32, nip}, {DType::I32, ncu}}));
+  void* img = b.add("images", dtype, {ni, d.channels, d.image_size, d.image_size});
+  for (int64_t i = 0; i < ni; i++) {
+    const float* src = d.images[size_t(pb.images[size_t(i)])].data();
+    if (dtype == DType::BF16)
+      for (size_t j = 0; j < px; j++) static_cast<bf16*>(img)[size_t(i) * px + j] = bf16(src[j]);
+    else if (dtype == DType::F64)
+      for (size_t j = 0; j < px; j++) static_cast<double*>(img)[size_t(i) * px + j] = src[j];
+    else
+      std::copy(src, src + px, static_cast<float*>(img) + size_t(i) * px);
+  }
+  auto put = [&](const char* name, const std::vector<int32_t>& v) {
+    std::copy(v.begin(), v.end(), b.add_as<int32_t>(name, DType::I32, {int64_t(v.size())}));
+  };
+  put("ids", pb.ids);
+  put("pos", pb.pos);
+  put("targets", pb.targets);
+  put("image_positions", pb.image_positions);
+  put("cu_seqlens", pb.cu_seqlens);
+  LOOM_CHECK(ncu >= 2 && pb.cu_seqlens[0] == 0, "packed batch: cu_seqlens must start at 0 and hold a sequence");
+  b.meta["nseq"] = ncu - 1;
+  b.meta["max_seqlen"] = pb.max_seqlen;
+  b.meta["images"] = ni;
+  b.meta["real_tokens"] = pb.real_tokens;
+  return b;
+}
+
+VLMBatch from_staged(const StagedBatch& b, const std::map<std::string, Tensor>& t) {
+  VLMBatch v;
+  v.images = t.at("images");
+  v.ids = t.at("ids");
+  v.pos = t.at("pos");
+  v.targets = t.at("targets");
+  v.image_positions = t.at("image_positions");
+  v.seq.cu_q = t.at("cu_seqlens");
+  v.seq.cu_k = v.seq.cu_q;
+  v.seq.nseq = int(b.meta.at("nseq"));
+  v.seq.max_seqlen = int(b.meta.at("max_seqlen"));
+  return v;
+}
+
 std::vector<int32_t> generate(const VLM& m, const Tensor& image, const std::vector<int32_t>& prompt, int max_new,
                               int32_t stop_id, double temperature, Rng& rng) {
   NoGradGuard ng;

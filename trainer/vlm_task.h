@@ -9,6 +9,7 @@
 #include "data/tokenizer.h"
 #include "nn/vlm.h"
 #include "trainer/run.h"
+#include "trainer/staging.h"
 
 namespace loom {
 
@@ -43,6 +44,12 @@ std::vector<int32_t> qa_prompt(const VLMData& d, const std::string& question);
 
 // A packed batch on the device: images [Bi, C, H, W] in `dtype`, indices int32.
 VLMBatch to_device(const VLMData& d, const PackedBatch& pb, Device dev, DType dtype);
+
+// The same batch laid out in page-locked memory by a loader thread (staging.h): fields
+// images (in `dtype`), ids, pos, targets, image_positions, cu_seqlens; meta nseq,
+// max_seqlen, images, real_tokens. from_staged() gives the VLMBatch of its uploaded tensors.
+StagedBatch stage_batch(const VLMData& d, const PackedBatch& pb, const std::shared_ptr<PinnedPool>& pool, DType dtype);
+VLMBatch from_staged(const StagedBatch& b, const std::map<std::string, Tensor>& t);
 
 // Greedy (temperature 0) or sampled generation with a KV cache; stops at stop_id.
 std::vector<int32_t> generate(const VLM& m, const Tensor& image, const std::vector<int32_t>& prompt, int max_new,

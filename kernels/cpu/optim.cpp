@@ -4,10 +4,12 @@
 // tests), G gradient / compute-copy type (the CPU backend instantiates G = M).
 //
 //   master, m, v, buf, target, source [n] in M      grad, copy [n] in G
-//   grad_scale [1] (nullable; a device scalar on CUDA, host memory here), norm_sq, norm, scale [1]
+//   ctl [4] step control (nullable; device memory on CUDA, host memory here: see kernels.inc):
+//     {gradient scale, apply 1 / skip 0, step t, lr}; norm_sq, norm [1]
 //
-// AdamW, torch.optim.AdamW (single-tensor path) operation by operation, step t >= 1:
-//   g       = grad * grad_scale
+// AdamW, torch.optim.AdamW (single-tensor path) operation by operation, step t >= 1
+// (t = ctl[2] and lr = h.lr * ctl[3] when ctl is given; nothing changes when ctl[1] == 0):
+//   g       = grad * ctl[0]
 //   master *= 1 - lr wd                        decoupled weight decay, before the Adam step
 //   m       = m + (1 - b1)(g - m)              (torch's lerp; = b1 m + (1 - b1) g)
 //   v       = b2 v + (1 - b2) g^2
@@ -21,6 +23,7 @@
 //   target  = target + (1 - decay)(source - target)   (= decay target + (1 - decay) source)
 // Clipping: norm_sq += sum grad^2 per flat buffer; norm = sqrt(norm_sq),
 //   scale = min(1, max_norm / (norm + 1e-6))   (torch.nn.utils.clip_grad_norm_)
+// Step control: apply = norm and loss finite; t += apply (step_control).
 //
 // Every update is elementwise (OpenMP over elements). The norm's sum is cut into a fixed
 // number of blocks added in order, so it does not depend on the thread count.
@@ -36,17 +39,19 @@ constexpr int64_t kParallelMin = 1 << 15;  // below this, threads cost more than
 }  // namespace
 
 template <class M, class G>
-void adamw_update(M* master, G* copy, M* m, M* v, const G* grad, const float* grad_scale,
+void adamw_update(M* master, G* copy, M* m, M* v, const G* grad, const float* ctl,
                   int64_t n, AdamWHyper h, Stream) {
+  if (ctl && ctl[1] == 0.0f) return;  // a skipped (non-finite) step
   // Scalars in double, as torch computes them in Python floats.
-  const double t = double(h.step);
-  const M decay = M(1.0 - double(h.lr) * double(h.weight_decay));
+  const double t = ctl ? double(ctl[2]) : double(h.step);
+  const double lr = ctl ? double(h.lr) * double(ctl[3]) : double(h.lr);
+  const M decay = M(1.0 - lr * double(h.weight_decay));
   const M one_minus_b1 = M(1.0 - double(h.beta1));
   const M b2 = M(h.beta2), one_minus_b2 = M(1.0 - double(h.beta2));
-  const M step_size = M(double(h.lr) / (1.0 - std::pow(double(h.beta1), t)));
+  const M step_size = M(lr / (1.0 - std::pow(double(h.beta1), t)));
   const M bias_correction2_sqrt = M(std::sqrt(1.0 - std::pow(double(h.beta2), t)));
   const M eps = M(h.eps);
-  const M scale = grad_scale ? M(*grad_scale) : M(1);
+  const M scale = ctl ? M(ctl[0]) : M(1);
 
 #pragma omp parallel for schedule(static) if (n > kParallelMin)
   for (int64_t i = 0; i < n; i++) {
@@ -61,10 +66,11 @@ void adamw_update(M* master, G* copy, M* m, M* v, const G* grad, const float* gr
 }
 
 template <class M, class G>
-void sgd_update(M* master, G* copy, M* buf, const G* grad, const float* grad_scale, int64_t n,
+void sgd_update(M* master, G* copy, M* buf, const G* grad, const float* ctl, int64_t n,
                 float lr, float momentum, float weight_decay, Stream) {
-  const M scale = grad_scale ? M(*grad_scale) : M(1);
-  const M mu = M(momentum), wd = M(weight_decay), lr_ = M(lr);
+  if (ctl && ctl[1] == 0.0f) return;  // a skipped (non-finite) step
+  const M scale = ctl ? M(ctl[0]) : M(1);
+  const M mu = M(momentum), wd = M(weight_decay), lr_ = ctl ? M(double(lr) * double(ctl[3])) : M(lr);
 #pragma omp parallel for schedule(static) if (n > kParallelMin)
   for (int64_t i = 0; i < n; i++) {
     const M g = M(grad[i]) * scale;
@@ -81,7 +87,8 @@ void sgd_update(M* master, G* copy, M* buf, const G* grad, const float* grad_sca
 }
 
 template <class M, class G>
-void ema_update(M* target, G* copy, const M* source, int64_t n, double decay, Stream) {
+void ema_update(M* target, G* copy, const M* source, const float* ctl, int64_t n, double decay, Stream) {
+  if (ctl && ctl[1] == 0.0f) return;  // the optimizer skipped this step: so does the EMA
   const M w = M(1.0 - decay);
 #pragma omp parallel for schedule(static) if (n > kParallelMin)
   for (int64_t i = 0; i < n; i++) {
@@ -103,10 +110,12 @@ void grad_norm_squared(float* out, const G* grad, int64_t n, Stream) {
   out[0] += float(sum);
 }
 
-void clip_scale(float* scale, float* norm, const float* norm_sq, float max_norm, Stream) {
-  const float total = std::sqrt(*norm_sq);
-  *norm = total;
-  *scale = std::min(1.0f, max_norm / (total + 1e-6f));
+void step_control(float* ctl, float* norm, const float* norm_sq, const float* loss, float max_norm, Stream) {
+  const float total = norm_sq ? std::sqrt(*norm_sq) : 0.0f;
+  if (norm) *norm = total;
+  ctl[0] = (norm_sq && max_norm > 0) ? std::min(1.0f, max_norm / (total + 1e-6f)) : 1.0f;
+  ctl[1] = std::isfinite(total) && (!loss || std::isfinite(*loss)) ? 1.0f : 0.0f;
+  ctl[2] += ctl[1];
 }
 
 #define LOOM_INSTANTIATE(M, G)                                                                  \
@@ -114,7 +123,7 @@ void clip_scale(float* scale, float* norm, const float* norm_sq, float max_norm,
                                    Stream);                                                     \
   template void sgd_update<M, G>(M*, G*, M*, const G*, const float*, int64_t, float, float,     \
                                  float, Stream);                                                \
-  template void ema_update<M, G>(M*, G*, const M*, int64_t, double, Stream);
+  template void ema_update<M, G>(M*, G*, const M*, const float*, int64_t, double, Stream);
 LOOM_INSTANTIATE(float, float)
 LOOM_INSTANTIATE(double, double)
 #undef LOOM_INSTANTIATE

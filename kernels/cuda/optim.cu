@@ -3,17 +3,21 @@
  * Reference: kernels/cpu/optim.cpp (same declarations in kernels/kernels.inc).
  *
  * Shapes: one flat parameter group of n elements. master/m/v/buf/target/source [n] fp32 (M);
- *   grad [n] and copy [n] in G (fp32 or bf16); grad_scale, norm_sq, norm, scale: [1] fp32 on
- *   the device.
+ *   grad [n] and copy [n] in G (fp32 or bf16); norm_sq, norm [1] and the step control ctl [4]
+ *   = {gradient scale, apply 1 / skip 0, step t, lr} fp32 on the device (kernels.inc).
  *   adamw  g = grad * scale;  m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2
  *          master -= lr (wd master + (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps))
  *          copy = G(master)                             (master, m, v updated in place, copy =)
  *   sgd    g = grad * scale;  buf = mu buf + g;  master -= lr (buf + wd master);  copy = G(master)
  *   ema    target = decay target + (1-decay) source;  copy = G(target)
  *   grad_norm_squared  out[0] += sum(grad^2)   (two deterministic passes, no float atomics)
- *   clip_scale  norm = sqrt(norm_sq), scale = min(1, max_norm / (norm + 1e-6))
- * The grad scale is read on the device (nullable = 1), so clipping never waits on the host.
- * The bias corrections depend only on the step and are computed on the host in double.
+ *   step_control  norm = sqrt(norm_sq), scale = min(1, max_norm / (norm + 1e-6)),
+ *                 apply = isfinite(norm) && isfinite(loss), t += apply
+ * Everything a step decides is read on the device from ctl (nullable: scale 1, apply, t and
+ * lr from the host), so clipping, skipping a non-finite step and the learning-rate schedule
+ * never wait on the host, and a captured step replays with the values of its own step. With
+ * ctl the bias corrections 1/(1-b^t) are computed once per block in fp32 from t (powf; exact
+ * to ~1 ulp for t < 2^24); without it on the host in double.
  * Napkin bytes (AdamW, fp32 grads, 134.5M params): read master, m, v, grad, write master,
  *   m, v = 28 B/param = 3.77 GB: ~1.2 ms at 3.2 TB/s (H200), ~1.3 ms at 2.9 TB/s (H100);
  *   with bf16 grad and copy: 4 + 4 + 4 + 2 + 4 + 4 + 4 + 2 = 28 B/param as well.
@@ -52,11 +56,25 @@ __device__ __forceinline__ float adam_step(float& p, float& m, float& v, float g
   return p;
 }
 
+// With ctl: skip when ctl[1] == 0, else lr *= ctl[3], g *= ctl[0] and the bias corrections
+// from t = ctl[2]; without: the host's constants.
+__device__ __forceinline__ bool adam_control(AdamConst& c, float& scale, const float* ctl) {
+  scale = 1.f;
+  if (!ctl) return true;
+  if (ctl[1] == 0.f) return false;
+  scale = ctl[0];
+  c.lr *= ctl[3];
+  c.inv_bc1 = 1.f / (1.f - powf(c.b1, ctl[2]));
+  c.inv_bc2 = 1.f / (1.f - powf(c.b2, ctl[2]));
+  return true;
+}
+
 template <class GT, int VEC>
 __global__ void adamw_kernel(float* __restrict__ master, GT* __restrict__ copy, float* __restrict__ m,
-                             float* __restrict__ v, const GT* __restrict__ grad, const float* __restrict__ grad_scale,
+                             float* __restrict__ v, const GT* __restrict__ grad, const float* __restrict__ ctl,
                              int64_t n, AdamConst c) {
-  const float scale = grad_scale ? *grad_scale : 1.f;
+  float scale;
+  if (!adam_control(c, scale, ctl)) return;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t nv = n / VEC;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < nv; i += stride) {
@@ -85,9 +103,11 @@ __global__ void adamw_kernel(float* __restrict__ master, GT* __restrict__ copy, 
 
 template <class GT>
 __global__ void sgd_kernel(float* __restrict__ master, GT* __restrict__ copy, float* __restrict__ buf,
-                           const GT* __restrict__ grad, const float* __restrict__ grad_scale, int64_t n, float lr,
+                           const GT* __restrict__ grad, const float* __restrict__ ctl, int64_t n, float lr,
                            float mu, float wd) {
-  const float scale = grad_scale ? *grad_scale : 1.f;
+  if (ctl && ctl[1] == 0.f) return;
+  const float scale = ctl ? ctl[0] : 1.f;
+  if (ctl) lr *= ctl[3];
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     float g = to_float(grad[i]) * scale;
     float b = g;  // without momentum (and without a buffer) the step is the gradient
@@ -104,7 +124,8 @@ __global__ void sgd_kernel(float* __restrict__ master, GT* __restrict__ copy, fl
 
 template <class GT>
 __global__ void ema_kernel(float* __restrict__ target, GT* __restrict__ copy, const float* __restrict__ source,
-                           int64_t n, float decay) {
+                           const float* __restrict__ ctl, int64_t n, float decay) {
+  if (ctl && ctl[1] == 0.f) return;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     float t = decay * target[i] + (1.f - decay) * source[i];
     target[i] = t;
@@ -147,10 +168,12 @@ __global__ void sumsq_finish(float* __restrict__ out, const float* __restrict__ 
   if (threadIdx.x == 0) out[0] += acc;
 }
 
-__global__ void clip_scale_kernel(float* scale, float* norm, const float* norm_sq, float max_norm) {
-  float nrm = sqrtf(*norm_sq);
+__global__ void step_control_kernel(float* ctl, float* norm, const float* norm_sq, const float* loss, float max_norm) {
+  float nrm = norm_sq ? sqrtf(*norm_sq) : 0.f;
   if (norm) *norm = nrm;
-  *scale = fminf(1.f, max_norm / (nrm + 1e-6f));
+  ctl[0] = (norm_sq && max_norm > 0.f) ? fminf(1.f, max_norm / (nrm + 1e-6f)) : 1.f;
+  ctl[1] = (isfinite(nrm) && (!loss || isfinite(*loss))) ? 1.f : 0.f;
+  ctl[2] += ctl[1];
 }
 
 int elementwise_grid(int64_t work) {
@@ -161,40 +184,40 @@ bool aligned(const void* p, size_t a) { return (reinterpret_cast<uintptr_t>(p) %
 }  // namespace
 
 template <class M, class G>
-void adamw_update(M* master, G* copy, M* m, M* v, const G* grad, const float* grad_scale, int64_t n, AdamWHyper h,
+void adamw_update(M* master, G* copy, M* m, M* v, const G* grad, const float* ctl, int64_t n, AdamWHyper h,
                   Stream s) {
   static_assert(std::is_same_v<M, float>, "CUDA AdamW keeps fp32 master weights and states");
   if (n <= 0) return;
-  if (h.step < 1) throw std::runtime_error("adamw_update: step is 1-based, got " + std::to_string(h.step));
+  if (!ctl && h.step < 1) throw std::runtime_error("adamw_update: step is 1-based, got " + std::to_string(h.step));
   AdamConst c;
   c.lr = h.lr; c.b1 = h.beta1; c.b2 = h.beta2; c.eps = h.eps; c.wd = h.weight_decay;
-  c.inv_bc1 = float(1.0 / (1.0 - std::pow(double(h.beta1), double(h.step))));
-  c.inv_bc2 = float(1.0 / (1.0 - std::pow(double(h.beta2), double(h.step))));
+  c.inv_bc1 = ctl ? 1.f : float(1.0 / (1.0 - std::pow(double(h.beta1), double(h.step))));
+  c.inv_bc2 = ctl ? 1.f : float(1.0 / (1.0 - std::pow(double(h.beta2), double(h.step))));
   constexpr int V = 4;
   bool vec = aligned(master, 16) && aligned(m, 16) && aligned(v, 16) && aligned(grad, V * sizeof(G)) &&
              (!copy || aligned(copy, V * sizeof(G)));
   if (vec)
     adamw_kernel<dev_t<G>, V><<<elementwise_grid(n / V), 256, 0, s>>>(master, dptr(copy), m, v, dptr(grad),
-                                                                       grad_scale, n, c);
+                                                                       ctl, n, c);
   else
-    adamw_kernel<dev_t<G>, 1><<<elementwise_grid(n), 256, 0, s>>>(master, dptr(copy), m, v, dptr(grad), grad_scale,
+    adamw_kernel<dev_t<G>, 1><<<elementwise_grid(n), 256, 0, s>>>(master, dptr(copy), m, v, dptr(grad), ctl,
                                                                    n, c);
   LAUNCH_CHECK();
 }
 
 template <class M, class G>
-void sgd_update(M* master, G* copy, M* buf, const G* grad, const float* grad_scale, int64_t n, float lr, float momentum,
+void sgd_update(M* master, G* copy, M* buf, const G* grad, const float* ctl, int64_t n, float lr, float momentum,
                 float weight_decay, Stream s) {
   if (n <= 0) return;
-  sgd_kernel<<<elementwise_grid(n), 256, 0, s>>>(master, dptr(copy), buf, dptr(grad), grad_scale, n, lr, momentum,
+  sgd_kernel<<<elementwise_grid(n), 256, 0, s>>>(master, dptr(copy), buf, dptr(grad), ctl, n, lr, momentum,
                                                 weight_decay);
   LAUNCH_CHECK();
 }
 
 template <class M, class G>
-void ema_update(M* target, G* copy, const M* source, int64_t n, double decay, Stream s) {
+void ema_update(M* target, G* copy, const M* source, const float* ctl, int64_t n, double decay, Stream s) {
   if (n <= 0) return;
-  ema_kernel<<<elementwise_grid(n), 256, 0, s>>>(target, dptr(copy), source, n, float(decay));
+  ema_kernel<<<elementwise_grid(n), 256, 0, s>>>(target, dptr(copy), source, ctl, n, float(decay));
   LAUNCH_CHECK();
 }
 
@@ -212,8 +235,8 @@ template <class G> void grad_norm_squared(float* out, const G* grad, int64_t n, 
   device_free(partial);  // stream-ordered reuse
 }
 
-void clip_scale(float* scale, float* norm, const float* norm_sq, float max_norm, Stream s) {
-  clip_scale_kernel<<<1, 1, 0, s>>>(scale, norm, norm_sq, max_norm);
+void step_control(float* ctl, float* norm, const float* norm_sq, const float* loss, float max_norm, Stream s) {
+  step_control_kernel<<<1, 1, 0, s>>>(ctl, norm, norm_sq, loss, max_norm);
   LAUNCH_CHECK();
 }
 
@@ -222,7 +245,7 @@ void clip_scale(float* scale, float* norm, const float* norm_sq, float max_norm,
                                        Stream);                                                                \
   template void sgd_update<float, G>(float*, G*, float*, const G*, const float*, int64_t, float, float, float,  \
                                      Stream);                                                                  \
-  template void ema_update<float, G>(float*, G*, const float*, int64_t, double, Stream);                       \
+  template void ema_update<float, G>(float*, G*, const float*, const float*, int64_t, double, Stream);                       \
   template void grad_norm_squared<G>(float*, const G*, int64_t, Stream);
 LOOM_OPTIM(float)
 LOOM_OPTIM(bf16)

@@ -71,7 +71,7 @@ struct Allocator {
   std::mutex mu;
   std::map<size_t, std::vector<void*>> free_lists;   // size class -> cached blocks
   std::unordered_map<void*, size_t> live;            // block -> size class
-  size_t in_use = 0, peak = 0, cached = 0;
+  size_t in_use = 0, peak = 0, cached = 0, peak_reserved = 0;
 
   void release_cache() {  // caller holds mu
     CUDA_CHECK(cudaDeviceSynchronize());
@@ -109,6 +109,7 @@ struct Allocator {
     live[p] = sz;
     in_use += sz;
     if (in_use > peak) peak = in_use;
+    if (in_use + cached > peak_reserved) peak_reserved = in_use + cached;
     return p;
   }
 
@@ -148,6 +149,53 @@ size_t peak_bytes_in_use() {
 void reset_peak_bytes() {
   std::lock_guard<std::mutex> lock(allocator().mu);
   allocator().peak = allocator().in_use;
+  allocator().peak_reserved = allocator().in_use + allocator().cached;
+}
+size_t bytes_reserved() {
+  std::lock_guard<std::mutex> lock(allocator().mu);
+  return allocator().in_use + allocator().cached;
+}
+size_t peak_bytes_reserved() {
+  std::lock_guard<std::mutex> lock(allocator().mu);
+  return allocator().peak_reserved;
+}
+
+Stream copy_stream() {
+  static cudaStream_t s = [] {
+    cudaStream_t st;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    return st;
+  }();
+  return s;
+}
+
+void* event_create(bool timing) {
+  cudaEvent_t e;
+  CUDA_CHECK(cudaEventCreateWithFlags(&e, timing ? cudaEventDefault : cudaEventDisableTiming));
+  return e;
+}
+void event_destroy(void* e) {
+  if (e) cudaEventDestroy(static_cast<cudaEvent_t>(e));  // no throw: called from destructors
+}
+void event_record(void* e, Stream s) { CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(e), s)); }
+void stream_wait_event(Stream s, void* e) { CUDA_CHECK(cudaStreamWaitEvent(s, static_cast<cudaEvent_t>(e), 0)); }
+void event_synchronize(void* e) { CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(e))); }
+bool event_done(void* e) {
+  cudaError_t r = cudaEventQuery(static_cast<cudaEvent_t>(e));
+  if (r == cudaErrorNotReady) return false;
+  CUDA_CHECK(r);
+  return true;
+}
+float event_elapsed_ms(void* a, void* b) {
+  float ms = 0;
+  CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(a), static_cast<cudaEvent_t>(b)));
+  return ms;
+}
+void memcpy_h2d_async(void* dst, const void* src, size_t bytes, Stream s) {
+  if (bytes) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s));
+}
+void memcpy_d2h_async(void* dst, const void* src, size_t bytes, Stream s) {
+  if (bytes) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s));
 }
 
 Stream default_stream() {

@@ -683,10 +683,11 @@ TEMPLATE_TEST_CASE("optim: adamw, sgd, ema with f32 and bf16 gradients/copies", 
   using G = TestType;
   for (int64_t n : {1, 1001, 4096}) {
     for (bool scaled : {false, true}) {
-      INFO("n " << n << " grad_scale " << scaled);
+      INFO("n " << n << " step control " << scaled);
       auto hp = rnd(n, 110), hm = rnd(n, 111, -0.1f, 0.1f), hv = rnd(n, 112, 0.f, 0.01f);
       auto hg = rounded<G>(rnd(n, 113));
-      std::vector<float> scale = {0.37f};
+      // step control: gradient scale, applied, t = 3, lr x 0.5 (h.lr is then the group factor)
+      std::vector<float> scale = {0.37f, 1.f, 3.f, 0.5f};
       DBuf<float> p(hp), m(hm), v(hv), sc(scale);
       DBuf<G> g(hg), copy(n);
       loom::AdamWHyper h;
@@ -710,16 +711,26 @@ TEMPLATE_TEST_CASE("optim: adamw, sgd, ema with f32 and bf16 gradients/copies", 
 
       DBuf<float> tgt(hm), src(hp);
       std::vector<float> rt = hm;
-      cpu::ema_update(rt.data(), rc.data(), hp.data(), n, 0.996, nullptr);
+      cpu::ema_update(rt.data(), rc.data(), hp.data(), scaled ? scale.data() : nullptr, n, 0.996, nullptr);
       copy.poison();
-      cu::ema_update(tgt.p, copy.p, src.p, n, 0.996, S());
+      cu::ema_update(tgt.p, copy.p, src.p, scaled ? sc.p : nullptr, n, 0.996, S());
       CHECK_CLOSE(tgt.get(), rt, tol::kCudaF32, "ema target");
       CHECK_CLOSE(copy.get(), rc, tol_of<G>(), "ema copy");
+
+      // a skipped step (ctl[1] == 0) writes nothing, in every update
+      DBuf<float> skip(std::vector<float>{1.f, 0.f, 3.f, 1.f});
+      auto p_before = p.get(), p2_before = p2.get(), t_before = tgt.get();
+      cu::adamw_update(p.p, copy.p, m.p, v.p, g.p, skip.p, n, h, S());
+      cu::sgd_update(p2.p, copy.p, buf.p, g.p, skip.p, n, 0.05f, 0.9f, 0.01f, S());
+      cu::ema_update(tgt.p, copy.p, src.p, skip.p, n, 0.996, S());
+      CHECK(p.get() == p_before);
+      CHECK(p2.get() == p2_before);
+      CHECK(tgt.get() == t_before);
     }
   }
 }
 
-TEMPLATE_TEST_CASE("optim: grad norm (+=, deterministic) and clip scale", "[optim]", float, bf16) {
+TEMPLATE_TEST_CASE("optim: grad norm (+=, deterministic) and step control", "[optim]", float, bf16) {
   need_gpu();
   using G = TestType;
   for (int64_t n : {1, 777, 1000003}) {
@@ -737,12 +748,22 @@ TEMPLATE_TEST_CASE("optim: grad norm (+=, deterministic) and clip scale", "[opti
       else CHECK(o == first);
     }
   }
-  for (float nsq : {0.25f, 4.f, 1e6f}) {
-    DBuf<float> scale(1), norm(1), ns(std::vector<float>{nsq});
-    cu::clip_scale(scale.p, norm.p, ns.p, 1.0f, S());
-    float rs = 0, rn = 0;
-    cpu::clip_scale(&rs, &rn, &nsq, 1.0f, nullptr);
-    CHECK_CLOSE(scale.get(), std::vector<float>{rs}, tol::kCudaF32, "clip scale");
-    CHECK_CLOSE(norm.get(), std::vector<float>{rn}, tol::kCudaF32, "norm");
+  for (float nsq : {0.25f, 4.f, 1e6f, NAN}) {
+    for (float loss : {1.5f, INFINITY}) {
+      DBuf<float> ctl(std::vector<float>{0.f, 0.f, 5.f, 0.1f}), norm(1), ns(std::vector<float>{nsq}),
+          dl(std::vector<float>{loss});
+      cu::step_control(ctl.p, norm.p, ns.p, dl.p, 1.0f, S());
+      float rc[4] = {0.f, 0.f, 5.f, 0.1f}, rn = 0;
+      cpu::step_control(rc, &rn, &nsq, &loss, 1.0f, nullptr);
+      auto c = ctl.get();
+      INFO("norm_sq " << nsq << " loss " << loss);
+      CHECK(c[1] == rc[1]);
+      CHECK(c[2] == rc[2]);
+      CHECK(c[3] == rc[3]);
+      if (std::isfinite(nsq)) {
+        CHECK_CLOSE(std::vector<float>{c[0]}, std::vector<float>{rc[0]}, tol::kCudaF32, "clip scale");
+        CHECK_CLOSE(norm.get(), std::vector<float>{rn}, tol::kCudaF32, "norm");
+      }
+    }
   }
 }

@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""report.py: summarize a timeline written by cupti_trace.cpp (kind,start_ns,end_ns,stream,name).
+
+    python3 tools/trace/report.py trace.csv [--from 0.5] [--steps N] [--top 30]
+
+The window is the last part of the GPU timeline (--from 0.5: its second half, past the
+warm-up). Printed: wall span, GPU busy time (union of kernels, copies and memsets on any
+stream) and idle share; per-step figures when --steps says how many steps the window holds
+(default: the number of cudaDeviceSynchronize/cudaStreamSynchronize calls in it); the kernels
+by total time; the host runtime calls by total time (syncs, pageable copies, mallocs).
+"""
+import argparse
+import collections
+import csv
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("trace")
+    ap.add_argument("--from", dest="frm", type=float, default=0.5)
+    ap.add_argument("--steps", type=int, default=0)
+    ap.add_argument("--top", type=int, default=30)
+    a = ap.parse_args()
+    gpu, host = [], []
+    with open(a.trace) as f:
+        for r in csv.DictReader(f):
+            rec = (int(r["start_ns"]), int(r["end_ns"]), r["kind"], r["stream"], r["name"])
+            (host if r["kind"] == "R" else gpu).append(rec)
+    gpu.sort()
+    if not gpu:
+        print("no GPU activity")
+        return
+    t0, t1 = gpu[0][0], max(g[1] for g in gpu)
+    w0 = t0 + (t1 - t0) * a.frm
+    win = [g for g in gpu if g[0] >= w0]
+    hwin = [h for h in host if h[0] >= w0 and h[0] <= t1]
+    span = (t1 - w0) / 1e6
+    busy, cur_s, cur_e, gaps = 0, None, None, []
+    for s, e, *_ in win:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+                gaps.append(s - cur_e)
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    busy /= 1e6
+    syncs = sum(1 for h in hwin if "Synchronize" in h[4])
+    steps = a.steps or max(1, sum(1 for h in hwin if h[4].startswith("cudaDeviceSynchronize")))
+    print(f"window: last {100 * (1 - a.frm):.0f}% of the timeline, {span:.1f} ms wall, {steps} steps")
+    print(f"GPU busy {busy:.1f} ms ({100 * busy / span:.1f}%), idle {span - busy:.1f} ms; per step: "
+          f"wall {span / steps:.2f} ms, busy {busy / steps:.2f} ms; host sync calls {syncs}")
+    big = sorted(gaps, reverse=True)
+    print(f"idle gaps: {len(gaps)} (> 20 us: {sum(1 for g in gaps if g > 2e4)}, summing "
+          f"{sum(g for g in gaps if g > 2e4) / 1e6:.1f} ms); largest (us): "
+          + ", ".join(f"{g / 1e3:.0f}" for g in big[:12]))
+    by = collections.defaultdict(lambda: [0, 0.0])
+    for s, e, k, st, n in win:
+        by[n][0] += 1
+        by[n][1] += (e - s) / 1e6
+    print(f"\n{'kernel / copy':<90} {'calls/step':>10} {'ms/step':>9} {'avg us':>8}")
+    for n, (c, t) in sorted(by.items(), key=lambda kv: -kv[1][1])[: a.top]:
+        print(f"{n[:90]:<90} {c / steps:>10.1f} {t / steps:>9.3f} {1e3 * t / c:>8.1f}")
+    hb = collections.defaultdict(lambda: [0, 0.0])
+    for s, e, k, st, n in hwin:
+        hb[n][0] += 1
+        hb[n][1] += (e - s) / 1e6
+    print(f"\n{'host runtime call':<50} {'calls/step':>10} {'ms/step':>9}")
+    for n, (c, t) in sorted(hb.items(), key=lambda kv: -kv[1][1])[:15]:
+        print(f"{n:<50} {c / steps:>10.1f} {t / steps:>9.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+// staging.h: a batch's way from a loader thread to the GPU, and the logged scalars' way back,
+// without the training step ever waiting on the host.
+//
+//   loader thread                 main thread                      GPU
+//   StagedBatch b(pool, bytes)    up.upload(b): tensors on the     copy stream: slot k <- b (DMA)
+//   b.add<bf16>("images", ...)    device, at once                  default stream waits for it
+//   (fill the page-locked slab)   ... enqueue the step ...         step s reads slot k while
+//                                 up.step_done()                   batch s+1 goes to slot 1-k
+//                                 readback.post(s, {loss, norm})   loss, norm -> page-locked
+//                                 readback.take(): step s-1's      (the host reads them one
+//                                 values (its GPU work is done)     step later)
+//
+// Host memory: page-locked slabs from a pool (allocated once, reused), so the copy is a true
+// asynchronous DMA on its own stream. A slab goes back to the pool when its batch is
+// destroyed and is handed out again only once the copy that read it has completed (an event).
+// Device memory: two input slots held for the run (double buffering): batch s+1 is copied
+// into one while step s reads the other; the copy into a slot waits (on the GPU, an event)
+// for the step that read it last.
+// On the CPU the same calls work: the "device" tensors are views of the host slab.
+#pragma once
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "tensor/tensor.h"
+
+namespace loom {
+
+// Host memory for batches: page-locked on CUDA runs, plain on CPU runs.
+class PinnedPool {
+ public:
+  struct Slab {
+    void* data = nullptr;
+    size_t bytes = 0;
+    void* copied = nullptr;  // event recorded after the last copy that read this slab
+    bool pending = false;
+  };
+  explicit PinnedPool(Device device) : device_(device) {}
+  ~PinnedPool();
+  PinnedPool(const PinnedPool&) = delete;
+  PinnedPool& operator=(const PinnedPool&) = delete;
+  // A slab of at least `bytes` (reused when one is free), returned to the pool by the deleter.
+  std::shared_ptr<Slab> acquire(size_t bytes);
+  Device device() const { return device_; }
+  size_t bytes_held() const;
+
+ private:
+  void release(Slab* s);
+  Device device_;
+  mutable std::mutex mu_;
+  std::vector<Slab*> free_;
+  std::vector<Slab*> all_;
+};
+
+// One batch as named arrays in one slab (each field 256-byte aligned).
+class StagedBatch {
+ public:
+  struct Field {
+    std::string name;
+    DType dtype;
+    Shape shape;
+    size_t offset = 0;
+  };
+  StagedBatch() = default;
+  StagedBatch(const std::shared_ptr<PinnedPool>& pool, size_t capacity_bytes);
+  // Appends a field and returns where to write it (host memory, uninitialized).
+  void* add(const std::string& name, DType dtype, const Shape& shape);
+  template <class T> T* add_as(const std::string& name, DType dtype, const Shape& shape) {
+    LOOM_CHECK(dtype_size(dtype) == sizeof(T), "staged field '%s': %s is not %zu bytes", name.c_str(),
+               dtype_name(dtype), sizeof(T));
+    return static_cast<T*>(add(name, dtype, shape));
+  }
+  // Bytes a batch of these fields needs (the sum of their aligned sizes).
+  static size_t bytes_for(const std::vector<std::pair<DType, int64_t>>& fields);
+  const std::vector<Field>& fields() const { return fields_; }
+  size_t used() const { return used_; }
+  const std::shared_ptr<PinnedPool::Slab>& slab() const { return slab_; }
+  bool defined() const { return bool(slab_); }
+  // host-side values the step needs besides the arrays (sequence count, token count, ...)
+  std::map<std::string, int64_t> meta;
+
+ private:
+  std::shared_ptr<PinnedPool::Slab> slab_;
+  size_t used_ = 0;
+  std::vector<Field> fields_;
+};
+
+// Uploads staged batches into two device slots on the copy stream.
+class Uploader {
+ public:
+  explicit Uploader(Device device);
+  ~Uploader();
+  Uploader(const Uploader&) = delete;
+  Uploader& operator=(const Uploader&) = delete;
+  // Enqueues the copy of b into the next slot and makes the default stream wait for it;
+  // returns b's fields as tensors on the device (valid until the step after the next one).
+  std::map<std::string, Tensor> upload(const StagedBatch& b);
+  // The step that read the last upload is enqueued: its slot may be overwritten after it.
+  void step_done();
+  size_t bytes_held() const { return cap_[0] + cap_[1]; }
+
+ private:
+  Device device_;
+  void* slot_[2] = {nullptr, nullptr};
+  size_t cap_[2] = {0, 0};
+  void* uploaded_[2] = {nullptr, nullptr};  // copy stream: slot k written
+  void* consumed_[2] = {nullptr, nullptr};  // default stream: the step that read slot k ran
+  bool consumed_recorded_[2] = {false, false};
+  int next_ = 0, last_ = -1;
+};
+
+// Scalars of a step (loss, grad norm, skipped flag, ...) copied to page-locked memory after the
+// step, and read by the host one step later: logging every step costs no synchronization.
+// Also times the step on the GPU: from the end of the previous step (or this step's start,
+// after restart_timing()) to this step's end, with events.
+class StepReadback {
+ public:
+  StepReadback(Device device, int nvalues);
+  ~StepReadback();
+  StepReadback(const StepReadback&) = delete;
+  StepReadback& operator=(const StepReadback&) = delete;
+  void begin_step();  // before the step's first kernel
+  // After the step: copies each scalar's first element (f32 or f64 tensors) out.
+  void post(int64_t step, const std::vector<Tensor>& scalars);
+  bool pending() const { return count_ > 0; }
+  // The oldest posted step's values (waits for its GPU work); gpu_ms < 0 on the CPU.
+  std::vector<double> take(int64_t* step, double* gpu_ms);
+  void restart_timing() { have_prev_end_ = false; }
+
+ private:
+  struct Entry {
+    float* host = nullptr;
+    void* start = nullptr;
+    void* end = nullptr;
+    int64_t step = 0;
+    double host_ms = 0;
+    std::vector<double> cpu_values;
+    bool timed_from_prev = false;
+  };
+  Device device_;
+  int n_;
+  static constexpr int kRing = 3;  // posted, being posted, and the previous end event intact
+  Entry ring_[kRing];
+  int head_ = 0, count_ = 0;
+  bool have_prev_end_ = false;
+  double t_begin_ = 0;
+};
+
+}  // namespace loom
