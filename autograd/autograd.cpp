@@ -71,6 +71,10 @@ bool any_requires_grad(std::initializer_list<Tensor> inputs) {
 }
 
 void record(const char* name, std::initializer_list<Tensor> outputs, std::function<void()> backward) {
+  record(name, std::vector<Tensor>(outputs), std::move(backward));
+}
+
+void record(const char* name, const std::vector<Tensor>& outputs, std::function<void()> backward) {
   if (g_profile) {  // this op's forward ran since the previous record (or mark)
     double t = prof_now();
     g_prof[category_of(name)].first += t - g_mark;
@@ -95,17 +99,42 @@ void clear_tape() {
 
 Tensor grad_of(const Tensor& x) { return x.grad(); }
 
+// Gradients are passed on without copies where possible. A gradient handed to an input is
+// either taken over (`fresh`: the caller's new buffer, or the output's gradient that dies right
+// after this node) or aliased (the same buffer also reaches another input, as in add). An
+// aliased buffer is marked grad_shared on its storage and never updated in place: the next
+// contribution to it is added out of place into a new buffer (copy on write). In a residual
+// block this replaces a copy per add with nothing. Leaves (parameters, inputs) never alias:
+// their .grad belongs to the caller.
 void accumulate_grad(const Tensor& x, const Tensor& g, bool fresh) {
   if (!x.defined() || !x.requires_grad() || !g.defined()) return;
   LOOM_CHECK(g.shape() == x.shape(), "gradient %s for tensor %s", g.desc().c_str(), x.desc().c_str());
   Tensor cur = x.grad();
   Tensor gg = g.dtype() == x.dtype() ? g : g.to(x.dtype());
   if (!cur.defined()) {
-    bool own = fresh && gg.same(g) && g.is_contiguous();
-    x.impl()->grad = (own ? gg : gg.clone()).impl();
+    const bool owned = fresh && gg.same(g);
+    if (!gg.is_contiguous()) {
+      x.impl()->grad = gg.contiguous().impl();  // a new buffer: owned
+    } else if (x.impl()->tape_id < 0) {
+      // a leaf: its .grad is the caller's to read and write, so it never aliases another
+      x.impl()->grad = (owned && !gg.impl()->storage->grad_shared ? gg : gg.clone()).impl();
+    } else {
+      if (!owned) gg.impl()->storage->grad_shared = true;  // an activation: aliased, not copied
+      x.impl()->grad = gg.impl();
+    }
     return;
   }
   Tensor gc = gg.contiguous();
+  if (cur.impl()->storage->grad_shared || !cur.is_contiguous()) {  // copy on write
+    Tensor sum = Tensor::empty(cur.shape(), cur.dtype(), cur.device());
+    Tensor cc = cur.contiguous();
+    dispatch_float(cur, [&](auto dev, auto zero) {
+      using T = decltype(zero);
+      KERNEL(dev, axpby)(sum.data<T>(), cc.data<T>(), 1.0, gc.data<T>(), 1.0, cur.numel(), stream_for(dev));
+    });
+    x.impl()->grad = sum.impl();
+    return;
+  }
   dispatch_float(cur, [&](auto dev, auto zero) {
     using T = decltype(zero);
     KERNEL(dev, axpby)(cur.data<T>(), cur.data<T>(), 1.0, gc.data<T>(), 1.0, cur.numel(), stream_for(dev));
@@ -115,6 +144,7 @@ void accumulate_grad(const Tensor& x, const Tensor& g, bool fresh) {
 Tensor grad_buffer(const Tensor& x) {
   if (!x.defined() || !x.requires_grad()) return Tensor();
   if (!x.grad().defined()) x.impl()->grad = Tensor::zeros_like(x).impl();
+  else if (x.grad().impl()->storage->grad_shared) x.impl()->grad = x.grad().clone().impl();  // about to be written
   return x.grad();
 }
 

@@ -30,6 +30,7 @@ bool any_requires_grad(std::initializer_list<Tensor> inputs);
 
 // Appends a node producing `outputs` (they become requires_grad non-leaves) with its backward.
 void record(const char* name, std::initializer_list<Tensor> outputs, std::function<void()> backward);
+void record(const char* name, const std::vector<Tensor>& outputs, std::function<void()> backward);
 
 // Runs backward from a scalar loss (seed 1) or from `seed` (same shape as `root`), then
 // clears the tape.

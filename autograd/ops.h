@@ -45,10 +45,21 @@ Tensor mean_pool(const Tensor& x);                // [B, K, C] -> [B, C]
 // ---- dense layers (ops_nn.cpp)
 // x [..., I], weight [O, I], bias [O] or undefined -> [..., O]
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor());
+// x [..., I], weight [P*O, I], bias [P*O] or undefined -> P tensors [..., O], part p = x W_p^T
+// + b_p with W_p rows [p*O, (p+1)*O). One batched GEMM writes the parts into one buffer
+// [P, ..., O], each part a contiguous view: the fused QKV projection split without copies.
+std::vector<Tensor> linear_split(const Tensor& x, const Tensor& weight, const Tensor& bias, int parts);
+// The transformer MLP fc2(gelu(fc1(x))): x [..., C], w1 [H, C], b1 [H], w2 [C2, H], b2 [C2]
+// (biases may be undefined) -> [..., C2]. The GELU runs in fc1's GEMM epilogue and its backward
+// in the epilogue of fc2's input-gradient GEMM; only x and the pre-activation are saved (the
+// activation is recomputed in backward: one elementwise pass instead of N*H kept).
+Tensor mlp_gelu(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2);
 // a [..., M, K] @ b [..., K, N] (b may be 2-D and shared); transposes read a^T / b^T.
 Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans_b = false);
 Tensor layernorm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps);
 Tensor rmsnorm(const Tensor& x, const Tensor& weight, double eps);
+// The residual stream's add and the next norm in one pass: {h = x + y, layernorm(h)}.
+std::vector<Tensor> add_layernorm(const Tensor& x, const Tensor& y, const Tensor& weight, const Tensor& bias, double eps);
 Tensor gelu(const Tensor& x);   // tanh approximation
 Tensor silu(const Tensor& x);
 Tensor swiglu(const Tensor& gate, const Tensor& up);  // silu(gate) * up

@@ -154,7 +154,8 @@ static Tensor binary_op(const Tensor& a, const Tensor& b, BinaryOp op, const cha
     Tensor g = grad_of(out);
     switch (op) {
       case BinaryOp::Add:
-        // the tape owns g: the first input may take it, the second gets a copy
+        // the tape owns g: the first input takes it, the second aliases it (copy on write,
+        // accumulate_grad): no copy of the gradient in a residual add
         accumulate_grad(a, sum_to(g, a.shape()), true);
         accumulate_grad(b, sum_to(g, b.shape()));
         break;

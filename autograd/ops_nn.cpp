@@ -37,6 +37,113 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   return out;
 }
 
+std::vector<Tensor> linear_split(const Tensor& x, const Tensor& weight, const Tensor& bias, int parts) {
+  check_same("linear_split", {x, weight, bias});
+  LOOM_CHECK(parts >= 1 && weight.dim() == 2 && weight.size(0) % parts == 0 && x.dim() >= 1 &&
+                 x.size(-1) == weight.size(1),
+             "linear_split: expected x [..., %lld] and weight [P*O, %lld] with P = %d parts, got %s and %s",
+             (long long)weight.size(1), (long long)weight.size(1), parts, x.desc().c_str(), weight.desc().c_str());
+  const int I = int(weight.size(1)), O = int(weight.size(0) / parts);
+  LOOM_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == int64_t(parts) * O),
+             "linear_split: bias %s for %d x %d outputs", bias.desc().c_str(), parts, O);
+  Tensor xc = x.contiguous(), wc = weight.contiguous();
+  const int64_t N = xc.numel() / I;
+  Tensor buf = Tensor::empty({parts, N, O}, x.dtype(), x.device());
+  // buf[p] = x @ W_p^T: batch over p, x shared (stride 0)
+  dispatch_float(xc, [&](auto dev, auto zero) {
+    using T = decltype(zero);
+    KERNEL(dev, gemm)(buf.data<T>(), xc.data<T>(), wc.data<T>(), int(N), O, I, false, true, 1.0, 0.0, parts, 0,
+                      int64_t(O) * I, N * O, stream_for(dev));
+    if (bias.defined()) {  // buf[p, n, :] += b_p, in place
+      Tensor be = bias.contiguous().view({parts, 1, O}).expand({parts, N, O});
+      KERNEL(dev, binary)(buf.data<T>(), buf.data<T>(), layout_of(buf), be.data<T>(), layout_of(be), BinaryOp::Add,
+                          stream_for(dev));
+    }
+  });
+  Shape os = x.shape();
+  os.back() = O;
+  std::vector<Tensor> outs;
+  for (int p = 0; p < parts; p++) outs.push_back(buf.narrow(0, p, 1).view(os));
+  if (any_requires_grad({x, weight, bias}))
+    record("linear", outs, [x, xc, weight, wc, bias, outs, N, I, O, parts]() {
+      Tensor dx = x.requires_grad() ? Tensor::empty(x.shape(), x.dtype(), x.device()) : Tensor();
+      Tensor dw = grad_buffer(weight), db = grad_buffer(bias);
+      LOOM_CHECK(!dw.defined() || weight.is_contiguous(), "linear_split: gradient of a strided weight");
+      bool dx_written = false;
+      for (int p = 0; p < parts; p++) {
+        Tensor g = grad_of(outs[size_t(p)]);
+        if (!g.defined()) continue;  // this part did not reach the loss
+        g = g.contiguous();
+        dispatch_float(g, [&](auto dev, auto zero) {
+          using T = decltype(zero);
+          const T* wp = wc.data<T>() + int64_t(p) * O * I;
+          // dx (=, then +=) = g_p W_p;  dW_p += g_p^T x;  db_p += colsum(g_p)
+          if (dx.defined())
+            KERNEL(dev, gemm)(dx.data<T>(), g.data<T>(), wp, int(N), I, O, false, false, 1.0, dx_written ? 1.0 : 0.0, 1,
+                              0, 0, 0, stream_for(dev));
+          KERNEL(dev, linear_backward)((T*)nullptr, dw.defined() ? dw.data<T>() + int64_t(p) * O * I : (T*)nullptr,
+                                       db.defined() ? db.data<T>() + int64_t(p) * O : (T*)nullptr, g.data<T>(),
+                                       xc.data<T>(), wp, N, I, O, stream_for(dev));
+        });
+        dx_written = true;
+      }
+      if (dx.defined()) {
+        if (!dx_written) dx.zero_();
+        accumulate_grad(x, dx, true);
+      }
+    });
+  return outs;
+}
+
+Tensor mlp_gelu(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2) {
+  check_same("mlp_gelu", {x, w1, b1, w2, b2});
+  LOOM_CHECK(w1.dim() == 2 && w2.dim() == 2 && x.dim() >= 1 && x.size(-1) == w1.size(1) && w2.size(1) == w1.size(0) &&
+                 (!b1.defined() || b1.numel() == w1.size(0)) && (!b2.defined() || b2.numel() == w2.size(0)),
+             "mlp_gelu: x %s, fc1 %s (bias %s), fc2 %s (bias %s) do not chain", x.desc().c_str(), w1.desc().c_str(),
+             b1.desc().c_str(), w2.desc().c_str(), b2.desc().c_str());
+  const int C = int(w1.size(1)), H = int(w1.size(0)), C2 = int(w2.size(0));
+  Tensor xc = x.contiguous(), w1c = w1.contiguous(), w2c = w2.contiguous();
+  const int64_t N = xc.numel() / C;
+  Tensor pre = Tensor::empty({N, H}, x.dtype(), x.device()), h = Tensor::empty({N, H}, x.dtype(), x.device());
+  Shape os = x.shape();
+  os.back() = C2;
+  Tensor out = Tensor::empty(os, x.dtype(), x.device());
+  dispatch_float(xc, [&](auto dev, auto zero) {
+    using T = decltype(zero);
+    KERNEL(dev, linear_gelu_forward)(h.data<T>(), pre.data<T>(), xc.data<T>(), w1c.data<T>(), ptr<T>(b1), N, C, H,
+                                     stream_for(dev));
+    KERNEL(dev, linear_forward)(out.data<T>(), h.data<T>(), w2c.data<T>(), ptr<T>(b2), N, H, C2, stream_for(dev));
+  });
+  if (any_requires_grad({x, w1, b1, w2, b2}))
+    record("linear", {out}, [x, xc, w1, w1c, b1, w2, w2c, b2, out, pre, N, C, H, C2]() {
+      Tensor g = grad_of(out).contiguous();
+      Tensor dw1 = grad_buffer(w1), db1 = grad_buffer(b1), dw2 = grad_buffer(w2), db2 = grad_buffer(b2);
+      LOOM_CHECK((!dw1.defined() || w1.is_contiguous()) && (!dw2.defined() || w2.is_contiguous()),
+                 "mlp_gelu: gradient of a strided weight");
+      Tensor dpre = Tensor::empty({N, H}, g.dtype(), g.device());
+      Tensor dx = x.requires_grad() ? Tensor::empty(x.shape(), x.dtype(), x.device()) : Tensor();
+      dispatch_float(g, [&](auto dev, auto zero) {
+        using T = decltype(zero);
+        if (dw2.defined()) {  // fc2's weight needs the activation: recomputed from pre
+          Tensor h = Tensor::empty({N, H}, g.dtype(), g.device());
+          KERNEL(dev, gelu_forward)(h.data<T>(), pre.data<T>(), N * H, stream_for(dev));
+          KERNEL(dev, linear_backward)((T*)nullptr, dw2.data<T>(), ptr<T>(db2), g.data<T>(), h.data<T>(), w2c.data<T>(),
+                                       N, H, C2, stream_for(dev));
+        } else if (db2.defined()) {
+          KERNEL(dev, linear_backward)((T*)nullptr, (T*)nullptr, db2.data<T>(), g.data<T>(), (const T*)nullptr,
+                                       (const T*)nullptr, N, H, C2, stream_for(dev));
+        }
+        // dpre = (g W2) * gelu'(pre), db1 += colsum(dpre); then fc1's dx and dW1
+        KERNEL(dev, linear_dgelu_backward)(dpre.data<T>(), ptr<T>(db1), g.data<T>(), w2c.data<T>(), pre.data<T>(), N, H,
+                                           C2, stream_for(dev));
+        KERNEL(dev, linear_backward)(ptr<T>(dx), ptr<T>(dw1), (T*)nullptr, dpre.data<T>(), xc.data<T>(), w1c.data<T>(),
+                                     N, C, H, stream_for(dev));
+      });
+      if (dx.defined()) accumulate_grad(x, dx, true);
+    });
+  return out;
+}
+
 // C = op(A) @ op(B) over matching leading (batch) dims; B may be 2-D (shared).
 static Tensor matmul_raw(const Tensor& a, const Tensor& b, bool ta, bool tb) {
   int64_t M = ta ? a.size(-1) : a.size(-2), K = ta ? a.size(-2) : a.size(-1);
@@ -117,6 +224,51 @@ Tensor layernorm(const Tensor& x, const Tensor& weight, const Tensor& bias, doub
       accumulate_grad(x, dx, true);
     });
   return out;
+}
+
+std::vector<Tensor> add_layernorm(const Tensor& x, const Tensor& y, const Tensor& weight, const Tensor& bias,
+                                  double eps) {
+  check_same("add_layernorm", {x, y, weight, bias});
+  const int C = int(x.size(-1));
+  LOOM_CHECK(x.shape() == y.shape() && weight.numel() == C && (!bias.defined() || bias.numel() == C),
+             "add_layernorm: x %s, y %s with weight %s", x.desc().c_str(), y.desc().c_str(), weight.desc().c_str());
+  Tensor xc = x.contiguous(), yc = y.contiguous();
+  const int64_t N = xc.numel() / C;
+  Tensor h = Tensor::empty_like(xc), out = Tensor::empty_like(xc), mean = acc_empty({N}, x), rstd = acc_empty({N}, x);
+  dispatch_float(xc, [&](auto dev, auto zero) {
+    using T = decltype(zero);
+    using A = acc_t<T>;
+    KERNEL(dev, residual_layernorm_forward)(h.data<T>(), out.data<T>(), mean.data<A>(), rstd.data<A>(), xc.data<T>(),
+                                            yc.data<T>(), weight.data<T>(), ptr<T>(bias), N, C, eps, stream_for(dev));
+  });
+  if (any_requires_grad({x, y, weight, bias}))
+    record("layernorm", {h, out}, [x, y, weight, bias, h, out, mean, rstd, N, C]() {
+      // d(h) = g_h + layernorm_backward(g_out); x and y both receive d(h)
+      Tensor gh = grad_of(h), go = grad_of(out), dh;
+      if (go.defined()) {
+        go = go.contiguous();
+        dh = Tensor::empty_like(h);
+        Tensor dw = grad_buffer(weight), db = grad_buffer(bias);
+        Tensor dw_tmp = dw.defined() ? dw : Tensor::zeros_like(weight);
+        Tensor db_tmp = bias.defined() ? (db.defined() ? db : Tensor::zeros_like(bias)) : Tensor();
+        dispatch_float(go, [&](auto dev, auto zero) {
+          using T = decltype(zero);
+          using A = acc_t<T>;
+          KERNEL(dev, layernorm_backward)(dh.data<T>(), dw_tmp.data<T>(), ptr<T>(db_tmp), go.data<T>(), h.data<T>(),
+                                          weight.data<T>(), mean.data<A>(), rstd.data<A>(), N, C, stream_for(dev));
+          if (gh.defined()) {
+            Tensor ghc = gh.contiguous();
+            KERNEL(dev, axpby)(dh.data<T>(), dh.data<T>(), 1.0, ghc.data<T>(), 1.0, dh.numel(), stream_for(dev));
+          }
+        });
+      } else {
+        dh = gh;
+      }
+      if (!dh.defined()) return;
+      accumulate_grad(x, dh, true);  // h's gradient dies with this node: x may take it
+      accumulate_grad(y, dh);        // y aliases it (copy on write)
+    });
+  return {h, out};
 }
 
 Tensor rmsnorm(const Tensor& x, const Tensor& weight, double eps) {

@@ -20,14 +20,17 @@ ViTBlock::ViTBlock(int dim_, int heads_, int mlp_hidden, double eps, const Init&
 Tensor ViTBlock::forward(const Tensor& x, const SeqInfo& rows) const {
   int64_t B = x.size(0), N = x.size(1);
   int hd = dim / heads;
-  // qkv split as [3, heads, head_dim] per token (SPEC §1)
-  Tensor t = reshape(qkv.forward(norm1.forward(x)), {B * N, 3, heads, hd});
-  Tensor q = reshape(narrow(t, 1, 0, 1), {B * N, heads, hd});
-  Tensor k = reshape(narrow(t, 1, 1, 1), {B * N, heads, hd});
-  Tensor v = reshape(narrow(t, 1, 2, 1), {B * N, heads, hd});
+  // qkv split as [3, heads, head_dim] per token (SPEC §1): the weight's rows are q, k, v in
+  // turn, so one batched GEMM writes q, k and v each contiguous (linear_split), no copies
+  std::vector<Tensor> qkv_parts = linear_split(reshape(norm1.forward(x), {B * N, dim}), qkv.weight, qkv.bias, 3);
+  Tensor q = reshape(qkv_parts[0], {B * N, heads, hd});
+  Tensor k = reshape(qkv_parts[1], {B * N, heads, hd});
+  Tensor v = reshape(qkv_parts[2], {B * N, heads, hd});
   Tensor a = attention(q, k, v, rows, /*causal=*/false, 1.0 / std::sqrt(double(hd)));
-  Tensor h = add(x, proj.forward(reshape(a, {B, N, dim})));
-  return add(h, fc2.forward(gelu(fc1.forward(norm2.forward(h)))));
+  // h = x + proj(a) and norm2(h) in one pass; fc2(gelu(fc1(.))) with the GELU in the GEMMs'
+  // epilogues (mlp_gelu)
+  std::vector<Tensor> h = add_layernorm(x, proj.forward(reshape(a, {B, N, dim})), norm2.weight, norm2.bias, norm2.eps);
+  return add(h[0], mlp_gelu(h[1], fc1.weight, fc1.bias, fc2.weight, fc2.bias));
 }
 
 ViT::ViT(const ViTConfig& c, const Init& init)

@@ -35,6 +35,10 @@ struct Storage {
   Storage(void* data, size_t bytes, Device device, std::shared_ptr<void> owner);
   ~Storage();
   std::shared_ptr<void> owner;  // set for borrowed memory
+  // Set by autograd when this buffer became the gradient of more than one tensor without a
+  // copy (the two inputs of an add get the output's gradient): it is then never updated in
+  // place; the next accumulation writes a new buffer (copy on write).
+  bool grad_shared = false;
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
 };

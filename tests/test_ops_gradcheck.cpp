@@ -153,12 +153,49 @@ TEST_CASE("gradcheck: linear and matmul", "[gradcheck]") {
   check("matmul with a shared 2-D b^T", mm(false, true), {P({B, M, K}), P({N, K})});
   check("matmul 4-D batch [2,2,3,4] @ [2,2,4,1]", mm(false, false), {P({2, 2, 3, 4}), P({2, 2, 4, 1})});
   check("matmul M=1 K=1", mm(false, false), {P({2, 1, 1}), P({2, 1, 3})});
+  // linear_split: the parts combined with different weights, so each part's gradient differs;
+  // one part unused (its gradient never arrives) must still leave the others right
+  auto split3 = [](auto& in) {
+    auto p = linear_split(in[0], in[1], in[2], 3);
+    return add(add(p[0], scale(p[1], 2.0)), mul(p[2], p[0]));
+  };
+  check("linear_split 3 parts [5,7] x [3*4,7]", split3, {P({5, 7}), P({12, 7}), P({12})});
+  check("linear_split 3-D input, 2 parts, one unused",
+        [](auto& in) { return linear_split(in[0], in[1], Tensor(), 2)[1]; }, {P({2, 3, 5}), P({8, 5})});
+  {
+    auto a = linear_split(P({4, 7}), P({12, 7}), P({12}), 3);
+    CHECK(a[1].shape() == Shape({4, 4}));
+    CHECK(a[2].is_contiguous());
+    clear_tape();
+  }
+  REQUIRE_THROWS_WITH(linear_split(P({5, 7}), P({10, 7}), Tensor(), 3), Catch::Contains("3 parts"));
+  // mlp_gelu = linear(gelu(linear(x))) with the GELU in the GEMMs' epilogues
+  auto mlp = [](auto& in) { return mlp_gelu(in[0], in[1], in[2], in[3], in[4]); };
+  check("mlp_gelu [5,6] -> 9 -> 4", mlp, {P({5, 6}), P({9, 6}), P({9}), P({4, 9}), P({4})});
+  check("mlp_gelu 3-D input, no biases", [](auto& in) { return mlp_gelu(in[0], in[1], Tensor(), in[2], Tensor()); },
+        {P({2, 3, 5}), P({7, 5}), P({3, 7})});
+  {  // the same function as the unfused ops
+    Tensor x = P({6, 5}), w1 = P({8, 5}), b1 = P({8}), w2 = P({3, 8}), b2 = P({3});
+    NoGradGuard ng;
+    auto a = mlp_gelu(x, w1, b1, w2, b2).to_vector<double>();
+    auto b = linear(gelu(linear(x, w1, b1)), w2, b2).to_vector<double>();
+    for (size_t i = 0; i < a.size(); i++) CHECK(std::abs(a[i] - b[i]) <= 1e-12 * (1 + std::abs(b[i])));
+  }
   REQUIRE_THROWS_WITH(matmul(P({B, K, M}), P({K, N}), true, false), Catch::Contains("shared 2-D b"));
   REQUIRE_THROWS_WITH(matmul(P({B, M, K}), P({B, 3, N})), Catch::Contains("[2, 3, 4]"));
   clear_tape();
 }
 
 TEST_CASE("gradcheck: norms and activations", "[gradcheck]") {
+  // add_layernorm: both outputs reach the loss (the residual stream and the normed branch)
+  check("add_layernorm [4,37]",
+        [](auto& in) {
+          auto hn = add_layernorm(in[0], in[1], in[2], in[3], 1e-5);
+          return add(scale(hn[0], 0.5), mul(hn[1], hn[1]));
+        },
+        {P({4, 37}), P({4, 37}), P({37}), P({37})});
+  check("add_layernorm, only the normed output used",
+        [](auto& in) { return add_layernorm(in[0], in[1], in[2], Tensor(), 1e-5)[1]; }, {P({3, 5}), P({3, 5}), P({5})});
   auto ln = [](auto& in) { return layernorm(in[0], in[1], in[2], 1e-5); };
   auto ln_nobias = [](auto& in) { return layernorm(in[0], in[1], Tensor(), 1e-5); };
   auto rms = [](auto& in) { return rmsnorm(in[0], in[1], 1e-5); };

@@ -5,6 +5,8 @@
 //   gemm             C[b] = alpha op(A[b]) op(B[b]) + beta C[b]          (row-major, batched)
 //   linear_forward   out[N,O] = inp[N,I] weight[O,I]^T + bias[O]
 //   linear_backward  dinp[N,I] = dout[N,O] weight[O,I]            (=)
+//   linear_gelu_forward / linear_dgelu_backward: the same products with the GELU of
+//                    activations.cpp applied after (see kernels.inc)
 //                    dweight[O,I] += dout^T inp                     (+=)
 //                    dbias[O] += sum over rows of dout              (+=)
 // Nothing is saved: linear's backward needs the forward's input, which the caller keeps.
@@ -97,12 +99,32 @@ void linear_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* inp,
   }
 }
 
+template <class T>
+void linear_gelu_forward(T* out, T* pre, const T* inp, const T* weight, const T* bias, int64_t N, int I, int O,
+                         Stream s) {
+  linear_forward(pre, inp, weight, bias, N, I, O, s);
+  gelu_forward(out, pre, N * O, s);
+}
+
+template <class T>
+void linear_dgelu_backward(T* dpre, T* dbias, const T* dout, const T* weight, const T* pre, int64_t N, int I, int O,
+                           Stream s) {
+  linear_backward(dpre, (T*)nullptr, (T*)nullptr, dout, (const T*)nullptr, weight, N, I, O, s);  // dout @ W
+  gelu_backward(dpre, dpre, pre, N * I, s);  // elementwise: in place is the same math
+  if (dbias) {
+    MapRow<T> db(dbias, I);
+    db += CMapMat<T>(dpre, N, I).colwise().sum();
+  }
+}
+
 #define LOOM_MATMUL(T)                                                                        \
   template void gemm<T>(T*, const T*, const T*, int, int, int, bool, bool, double, double, int, \
                         int64_t, int64_t, int64_t, Stream);                                   \
   template void linear_forward<T>(T*, const T*, const T*, const T*, int64_t, int, int, Stream); \
   template void linear_backward<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, int, int, \
-                                   Stream);
+                                   Stream);                                                   \
+  template void linear_gelu_forward<T>(T*, T*, const T*, const T*, const T*, int64_t, int, int, Stream); \
+  template void linear_dgelu_backward<T>(T*, T*, const T*, const T*, const T*, int64_t, int, int, Stream);
 LOOM_MATMUL(float)
 LOOM_MATMUL(double)
 #undef LOOM_MATMUL

@@ -15,7 +15,10 @@
  *   also use CUBLAS_COMPUTE_32F, which is true fp32 (no TF32; TF32 is the separate
  *   _FAST_TF32 compute type), so the f32 path stays exact enough for the f32 fixtures.
  * Epilogues: linear_forward adds the bias in cuBLASLt's BIAS epilogue (one pass over out
- *   instead of two). dbias is a column-sum kernel, not the BGRADB epilogue: BGRADB writes
+ *   instead of two). linear_gelu_forward uses GELU_AUX_BIAS: out = gelu(acc + bias) and the
+ *   pre-activation written beside it (aux) for the backward; linear_dgelu_backward uses DGELU:
+ *   dpre = (dout W) * gelu'(aux) in the GEMM's epilogue, then the bias column sum (+=). cuBLASLt's
+ *   GELU is the tanh approximation, the one the CPU reference uses (tests/cuda compare them). dbias is a column-sum kernel, not the BGRADB epilogue: BGRADB writes
  *   (=) while the contract is +=, which would cost an extra buffer and add anyway.
  * Plans: matmul descriptors, layouts and the heuristic's algorithm are cached per shape,
  *   transposes, strides, epilogue and pointer alignment (the heuristic is ~10-50 us of host
@@ -42,7 +45,7 @@ namespace loom::cuda {
 namespace {
 
 struct PlanKey {
-  int dtype, M, N, K, ta, tb, batch, epilogue, align_a, align_b, align_c, align_bias;
+  int dtype, M, N, K, ta, tb, batch, epilogue, align_a, align_b, align_c, align_bias, align_aux;
   int64_t sa, sb, sc;
   bool operator==(const PlanKey& o) const { return std::memcmp(this, &o, sizeof(PlanKey)) == 0; }
 };
@@ -110,10 +113,15 @@ Plan& get_plan(const PlanKey& k) {
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al[1], 4));
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al[2], 4));
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al[3], 4));
-  if (k.epilogue != CUBLASLT_EPILOGUE_DEFAULT) {
+  if (k.epilogue == CUBLASLT_EPILOGUE_BIAS || k.epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS) {
     // The bias pointer is set per call; the heuristic only needs to know its type.
     cudaDataType_t bt = t;
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)));
+  }
+  if (k.epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS || k.epilogue == CUBLASLT_EPILOGUE_DGELU) {
+    // the GELU input ("aux"): laid out like the output, row-major [M, N] = column-major ld N
+    int64_t ld = k.N;
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, sizeof(ld)));
   }
   cublasLtMatmulHeuristicResult_t res{};
   int count = 0;
@@ -126,23 +134,31 @@ Plan& get_plan(const PlanKey& k) {
   return cache.emplace(k, p).first->second;
 }
 
-// Returns false (and does nothing) when cuBLASLt has no algorithm for this plan.
+// Returns false (and does nothing) when cuBLASLt has no algorithm for this plan. `epilogue`:
+// CUBLASLT_EPILOGUE_DEFAULT / BIAS (bias given) / GELU_AUX_BIAS (bias and aux = the GELU input
+// written) / DGELU (aux = the GELU input read).
 template <class T>
 bool lt_matmul(T* C, const T* A, const T* B, const T* bias, int M, int N, int K, bool ta, bool tb,
-               float alpha, float beta, int batch, int64_t sa, int64_t sb, int64_t sc, Stream s) {
+               float alpha, float beta, int batch, int64_t sa, int64_t sb, int64_t sc, Stream s,
+               cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT, const void* aux = nullptr) {
   PlanKey k;
   std::memset(&k, 0, sizeof k);  // padding bytes take part in the hash and compare
   k.dtype = std::is_same_v<T, float> ? 0 : 1;
   k.M = M; k.N = N; k.K = K; k.ta = ta; k.tb = tb; k.batch = batch;
   k.sa = batch > 1 ? sa : 0; k.sb = batch > 1 ? sb : 0; k.sc = batch > 1 ? sc : 0;
-  k.epilogue = bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+  if (epilogue == CUBLASLT_EPILOGUE_DEFAULT && bias) epilogue = CUBLASLT_EPILOGUE_BIAS;
+  k.epilogue = epilogue;
   k.align_a = alignment(A); k.align_b = alignment(B); k.align_c = alignment(C);
   k.align_bias = bias ? alignment(bias) : 0;
+  k.align_aux = aux ? alignment(aux) : 0;
   Plan& p = get_plan(k);
   if (!p.ok) return false;
   if (bias) {
     const void* bp = bias;
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp, sizeof(bp)));
+  }
+  if (aux) {
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof(aux)));
   }
   size_t ws = 0;
   void* w = cublaslt_workspace(&ws);
@@ -249,11 +265,42 @@ void linear_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* inp,
   }
 }
 
+// The fallbacks of the fused GELU GEMMs, when cuBLASLt offers no epilogue algorithm for a
+// shape or dtype: the same math in separate passes (reported once).
+template <class T>
+void linear_gelu_forward(T* out, T* pre, const T* inp, const T* weight, const T* bias, int64_t N, int I, int O,
+                         Stream s) {
+  if (N <= 0 || O <= 0) return;
+  if (N > INT32_MAX) throw std::runtime_error("linear_gelu_forward: N too large for one GEMM");
+  if (bias && lt_matmul(out, inp, weight, bias, int(N), O, I, false, true, 1.f, 0.f, 1, 0, 0, 0, s,
+                        CUBLASLT_EPILOGUE_GELU_AUX_BIAS, pre))
+    return;
+  say_once("linear_gelu_forward: no cuBLASLt GELU_AUX_BIAS algorithm for this shape; GEMM and GELU run apart");
+  linear_forward(pre, inp, weight, bias, N, I, O, s);
+  gelu_forward(out, pre, N * O, s);
+}
+
+template <class T>
+void linear_dgelu_backward(T* dpre, T* dbias, const T* dout, const T* weight, const T* pre, int64_t N, int I, int O,
+                           Stream s) {
+  if (N <= 0 || I <= 0) return;
+  if (N > INT32_MAX) throw std::runtime_error("linear_dgelu_backward: N too large for one GEMM");
+  if (!lt_matmul(dpre, dout, weight, (const T*)nullptr, int(N), I, O, false, false, 1.f, 0.f, 1, 0, 0, 0, s,
+                 CUBLASLT_EPILOGUE_DGELU, pre)) {
+    say_once("linear_dgelu_backward: no cuBLASLt DGELU algorithm for this shape; GEMM and GELU backward run apart");
+    gemm(dpre, dout, weight, int(N), I, O, false, false, 1.0, 0.0, 1, 0, 0, 0, s);
+    gelu_backward(dpre, dpre, pre, N * I, s);
+  }
+  if (dbias) linear_backward((T*)nullptr, (T*)nullptr, dbias, dpre, (const T*)nullptr, (const T*)nullptr, N, O, I, s);
+}
+
 #define LOOM_MATMUL(T)                                                                                 \
   template void gemm<T>(T*, const T*, const T*, int, int, int, bool, bool, double, double, int, int64_t, \
                         int64_t, int64_t, Stream);                                                     \
   template void linear_forward<T>(T*, const T*, const T*, const T*, int64_t, int, int, Stream);        \
-  template void linear_backward<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, int, int, Stream);
+  template void linear_backward<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, int, int, Stream); \
+  template void linear_gelu_forward<T>(T*, T*, const T*, const T*, const T*, int64_t, int, int, Stream);  \
+  template void linear_dgelu_backward<T>(T*, T*, const T*, const T*, const T*, int64_t, int, int, Stream);
 LOOM_MATMUL(float)
 LOOM_MATMUL(bf16)
 

@@ -12,6 +12,7 @@ by total time; the host runtime calls by total time (syncs, pageable copies, mal
 import argparse
 import collections
 import csv
+import gzip
 
 
 def main():
@@ -20,9 +21,11 @@ def main():
     ap.add_argument("--from", dest="frm", type=float, default=0.5)
     ap.add_argument("--steps", type=int, default=0)
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--step-kernel", default="step_control",
+                    help="a kernel launched once per training step: counts the steps in the window")
     a = ap.parse_args()
     gpu, host = [], []
-    with open(a.trace) as f:
+    with (gzip.open(a.trace, "rt") if a.trace.endswith(".gz") else open(a.trace)) as f:
         for r in csv.DictReader(f):
             rec = (int(r["start_ns"]), int(r["end_ns"]), r["kind"], r["stream"], r["name"])
             (host if r["kind"] == "R" else gpu).append(rec)
@@ -31,8 +34,18 @@ def main():
         print("no GPU activity")
         return
     t0, t1 = gpu[0][0], max(g[1] for g in gpu)
+    # the end-of-run checkpoint (device-to-host copies of the weights) is not a training step
+    big = [g[0] for g in gpu if g[4].startswith("memcpy DtoH") and int(g[4].split()[-1]) > (64 << 20)]
+    if big and min(big) > t0:
+        t1 = min(big)
+        gpu = [g for g in gpu if g[0] < t1]
     w0 = t0 + (t1 - t0) * a.frm
-    win = [g for g in gpu if g[0] >= w0]
+    marks = [g[0] for g in gpu if a.step_kernel in g[4]]
+    auto_steps = 0
+    if len(marks) >= 4 and not a.steps:  # whole steps: from one step-kernel launch to another
+        i0 = int(len(marks) * a.frm)
+        w0, t1, auto_steps = marks[i0], marks[-1], len(marks) - 1 - i0
+    win = [g for g in gpu if w0 <= g[0] < t1]
     hwin = [h for h in host if h[0] >= w0 and h[0] <= t1]
     span = (t1 - w0) / 1e6
     busy, cur_s, cur_e, gaps = 0, None, None, []
@@ -47,8 +60,8 @@ def main():
     busy += cur_e - cur_s
     busy /= 1e6
     syncs = sum(1 for h in hwin if "Synchronize" in h[4])
-    steps = a.steps or max(1, sum(1 for h in hwin if h[4].startswith("cudaDeviceSynchronize")))
-    print(f"window: last {100 * (1 - a.frm):.0f}% of the timeline, {span:.1f} ms wall, {steps} steps")
+    steps = a.steps or auto_steps or 1
+    print(f"window: {span:.1f} ms wall, {steps} steps" + (" (between launches of " + a.step_kernel + ")" if auto_steps else ""))
     print(f"GPU busy {busy:.1f} ms ({100 * busy / span:.1f}%), idle {span - busy:.1f} ms; per step: "
           f"wall {span / steps:.2f} ms, busy {busy / steps:.2f} ms; host sync calls {syncs}")
     big = sorted(gaps, reverse=True)
