@@ -58,8 +58,10 @@ Tensor mlp_gelu(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tenso
 Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans_b = false);
 Tensor layernorm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps);
 Tensor rmsnorm(const Tensor& x, const Tensor& weight, double eps);
-// The residual stream's add and the next norm in one pass: {h = x + y, layernorm(h)}.
+// The residual stream's add and the next norm in one pass: {h = x + y, layernorm(h)} and
+// {h = x + y, rmsnorm(h)}.
 std::vector<Tensor> add_layernorm(const Tensor& x, const Tensor& y, const Tensor& weight, const Tensor& bias, double eps);
+std::vector<Tensor> add_rmsnorm(const Tensor& x, const Tensor& y, const Tensor& weight, double eps);
 Tensor gelu(const Tensor& x);   // tanh approximation
 Tensor silu(const Tensor& x);
 Tensor swiglu(const Tensor& gate, const Tensor& up);  // silu(gate) * up

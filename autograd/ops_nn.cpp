@@ -226,24 +226,31 @@ Tensor layernorm(const Tensor& x, const Tensor& weight, const Tensor& bias, doub
   return out;
 }
 
-std::vector<Tensor> add_layernorm(const Tensor& x, const Tensor& y, const Tensor& weight, const Tensor& bias,
-                                  double eps) {
-  check_same("add_layernorm", {x, y, weight, bias});
+// {h = x + y, norm(h)} for LayerNorm (rms false) and RMSNorm (rms true, bias undefined).
+static std::vector<Tensor> add_norm(const Tensor& x, const Tensor& y, const Tensor& weight, const Tensor& bias,
+                                    double eps, bool rms) {
+  check_same(rms ? "add_rmsnorm" : "add_layernorm", {x, y, weight, bias});
   const int C = int(x.size(-1));
   LOOM_CHECK(x.shape() == y.shape() && weight.numel() == C && (!bias.defined() || bias.numel() == C),
-             "add_layernorm: x %s, y %s with weight %s", x.desc().c_str(), y.desc().c_str(), weight.desc().c_str());
+             "%s: x %s, y %s with weight %s", rms ? "add_rmsnorm" : "add_layernorm", x.desc().c_str(),
+             y.desc().c_str(), weight.desc().c_str());
   Tensor xc = x.contiguous(), yc = y.contiguous();
   const int64_t N = xc.numel() / C;
-  Tensor h = Tensor::empty_like(xc), out = Tensor::empty_like(xc), mean = acc_empty({N}, x), rstd = acc_empty({N}, x);
+  Tensor h = Tensor::empty_like(xc), out = Tensor::empty_like(xc), rstd = acc_empty({N}, x);
+  Tensor mean = rms ? Tensor() : acc_empty({N}, x);
   dispatch_float(xc, [&](auto dev, auto zero) {
     using T = decltype(zero);
     using A = acc_t<T>;
-    KERNEL(dev, residual_layernorm_forward)(h.data<T>(), out.data<T>(), mean.data<A>(), rstd.data<A>(), xc.data<T>(),
-                                            yc.data<T>(), weight.data<T>(), ptr<T>(bias), N, C, eps, stream_for(dev));
+    if (rms)
+      KERNEL(dev, residual_rmsnorm_forward)(h.data<T>(), out.data<T>(), rstd.data<A>(), xc.data<T>(), yc.data<T>(),
+                                            weight.data<T>(), N, C, eps, stream_for(dev));
+    else
+      KERNEL(dev, residual_layernorm_forward)(h.data<T>(), out.data<T>(), mean.data<A>(), rstd.data<A>(), xc.data<T>(),
+                                              yc.data<T>(), weight.data<T>(), ptr<T>(bias), N, C, eps, stream_for(dev));
   });
   if (any_requires_grad({x, y, weight, bias}))
-    record("layernorm", {h, out}, [x, y, weight, bias, h, out, mean, rstd, N, C]() {
-      // d(h) = g_h + layernorm_backward(g_out); x and y both receive d(h)
+    record(rms ? "rmsnorm" : "layernorm", {h, out}, [x, y, weight, bias, h, out, mean, rstd, N, C, rms]() {
+      // d(h) = g_h + norm_backward(g_out); x and y both receive d(h)
       Tensor gh = grad_of(h), go = grad_of(out), dh;
       if (go.defined()) {
         go = go.contiguous();
@@ -254,8 +261,12 @@ std::vector<Tensor> add_layernorm(const Tensor& x, const Tensor& y, const Tensor
         dispatch_float(go, [&](auto dev, auto zero) {
           using T = decltype(zero);
           using A = acc_t<T>;
-          KERNEL(dev, layernorm_backward)(dh.data<T>(), dw_tmp.data<T>(), ptr<T>(db_tmp), go.data<T>(), h.data<T>(),
-                                          weight.data<T>(), mean.data<A>(), rstd.data<A>(), N, C, stream_for(dev));
+          if (rms)
+            KERNEL(dev, rmsnorm_backward)(dh.data<T>(), dw_tmp.data<T>(), go.data<T>(), h.data<T>(), weight.data<T>(),
+                                          rstd.data<A>(), N, C, stream_for(dev));
+          else
+            KERNEL(dev, layernorm_backward)(dh.data<T>(), dw_tmp.data<T>(), ptr<T>(db_tmp), go.data<T>(), h.data<T>(),
+                                            weight.data<T>(), mean.data<A>(), rstd.data<A>(), N, C, stream_for(dev));
           if (gh.defined()) {
             Tensor ghc = gh.contiguous();
             KERNEL(dev, axpby)(dh.data<T>(), dh.data<T>(), 1.0, ghc.data<T>(), 1.0, dh.numel(), stream_for(dev));
@@ -269,6 +280,14 @@ std::vector<Tensor> add_layernorm(const Tensor& x, const Tensor& y, const Tensor
       accumulate_grad(y, dh);        // y aliases it (copy on write)
     });
   return {h, out};
+}
+
+std::vector<Tensor> add_layernorm(const Tensor& x, const Tensor& y, const Tensor& weight, const Tensor& bias,
+                                  double eps) {
+  return add_norm(x, y, weight, bias, eps, false);
+}
+std::vector<Tensor> add_rmsnorm(const Tensor& x, const Tensor& y, const Tensor& weight, double eps) {
+  return add_norm(x, y, weight, Tensor(), eps, true);
 }
 
 Tensor rmsnorm(const Tensor& x, const Tensor& weight, double eps) {

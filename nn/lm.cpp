@@ -32,9 +32,10 @@ Tensor LMBlock::forward(const Tensor& x, const Tensor& pos, const SeqInfo& seq) 
   Tensor k = rope(reshape(k_proj.forward(h), {N, cfg.kv_heads, hd}), pos, cfg.rope_theta);
   Tensor v = reshape(v_proj.forward(h), {N, cfg.kv_heads, hd});
   Tensor a = attention(q, k, v, seq, /*causal=*/true, 1.0 / std::sqrt(double(hd)));
-  Tensor r = add(x, o_proj.forward(reshape(a, {N, cfg.heads * hd})));
-  Tensor m = post_attention_layernorm.forward(r);
-  return add(r, down_proj.forward(swiglu(gate_proj.forward(m), up_proj.forward(m))));
+  // r = x + o_proj(a) and its RMSNorm in one pass
+  std::vector<Tensor> r = add_rmsnorm(x, o_proj.forward(reshape(a, {N, cfg.heads * hd})),
+                                      post_attention_layernorm.weight, post_attention_layernorm.eps);
+  return add(r[0], down_proj.forward(swiglu(gate_proj.forward(r[1]), up_proj.forward(r[1]))));
 }
 
 Tensor LMBlock::forward_cached(const Tensor& x, const Tensor& pos, Tensor& k_cache, Tensor& v_cache,

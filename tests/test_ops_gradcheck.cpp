@@ -194,6 +194,12 @@ TEST_CASE("gradcheck: norms and activations", "[gradcheck]") {
           return add(scale(hn[0], 0.5), mul(hn[1], hn[1]));
         },
         {P({4, 37}), P({4, 37}), P({37}), P({37})});
+  check("add_rmsnorm [3,37]",
+        [](auto& in) {
+          auto hn = add_rmsnorm(in[0], in[1], in[2], 1e-6);
+          return add(hn[0], scale(hn[1], 3.0));
+        },
+        {P({3, 37}), P({3, 37}), P({37})});
   check("add_layernorm, only the normed output used",
         [](auto& in) { return add_layernorm(in[0], in[1], in[2], Tensor(), 1e-5)[1]; }, {P({3, 5}), P({3, 5}), P({5})});
   auto ln = [](auto& in) { return layernorm(in[0], in[1], in[2], 1e-5); };

@@ -8,8 +8,10 @@
  *     < 1 MiB   -> multiple of 512 B      (activations of small models, statistics, scalars)
  *     >= 1 MiB  -> multiple of 2 MiB      (weights, activations, optimizer states)
  *   Each class keeps a free list. device_free() never calls cudaFree: the block goes back to
- *   its free list and the next request of the same class reuses it, so a steady-state
- *   training step does no cudaMalloc and no cudaFree (both synchronize the device).
+ *   its free list and a later request reuses it, so a steady-state training step does no
+ *   cudaMalloc and no cudaFree (both synchronize the device). A large request takes the
+ *   smallest cached block that fits it with at most 1/8 (or 2 MiB) to spare (best fit), so
+ *   shapes that vary a little between steps do not grow the cache step after step.
  *   Reuse is stream-ordered: every loom kernel runs on default_stream(), so a block freed
  *   after a launch and handed out again is only touched by later work in the same stream.
  *   When cudaMalloc runs out of memory, the cached blocks are released (after a device
@@ -24,6 +26,7 @@
  * Test: tests/cuda/test_cuda_kernels_a.cpp ("runtime" cases); on the GPU machine:
  *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_kernels_a.cpp
  */
+#include <algorithm>
 #include <cstdio>
 #include <map>
 #include <mutex>
@@ -85,10 +88,17 @@ struct Allocator {
     size_t sz = round_size(bytes);
     std::lock_guard<std::mutex> lock(mu);
     void* p = nullptr;
-    auto it = free_lists.find(sz);
-    if (it != free_lists.end() && !it->second.empty()) {
+    // Best fit: the smallest cached block that holds the request, if it wastes at most an
+    // eighth (and 2 MiB past the class size for large blocks). Batches whose shapes change a
+    // little from step to step (a VLM batch's image count) then reuse blocks instead of
+    // adding new ones to the cache.
+    auto it = free_lists.lower_bound(sz);
+    while (it != free_lists.end() && it->second.empty()) ++it;
+    const size_t slack = sz < kSmallLimit ? 0 : std::max(sz / 8, kLargeRound);
+    if (it != free_lists.end() && it->first <= sz + slack) {
       p = it->second.back();
       it->second.pop_back();
+      sz = it->first;  // the block keeps its size
       cached -= sz;
     } else {
       cudaError_t e = cudaMalloc(&p, sz);
