@@ -32,5 +32,15 @@ size_t peak_bytes_in_use() { no_cuda(); }
 void reset_peak_bytes() { no_cuda(); }
 void set_deterministic_attention(bool) { no_cuda(); }
 bool deterministic_attention() { no_cuda(); }
+// The attention backend is a setting the trainer writes whatever the device: kept, unused.
+namespace {
+AttentionBackend g_backend = AttentionBackend::Loom;
+}
+void set_attention_backend(AttentionBackend b) { g_backend = b; }
+AttentionBackend attention_backend() { return g_backend; }
+const char* attention_backend_name(AttentionBackend b) {
+  return b == AttentionBackend::Auto ? "auto" : b == AttentionBackend::Cudnn ? "cudnn" : "loom";
+}
+void reset_attention_choices() {}
 
 }  // namespace loom::cuda
