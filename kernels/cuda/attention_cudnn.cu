@@ -32,13 +32,15 @@
  *             dK = dS^T Q (GQA likewise); dq_acc = dS K (fp32, our workspace [Nq, H, hd], ragged
  *             like dq; cuDNN zeroes it) -> dQ = identity(dq_acc) in bf16.
  *   bf16 only: f32 inputs under `cudnn` are rounded to bf16 around the call (temporaries from
- *   device_malloc); `auto` keeps f32 on our kernels. Head dims: multiples of 8 up to 128.
+ *   device_malloc); `auto` keeps f32 on our kernels. Head dims: multiples of 16 up to 128 (hd 40
+ *   gave wrong dq rows on cuDNN 9.19).
  *   Needs compute capability >= 9.0 (the ragged lse of the backward is Hopper+) and cuDNN >= 9.6.
  * Plans: built the first time a (direction, B, S, H, KV, hd, causal) bucket is seen, cached
- *   for the process with their workspace (device_malloc) and a small device buffer for the
- *   per-call sequence lengths and offsets; a call is then one prep kernel (lengths, offsets,
- *   rows outside every sequence) and cudnnBackendExecute: no host sync, no allocation,
- *   capturable. Every cuDNN status goes through CUDNN_CHECK, which names the call.
+ *   for the process with a small device buffer for the per-call sequence lengths and offsets;
+ *   one workspace (device_malloc) serves every plan, grown at plan building; the variant pack
+ *   is kept while the call's pointers stay the same. A call is then one prep kernel (lengths,
+ *   offsets, rows outside every sequence) and cudnnBackendExecute: no host sync, no
+ *   allocation, capturable. Every cuDNN status goes through CUDNN_CHECK, which names the call.
  * auto: the first time a bucket is seen, both backends run on the call's own data (alternating,
  *   2 warm-up and 5 timed runs each, events, the medians), the faster is kept and logged once
  *   on stderr. Unsupported cases (hd, f32, GPU, deterministic backward) and a plan cuDNN cannot
@@ -373,8 +375,12 @@ struct Key {
 struct Plan {
   Descs descs;
   D plan = nullptr;
-  void* workspace = nullptr;
   int64_t workspace_bytes = 0;
+  // the variant pack of the last call, reused while the pointers and scalars are the same
+  Descs pack_desc;
+  D pack = nullptr;
+  std::vector<void*> pack_ptrs;
+  float scale = 0.f, neg_inf = -INFINITY, one = 1.f;
   int32_t* meta = nullptr;  // seq_q, seq_kv, off_q, off_k, off_lse (see cudnn_prep)
   std::string error;        // non-empty: cuDNN cannot run this bucket
 };
@@ -497,6 +503,22 @@ std::map<Key, std::unique_ptr<Plan>>& plans() {
   return *m;
 }
 
+// One workspace for every plan (calls run in stream order), grown to the largest plan's need.
+void*& workspace_ptr() {
+  static void* p = nullptr;
+  return p;
+}
+size_t& workspace_size() {
+  static size_t n = 0;
+  return n;
+}
+void grow_workspace(size_t bytes) {
+  if (bytes <= workspace_size()) return;
+  if (workspace_ptr()) device_free(workspace_ptr());  // stream-ordered reuse: safe on one stream
+  workspace_ptr() = device_malloc(bytes);
+  workspace_size() = bytes;
+}
+
 // The plan of a bucket, built on first use. Throws on a cuDNN API error; a graph no engine
 // supports comes back with P.error set.
 Plan& get_plan(const Key& k) {
@@ -506,7 +528,7 @@ Plan& get_plan(const Key& k) {
     auto P = std::make_unique<Plan>();
     build_graph(*P, k);
     if (P->plan) {
-      if (P->workspace_bytes > 0) P->workspace = device_malloc(size_t(P->workspace_bytes));
+      grow_workspace(size_t(P->workspace_bytes));
       P->meta = static_cast<int32_t*>(device_malloc(sizeof(int32_t) * size_t(5 * k.B + 3)));
     }
     slot = std::move(P);
@@ -514,17 +536,28 @@ Plan& get_plan(const Key& k) {
   return *slot;
 }
 
-void execute(Plan& P, const std::vector<int64_t>& uids, const std::vector<void*>& ptrs, cudaStream_t s) {
+// ptrs: device pointers, and the plan's own scalars (by value) at stable addresses
+void execute(Plan& P, const std::vector<int64_t>& uids, std::vector<void*> ptrs, cudaStream_t s) {
   CUDNN_CHECK(cudnnSetStream(handle(), s));
-  Descs keep;
-  D pack = nullptr;
-  CUDNN_CHECK(cudnnBackendCreateDescriptor(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, &pack));
-  keep.all.push_back(pack);
-  SET_ATTR(pack, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, int64_t(uids.size()), uids.data());
-  SET_ATTR(pack, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, int64_t(ptrs.size()), ptrs.data());
-  SET_ATTR(pack, CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &P.workspace);
-  CUDNN_CHECK(cudnnBackendFinalize(pack));
-  CUDNN_CHECK(cudnnBackendExecute(handle(), P.plan, pack));
+  ptrs.push_back(workspace_ptr());
+  if (!P.pack || ptrs != P.pack_ptrs) {
+    if (P.pack) {
+      cudnnBackendDestroyDescriptor(P.pack);
+      P.pack_desc.all.clear();
+      P.pack = nullptr;
+    }
+    D pack = nullptr;
+    CUDNN_CHECK(cudnnBackendCreateDescriptor(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, &pack));
+    P.pack_desc.all.push_back(pack);
+    void* ws = ptrs.back();
+    SET_ATTR(pack, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, int64_t(uids.size()), uids.data());
+    SET_ATTR(pack, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, int64_t(uids.size()), ptrs.data());
+    SET_ATTR(pack, CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &ws);
+    CUDNN_CHECK(cudnnBackendFinalize(pack));
+    P.pack = pack;
+    P.pack_ptrs = ptrs;
+  }
+  CUDNN_CHECK(cudnnBackendExecute(handle(), P.plan, P.pack));
 }
 
 // ---------------------------------------------------------------------------- support
@@ -541,7 +574,9 @@ int device_cc_major() {
 // Empty when cuDNN can run the case (bf16 after conversion for f32), else the reason.
 std::string unsupported(bool is_f32, bool backward, int64_t Nq, int64_t Nk, int H, int KV, int hd) {
   (void)is_f32;
-  if (hd % 8 != 0 || hd > 128) return "head dim " + std::to_string(hd) + " (cuDNN: multiples of 8 up to 128)";
+  // hd 40 (a multiple of 8, not of 16) ran and gave dq = 0 on whole rows (H100, cuDNN 9.19,
+  // tests/cuda/test_cuda_attention_cudnn.cpp): multiples of 16 only.
+  if (hd % 16 != 0 || hd > 128) return "head dim " + std::to_string(hd) + " (cuDNN backend: multiples of 16 up to 128)";
   if (device_cc_major() < 9) return "compute capability " + std::to_string(device_cc_major()) + ".x (needs 9.0+)";
   if (cudnnGetVersion() < 90600) return "cuDNN " + std::to_string(cudnnGetVersion()) + " (needs 9.6+)";
   if (Nq * H * hd >= (int64_t(1) << 31) || Nk * KV * hd >= (int64_t(1) << 31))
@@ -568,12 +603,12 @@ void fwd_bf16(Plan& P, const Key& k, bf* out, float* lse, const bf* q, const bf*
               const int32_t* cu_k, int nseq, int64_t Nq, double scale, cudaStream_t s) {
   run_prep<bf16>(P, k, cu_q, cu_k, nseq, reinterpret_cast<bf16*>(out), lse, Nq, k.H * k.hd, k.H, cu_q, nullptr,
                  nullptr, 0, 0, cu_k, s);
-  float sc = float(scale), ninf = -INFINITY;
+  P.scale = float(scale);
   int32_t* m = P.meta;
   const int B = k.B;
   execute(P, {kQ, kK, kV, kO, kLse, kScale, kNegInf, kSeqQ, kSeqKV, kOffQ, kOffK, kOffLse},
-          {(void*)q, (void*)kk, (void*)v, (void*)out, (void*)lse, &sc, &ninf, m, m + B, m + 2 * B, m + 3 * B + 1,
-           m + 4 * B + 2},
+          {(void*)q, (void*)kk, (void*)v, (void*)out, (void*)lse, &P.scale, &P.neg_inf, m, m + B, m + 2 * B,
+           m + 3 * B + 1, m + 4 * B + 2},
           s);
   if (k.causal && cu_q != cu_k) {
     cudnn_fix_unseen<<<nseq, 256, 0, s>>>(out, lse, cu_q, cu_k, k.H, k.hd);
@@ -586,7 +621,7 @@ void bwd_bf16(Plan& P, const Key& k, bf* dq, bf* dk, bf* dv, const bf* dout, con
               int64_t Nq, int64_t Nk, double scale, cudaStream_t s) {
   run_prep<bf16>(P, k, cu_q, cu_k, nseq, reinterpret_cast<bf16*>(dq), nullptr, Nq, k.H * k.hd, 0, cu_q,
                  reinterpret_cast<bf16*>(dk), reinterpret_cast<bf16*>(dv), Nk, k.KV * k.hd, cu_k, s);
-  float sc = float(scale), ninf = -INFINITY, one = 1.f;
+  P.scale = float(scale);
   int32_t* m = P.meta;
   const int B = k.B;
   float* dq_acc = ws;
@@ -595,7 +630,7 @@ void bwd_bf16(Plan& P, const Key& k, bf* dq, bf* dk, bf* dv, const bf* dout, con
           {kQ, kK, kV, kO, kLse, kDO, kDQ, kDK, kDV, kDQAcc, kDelta, kScale, kNegInf, kOne, kSeqQ, kSeqKV, kOffQ,
            kOffK, kOffLse},
           {(void*)q, (void*)kk, (void*)v, (void*)out, (void*)lse, (void*)dout, (void*)dq, (void*)dk, (void*)dv,
-           (void*)dq_acc, (void*)delta, &sc, &ninf, &one, m, m + B, m + 2 * B, m + 3 * B + 1, m + 4 * B + 2},
+           (void*)dq_acc, (void*)delta, &P.scale, &P.neg_inf, &P.one, m, m + B, m + 2 * B, m + 3 * B + 1, m + 4 * B + 2},
           s);
 }
 
