@@ -132,6 +132,8 @@
  *   block on the hd 128 shape (343 GFLOP), into an L2-resident dq_acc; plus zeroing and
  *   converting dq_acc (0.34 GB moved there). The atomics cost ~0.3 ms of the 1.7 ms (above).
  *
+ * Backends: attention_forward / attention_backward first ask attention_cudnn.cu (train.attention
+ *   = cudnn, or auto's choice for the shape) and run forward_loom / backward_loom otherwise.
  * Reference: kernels/cpu/attention.cpp. Test: tests/cuda/test_cuda_kernels_b.cpp
  *   ("attention ..."); bench: bench/bench_attention.cpp. On the GPU machine:
  *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_kernels_b.cpp

@@ -47,8 +47,18 @@
  *   build go to our kernels, logged once; under `cudnn` they throw with the reason.
  * Napkin (B8 H16 T2048 hd128 causal): forward 137 GFLOP, backward 2.5x; bytes ~0.27 GB.
  *   Compute-bound: the figure of merit is TFLOP/s against the ~660 of H100/H200 bf16 mma.
- * Measured (bench/bench_attention.cpp, median of 20, same run as PyTorch 2.11 SDPA): see
- *   bench/RESULTS.md, "cuDNN backend"; the loom/cudnn/auto rows of `make bench`.
+ * Measured 2026-11-23, H100 80GB HBM3, cuDNN 9.19, b75ff14 (bench/bench_attention.cpp, median
+ *   of 20; PyTorch 2.11 SDPA CUDNN_ATTENTION in the same run in brackets), ms fwd | fwd+bwd:
+ *                         B8 H12 T1024 D64      B8 H16 T2048 D128 c   B4 H9 T2048 D64 c
+ *     loom                0.108 | 0.515         0.430 | 2.162         0.106 | 0.410
+ *     cudnn (this file)   0.093 | 0.343         0.314 | 1.866         0.089 | 0.441
+ *     auto                0.093 | 0.348         0.304 | 1.880         0.088 | 0.391
+ *     PyTorch CUDNN      (0.098 | 0.510)       (0.304 | 1.395)       (0.086 | 0.376)
+ *   Open: the hd 128 causal backward (1.55 ms against PyTorch's 1.09; PyTorch passes dense BSHD
+ *   tensors without the padding mask, this graph is ragged with it). Earlier the same day:
+ *   per-call variant packs and one workspace per plan (fwd 0.095 / 0.318 / 0.091): the cached
+ *   pack and the shared workspace gave 0.093 / 0.314 / 0.089 (within run-to-run spread).
+ *   hd 40 (multiple of 8, not 16) ran but left whole dq rows at 0: multiples of 16 only.
  * Test: tests/cuda/test_cuda_attention_cudnn.cpp. On the GPU machine:
  *   bash tools/gpu-run.sh test cudnn
  */
