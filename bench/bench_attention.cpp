@@ -3,12 +3,15 @@
 // median of 20 after 3 warm-up runs; one JSON line per measurement, FLOPs as
 // torch_ref.py bench_kernels counts them: forward 4 B H T^2 D (x 0.5 causal), fwd+bwd 3.5x.
 // fwd+bwd is timed with the default single-pass backward (atomic dq) and with the
-// deterministic two-pass one (attention_fwd_bwd_deterministic).
+// deterministic two-pass one (attention_fwd_bwd_deterministic); then the same calls on the
+// cuDNN backend (attention_fwd[cudnn], attention_fwd_bwd[cudnn]) and with train.attention =
+// auto (attention_fwd[auto], ...: per shape the faster of the two, chosen by its probe).
 //   ./bench_attention            (run beside: python3 ../shared/reference/torch_ref.py bench --workload kernels)
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <stdexcept>
 #include <random>
 #include <vector>
 
@@ -89,6 +92,24 @@ int main() {
     const float ms_f = median_ms(fwd), ms_fb = median_ms(fb);
     cu::set_deterministic_attention(true);
     const float ms_fbd = median_ms(fb);
+    // the cuDNN backend (kernels/cuda/attention_cudnn.cu) and auto (per shape the faster; the
+    // warm-up's first call runs its probe); -1 when cuDNN cannot run here
+    auto with = [&](cu::AttentionBackend b, const std::function<void()>& f) {
+      const cu::AttentionBackend before = cu::attention_backend();
+      cu::set_attention_backend(b);
+      cu::reset_attention_choices();
+      float ms = -1.f;
+      try {
+        ms = median_ms(f);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "%s: %s\n", cu::attention_backend_name(b), e.what());
+      }
+      cu::set_attention_backend(before);
+      return ms;
+    };
+    cu::set_deterministic_attention(false);
+    const float ms_fc = with(cu::AttentionBackend::Cudnn, fwd), ms_fbc = with(cu::AttentionBackend::Cudnn, fb);
+    const float ms_fa = with(cu::AttentionBackend::Auto, fwd), ms_fba = with(cu::AttentionBackend::Auto, fb);
     cu::set_deterministic_attention(was);
     char shape[96];
     std::snprintf(shape, sizeof shape, "B%d H%d T%d D%d causal=%s", s.B, s.H, s.T, s.D, s.causal ? "True" : "False");
@@ -98,6 +119,13 @@ int main() {
                 ms_fb, 3.5 * f / ms_fb / 1e9, shape);
     std::printf("{\"impl\":\"loom\",\"kernel\":\"attention_fwd_bwd_deterministic\",\"ms\":%.4f,\"tflops\":%.1f,\"shape\":\"%s\"}\n",
                 ms_fbd, 3.5 * f / ms_fbd / 1e9, shape);
+    const struct { const char* kernel; float ms; double flop; } more[] = {
+        {"attention_fwd[cudnn]", ms_fc, f}, {"attention_fwd_bwd[cudnn]", ms_fbc, 3.5 * f},
+        {"attention_fwd[auto]", ms_fa, f}, {"attention_fwd_bwd[auto]", ms_fba, 3.5 * f}};
+    for (const auto& m : more)
+      if (m.ms > 0)
+        std::printf("{\"impl\":\"loom\",\"kernel\":\"%s\",\"ms\":%.4f,\"tflops\":%.1f,\"shape\":\"%s\"}\n", m.kernel,
+                    m.ms, m.flop / m.ms / 1e9, shape);
     std::fflush(stdout);
     for (void* p : {(void*)q, (void*)k, (void*)v, (void*)go, (void*)out, (void*)dq, (void*)dk, (void*)dv,
                     (void*)lse, (void*)ws, (void*)cu_d})

@@ -32,6 +32,10 @@ for r in loom:
     if k in ("attention_fwd", "attention_fwd_bwd"):
         for be, tgt in (("FLASH_ATTENTION", 1.0), ("CUDNN_ATTENTION", None)):
             add(f"{k} {shape} vs {be}", r, find(ref, f"{k}[{be}]", shape), tgt)
+    elif k and k.startswith(("attention_fwd[", "attention_fwd_bwd[")):  # the cuDNN backend, auto
+        base, be_ours = k[:-1].split("[")
+        for be, tgt in (("FLASH_ATTENTION", None), ("CUDNN_ATTENTION", 1.0 if be_ours == "auto" else None)):
+            add(f"{base} ({be_ours}) {shape} vs {be}", r, find(ref, f"{base}[{be}]", shape), tgt)
     elif k == "attention_fwd_bwd_deterministic":  # the bitwise-reproducible two-pass backward
         add(f"{k} {shape} vs FLASH_ATTENTION", r, find(ref, "attention_fwd_bwd[FLASH_ATTENTION]", shape), None)
     elif k in ("layernorm_fwd", "rmsnorm_fwd"):

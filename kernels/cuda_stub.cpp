@@ -44,5 +44,15 @@ void memcpy_h2d_async(void*, const void*, size_t, Stream) { no_cuda(); }
 void memcpy_d2h_async(void*, const void*, size_t, Stream) { no_cuda(); }
 void set_deterministic_attention(bool) { no_cuda(); }
 bool deterministic_attention() { no_cuda(); }
+// The attention backend is a setting the trainer writes whatever the device: kept, unused.
+namespace {
+AttentionBackend g_backend = AttentionBackend::Loom;
+}
+void set_attention_backend(AttentionBackend b) { g_backend = b; }
+AttentionBackend attention_backend() { return g_backend; }
+const char* attention_backend_name(AttentionBackend b) {
+  return b == AttentionBackend::Auto ? "auto" : b == AttentionBackend::Cudnn ? "cudnn" : "loom";
+}
+void reset_attention_choices() {}
 
 }  // namespace loom::cuda

@@ -105,6 +105,19 @@ void memcpy_d2h_async(void* dst, const void* src, size_t bytes, Stream s);
 // reproducible. LOOM_DETERMINISTIC=1 in the environment turns it on at start.
 void set_deterministic_attention(bool on);
 bool deterministic_attention();
+
+// Which implementation runs attention_forward / attention_backward on CUDA (train.attention;
+// kernels/cuda/attention_cudnn.cu): Loom, our kernels (the default; LOOM_ATTENTION=auto|loom|cudnn
+// in the environment sets the start value); Cudnn, cuDNN's fused attention (bf16, head dims
+// multiple of 8 up to 128, compute capability 9.0+; f32 inputs run through it in bf16; an
+// unsupported case throws with the reason); Auto, per shape the faster of the two by a short
+// timed probe the first time a shape is seen (cached for the process, logged once on stderr;
+// unsupported cases and f32 stay on ours).
+enum class AttentionBackend : uint8_t { Auto, Loom, Cudnn };
+void set_attention_backend(AttentionBackend b);
+AttentionBackend attention_backend();
+const char* attention_backend_name(AttentionBackend b);
+void reset_attention_choices();  // forget auto's per-shape choices (tests, benchmarks)
 }  // namespace cuda
 
 }  // namespace loom

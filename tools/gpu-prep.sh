@@ -12,6 +12,10 @@ cp -r /usr/include/nlohmann $D/include/
 mkdir -p $D/include/stb && cp /usr/include/stb/stb_image.h /usr/include/stb/stb_image_write.h $D/include/stb/ 2>/dev/null || cp /usr/include/stb/stb_image.h $D/include/stb/
 cp /usr/include/pcre2.h /usr/include/zlib.h /usr/include/zconf.h $D/include/
 [ -f /usr/include/utf8proc.h ] && cp /usr/include/utf8proc.h $D/include/
+# cuDNN headers (the GPU machine may have only the libraries): the attention backend's build
+for d in /usr/local/cuda/include /usr/include /usr/include/x86_64-linux-gnu; do
+  ls $d/cudnn*.h >/dev/null 2>&1 && { cp $d/cudnn*.h $D/include/; break; }
+done
 ML=/usr/lib/x86_64-linux-gnu
 for l in libpcre2-8.so.0 libz.so.1 libutf8proc.so.2; do
   [ -e $ML/$l ] && cp -L $ML/$l $D/lib/

@@ -19,6 +19,9 @@ using json = nlohmann::json;
 // cancellations in small gradients; 1e-4 relative in norm leaves a 10x margin over what
 // the f32 CPU path shows.
 static constexpr double kTolF64 = 1e-6, kTolF32 = 1e-4;
+// --train.attention=cudnn: cuDNN's fused attention is bf16, so the f32 model's attention runs
+// on bf16-rounded q, k, v (and dout, out) with fp32 accumulation: the bf16-operand band.
+static constexpr double kTolBf16Attention = 2e-2;
 
 CheckRow make_row(const std::string& name, const Tensor& got, const Tensor& ref) {
   auto g = got.to_vector<double>(), r = ref.to_vector<double>();
@@ -210,23 +213,34 @@ CheckResult run_check(const std::string& path, const std::string& device) {
 }
 
 int check_command(int argc, char** argv) {
-  std::string path, device = "cpu";
+  std::string path, device = "cpu", attention = "loom";
   for (int i = 0; i < argc; i++) {
     std::string a = argv[i];
     if (a.rfind("--device=", 0) == 0) device = a.substr(9);
     else if (a == "--device" && i + 1 < argc) device = argv[++i];
+    else if (a.rfind("--train.attention=", 0) == 0) attention = a.substr(18);
+    else if (a == "--train.attention" && i + 1 < argc) attention = argv[++i];
     else if (a.rfind("--", 0) == 0) {
-      std::fprintf(stderr, "check: unknown option %s (usage: ./train check FIXTURE [--device cpu|cuda])\n", a.c_str());
+      std::fprintf(stderr, "check: unknown option %s (usage: ./train check FIXTURE [--device cpu|cuda] [--train.attention=auto|loom|cudnn])\n", a.c_str());
       return 2;
     } else path = a;
   }
   if (path.empty()) {
-    std::fprintf(stderr, "usage: ./train check FIXTURE [--device cpu|cuda]\n"
+    std::fprintf(stderr, "usage: ./train check FIXTURE [--device cpu|cuda] [--train.attention=auto|loom|cudnn]\n"
                          "  FIXTURE: mim_*.safetensors, vlm_*.safetensors, or an HF folder with golden.safetensors\n");
     return 2;
   }
+  LOOM_CHECK(attention == "auto" || attention == "loom" || attention == "cudnn",
+             "--train.attention must be auto, loom or cudnn, got '%s'", attention.c_str());
+  const bool cudnn = attention == "cudnn" && device == "cuda";
+  if (device == "cuda")
+    cuda::set_attention_backend(attention == "cudnn" ? cuda::AttentionBackend::Cudnn
+                                : attention == "auto" ? cuda::AttentionBackend::Auto
+                                                      : cuda::AttentionBackend::Loom);
   CheckResult r = run_check(path, device);
-  std::printf("check %s (%s, %s on %s)\n", path.c_str(), r.kind.c_str(), device == "cpu" ? "f64" : "f32", device.c_str());
+  if (cudnn) r.tolerance = kTolBf16Attention;
+  std::printf("check %s (%s, %s on %s, attention %s)\n", path.c_str(), r.kind.c_str(), device == "cpu" ? "f64" : "f32",
+              device.c_str(), cudnn ? "cudnn: bf16" : device == "cuda" ? attention.c_str() : "cpu reference");
   std::printf("%-56s %10s %12s\n", "tensor", "numel", "rel err");
   for (auto& row : r.rows)
     std::printf("%-56s %10lld %12.3e%s%s\n", row.name.c_str(), row.numel, row.rel_err,

@@ -61,6 +61,7 @@ const std::vector<ConfigKey>& config_schema() {
       {"train", "trainer", S, "vlm_sft", "training recipe", "vlm_sft|vlm_pretrain|vit_mim"},
       {"train", "device", S, "auto", "auto = cuda when a GPU is present", "auto|cpu|cuda"},
       {"train", "dtype", S, "auto", "compute dtype; auto = bf16 on cuda, f32 on cpu", "auto|f32|bf16"},
+      {"train", "attention", S, "loom", "CUDA attention: loom's kernels, cuDNN's fused attention (bf16), or auto = per shape bucket the faster (timed once; each new bucket of a packed run costs a plan build)", "auto|loom|cudnn"},
       {"train", "steps", I, "1000", "optimizer steps", nullptr},
       {"train", "batch_size", I, "16", "images (mim) or packed rows (vlm) per step, per device", nullptr},
       {"train", "grad_accum", I, "1", "micro-batches per optimizer step", nullptr},

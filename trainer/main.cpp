@@ -16,7 +16,8 @@ static void usage() {
   std::fprintf(stderr,
                "usage:\n"
                "  ./train CONFIG [--section.key=value ...]     train (configs/CONFIG when a bare name)\n"
-               "  ./train check FIXTURE [--device cpu|cuda]    compare with PyTorch/HF goldens\n"
+               "  ./train check FIXTURE [--device cpu|cuda] [--train.attention=auto|loom|cudnn]\n"
+               "                                               compare with PyTorch/HF goldens\n"
                "  ./train tokenize --tokenizer FILE [--decode] text <-> token ids on stdin/stdout\n"
                "  ./train chat CHECKPOINT --image IMG [--prompt TEXT] [--temperature T]\n");
 }

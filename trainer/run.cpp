@@ -50,6 +50,10 @@ RunContext open_run(const Config& cfg) {
                cfg.source().c_str());
     ctx.compute = DType::BF16;
   } else LOOM_CHECK(false, "%s: train.dtype '%s' (auto, f32, bf16)", cfg.source().c_str(), dt.c_str());
+  const std::string attn = cfg.get_str("train.attention");
+  cuda::set_attention_backend(attn == "cudnn" ? cuda::AttentionBackend::Cudnn
+                              : attn == "loom" ? cuda::AttentionBackend::Loom
+                                               : cuda::AttentionBackend::Auto);
   mkdirs(ctx.out_dir);
   std::printf("# resolved config (%s)\n%s", cfg.source().c_str(), cfg.dump().c_str());
   std::printf("# device %s, compute %s, run folder %s\n", device_name(ctx.device), dtype_name(ctx.compute),

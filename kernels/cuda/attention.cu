@@ -132,6 +132,8 @@
  *   block on the hd 128 shape (343 GFLOP), into an L2-resident dq_acc; plus zeroing and
  *   converting dq_acc (0.34 GB moved there). The atomics cost ~0.3 ms of the 1.7 ms (above).
  *
+ * Backends: attention_forward / attention_backward first ask attention_cudnn.cu (train.attention
+ *   = cudnn, or auto's choice for the shape) and run forward_loom / backward_loom otherwise.
  * Reference: kernels/cpu/attention.cpp. Test: tests/cuda/test_cuda_kernels_b.cpp
  *   ("attention ..."); bench: bench/bench_attention.cpp. On the GPU machine:
  *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_kernels_b.cpp
@@ -1143,12 +1145,13 @@ std::atomic<bool>& deterministic_flag() {  // LOOM_DETERMINISTIC=1 sets it at fi
 void set_deterministic_attention(bool on) { deterministic_flag() = on; }
 bool deterministic_attention() { return deterministic_flag(); }
 
+namespace {
+// Our kernels (the cuDNN backend and the train.attention choice: attention_cudnn.cu)
 template <class T>
-void attention_forward(T* out, acc_t<T>* lse, const T* q, const T* k, const T* v,
-                       const int32_t* cu_q, const int32_t* cu_k, int nseq, int max_seqlen,
-                       int64_t Nq, int64_t Nk, int H, int KV, int hd, bool causal, double scale,
-                       Stream s) {
-  check_args("attention_forward", nseq, max_seqlen, H, KV, hd);
+void forward_loom(T* out, acc_t<T>* lse, const T* q, const T* k, const T* v,
+                  const int32_t* cu_q, const int32_t* cu_k, int nseq, int max_seqlen,
+                  int64_t Nq, int64_t Nk, int H, int KV, int hd, bool causal, double scale,
+                  Stream s) {
   (void)Nk;
   if (Nq == 0) return;
   const float scale_log2 = float(scale) * kLog2e;
@@ -1180,12 +1183,11 @@ void attention_forward(T* out, acc_t<T>* lse, const T* q, const T* k, const T* v
 }
 
 template <class T>
-void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, const T* v,
-                        const T* out, const acc_t<T>* lse, acc_t<T>* workspace,
-                        const int32_t* cu_q, const int32_t* cu_k, int nseq, int max_seqlen,
-                        int64_t Nq, int64_t Nk, int H, int KV, int hd, bool causal, double scale,
-                        Stream s) {
-  check_args("attention_backward", nseq, max_seqlen, H, KV, hd);
+void backward_loom(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, const T* v,
+                   const T* out, const acc_t<T>* lse, acc_t<T>* workspace,
+                   const int32_t* cu_q, const int32_t* cu_k, int nseq, int max_seqlen,
+                   int64_t Nq, int64_t Nk, int H, int KV, int hd, bool causal, double scale,
+                   Stream s) {
   // workspace: dq_acc [Nq, H, hd] first (its float2 alignment then does not depend on Nq H),
   // delta [Nq, H] after it
   float* dq_acc = workspace;
@@ -1246,6 +1248,38 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T*
   if (hd <= 32) bwd_v1<T, 1>(dq, dk, dv, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, Nq, Nk, H, KV, hd, causal, sc, s);
   else if (hd <= 64) bwd_v1<T, 2>(dq, dk, dv, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, Nq, Nk, H, KV, hd, causal, sc, s);
   else bwd_v1<T, 4>(dq, dk, dv, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, Nq, Nk, H, KV, hd, causal, sc, s);
+}
+
+}  // namespace
+
+template <class T>
+void attention_forward(T* out, acc_t<T>* lse, const T* q, const T* k, const T* v,
+                       const int32_t* cu_q, const int32_t* cu_k, int nseq, int max_seqlen,
+                       int64_t Nq, int64_t Nk, int H, int KV, int hd, bool causal, double scale,
+                       Stream s) {
+  check_args("attention_forward", nseq, max_seqlen, H, KV, hd);
+  auto ours = [&] { forward_loom(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, hd, causal, scale, s); };
+  if (cudnn_attention_forward(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, hd, causal, scale, s,
+                              ours))
+    return;
+  ours();
+}
+
+template <class T>
+void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, const T* v,
+                        const T* out, const acc_t<T>* lse, acc_t<T>* workspace,
+                        const int32_t* cu_q, const int32_t* cu_k, int nseq, int max_seqlen,
+                        int64_t Nq, int64_t Nk, int H, int KV, int hd, bool causal, double scale,
+                        Stream s) {
+  check_args("attention_backward", nseq, max_seqlen, H, KV, hd);
+  auto ours = [&] {
+    backward_loom(dq, dk, dv, dout, q, k, v, out, lse, workspace, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, hd,
+                  causal, scale, s);
+  };
+  if (cudnn_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, workspace, cu_q, cu_k, nseq, max_seqlen, Nq, Nk,
+                               H, KV, hd, causal, scale, s, ours))
+    return;
+  ours();
 }
 
 template void attention_forward<float>(float*, float*, const float*, const float*, const float*, const int32_t*,

@@ -4,6 +4,8 @@
 // fragment repack that keeps the score tile in registers. See attention.cu's header for the
 // algorithm and the measured versions.
 #pragma once
+#include <functional>
+
 #include "kernels/cuda/common.cuh"
 
 namespace loom::cuda::attn {
@@ -119,6 +121,19 @@ __device__ __forceinline__ void store_rows(bf* s, int r0, const float (&acc)[HD 
           *reinterpret_cast<const uint4*>(s + swz<HD>(r0 + r, c));
   }
 }
+
+// Host entry points of attention_cudnn.cu (the cuDNN backend and the train.attention choice).
+// Return true when the call ran on cuDNN; false leaves it to our kernels. run_loom runs the
+// call on our kernels (the `auto` probe times it against cuDNN the first time a shape is seen).
+template <class T>
+bool cudnn_attention_forward(T* out, float* lse, const T* q, const T* k, const T* v, const int32_t* cu_q,
+                             const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV,
+                             int hd, bool causal, double scale, cudaStream_t s, const std::function<void()>& run_loom);
+template <class T>
+bool cudnn_attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, const T* v, const T* out,
+                              const float* lse, float* ws, const int32_t* cu_q, const int32_t* cu_k, int nseq,
+                              int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, int hd, bool causal, double scale,
+                              cudaStream_t s, const std::function<void()>& run_loom);
 
 // Host entry points of attention_sm90.cu (the wgmma forward). available: built for sm_90a
 // (LOOM_SM90A), running on a compute-capability 9.0 device, hd 64 or 128, and not turned off

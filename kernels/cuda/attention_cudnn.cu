@@ -1,0 +1,873 @@
+/*
+ * attention_cudnn.cu: the cuDNN backend of the attention op (kernels.inc attention_forward /
+ * attention_backward), written against cuDNN 9's backend (graph) descriptor API, and the
+ * process-wide choice between it and our kernels (attention.cu): train.attention =
+ * auto | loom | cudnn (set_attention_backend, or LOOM_ATTENTION in the environment).
+ *
+ * Same math, shapes and conventions as attention.cu (the reference: kernels/cpu/attention.cpp):
+ *   q, out, dout, dq [Nq, H, hd]   k, v, dk, dv [Nk, KV, hd]   lse [Nq, H] fp32 (natural log)
+ *   cu_q, cu_k [nseq + 1] int32 on the device; causal = bottom-right aligned (query t of a
+ *   sequence with Lq queries and Lk keys sees keys j <= t + Lk - Lq).
+ *   forward: out = softmax(scale q k^T) v (=), lse saved (=).  backward: dq, dk, dv (=).
+ *   Rows outside every sequence: out = dq = 0, lse = +inf; key rows outside: dk = dv = 0 (the
+ *   prep kernel below writes those; cuDNN writes only the rows of the sequences). Causal queries
+ *   that see no key (Lq > Lk): out = 0, lse = +inf, written after cuDNN when cu_q != cu_k.
+ *
+ * The graph is the one the cuDNN frontend assembles for SDPA (its composite node), built here
+ * tensor by tensor: the fused-attention engines recognise that pattern.
+ *   Layout THD: every tensor is 4-d [B, heads, S, hd] with strides [-, hd, heads * hd, 1] and
+ *   a ragged offset tensor [B + 1] (int32, in elements: cu[b] * heads * hd; lse: cu[b] * H),
+ *   so cuDNN reads and writes our packed rows in place. B = nseq rounded up to a power of two
+ *   and S = max_seqlen rounded up to a power of two (>= 64): the extra sequences have length 0;
+ *   one plan serves every batch of a bucket (packed batches vary nseq and max_seqlen).
+ *   seq_len_q / seq_len_kv [B] int32 give each sequence's Lq, Lk (the padding mask).
+ *   forward:  S = Q K^T (m, n overridden by seq_len_q / seq_len_kv) * scale
+ *             -> padding mask (row < Lq and col < Lk, else -inf)
+ *             -> causal: keep row + Lk - Lq >= col, else -inf (bottom right)
+ *             -> softmax: M = max, E = exp(S - M), L = sum E, lse = M + log L (saved), P = E / L (bf16)
+ *             -> O = P V
+ *   backward: delta = rowsum(dO * O) (fp32, in our workspace [Nq, H] after dq_acc, ragged like lse)
+ *             S as above, minus lse, masks, E = exp (= P); dV = P^T dO (GQA: per query head, then
+ *             summed over the group by a reduction); dP = dO V^T; dS = E (dP - delta) scale;
+ *             dK = dS^T Q (GQA likewise); dq_acc = dS K (fp32, our workspace [Nq, H, hd], ragged
+ *             like dq; cuDNN zeroes it) -> dQ = identity(dq_acc) in bf16.
+ *   bf16 only: f32 inputs under `cudnn` are rounded to bf16 around the call (temporaries from
+ *   device_malloc); `auto` keeps f32 on our kernels. Head dims: multiples of 16 up to 128 (hd 40
+ *   gave wrong dq rows on cuDNN 9.19).
+ *   Needs compute capability >= 9.0 (the ragged lse of the backward is Hopper+) and cuDNN >= 9.6.
+ * Plans: built the first time a (direction, B, S, H, KV, hd, causal) bucket is seen, cached
+ *   for the process with a small device buffer for the per-call sequence lengths and offsets;
+ *   one workspace (device_malloc) serves every plan, grown at plan building; the variant pack
+ *   is kept while the call's pointers stay the same. A call is then one prep kernel (lengths,
+ *   offsets, rows outside every sequence) and cudnnBackendExecute: no host sync, no
+ *   allocation, capturable. Every cuDNN status goes through CUDNN_CHECK, which names the call.
+ * auto: the first time a bucket is seen, both backends run on the call's own data (alternating,
+ *   2 warm-up and 5 timed runs each, events, the medians), the faster is kept and logged once
+ *   on stderr. Unsupported cases (hd, f32, GPU, deterministic backward) and a plan cuDNN cannot
+ *   build go to our kernels, logged once; under `cudnn` they throw with the reason.
+ * Napkin (B8 H16 T2048 hd128 causal): forward 137 GFLOP, backward 2.5x; bytes ~0.27 GB.
+ *   Compute-bound: the figure of merit is TFLOP/s against the ~660 of H100/H200 bf16 mma.
+ * Measured 2026-11-23, H100 80GB HBM3, cuDNN 9.19, b75ff14 (bench/bench_attention.cpp, median
+ *   of 20; PyTorch 2.11 SDPA CUDNN_ATTENTION in the same run in brackets), ms fwd | fwd+bwd:
+ *                         B8 H12 T1024 D64      B8 H16 T2048 D128 c   B4 H9 T2048 D64 c
+ *     loom                0.108 | 0.515         0.430 | 2.162         0.106 | 0.410
+ *     cudnn (this file)   0.093 | 0.343         0.314 | 1.866         0.089 | 0.441
+ *     auto                0.093 | 0.348         0.304 | 1.880         0.088 | 0.391
+ *     PyTorch CUDNN      (0.098 | 0.510)       (0.304 | 1.395)       (0.086 | 0.376)
+ *   Open: the hd 128 causal backward (1.55 ms against PyTorch's 1.09; PyTorch passes dense BSHD
+ *   tensors without the padding mask, this graph is ragged with it). Earlier the same day:
+ *   per-call variant packs and one workspace per plan (fwd 0.095 / 0.318 / 0.091): the cached
+ *   pack and the shared workspace gave 0.093 / 0.314 / 0.089 (within run-to-run spread).
+ *   hd 40 (multiple of 8, not 16) ran but left whole dq rows at 0: multiples of 16 only.
+ * Test: tests/cuda/test_cuda_attention_cudnn.cpp. On the GPU machine:
+ *   bash tools/gpu-run.sh test cudnn
+ */
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "kernels/cuda/attention_tiles.cuh"
+
+#if LOOM_HAVE_CUDNN
+#include <cudnn.h>
+#endif
+
+namespace loom::cuda {
+
+// ============================================================================ the setting
+namespace {
+AttentionBackend parse_backend_env() {
+  const char* e = std::getenv("LOOM_ATTENTION");
+  if (!e || !*e) return AttentionBackend::Loom;
+  const std::string s(e);
+  if (s == "auto") return AttentionBackend::Auto;
+  if (s == "cudnn") return AttentionBackend::Cudnn;
+  if (s == "loom") return AttentionBackend::Loom;
+  throw std::invalid_argument("LOOM_ATTENTION must be auto, loom or cudnn, got '" + s + "'");
+}
+std::atomic<int>& backend_flag() {
+  static std::atomic<int> b{int(parse_backend_env())};
+  return b;
+}
+}  // namespace
+
+void set_attention_backend(AttentionBackend b) { backend_flag() = int(b); }
+AttentionBackend attention_backend() { return AttentionBackend(backend_flag().load()); }
+const char* attention_backend_name(AttentionBackend b) {
+  return b == AttentionBackend::Auto ? "auto" : b == AttentionBackend::Cudnn ? "cudnn" : "loom";
+}
+
+#if LOOM_HAVE_CUDNN
+
+[[noreturn]] void cudnn_fail(const char* expr, cudnnStatus_t s, const char* file, int line) {
+  char detail[1024] = "";
+  cudnnGetLastErrorString(detail, sizeof detail);
+  std::string msg = cudnnGetErrorString(s);
+  if (detail[0]) msg += std::string("; ") + detail;
+  fail("cuDNN", expr, msg.c_str(), file, line);
+}
+#define CUDNN_CHECK(expr)                                                                    \
+  do {                                                                                       \
+    cudnnStatus_t _s = (expr);                                                               \
+    if (_s != CUDNN_STATUS_SUCCESS) ::loom::cuda::cudnn_fail(#expr, _s, __FILE__, __LINE__); \
+  } while (0)
+// cudnnBackendSetAttribute with the attribute's name in the error message
+#define SET_ATTR(desc, attr, type, n, ptr) CUDNN_CHECK(cudnnBackendSetAttribute(desc, attr, type, n, ptr))
+
+namespace {
+
+using namespace attn;
+using D = cudnnBackendDescriptor_t;
+using Dims = std::array<int64_t, 4>;
+
+// ---------------------------------------------------------------------------- prep kernel
+// meta (int32): seq_q[B], seq_kv[B], off_q[B+1], off_k[B+1], off_lse[B+1]. Sequences nseq..B-1
+// are empty. The same launch zeroes the rows outside every sequence: rows of x [rows, width]
+// before cu[0] or from cu[nseq] on get 0 (and stat [rows, nstat] +inf when given).
+template <class T>
+__global__ void cudnn_prep(int32_t* __restrict__ meta, const int32_t* __restrict__ cu_q,
+                           const int32_t* __restrict__ cu_k, int nseq, int B, int H, int KV, int hd,
+                           T* __restrict__ x0, float* __restrict__ stat0, int64_t rows0, int width0, int nstat0,
+                           const int32_t* __restrict__ cu0, T* __restrict__ x1, T* __restrict__ x2,
+                           int64_t rows1, int width1, const int32_t* __restrict__ cu1) {
+  if (blockIdx.x == 0) {
+    int32_t *sq = meta, *sk = meta + B, *oq = meta + 2 * B, *ok = oq + B + 1, *ol = ok + B + 1;
+    for (int b = threadIdx.x; b <= B; b += blockDim.x) {
+      const int i = min(b, nseq);
+      if (b < B) {
+        sq[b] = b < nseq ? cu_q[b + 1] - cu_q[b] : 0;
+        sk[b] = b < nseq ? cu_k[b + 1] - cu_k[b] : 0;
+      }
+      oq[b] = cu_q[i] * H * hd;
+      ok[b] = cu_k[i] * KV * hd;
+      ol[b] = cu_q[i] * H;
+    }
+  }
+  // rows outside: [0, cu[0]) and [cu[nseq], rows)
+  auto zero = [&](T* x, float* stat, int64_t rows, int width, int nstat, const int32_t* cu, T* xb) {
+    if (!x) return;
+    const int64_t a = cu[0], e = cu[nseq], n_out = (a + (rows - e)) * width;
+    for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < n_out;
+         idx += int64_t(gridDim.x) * blockDim.x) {
+      int64_t r = idx / width, c = idx % width;
+      if (r >= a) r = e + (r - a);
+      x[r * width + c] = from_float<T>(0.f);
+      if (xb) xb[r * width + c] = from_float<T>(0.f);
+      if (stat && c < nstat) stat[r * nstat + c] = INFINITY;
+    }
+  };
+  zero(x0, stat0, rows0, width0, nstat0, cu0, nullptr);
+  zero(x1, nullptr, rows1, width1, 0, cu1, x2);
+}
+
+// Causal with Lq > Lk: queries t < Lq - Lk see no key. Our convention for them is out = 0 and
+// lse = +inf (a backward then gives them dq = 0 and no dk, dv contribution); cuDNN's fully
+// masked rows are overwritten here. One block per sequence; launched only when cu_q != cu_k.
+__global__ void cudnn_fix_unseen(bf* __restrict__ out, float* __restrict__ lse, const int32_t* __restrict__ cu_q,
+                                 const int32_t* __restrict__ cu_k, int H, int hd) {
+  const int i = blockIdx.x, q0 = cu_q[i], Lq = cu_q[i + 1] - q0, Lk = cu_k[i + 1] - cu_k[i];
+  const int64_t n = Lq > Lk ? int64_t(Lq - Lk) : 0, w = int64_t(H) * hd;
+  for (int64_t idx = threadIdx.x; idx < n * w; idx += blockDim.x) out[int64_t(q0) * w + idx] = __float2bfloat16(0.f);
+  for (int64_t idx = threadIdx.x; idx < n * H; idx += blockDim.x) lse[int64_t(q0) * H + idx] = INFINITY;
+}
+
+__global__ void f32_to_bf16(bf* __restrict__ y, const float* __restrict__ x, int64_t n) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    y[i] = __float2bfloat16(x[i]);
+}
+__global__ void bf16_to_f32(float* __restrict__ y, const bf* __restrict__ x, int64_t n) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    y[i] = __bfloat162float(x[i]);
+}
+
+// ---------------------------------------------------------------------------- graph builder
+// Owns every descriptor it creates (the plan is built from them and kept with them).
+struct Descs {
+  std::vector<D> all;
+  ~Descs() {
+    for (auto it = all.rbegin(); it != all.rend(); ++it) cudnnBackendDestroyDescriptor(*it);
+  }
+};
+
+// Unique ids of the tensors the caller supplies in the variant pack.
+enum Uid : int64_t {
+  kQ = 1, kK, kV, kO, kLse, kScale, kSeqQ, kSeqKV, kOffQ, kOffK, kOffLse, kNegInf, kOne,
+  kDO, kDQ, kDK, kDV, kDQAcc, kDelta, kVirtual = 100
+};
+
+class GraphBuilder {
+ public:
+  GraphBuilder(cudnnHandle_t h, Descs* keep) : handle_(h), keep_(keep) {}
+
+  D make(cudnnBackendDescriptorType_t t) {
+    D d = nullptr;
+    CUDNN_CHECK(cudnnBackendCreateDescriptor(t, &d));
+    keep_->all.push_back(d);
+    return d;
+  }
+
+  D tensor(int64_t uid, cudnnDataType_t dt, Dims dim, Dims stride, bool is_virtual, bool by_value = false,
+           D ragged = nullptr) {
+    D t = make(CUDNN_BACKEND_TENSOR_DESCRIPTOR);
+    const int64_t align = 16;
+    const bool virt = is_virtual, byv = by_value;
+    SET_ATTR(t, CUDNN_ATTR_TENSOR_UNIQUE_ID, CUDNN_TYPE_INT64, 1, &uid);
+    SET_ATTR(t, CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &dt);
+    SET_ATTR(t, CUDNN_ATTR_TENSOR_DIMENSIONS, CUDNN_TYPE_INT64, 4, dim.data());
+    SET_ATTR(t, CUDNN_ATTR_TENSOR_STRIDES, CUDNN_TYPE_INT64, 4, stride.data());
+    SET_ATTR(t, CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, CUDNN_TYPE_INT64, 1, &align);
+    SET_ATTR(t, CUDNN_ATTR_TENSOR_IS_VIRTUAL, CUDNN_TYPE_BOOLEAN, 1, &virt);
+    if (by_value) SET_ATTR(t, CUDNN_ATTR_TENSOR_IS_BY_VALUE, CUDNN_TYPE_BOOLEAN, 1, &byv);
+    if (ragged) SET_ATTR(t, CUDNN_ATTR_TENSOR_RAGGED_OFFSET_DESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &ragged);
+    CUDNN_CHECK(cudnnBackendFinalize(t));
+    return t;
+  }
+  D virt(cudnnDataType_t dt, Dims dim, Dims stride, D ragged = nullptr) {
+    return tensor(next_uid_++, dt, dim, stride, true, false, ragged);
+  }
+  D scalar(int64_t uid, cudnnDataType_t dt) { return tensor(uid, dt, {1, 1, 1, 1}, {1, 1, 1, 1}, false, true); }
+
+  // y = mode(x[, b][, t]); axis >= 0 for GEN_INDEX and the index arithmetic of the masks
+  D pointwise(cudnnPointwiseMode_t mode, cudnnDataType_t comp, D x, D b, D t, D y, int64_t axis = -1) {
+    D pw = make(CUDNN_BACKEND_POINTWISE_DESCRIPTOR);
+    SET_ATTR(pw, CUDNN_ATTR_POINTWISE_MODE, CUDNN_TYPE_POINTWISE_MODE, 1, &mode);
+    SET_ATTR(pw, CUDNN_ATTR_POINTWISE_MATH_PREC, CUDNN_TYPE_DATA_TYPE, 1, &comp);
+    if (axis >= 0) SET_ATTR(pw, CUDNN_ATTR_POINTWISE_AXIS, CUDNN_TYPE_INT64, 1, &axis);
+    CUDNN_CHECK(cudnnBackendFinalize(pw));
+    D op = make(CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR);
+    const float one = 1.f;
+    SET_ATTR(op, CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &pw);
+    SET_ATTR(op, CUDNN_ATTR_OPERATION_POINTWISE_XDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &x);
+    SET_ATTR(op, CUDNN_ATTR_OPERATION_POINTWISE_ALPHA1, CUDNN_TYPE_FLOAT, 1, &one);
+    SET_ATTR(op, CUDNN_ATTR_OPERATION_POINTWISE_ALPHA2, CUDNN_TYPE_FLOAT, 1, &one);
+    if (b) SET_ATTR(op, CUDNN_ATTR_OPERATION_POINTWISE_BDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &b);
+    if (t) SET_ATTR(op, CUDNN_ATTR_OPERATION_POINTWISE_TDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &t);
+    SET_ATTR(op, CUDNN_ATTR_OPERATION_POINTWISE_YDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &y);
+    CUDNN_CHECK(cudnnBackendFinalize(op));
+    ops_.push_back(op);
+    return y;
+  }
+
+  // c = a b per batch and head; m/n/k overrides: the per-sequence row / column / inner counts
+  D matmul(D a, D b, D c, D m_over, D n_over, D k_over, bool pad_zero = false) {
+    D mm = make(CUDNN_BACKEND_MATMUL_DESCRIPTOR);
+    const cudnnDataType_t comp = CUDNN_DATA_FLOAT;
+    SET_ATTR(mm, CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &comp);
+    if (pad_zero) {
+      const double pad = 0.0;
+      SET_ATTR(mm, CUDNN_ATTR_MATMUL_PADDING_VALUE, CUDNN_TYPE_DOUBLE, 1, &pad);
+    }
+    CUDNN_CHECK(cudnnBackendFinalize(mm));
+    D op = make(CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR);
+    SET_ATTR(op, CUDNN_ATTR_OPERATION_MATMUL_ADESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &a);
+    SET_ATTR(op, CUDNN_ATTR_OPERATION_MATMUL_BDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &b);
+    SET_ATTR(op, CUDNN_ATTR_OPERATION_MATMUL_CDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &c);
+    SET_ATTR(op, CUDNN_ATTR_OPERATION_MATMUL_DESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &mm);
+    if (m_over) SET_ATTR(op, CUDNN_ATTR_OPERATION_MATMUL_GEMM_M_OVERRIDE_DESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &m_over);
+    if (n_over) SET_ATTR(op, CUDNN_ATTR_OPERATION_MATMUL_GEMM_N_OVERRIDE_DESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &n_over);
+    if (k_over) SET_ATTR(op, CUDNN_ATTR_OPERATION_MATMUL_GEMM_K_OVERRIDE_DESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &k_over);
+    CUDNN_CHECK(cudnnBackendFinalize(op));
+    ops_.push_back(op);
+    return c;
+  }
+
+  D reduction(cudnnReduceTensorOp_t red, D x, D y) {
+    D rd = make(CUDNN_BACKEND_REDUCTION_DESCRIPTOR);
+    const cudnnDataType_t comp = CUDNN_DATA_FLOAT;
+    SET_ATTR(rd, CUDNN_ATTR_REDUCTION_OPERATOR, CUDNN_TYPE_REDUCTION_OPERATOR_TYPE, 1, &red);
+    SET_ATTR(rd, CUDNN_ATTR_REDUCTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &comp);
+    CUDNN_CHECK(cudnnBackendFinalize(rd));
+    D op = make(CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR);
+    SET_ATTR(op, CUDNN_ATTR_OPERATION_REDUCTION_DESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &rd);
+    SET_ATTR(op, CUDNN_ATTR_OPERATION_REDUCTION_XDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &x);
+    SET_ATTR(op, CUDNN_ATTR_OPERATION_REDUCTION_YDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &y);
+    CUDNN_CHECK(cudnnBackendFinalize(op));
+    ops_.push_back(op);
+    return y;
+  }
+
+  D reshape(D x, D y) {
+    D op = make(CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR);
+    SET_ATTR(op, CUDNN_ATTR_OPERATION_RESHAPE_XDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &x);
+    SET_ATTR(op, CUDNN_ATTR_OPERATION_RESHAPE_YDESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &y);
+    CUDNN_CHECK(cudnnBackendFinalize(op));
+    ops_.push_back(op);
+    return y;
+  }
+
+  // The operation graph, the heuristics' engine configs (mode A, then the fallback list) and
+  // the first execution plan that finalizes. Returns nullptr (with the reason) when none does.
+  D plan(int64_t* workspace, std::string* why) {
+    D graph = make(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR);
+    SET_ATTR(graph, CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, int64_t(ops_.size()), ops_.data());
+    SET_ATTR(graph, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle_);
+    CUDNN_CHECK(cudnnBackendFinalize(graph));
+    std::string tried;
+    for (cudnnBackendHeurMode_t mode : {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK}) {
+      D heur = make(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR);
+      SET_ATTR(heur, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &graph);
+      SET_ATTR(heur, CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode);
+      if (cudnnBackendFinalize(heur) != CUDNN_STATUS_SUCCESS) continue;
+      int64_t count = 0;
+      CUDNN_CHECK(cudnnBackendGetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 0,
+                                           &count, nullptr));
+      std::vector<D> cfgs(size_t(std::max<int64_t>(count, 0)));
+      for (auto& c : cfgs) c = make(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR);
+      int64_t got = 0;
+      if (count > 0)
+        CUDNN_CHECK(cudnnBackendGetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR,
+                                             count, &got, cfgs.data()));
+      for (int64_t i = 0; i < got; i++) {
+        D p = make(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
+        SET_ATTR(p, CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle_);
+        SET_ATTR(p, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &cfgs[size_t(i)]);
+        const cudnnStatus_t st = cudnnBackendFinalize(p);
+        if (st != CUDNN_STATUS_SUCCESS) {
+          char detail[512] = "";
+          cudnnGetLastErrorString(detail, sizeof detail);
+          tried += std::string(" [") + cudnnGetErrorString(st) + (detail[0] ? std::string(": ") + detail : "") + "]";
+          continue;
+        }
+        int64_t ws = 0;
+        CUDNN_CHECK(cudnnBackendGetAttribute(p, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1,
+                                             nullptr, &ws));
+        *workspace = ws;
+        return p;
+      }
+      tried += " (heuristics mode " + std::to_string(int(mode)) + ": " + std::to_string(got) + " configs)";
+    }
+    *why = "no cuDNN engine can run this attention graph:" + tried;
+    return nullptr;
+  }
+
+ private:
+  cudnnHandle_t handle_;
+  Descs* keep_;
+  std::vector<D> ops_;
+  int64_t next_uid_ = kVirtual;
+};
+
+cudnnHandle_t handle() {
+  static cudnnHandle_t h = [] {
+    cudnnHandle_t x = nullptr;
+    CUDNN_CHECK(cudnnCreate(&x));
+    return x;
+  }();
+  return h;
+}
+
+// ---------------------------------------------------------------------------- plans
+struct Key {
+  bool backward;
+  int B, S, H, KV, hd;
+  bool causal;
+  bool operator<(const Key& o) const {
+    return std::tie(backward, B, S, H, KV, hd, causal) < std::tie(o.backward, o.B, o.S, o.H, o.KV, o.hd, o.causal);
+  }
+  std::string str() const {
+    char b[160];
+    std::snprintf(b, sizeof b, "%s B<=%d S<=%d H%d KV%d hd%d %s", backward ? "backward" : "forward", B, S, H, KV, hd,
+                  causal ? "causal" : "full");
+    return b;
+  }
+};
+
+struct Plan {
+  Descs descs;
+  D plan = nullptr;
+  int64_t workspace_bytes = 0;
+  // the variant pack of the last call, reused while the pointers and scalars are the same
+  Descs pack_desc;
+  D pack = nullptr;
+  std::vector<void*> pack_ptrs;
+  float scale = 0.f, neg_inf = -INFINITY, one = 1.f;
+  int32_t* meta = nullptr;  // seq_q, seq_kv, off_q, off_k, off_lse (see cudnn_prep)
+  std::string error;        // non-empty: cuDNN cannot run this bucket
+};
+
+int pow2_at_least(int x, int lo) {
+  int p = lo;
+  while (p < x) p *= 2;
+  return p;
+}
+
+// The SDPA graph of one bucket (see the header comment for the math and the layout).
+void build_graph(Plan& P, const Key& k) {
+  GraphBuilder g(handle(), &P.descs);
+  const int64_t B = k.B, S = k.S, H = k.H, KV = k.KV, hd = k.hd;
+  const cudnnDataType_t BF = CUDNN_DATA_BFLOAT16, F = CUDNN_DATA_FLOAT, I32 = CUDNN_DATA_INT32,
+                        BOOL = CUDNN_DATA_BOOLEAN;
+  auto ragged = [&](int64_t uid) { return g.tensor(uid, I32, {B + 1, 1, 1, 1}, {1, 1, 1, 1}, false); };
+  D off_q = ragged(kOffQ), off_k = ragged(kOffK), off_lse = ragged(kOffLse);
+  D seq_q = g.tensor(kSeqQ, I32, {B, 1, 1, 1}, {1, 1, 1, 1}, false);
+  D seq_kv = g.tensor(kSeqKV, I32, {B, 1, 1, 1}, {1, 1, 1, 1}, false);
+  D scale = g.scalar(kScale, F), neg_inf = g.scalar(kNegInf, F);
+  const Dims q_dim{B, H, S, hd}, q_str{S * H * hd, hd, H * hd, 1};
+  const Dims kv_dim{B, KV, S, hd}, kv_str{S * KV * hd, hd, KV * hd, 1};
+  const Dims kt_dim{B, KV, hd, S}, kt_str{S * KV * hd, hd, 1, KV * hd};  // K^T (and V^T) views
+  const Dims lse_dim{B, H, S, 1}, lse_str{S * H, 1, H, 1};
+  const Dims s_dim{B, H, S, S}, s_str{H * S * S, S * S, S, 1}, st_str{H * S * S, S * S, 1, S};
+  const Dims row_dim{B, H, S, 1}, row_str{H * S, S, 1, 1};
+  D q = g.tensor(kQ, BF, q_dim, q_str, false, false, off_q);
+  D kt = g.tensor(kK, BF, kt_dim, kt_str, false, false, off_k);
+  D lse = g.tensor(kLse, F, lse_dim, lse_str, false, false, off_lse);
+  D o = g.tensor(kO, BF, q_dim, q_str, false, false, off_q);
+
+  // scores, scale, padding mask, bottom-right causal mask: shared by both directions
+  D s = g.matmul(q, kt, g.virt(F, s_dim, s_str), seq_q, seq_kv, nullptr, !k.backward);
+  s = g.pointwise(CUDNN_POINTWISE_MUL, F, s, scale, nullptr, g.virt(F, s_dim, s_str));
+  auto padding_mask = [&](D x) {
+    D row = g.pointwise(CUDNN_POINTWISE_GEN_INDEX, I32, x, nullptr, nullptr, g.virt(I32, s_dim, s_str), 2);
+    D col = g.pointwise(CUDNN_POINTWISE_GEN_INDEX, I32, x, nullptr, nullptr, g.virt(I32, s_dim, s_str), 3);
+    D rm = g.pointwise(CUDNN_POINTWISE_CMP_LT, BOOL, row, seq_q, nullptr, g.virt(BOOL, s_dim, s_str));
+    D cm = g.pointwise(CUDNN_POINTWISE_CMP_LT, BOOL, col, seq_kv, nullptr, g.virt(BOOL, s_dim, s_str));
+    D m = g.pointwise(CUDNN_POINTWISE_LOGICAL_AND, BOOL, rm, cm, nullptr, g.virt(BOOL, s_dim, s_str));
+    return g.pointwise(CUDNN_POINTWISE_BINARY_SELECT, F, x, neg_inf, m, g.virt(F, s_dim, s_str));
+  };
+  auto causal_mask = [&](D x) {  // keep row + Lk - Lq >= col
+    D row = g.pointwise(CUDNN_POINTWISE_GEN_INDEX, F, x, nullptr, nullptr, g.virt(I32, s_dim, s_str), 2);
+    D col = g.pointwise(CUDNN_POINTWISE_GEN_INDEX, F, x, nullptr, nullptr, g.virt(I32, s_dim, s_str), 3);
+    row = g.pointwise(CUDNN_POINTWISE_ADD, I32, row, seq_kv, nullptr, g.virt(I32, s_dim, s_str), 3);
+    row = g.pointwise(CUDNN_POINTWISE_SUB, I32, row, seq_q, nullptr, g.virt(I32, s_dim, s_str), 3);
+    D keep = g.pointwise(CUDNN_POINTWISE_CMP_GE, BOOL, row, col, nullptr, g.virt(BOOL, s_dim, s_str));
+    return g.pointwise(CUDNN_POINTWISE_BINARY_SELECT, F, x, neg_inf, keep, g.virt(F, s_dim, s_str));
+  };
+  s = padding_mask(s);
+
+  if (!k.backward) {
+    if (k.causal) s = causal_mask(s);
+    D v = g.tensor(kV, BF, kv_dim, kv_str, false, false, off_k);
+    D mx = g.reduction(CUDNN_REDUCE_TENSOR_MAX, s, g.virt(F, row_dim, row_str));
+    D z = g.pointwise(CUDNN_POINTWISE_SUB, F, s, mx, nullptr, g.virt(F, s_dim, s_str));
+    D e = g.pointwise(CUDNN_POINTWISE_EXP, F, z, nullptr, nullptr, g.virt(F, s_dim, s_str));
+    D l = g.reduction(CUDNN_REDUCE_TENSOR_ADD, e, g.virt(F, row_dim, row_str));
+    D lg = g.pointwise(CUDNN_POINTWISE_LOG, F, l, nullptr, nullptr, g.virt(F, row_dim, row_str));
+    g.pointwise(CUDNN_POINTWISE_ADD, F, mx, lg, nullptr, lse);
+    D p = g.pointwise(CUDNN_POINTWISE_DIV, F, e, l, nullptr, g.virt(BF, s_dim, s_str));
+    g.matmul(p, v, o, seq_q, nullptr, seq_kv);
+  } else {
+    D vt = g.tensor(kV, BF, kt_dim, kt_str, false, false, off_k);
+    D dout = g.tensor(kDO, BF, q_dim, q_str, false, false, off_q);
+    D dq = g.tensor(kDQ, BF, q_dim, q_str, false, false, off_q);
+    D dk = g.tensor(kDK, BF, kv_dim, kv_str, false, false, off_k);
+    D dv = g.tensor(kDV, BF, kv_dim, kv_str, false, false, off_k);
+    D one = g.scalar(kOne, F);
+    // delta = rowsum(dO * O), stored like lse (our workspace)
+    D t = g.pointwise(CUDNN_POINTWISE_MUL, F, dout, o, nullptr, g.virt(F, q_dim, {H * S * hd, S * hd, H * hd, 1}));
+    t = g.reduction(CUDNN_REDUCE_TENSOR_ADD, t, g.virt(F, row_dim, row_str));
+    D delta = g.pointwise(CUDNN_POINTWISE_MUL, F, t, one, nullptr,
+                          g.tensor(kDelta, F, lse_dim, lse_str, false, false, off_lse));
+    // P = exp(S - lse) with the masks
+    s = g.pointwise(CUDNN_POINTWISE_SUB, F, s, lse, nullptr, g.virt(F, s_dim, s_str));
+    if (k.causal) s = causal_mask(s);
+    D e = g.pointwise(CUDNN_POINTWISE_EXP, F, s, nullptr, nullptr, g.virt(F, s_dim, s_str));
+    // dV = P^T dO (summed over the query heads of a group)
+    const Dims full_dim{B, H, S, hd}, full_str{H * S * hd, S * hd, hd, 1};
+    D pt = g.reshape(e, g.virt(BF, s_dim, st_str));
+    if (H == KV) {
+      g.matmul(pt, dout, dv, seq_kv, nullptr, seq_q);
+    } else {
+      D full = g.matmul(pt, dout, g.virt(BF, full_dim, full_str), seq_kv, nullptr, seq_q);
+      g.reduction(CUDNN_REDUCE_TENSOR_ADD, full, dv);
+    }
+    // dS = E (dO V^T - delta) scale
+    D dp = g.matmul(dout, vt, g.virt(F, s_dim, s_str), seq_q, seq_kv, nullptr);
+    dp = g.pointwise(CUDNN_POINTWISE_SUB, F, dp, delta, nullptr, g.virt(F, s_dim, s_str));
+    dp = g.pointwise(CUDNN_POINTWISE_MUL, F, dp, e, nullptr, g.virt(F, s_dim, s_str));
+    D ds = g.pointwise(CUDNN_POINTWISE_MUL, F, dp, scale, nullptr, g.virt(F, s_dim, s_str));
+    // dK = dS^T Q
+    D dst = g.reshape(ds, g.virt(BF, s_dim, st_str));
+    if (H == KV) {
+      g.matmul(dst, q, dk, seq_kv, nullptr, seq_q);
+    } else {
+      D full = g.matmul(dst, q, g.virt(BF, full_dim, full_str), seq_kv, nullptr, seq_q);
+      g.reduction(CUDNN_REDUCE_TENSOR_ADD, full, dk);
+    }
+    // dQ = dS K through the fp32 accumulator (our workspace)
+    D kk = g.reshape(kt, g.virt(BF, kv_dim, kv_str, off_k));
+    D acc = g.tensor(kDQAcc, F, q_dim, q_str, false, false, off_q);
+    g.matmul(ds, kk, acc, seq_q, nullptr, seq_kv);
+    g.pointwise(CUDNN_POINTWISE_IDENTITY, F, acc, nullptr, nullptr, dq);
+  }
+  std::string why;
+  P.plan = g.plan(&P.workspace_bytes, &why);
+  if (!P.plan) P.error = why;
+}
+
+std::mutex& plans_mu() {
+  static std::mutex m;
+  return m;
+}
+std::map<Key, std::unique_ptr<Plan>>& plans() {
+  static auto* m = new std::map<Key, std::unique_ptr<Plan>>();  // leaked: outlives the driver teardown
+  return *m;
+}
+
+// One workspace for every plan (calls run in stream order), grown to the largest plan's need.
+void*& workspace_ptr() {
+  static void* p = nullptr;
+  return p;
+}
+size_t& workspace_size() {
+  static size_t n = 0;
+  return n;
+}
+void grow_workspace(size_t bytes) {
+  if (bytes <= workspace_size()) return;
+  if (workspace_ptr()) device_free(workspace_ptr());  // stream-ordered reuse: safe on one stream
+  workspace_ptr() = device_malloc(bytes);
+  workspace_size() = bytes;
+}
+
+// The plan of a bucket, built on first use. Throws on a cuDNN API error; a graph no engine
+// supports comes back with P.error set.
+Plan& get_plan(const Key& k) {
+  std::lock_guard<std::mutex> lock(plans_mu());
+  auto& slot = plans()[k];
+  if (!slot) {
+    auto P = std::make_unique<Plan>();
+    build_graph(*P, k);
+    if (P->plan) {
+      grow_workspace(size_t(P->workspace_bytes));
+      P->meta = static_cast<int32_t*>(device_malloc(sizeof(int32_t) * size_t(5 * k.B + 3)));
+    }
+    slot = std::move(P);
+  }
+  return *slot;
+}
+
+// ptrs: device pointers, and the plan's own scalars (by value) at stable addresses
+void execute(Plan& P, const std::vector<int64_t>& uids, std::vector<void*> ptrs, cudaStream_t s) {
+  CUDNN_CHECK(cudnnSetStream(handle(), s));
+  ptrs.push_back(workspace_ptr());
+  if (!P.pack || ptrs != P.pack_ptrs) {
+    if (P.pack) {
+      cudnnBackendDestroyDescriptor(P.pack);
+      P.pack_desc.all.clear();
+      P.pack = nullptr;
+    }
+    D pack = nullptr;
+    CUDNN_CHECK(cudnnBackendCreateDescriptor(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, &pack));
+    P.pack_desc.all.push_back(pack);
+    void* ws = ptrs.back();
+    SET_ATTR(pack, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, int64_t(uids.size()), uids.data());
+    SET_ATTR(pack, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, int64_t(uids.size()), ptrs.data());
+    SET_ATTR(pack, CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &ws);
+    CUDNN_CHECK(cudnnBackendFinalize(pack));
+    P.pack = pack;
+    P.pack_ptrs = ptrs;
+  }
+  CUDNN_CHECK(cudnnBackendExecute(handle(), P.plan, P.pack));
+}
+
+// ---------------------------------------------------------------------------- support
+int device_cc_major() {
+  static int major = [] {
+    int dev = 0, m = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, dev));
+    return m;
+  }();
+  return major;
+}
+
+// Empty when cuDNN can run the case (bf16 after conversion for f32), else the reason.
+std::string unsupported(bool is_f32, bool backward, int64_t Nq, int64_t Nk, int H, int KV, int hd) {
+  (void)is_f32;
+  // hd 40 (a multiple of 8, not of 16) ran and gave dq = 0 on whole rows (H100, cuDNN 9.19,
+  // tests/cuda/test_cuda_attention_cudnn.cpp): multiples of 16 only.
+  if (hd % 16 != 0 || hd > 128) return "head dim " + std::to_string(hd) + " (cuDNN backend: multiples of 16 up to 128)";
+  if (device_cc_major() < 9) return "compute capability " + std::to_string(device_cc_major()) + ".x (needs 9.0+)";
+  if (cudnnGetVersion() < 90600) return "cuDNN " + std::to_string(cudnnGetVersion()) + " (needs 9.6+)";
+  if (Nq * H * hd >= (int64_t(1) << 31) || Nk * KV * hd >= (int64_t(1) << 31))
+    return "more than 2^31 elements (int32 ragged offsets)";
+  if (backward && deterministic_attention()) return "a deterministic backward (cuDNN adds dq with atomics)";
+  return "";
+}
+
+template <class T>
+void run_prep(Plan& P, const Key& k, const int32_t* cu_q, const int32_t* cu_k, int nseq, T* x0, float* stat0,
+              int64_t rows0, int width0, int nstat0, const int32_t* cu0, T* x1, T* x2, int64_t rows1, int width1,
+              const int32_t* cu1, cudaStream_t s) {
+  cudnn_prep<dev_t<T>><<<32, 256, 0, s>>>(P.meta, cu_q, cu_k, nseq, k.B, k.H, k.KV, k.hd, dptr(x0), stat0, rows0,
+                                          width0, nstat0, cu0, dptr(x1), dptr(x2), rows1, width1, cu1);
+  LAUNCH_CHECK();
+}
+
+Key make_key(bool backward, int nseq, int max_seqlen, int H, int KV, int hd, bool causal) {
+  return Key{backward, pow2_at_least(std::max(nseq, 1), 1), pow2_at_least(max_seqlen, 64), H, KV, hd, causal};
+}
+
+// bf16 forward through the plan of k (built by the caller)
+void fwd_bf16(Plan& P, const Key& k, bf* out, float* lse, const bf* q, const bf* kk, const bf* v, const int32_t* cu_q,
+              const int32_t* cu_k, int nseq, int64_t Nq, double scale, cudaStream_t s) {
+  run_prep<bf16>(P, k, cu_q, cu_k, nseq, reinterpret_cast<bf16*>(out), lse, Nq, k.H * k.hd, k.H, cu_q, nullptr,
+                 nullptr, 0, 0, cu_k, s);
+  P.scale = float(scale);
+  int32_t* m = P.meta;
+  const int B = k.B;
+  execute(P, {kQ, kK, kV, kO, kLse, kScale, kNegInf, kSeqQ, kSeqKV, kOffQ, kOffK, kOffLse},
+          {(void*)q, (void*)kk, (void*)v, (void*)out, (void*)lse, &P.scale, &P.neg_inf, m, m + B, m + 2 * B,
+           m + 3 * B + 1, m + 4 * B + 2},
+          s);
+  if (k.causal && cu_q != cu_k) {
+    cudnn_fix_unseen<<<nseq, 256, 0, s>>>(out, lse, cu_q, cu_k, k.H, k.hd);
+    LAUNCH_CHECK();
+  }
+}
+
+void bwd_bf16(Plan& P, const Key& k, bf* dq, bf* dk, bf* dv, const bf* dout, const bf* q, const bf* kk, const bf* v,
+              const bf* out, const float* lse, float* ws, const int32_t* cu_q, const int32_t* cu_k, int nseq,
+              int64_t Nq, int64_t Nk, double scale, cudaStream_t s) {
+  run_prep<bf16>(P, k, cu_q, cu_k, nseq, reinterpret_cast<bf16*>(dq), nullptr, Nq, k.H * k.hd, 0, cu_q,
+                 reinterpret_cast<bf16*>(dk), reinterpret_cast<bf16*>(dv), Nk, k.KV * k.hd, cu_k, s);
+  P.scale = float(scale);
+  int32_t* m = P.meta;
+  const int B = k.B;
+  float* dq_acc = ws;
+  float* delta = ws + Nq * k.H * k.hd;
+  execute(P,
+          {kQ, kK, kV, kO, kLse, kDO, kDQ, kDK, kDV, kDQAcc, kDelta, kScale, kNegInf, kOne, kSeqQ, kSeqKV, kOffQ,
+           kOffK, kOffLse},
+          {(void*)q, (void*)kk, (void*)v, (void*)out, (void*)lse, (void*)dout, (void*)dq, (void*)dk, (void*)dv,
+           (void*)dq_acc, (void*)delta, &P.scale, &P.neg_inf, &P.one, m, m + B, m + 2 * B, m + 3 * B + 1, m + 4 * B + 2},
+          s);
+}
+
+// f32 under `cudnn`: the same call on bf16 copies (rounded inputs, outputs widened back).
+struct Bf16Copy {
+  bf* p = nullptr;
+  int64_t n = 0;
+  Bf16Copy(const float* x, int64_t n_, cudaStream_t s) : n(n_) {
+    p = static_cast<bf*>(device_malloc(sizeof(bf) * size_t(std::max<int64_t>(n, 1))));
+    if (x && n > 0) {
+      f32_to_bf16<<<std::min(ceil_div(n, 256), 4096), 256, 0, s>>>(p, x, n);
+      LAUNCH_CHECK();
+    }
+  }
+  void widen(float* y, cudaStream_t s) const {
+    if (n > 0) {
+      bf16_to_f32<<<std::min(ceil_div(n, 256), 4096), 256, 0, s>>>(y, p, n);
+      LAUNCH_CHECK();
+    }
+  }
+  ~Bf16Copy() { device_free(p); }
+  Bf16Copy(const Bf16Copy&) = delete;
+  Bf16Copy& operator=(const Bf16Copy&) = delete;
+};
+
+// ---------------------------------------------------------------------------- auto
+std::mutex& choice_mu() {
+  static std::mutex m;
+  return m;
+}
+std::map<Key, bool>& choices() {  // bucket -> cuDNN is faster
+  static auto* m = new std::map<Key, bool>();
+  return *m;
+}
+void log_once(const std::string& what) {
+  static std::mutex mu;
+  static auto* seen = new std::vector<std::string>();
+  std::lock_guard<std::mutex> lock(mu);
+  if (std::find(seen->begin(), seen->end(), what) != seen->end()) return;
+  seen->push_back(what);
+  std::fprintf(stderr, "attention: %s\n", what.c_str());
+}
+
+// The probe: f and g alternate (2 warm-up runs each, then 5 timed runs each, events around
+// each run); the medians, so that clock ramps and first-run costs fall on neither side.
+std::pair<float, float> time_pair_ms(const std::function<void()>& f, const std::function<void()>& g, cudaStream_t s) {
+  cudaEvent_t a, b;
+  CUDA_CHECK(cudaEventCreate(&a));
+  CUDA_CHECK(cudaEventCreate(&b));
+  auto once = [&](const std::function<void()>& x) {
+    CUDA_CHECK(cudaEventRecord(a, s));
+    x();
+    CUDA_CHECK(cudaEventRecord(b, s));
+    CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    return ms;
+  };
+  std::vector<float> tf, tg;
+  for (int i = 0; i < 7; i++) {
+    const float x = once(f), y = once(g);
+    if (i >= 2) tf.push_back(x), tg.push_back(y);
+  }
+  CUDA_CHECK(cudaEventDestroy(a));
+  CUDA_CHECK(cudaEventDestroy(b));
+  std::sort(tf.begin(), tf.end());
+  std::sort(tg.begin(), tg.end());
+  return {tf[tf.size() / 2], tg[tg.size() / 2]};
+}
+
+// Runs the call with cuDNN (returns true) or leaves it to our kernels (false). run_cudnn
+// executes the call on cuDNN; run_loom on ours (used by the auto probe).
+bool dispatch(const Key& k, bool is_f32, int64_t Nq, int64_t Nk, const std::function<void(Plan&)>& run_cudnn,
+              const std::function<void()>& run_loom, cudaStream_t s) {
+  const AttentionBackend mode = attention_backend();
+  if (mode == AttentionBackend::Loom) return false;
+  const std::string why = unsupported(is_f32, k.backward, Nq, Nk, k.H, k.KV, k.hd);
+  if (mode == AttentionBackend::Cudnn) {
+    if (!why.empty())
+      throw std::invalid_argument("attention " + k.str() + ": train.attention = cudnn, but cuDNN's fused attention "
+                                  "cannot run it: " + why + " (use auto or loom)");
+    Plan& P = get_plan(k);
+    if (!P.plan)
+      throw std::runtime_error("attention " + k.str() + ": train.attention = cudnn, but " + P.error);
+    run_cudnn(P);
+    return true;
+  }
+  // auto
+  if (is_f32) {
+    log_once("auto: f32 attention runs on loom's kernels (cuDNN's fused attention is bf16)");
+    return false;
+  }
+  if (!why.empty()) {
+    log_once("auto: " + k.str() + " runs on loom's kernels: cuDNN cannot run " + why);
+    return false;
+  }
+  int known = -1;  // the cached choice: 1 cuDNN, 0 loom
+  {
+    std::lock_guard<std::mutex> lock(choice_mu());
+    auto it = choices().find(k);
+    if (it != choices().end()) known = it->second ? 1 : 0;
+  }
+  if (known == 1) run_cudnn(get_plan(k));
+  if (known >= 0) return known == 1;
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  CUDA_CHECK(cudaStreamIsCapturing(s, &cap));
+  if (cap != cudaStreamCaptureStatusNone) {
+    log_once("auto: " + k.str() + " first seen during graph capture: loom's kernels (no timing possible)");
+    return false;
+  }
+  Plan* P = nullptr;
+  try {
+    P = &get_plan(k);
+  } catch (const std::exception& e) {
+    log_once("auto: " + k.str() + ": building the cuDNN plan failed (" + e.what() + "): loom's kernels");
+  }
+  bool use = false;
+  if (P && P->plan) {
+    const auto [ms_loom, ms_cudnn] = time_pair_ms(run_loom, [&] { run_cudnn(*P); }, s);
+    use = ms_cudnn < ms_loom;
+    char b[256];
+    std::snprintf(b, sizeof b, "auto: %s: loom %.3f ms, cudnn %.3f ms -> %s", k.str().c_str(), ms_loom, ms_cudnn,
+                  use ? "cudnn" : "loom");
+    log_once(b);
+  } else if (P) {
+    log_once("auto: " + k.str() + ": " + P->error + ": loom's kernels");
+  }
+  {
+    std::lock_guard<std::mutex> lock(choice_mu());
+    choices()[k] = use;
+  }
+  if (use) run_cudnn(*P);  // the call's outputs come from the chosen backend
+  return use;
+}
+
+}  // namespace
+
+template <class T>
+bool attn::cudnn_attention_forward(T* out, float* lse, const T* q, const T* k, const T* v, const int32_t* cu_q,
+                             const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV,
+                             int hd, bool causal, double scale, cudaStream_t s, const std::function<void()>& run_loom) {
+  if (nseq <= 0 || max_seqlen <= 0 || Nq == 0 || attention_backend() == AttentionBackend::Loom) return false;
+  const Key key = make_key(false, nseq, max_seqlen, H, KV, hd, causal);
+  constexpr bool f32 = std::is_same<T, float>::value;
+  return dispatch(key, f32, Nq, Nk, [&](Plan& P) {
+    if constexpr (f32) {
+      Bf16Copy bq(q, Nq * H * hd, s), bk(k, Nk * KV * hd, s), bv(v, Nk * KV * hd, s), bo(nullptr, Nq * H * hd, s);
+      fwd_bf16(P, key, bo.p, lse, bq.p, bk.p, bv.p, cu_q, cu_k, nseq, Nq, scale, s);
+      bo.widen(out, s);
+    } else {
+      fwd_bf16(P, key, reinterpret_cast<bf*>(out), lse, reinterpret_cast<const bf*>(q), reinterpret_cast<const bf*>(k),
+               reinterpret_cast<const bf*>(v), cu_q, cu_k, nseq, Nq, scale, s);
+    }
+  }, run_loom, s);
+}
+
+template <class T>
+bool attn::cudnn_attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, const T* v, const T* out,
+                              const float* lse, float* ws, const int32_t* cu_q, const int32_t* cu_k, int nseq,
+                              int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, int hd, bool causal, double scale,
+                              cudaStream_t s, const std::function<void()>& run_loom) {
+  if (nseq <= 0 || max_seqlen <= 0 || Nq == 0 || attention_backend() == AttentionBackend::Loom) return false;
+  const Key key = make_key(true, nseq, max_seqlen, H, KV, hd, causal);
+  constexpr bool f32 = std::is_same<T, float>::value;
+  return dispatch(key, f32, Nq, Nk, [&](Plan& P) {
+    if constexpr (f32) {
+      const int64_t nq = Nq * H * hd, nk = Nk * KV * hd;
+      Bf16Copy bdo(dout, nq, s), bq(q, nq, s), bk(k, nk, s), bv(v, nk, s), bo(out, nq, s);
+      Bf16Copy bdq(nullptr, nq, s), bdk(nullptr, nk, s), bdv(nullptr, nk, s);
+      bwd_bf16(P, key, bdq.p, bdk.p, bdv.p, bdo.p, bq.p, bk.p, bv.p, bo.p, lse, ws, cu_q, cu_k, nseq, Nq, Nk, scale, s);
+      bdq.widen(dq, s);
+      bdk.widen(dk, s);
+      bdv.widen(dv, s);
+    } else {
+      bwd_bf16(P, key, reinterpret_cast<bf*>(dq), reinterpret_cast<bf*>(dk), reinterpret_cast<bf*>(dv),
+               reinterpret_cast<const bf*>(dout), reinterpret_cast<const bf*>(q), reinterpret_cast<const bf*>(k),
+               reinterpret_cast<const bf*>(v), reinterpret_cast<const bf*>(out), lse, ws, cu_q, cu_k, nseq, Nq, Nk,
+               scale, s);
+    }
+  }, run_loom, s);
+}
+
+void reset_attention_choices() {
+  std::lock_guard<std::mutex> lock(choice_mu());
+  choices().clear();
+}
+
+#else  // built without cuDNN: `auto` is loom, `cudnn` says why
+
+namespace {
+bool no_cudnn() {
+  if (attention_backend() == AttentionBackend::Cudnn)
+    throw std::runtime_error("attention: train.attention = cudnn, but loom was built without cuDNN "
+                             "(cudnn.h / libcudnn not found at configure time)");
+  return false;
+}
+}  // namespace
+
+template <class T>
+bool attn::cudnn_attention_forward(T*, float*, const T*, const T*, const T*, const int32_t*, const int32_t*, int, int,
+                             int64_t, int64_t, int, int, int, bool, double, cudaStream_t,
+                             const std::function<void()>&) {
+  return no_cudnn();
+}
+template <class T>
+bool attn::cudnn_attention_backward(T*, T*, T*, const T*, const T*, const T*, const T*, const T*, const float*, float*,
+                              const int32_t*, const int32_t*, int, int, int64_t, int64_t, int, int, int, bool, double,
+                              cudaStream_t, const std::function<void()>&) {
+  return no_cudnn();
+}
+void reset_attention_choices() {}
+
+#endif  // LOOM_HAVE_CUDNN
+
+template bool attn::cudnn_attention_forward<float>(float*, float*, const float*, const float*, const float*, const int32_t*,
+                                             const int32_t*, int, int, int64_t, int64_t, int, int, int, bool, double,
+                                             cudaStream_t, const std::function<void()>&);
+template bool attn::cudnn_attention_forward<bf16>(bf16*, float*, const bf16*, const bf16*, const bf16*, const int32_t*,
+                                            const int32_t*, int, int, int64_t, int64_t, int, int, int, bool, double,
+                                            cudaStream_t, const std::function<void()>&);
+template bool attn::cudnn_attention_backward<float>(float*, float*, float*, const float*, const float*, const float*,
+                                              const float*, const float*, const float*, float*, const int32_t*,
+                                              const int32_t*, int, int, int64_t, int64_t, int, int, int, bool, double,
+                                              cudaStream_t, const std::function<void()>&);
+template bool attn::cudnn_attention_backward<bf16>(bf16*, bf16*, bf16*, const bf16*, const bf16*, const bf16*, const bf16*,
+                                             const bf16*, const float*, float*, const int32_t*, const int32_t*, int,
+                                             int, int64_t, int64_t, int, int, int, bool, double, cudaStream_t,
+                                             const std::function<void()>&);
+
+}  // namespace loom::cuda

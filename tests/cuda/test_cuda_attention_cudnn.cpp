@@ -1,0 +1,245 @@
+// test_cuda_attention_cudnn.cpp: the cuDNN attention backend (kernels/cuda/attention_cudnn.cu)
+// and the train.attention choice against the loom::cpu reference, forward and backward.
+//
+// bf16 runs round random f32 data to bf16, give the rounded values to the CPU (f32) and compare
+// with tol::kCudaBF16; every output (out, lse, dq, dk, dv) and the workspace are poisoned with
+// NaN before each launch, so an unwritten row fails. Shapes reach every branch of the backend:
+// ragged cu_seqlens with rows outside every sequence (before the first and after the last),
+// GQA (H/KV 3 and 4) and H == KV, Lq != Lk both ways, a decode step (Lq = 1 against a KV cache),
+// causal (bottom-right) and not, head dims 64 and 128 (16, the fixtures' head dim; 32), batches
+// that share a plan bucket, f32 inputs through `cudnn`, `auto`, and the errors of `cudnn`.
+// Exits with code 4 (ctest: skipped) when no GPU is present.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "kernels/kernels.h"
+#include "tests/tolerances.h"
+
+using loom::bf16;
+namespace tol = loom::tol;
+namespace cu = loom::cuda;
+
+namespace {
+
+void need_gpu() {
+  if (!cu::available()) {
+    std::fprintf(stderr, "no CUDA device: skipping\n");
+    std::exit(4);
+  }
+}
+
+template <class T>
+struct Dev {
+  T* p = nullptr;
+  size_t n = 0;
+  explicit Dev(size_t n_) : n(n_) { p = static_cast<T*>(cu::device_malloc(sizeof(T) * (n ? n : 1))); }
+  explicit Dev(const std::vector<T>& h) : Dev(h.size()) { up(h); }
+  ~Dev() { cu::device_free(p); }
+  Dev(const Dev&) = delete;
+  Dev& operator=(const Dev&) = delete;
+  void up(const std::vector<T>& h) {
+    if (n) cu::memcpy_h2d(p, h.data(), sizeof(T) * n, cu::default_stream());
+  }
+  std::vector<T> down() const {
+    std::vector<T> h(n);
+    if (n) cu::memcpy_d2h(h.data(), p, sizeof(T) * n, cu::default_stream());
+    return h;
+  }
+  void poison() { up(std::vector<T>(n, T(std::numeric_limits<float>::quiet_NaN()))); }
+};
+
+std::vector<float> randn(size_t n, std::mt19937& rng) {
+  std::normal_distribution<float> d(0.f, 1.f);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+template <class T>
+std::vector<T> to_t(const std::vector<float>& v) {
+  return std::vector<T>(v.begin(), v.end());
+}
+std::vector<float> bf16_seen(const std::vector<float>& v) {
+  std::vector<float> r(v.size());
+  for (size_t i = 0; i < v.size(); i++) r[i] = float(bf16(v[i]));
+  return r;
+}
+template <class T>
+std::vector<float> to_f(const std::vector<T>& v) {
+  return std::vector<float>(v.begin(), v.end());
+}
+std::vector<float> inf_to_big(std::vector<float> v) {
+  for (auto& x : v)
+    if (std::isinf(x) && x > 0) x = 1e30f;
+  return v;
+}
+
+struct Case {
+  std::vector<int> lq, lk;
+  int lead_q, lead_k;  // rows before the first sequence (cu[0] > 0)
+  int pad_q, pad_k;    // rows after the last sequence
+  int H, KV, hd;
+  bool causal;
+};
+
+std::string describe(const Case& c) {
+  std::string s = "H" + std::to_string(c.H) + " KV" + std::to_string(c.KV) + " hd" + std::to_string(c.hd) +
+                  (c.causal ? " causal" : " full") + " Lq";
+  for (int x : c.lq) s += " " + std::to_string(x);
+  s += " Lk";
+  for (int x : c.lk) s += " " + std::to_string(x);
+  return s;
+}
+
+// One forward + backward through the current backend setting; T = bf16 or float (float runs
+// through cuDNN in bf16: the reference sees bf16-rounded inputs either way).
+template <class T>
+void run_case(const Case& c, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const int nseq = int(c.lq.size());
+  std::vector<int32_t> cu_q{c.lead_q}, cu_k{c.lead_k};
+  int max_seqlen = 0;
+  for (int i = 0; i < nseq; i++) {
+    cu_q.push_back(cu_q.back() + c.lq[i]);
+    cu_k.push_back(cu_k.back() + c.lk[i]);
+    max_seqlen = std::max({max_seqlen, c.lq[i], c.lk[i]});
+  }
+  const int64_t Nq = cu_q.back() + c.pad_q, Nk = cu_k.back() + c.pad_k;
+  const int H = c.H, KV = c.KV, hd = c.hd;
+  const double scale = 1.0 / std::sqrt(double(hd));
+  const size_t nq = size_t(Nq) * H * hd, nk = size_t(Nk) * KV * hd;
+  auto q = bf16_seen(randn(nq, rng)), k = bf16_seen(randn(nk, rng)), v = bf16_seen(randn(nk, rng)),
+       dout = bf16_seen(randn(nq, rng));
+  INFO(describe(c) + (std::is_same<T, float>::value ? " f32" : " bf16") + " backend " +
+       cu::attention_backend_name(cu::attention_backend()));
+
+  std::vector<float> out_ref(nq), lse_ref(size_t(Nq) * H), dq_ref(nq), dk_ref(nk), dv_ref(nk), ws(size_t(Nq) * H);
+  loom::cpu::attention_forward<float>(out_ref.data(), lse_ref.data(), q.data(), k.data(), v.data(), cu_q.data(),
+                                      cu_k.data(), nseq, max_seqlen, Nq, Nk, H, KV, hd, c.causal, scale, nullptr);
+  Dev<T> dq_in(to_t<T>(q)), dk_in(to_t<T>(k)), dv_in(to_t<T>(v)), ddo(to_t<T>(dout));
+  Dev<int32_t> dcq(cu_q), dck(cu_k);
+  Dev<T> dout_(nq), ddq(nq), ddk(nk), ddv(nk);
+  Dev<float> dlse(size_t(Nq) * H), dws(size_t(Nq) * H * (hd + 1));
+  dout_.poison();
+  dlse.poison();
+  cu::attention_forward<T>(dout_.p, dlse.p, dq_in.p, dk_in.p, dv_in.p, dcq.p, dck.p, nseq, max_seqlen, Nq, Nk, H,
+                           KV, hd, c.causal, scale, cu::default_stream());
+  LOOM_CHECK_CLOSE(tol::compare(to_f(dout_.down()), out_ref, tol::kCudaBF16, "attention out"));
+  LOOM_CHECK_CLOSE(tol::compare(inf_to_big(dlse.down()), inf_to_big(lse_ref), tol::kCudaF32Gemm, "attention lse"));
+
+  // backward from the reference's saved tensors (out rounded to the device type)
+  auto out_seen = bf16_seen(out_ref);
+  Dev<T> dsaved(to_t<T>(out_seen));
+  Dev<float> dlse_saved(lse_ref);
+  loom::cpu::attention_backward<float>(dq_ref.data(), dk_ref.data(), dv_ref.data(), dout.data(), q.data(), k.data(),
+                                       v.data(), out_seen.data(), lse_ref.data(), ws.data(), cu_q.data(), cu_k.data(),
+                                       nseq, max_seqlen, Nq, Nk, H, KV, hd, c.causal, scale, nullptr);
+  for (int run = 0; run < 2; run++) {  // the second over a dirty workspace
+    ddq.poison();
+    ddk.poison();
+    ddv.poison();
+    if (run == 0) dws.poison();
+    cu::attention_backward<T>(ddq.p, ddk.p, ddv.p, ddo.p, dq_in.p, dk_in.p, dv_in.p, dsaved.p, dlse_saved.p, dws.p,
+                              dcq.p, dck.p, nseq, max_seqlen, Nq, Nk, H, KV, hd, c.causal, scale,
+                              cu::default_stream());
+    LOOM_CHECK_CLOSE(tol::compare(to_f(ddq.down()), dq_ref, tol::kCudaBF16, "attention dq"));
+    LOOM_CHECK_CLOSE(tol::compare(to_f(ddk.down()), dk_ref, tol::kCudaBF16, "attention dk"));
+    LOOM_CHECK_CLOSE(tol::compare(to_f(ddv.down()), dv_ref, tol::kCudaBF16, "attention dv"));
+  }
+}
+
+const std::vector<Case>& cases() {
+  static const std::vector<Case> cs = {
+      // ragged lengths, rows outside before and after, GQA 3:1, hd 64
+      {{7, 1, 130, 65}, {7, 1, 130, 65}, 2, 2, 3, 1, 6, 2, 64, false},
+      {{7, 1, 130, 65}, {7, 1, 130, 65}, 0, 0, 0, 4, 6, 2, 64, true},
+      // hd 128, GQA 4:1, several tiles; the second batch has 3 sequences in the same bucket (B 4)
+      {{300, 129, 1}, {300, 129, 1}, 0, 0, 2, 1, 4, 1, 128, true},
+      {{300, 129, 1, 64}, {300, 129, 1, 64}, 1, 1, 0, 0, 4, 1, 128, false},
+      // H == KV
+      {{200, 33}, {200, 33}, 0, 0, 0, 0, 4, 4, 64, true},
+      // decode: one query against a KV cache (bottom-right causal), and Lq = 3 over 10 keys
+      {{1, 1, 1, 3}, {9, 77, 130, 10}, 0, 0, 1, 2, 8, 2, 64, true},
+      {{1, 1, 1, 3}, {9, 77, 130, 10}, 0, 0, 1, 2, 8, 2, 128, true},
+      // Lq != Lk, bidirectional and causal with Lq < Lk
+      {{100, 20}, {290, 200}, 0, 0, 1, 1, 4, 2, 128, false},
+      {{100, 20}, {290, 200}, 0, 0, 0, 2, 4, 4, 64, true},
+  };
+  return cs;
+}
+
+struct BackendScope {  // restores the setting and auto's choices
+  cu::AttentionBackend was = cu::attention_backend();
+  explicit BackendScope(cu::AttentionBackend b) {
+    cu::set_attention_backend(b);
+    cu::reset_attention_choices();
+  }
+  ~BackendScope() {
+    cu::set_attention_backend(was);
+    cu::reset_attention_choices();
+  }
+};
+
+}  // namespace
+
+TEST_CASE("cudnn attention bf16 forward/backward against the CPU reference", "[cuda][attention][cudnn]") {
+  need_gpu();
+  BackendScope scope(cu::AttentionBackend::Cudnn);
+  uint32_t seed = 900;
+  for (const auto& c : cases()) run_case<bf16>(c, seed++);
+}
+
+TEST_CASE("cudnn attention: more queries than keys, causal (rows that see no key)", "[cuda][attention][cudnn]") {
+  need_gpu();
+  BackendScope scope(cu::AttentionBackend::Cudnn);
+  run_case<bf16>({{100, 260}, {290, 200}, 0, 0, 1, 1, 4, 2, 128, true}, 950);
+  run_case<bf16>({{5, 70}, {3, 66}, 0, 0, 0, 0, 2, 1, 64, true}, 951);
+}
+
+TEST_CASE("cudnn attention: head dims 16 and 32, f32 inputs (through bf16)", "[cuda][attention][cudnn]") {
+  need_gpu();
+  BackendScope scope(cu::AttentionBackend::Cudnn);
+  run_case<bf16>({{7, 1, 13, 5}, {7, 1, 13, 5}, 0, 0, 3, 2, 6, 2, 16, true}, 960);
+  run_case<float>({{7, 1, 13, 5}, {7, 1, 13, 5}, 0, 0, 3, 2, 6, 2, 16, true}, 961);
+  run_case<float>({{130, 67}, {130, 67}, 1, 0, 0, 2, 4, 2, 64, false}, 962);
+  run_case<bf16>({{19, 8}, {19, 8}, 0, 0, 2, 0, 3, 3, 32, true}, 963);
+}
+
+TEST_CASE("attention auto: either backend, the choice cached, unsupported cases on ours", "[cuda][attention][cudnn]") {
+  need_gpu();
+  BackendScope scope(cu::AttentionBackend::Auto);
+  uint32_t seed = 970;
+  for (const auto& c : cases()) {
+    run_case<bf16>(c, seed);  // first sight: the probe
+    run_case<bf16>(c, seed);  // the cached choice
+    seed++;
+  }
+  run_case<bf16>({{19, 8}, {19, 8}, 0, 0, 2, 0, 3, 3, 40, true}, 980);  // hd 40: ours
+  run_case<float>({{19, 8}, {19, 8}, 0, 0, 2, 0, 3, 3, 64, true}, 981);  // f32: ours
+}
+
+TEST_CASE("attention cudnn: unsupported cases throw with the reason", "[cuda][attention][cudnn]") {
+  need_gpu();
+  BackendScope scope(cu::AttentionBackend::Cudnn);
+  Dev<bf16> q(size_t(8) * 2 * 40), out(size_t(8) * 2 * 40);
+  Dev<float> lse(16);
+  Dev<int32_t> cuq(std::vector<int32_t>{0, 8});
+  REQUIRE_THROWS_WITH(cu::attention_forward<bf16>(out.p, lse.p, q.p, q.p, q.p, cuq.p, cuq.p, 1, 8, 8, 8, 2, 2, 40,
+                                                  false, 0.1, cu::default_stream()),
+                      Catch::Contains("head dim 40") && Catch::Contains("cudnn"));
+  cu::set_deterministic_attention(true);
+  Dev<bf16> q64(size_t(8) * 2 * 64), o64(size_t(8) * 2 * 64), g64(size_t(8) * 2 * 64);
+  Dev<float> ws(size_t(8) * 2 * 65);
+  CHECK_THROWS_WITH(cu::attention_backward<bf16>(g64.p, g64.p, g64.p, o64.p, q64.p, q64.p, q64.p, o64.p, lse.p, ws.p,
+                                                 cuq.p, cuq.p, 1, 8, 8, 8, 2, 2, 64, false, 0.125,
+                                                 cu::default_stream()),
+                    Catch::Contains("deterministic"));
+  cu::set_deterministic_attention(false);
+}
