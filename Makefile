@@ -1,7 +1,8 @@
 # loom front door. CMake is the source of truth; this file only drives it.
 #   make            build everything (CUDA when nvcc is found), leave ./train at the root
 #   make test       build and run every test through ctest (GPU tests skip without a GPU)
-#   make bench      build and run the benchmarks (GPU)
+#   make bench      build and run the kernel benchmarks (GPU)
+#   make bench-e2e  the SPEC training steps, loom beside PyTorch eager and torch.compile (GPU)
 #   make deps       install the Debian packages the build needs (no-op when present)
 #   make CUDA=0 ... force the CPU-only build (its own build folder: build-cpu/)
 #   make CUDA_ARCH=80 ...  build the CUDA backend for another architecture
@@ -27,7 +28,7 @@ endif
 DEPS := cmake g++ make pkg-config libeigen3-dev catch2 nlohmann-json3-dev libpcre2-dev \
         libutf8proc-dev libstb-dev zlib1g-dev libomp-dev dataset-fashion-mnist
 
-.PHONY: all build test bench deps clean
+.PHONY: all build test bench bench-e2e deps clean
 all: build
 	@ln -sf $(BUILD)/train train
 
@@ -42,6 +43,9 @@ test: build
 
 bench: build
 	bash bench/run.sh $(BUILD)
+
+bench-e2e: build
+	bash bench/e2e.sh $(BUILD)
 
 deps:
 	@missing=""; for p in $(DEPS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \

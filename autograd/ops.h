@@ -46,9 +46,12 @@ Tensor mean_pool(const Tensor& x);                // [B, K, C] -> [B, C]
 // x [..., I], weight [O, I], bias [O] or undefined -> [..., O]
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor());
 // x [..., I], weight [P*O, I], bias [P*O] or undefined -> P tensors [..., O], part p = x W_p^T
-// + b_p with W_p rows [p*O, (p+1)*O). One batched GEMM writes the parts into one buffer
-// [P, ..., O], each part a contiguous view: the fused QKV projection split without copies.
+// + b_p with W_p rows [p*O, (p+1)*O): the fused QKV projection, split without copies (each
+// part its own GEMM with the bias in the epilogue, each output contiguous).
 std::vector<Tensor> linear_split(const Tensor& x, const Tensor& weight, const Tensor& bias, int parts);
+// Several linears of one input (q/k/v projections, gate/up): outputs [..., O_i]. The backward
+// sums the input gradient inside the GEMMs (beta = 1) instead of with add kernels.
+std::vector<Tensor> linear_many(const Tensor& x, const std::vector<Tensor>& weights, const std::vector<Tensor>& biases = {});
 // The transformer MLP fc2(gelu(fc1(x))): x [..., C], w1 [H, C], b1 [H], w2 [C2, H], b2 [C2]
 // (biases may be undefined) -> [..., C2]. The GELU runs in fc1's GEMM epilogue and its backward
 // in the epilogue of fc2's input-gradient GEMM; only x and the pre-activation are saved (the

@@ -37,53 +37,64 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   return out;
 }
 
-std::vector<Tensor> linear_split(const Tensor& x, const Tensor& weight, const Tensor& bias, int parts) {
-  check_same("linear_split", {x, weight, bias});
-  LOOM_CHECK(parts >= 1 && weight.dim() == 2 && weight.size(0) % parts == 0 && x.dim() >= 1 &&
-                 x.size(-1) == weight.size(1),
-             "linear_split: expected x [..., %lld] and weight [P*O, %lld] with P = %d parts, got %s and %s",
-             (long long)weight.size(1), (long long)weight.size(1), parts, x.desc().c_str(), weight.desc().c_str());
-  const int I = int(weight.size(1)), O = int(weight.size(0) / parts);
-  LOOM_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == int64_t(parts) * O),
-             "linear_split: bias %s for %d x %d outputs", bias.desc().c_str(), parts, O);
-  Tensor xc = x.contiguous(), wc = weight.contiguous();
+namespace {
+// One output of linear_parts: rows [row0, row0 + rows) of `weight` (and of `bias`).
+struct LinearPart {
+  Tensor weight, bias;
+  int64_t row0 = 0;
+  int rows = 0;
+};
+
+// Several linears reading one input: part p = x W_p^T + b_p, each its own GEMM (bias in the
+// epilogue) into its own contiguous output. Backward: dx = sum_p g_p W_p accumulated by the
+// GEMMs themselves (beta = 1 after the first), so no separate add kernels; dW_p, db_p (+=)
+// land in their rows of the weights' gradient buffers.
+std::vector<Tensor> linear_parts(const Tensor& x, const std::vector<LinearPart>& parts) {
+  const int I = int(parts[0].weight.size(1));
+  Tensor xc = x.contiguous();
   const int64_t N = xc.numel() / I;
-  Tensor buf = Tensor::empty({parts, N, O}, x.dtype(), x.device());
-  // buf[p] = x @ W_p^T: batch over p, x shared (stride 0)
-  dispatch_float(xc, [&](auto dev, auto zero) {
-    using T = decltype(zero);
-    KERNEL(dev, gemm)(buf.data<T>(), xc.data<T>(), wc.data<T>(), int(N), O, I, false, true, 1.0, 0.0, parts, 0,
-                      int64_t(O) * I, N * O, stream_for(dev));
-    if (bias.defined()) {  // buf[p, n, :] += b_p, in place
-      Tensor be = bias.contiguous().view({parts, 1, O}).expand({parts, N, O});
-      KERNEL(dev, binary)(buf.data<T>(), buf.data<T>(), layout_of(buf), be.data<T>(), layout_of(be), BinaryOp::Add,
-                          stream_for(dev));
-    }
-  });
-  Shape os = x.shape();
-  os.back() = O;
-  std::vector<Tensor> outs;
-  for (int p = 0; p < parts; p++) outs.push_back(buf.narrow(0, p, 1).view(os));
-  if (any_requires_grad({x, weight, bias}))
-    record("linear", outs, [x, xc, weight, wc, bias, outs, N, I, O, parts]() {
+  std::vector<Tensor> outs, wcs;
+  bool needs_grad = x.requires_grad() && grad_enabled();
+  for (auto& p : parts) {
+    check_same("linear", {x, p.weight, p.bias});
+    LOOM_CHECK(p.weight.dim() == 2 && p.weight.size(1) == I && x.size(-1) == I && p.row0 >= 0 &&
+                   p.row0 + p.rows <= p.weight.size(0) && (!p.bias.defined() || p.bias.numel() == p.weight.size(0)),
+               "linear: x %s with weight %s rows [%lld, %lld) and bias %s", x.desc().c_str(), p.weight.desc().c_str(),
+               (long long)p.row0, (long long)(p.row0 + p.rows), p.bias.desc().c_str());
+    Tensor wc = p.weight.contiguous();
+    wcs.push_back(wc);
+    Shape os = x.shape();
+    os.back() = p.rows;
+    Tensor out = Tensor::empty(os, x.dtype(), x.device());
+    dispatch_float(xc, [&](auto dev, auto zero) {
+      using T = decltype(zero);
+      KERNEL(dev, linear_forward)(out.data<T>(), xc.data<T>(), wc.data<T>() + p.row0 * I,
+                                  p.bias.defined() ? p.bias.data<T>() + p.row0 : (T*)nullptr, N, I, p.rows,
+                                  stream_for(dev));
+    });
+    outs.push_back(out);
+    needs_grad |= any_requires_grad({p.weight, p.bias});
+  }
+  if (needs_grad)
+    record("linear", outs, [x, xc, parts, wcs, outs, N, I]() {
       Tensor dx = x.requires_grad() ? Tensor::empty(x.shape(), x.dtype(), x.device()) : Tensor();
-      Tensor dw = grad_buffer(weight), db = grad_buffer(bias);
-      LOOM_CHECK(!dw.defined() || weight.is_contiguous(), "linear_split: gradient of a strided weight");
       bool dx_written = false;
-      for (int p = 0; p < parts; p++) {
-        Tensor g = grad_of(outs[size_t(p)]);
+      for (size_t p = 0; p < parts.size(); p++) {
+        Tensor g = grad_of(outs[p]);
         if (!g.defined()) continue;  // this part did not reach the loss
         g = g.contiguous();
+        const LinearPart& lp = parts[p];
+        Tensor dw = grad_buffer(lp.weight), db = grad_buffer(lp.bias);
+        LOOM_CHECK(!dw.defined() || lp.weight.is_contiguous(), "linear: gradient of a strided weight");
         dispatch_float(g, [&](auto dev, auto zero) {
           using T = decltype(zero);
-          const T* wp = wc.data<T>() + int64_t(p) * O * I;
-          // dx (=, then +=) = g_p W_p;  dW_p += g_p^T x;  db_p += colsum(g_p)
+          const T* wp = wcs[p].data<T>() + lp.row0 * I;
           if (dx.defined())
-            KERNEL(dev, gemm)(dx.data<T>(), g.data<T>(), wp, int(N), I, O, false, false, 1.0, dx_written ? 1.0 : 0.0, 1,
-                              0, 0, 0, stream_for(dev));
-          KERNEL(dev, linear_backward)((T*)nullptr, dw.defined() ? dw.data<T>() + int64_t(p) * O * I : (T*)nullptr,
-                                       db.defined() ? db.data<T>() + int64_t(p) * O : (T*)nullptr, g.data<T>(),
-                                       xc.data<T>(), wp, N, I, O, stream_for(dev));
+            KERNEL(dev, gemm)(dx.data<T>(), g.data<T>(), wp, int(N), I, lp.rows, false, false, 1.0,
+                              dx_written ? 1.0 : 0.0, 1, 0, 0, 0, stream_for(dev));
+          KERNEL(dev, linear_backward)((T*)nullptr, dw.defined() ? dw.data<T>() + lp.row0 * I : (T*)nullptr,
+                                       db.defined() ? db.data<T>() + lp.row0 : (T*)nullptr, g.data<T>(), xc.data<T>(),
+                                       wp, N, I, lp.rows, stream_for(dev));
         });
         dx_written = true;
       }
@@ -93,6 +104,27 @@ std::vector<Tensor> linear_split(const Tensor& x, const Tensor& weight, const Te
       }
     });
   return outs;
+}
+}  // namespace
+
+std::vector<Tensor> linear_split(const Tensor& x, const Tensor& weight, const Tensor& bias, int parts) {
+  LOOM_CHECK(parts >= 1 && weight.dim() == 2 && weight.size(0) % parts == 0 && x.dim() >= 1 &&
+                 x.size(-1) == weight.size(1),
+             "linear_split: expected x [..., %lld] and weight [P*O, %lld] with P = %d parts, got %s and %s",
+             (long long)weight.size(1), (long long)weight.size(1), parts, x.desc().c_str(), weight.desc().c_str());
+  const int O = int(weight.size(0) / parts);
+  std::vector<LinearPart> ps;
+  for (int p = 0; p < parts; p++) ps.push_back({weight, bias, int64_t(p) * O, O});
+  return linear_parts(x, ps);
+}
+
+std::vector<Tensor> linear_many(const Tensor& x, const std::vector<Tensor>& weights, const std::vector<Tensor>& biases) {
+  LOOM_CHECK(!weights.empty() && (biases.empty() || biases.size() == weights.size()),
+             "linear_many: %zu weights with %zu biases", weights.size(), biases.size());
+  std::vector<LinearPart> ps;
+  for (size_t i = 0; i < weights.size(); i++)
+    ps.push_back({weights[i], biases.empty() ? Tensor() : biases[i], 0, int(weights[i].size(0))});
+  return linear_parts(x, ps);
 }
 
 Tensor mlp_gelu(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2) {

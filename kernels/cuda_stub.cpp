@@ -41,6 +41,13 @@ void event_synchronize(void*) { no_cuda(); }
 bool event_done(void*) { no_cuda(); }
 float event_elapsed_ms(void*, void*) { no_cuda(); }
 void memcpy_h2d_async(void*, const void*, size_t, Stream) { no_cuda(); }
+void graph_pool_begin() { no_cuda(); }
+void graph_pool_end() { no_cuda(); }
+void release_cached() { no_cuda(); }
+void graph_capture_begin(Stream) { no_cuda(); }
+void* graph_capture_end(Stream) { no_cuda(); }
+void graph_launch(void*, Stream) { no_cuda(); }
+void graph_destroy(void*) { no_cuda(); }
 void memcpy_d2h_async(void*, const void*, size_t, Stream) { no_cuda(); }
 void set_deterministic_attention(bool) { no_cuda(); }
 bool deterministic_attention() { no_cuda(); }

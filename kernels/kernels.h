@@ -94,6 +94,17 @@ void stream_wait_event(Stream s, void* e);   // later work on s waits for e (no 
 void event_synchronize(void* e);             // the host waits for e
 bool event_done(void* e);                    // has e completed? (never waits)
 float event_elapsed_ms(void* start, void* end);
+// CUDA graphs of a whole training step. While the graph pool is on, the allocator serves
+// allocations from (and returns frees to) a pool of its own: the addresses a captured graph
+// uses stay the graph's, never handed to other code (a block the graph wrote once stays its
+// own). release_cached() returns every unused cached block to the driver (synchronizes).
+void graph_pool_begin();
+void graph_pool_end();
+void release_cached();
+void graph_capture_begin(Stream s);   // records s's work (this thread) instead of running it
+void* graph_capture_end(Stream s);    // -> an executable graph of what was recorded
+void graph_launch(void* graph, Stream s);
+void graph_destroy(void* graph);
 // host -> device from page-locked memory: returns at once, the copy runs in stream order
 void memcpy_h2d_async(void* dst, const void* src, size_t bytes, Stream s);
 // device -> page-locked host memory: returns at once; read dst after an event on s

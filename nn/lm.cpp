@@ -28,14 +28,17 @@ Tensor LMBlock::forward(const Tensor& x, const Tensor& pos, const SeqInfo& seq) 
   int64_t N = x.size(0);
   int hd = cfg.head_dim();
   Tensor h = input_layernorm.forward(x);
-  Tensor q = rope(reshape(q_proj.forward(h), {N, cfg.heads, hd}), pos, cfg.rope_theta);
-  Tensor k = rope(reshape(k_proj.forward(h), {N, cfg.kv_heads, hd}), pos, cfg.rope_theta);
-  Tensor v = reshape(v_proj.forward(h), {N, cfg.kv_heads, hd});
+  // q, k, v from one input: their backward sums dh inside the GEMMs (linear_many)
+  std::vector<Tensor> qkv = linear_many(h, {q_proj.weight, k_proj.weight, v_proj.weight});
+  Tensor q = rope(reshape(qkv[0], {N, cfg.heads, hd}), pos, cfg.rope_theta);
+  Tensor k = rope(reshape(qkv[1], {N, cfg.kv_heads, hd}), pos, cfg.rope_theta);
+  Tensor v = reshape(qkv[2], {N, cfg.kv_heads, hd});
   Tensor a = attention(q, k, v, seq, /*causal=*/true, 1.0 / std::sqrt(double(hd)));
   // r = x + o_proj(a) and its RMSNorm in one pass
   std::vector<Tensor> r = add_rmsnorm(x, o_proj.forward(reshape(a, {N, cfg.heads * hd})),
                                       post_attention_layernorm.weight, post_attention_layernorm.eps);
-  return add(r[0], down_proj.forward(swiglu(gate_proj.forward(r[1]), up_proj.forward(r[1]))));
+  std::vector<Tensor> gu = linear_many(r[1], {gate_proj.weight, up_proj.weight});
+  return add(r[0], down_proj.forward(swiglu(gu[0], gu[1])));
 }
 
 Tensor LMBlock::forward_cached(const Tensor& x, const Tensor& pos, Tensor& k_cache, Tensor& v_cache,

@@ -21,7 +21,7 @@ Tensor ViTBlock::forward(const Tensor& x, const SeqInfo& rows) const {
   int64_t B = x.size(0), N = x.size(1);
   int hd = dim / heads;
   // qkv split as [3, heads, head_dim] per token (SPEC §1): the weight's rows are q, k, v in
-  // turn, so one batched GEMM writes q, k and v each contiguous (linear_split), no copies
+  // turn, so three GEMMs write q, k and v each contiguous (linear_split), no copies
   std::vector<Tensor> qkv_parts = linear_split(reshape(norm1.forward(x), {B * N, dim}), qkv.weight, qkv.bias, 3);
   Tensor q = reshape(qkv_parts[0], {B * N, heads, hd});
   Tensor k = reshape(qkv_parts[1], {B * N, heads, hd});

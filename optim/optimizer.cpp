@@ -266,6 +266,14 @@ void Optimizer::load_state_dict(const std::map<std::string, Tensor>& sd, const s
   controlled_ = false;
 }
 
+std::string Optimizer::backend() const {
+  int n = 0;
+  for (auto* g : groups_) n += g->n > 0;
+  return strformat("%s: one fused multi-tensor kernel per group (%s, %d groups, %s master%s); clip, skip and "
+                   "lr on the device", cfg_.kind.c_str(), device_name(device_), n, dtype_name(master_dtype_),
+                   compute_ != master_dtype_ ? (std::string(" + ") + dtype_name(compute_) + " copy").c_str() : "");
+}
+
 int64_t Optimizer::num_parameters() const {
   int64_t n = 0;
   for (auto* g : groups_) n += g->n;

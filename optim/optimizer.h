@@ -64,6 +64,9 @@ class Optimizer {
   std::map<std::string, Tensor> state_dict() const;
   void load_state_dict(const std::map<std::string, Tensor>& sd, const std::string& source);
   int64_t num_parameters() const;
+  // One line naming the update kernel in use, e.g. "adamw: one fused multi-tensor kernel per
+  // group (cuda, 4 groups, fp32 master + bf16 copy)".
+  std::string backend() const;
 
   // ... implementation-defined members (flat buffers, views, clip scale tensor)
  private:

@@ -169,6 +169,12 @@ TEST_CASE("gradcheck: linear and matmul", "[gradcheck]") {
     clear_tape();
   }
   REQUIRE_THROWS_WITH(linear_split(P({5, 7}), P({10, 7}), Tensor(), 3), Catch::Contains("3 parts"));
+  check("linear_many: three weights of different widths (GQA q/k/v), with biases",
+        [](auto& in) {
+          auto p = linear_many(in[0], {in[1], in[2], in[3]}, {in[4], in[5], in[6]});
+          return add(sum(mul(p[0], p[0])), add(sum(p[1]), scale(sum(p[2]), 3.0)));
+        },
+        {P({4, 6}), P({6, 6}), P({2, 6}), P({2, 6}), P({6}), P({2}), P({2})});
   // mlp_gelu = linear(gelu(linear(x))) with the GELU in the GEMMs' epilogues
   auto mlp = [](auto& in) { return mlp_gelu(in[0], in[1], in[2], in[3], in[4]); };
   check("mlp_gelu [5,6] -> 9 -> 4", mlp, {P({5, 6}), P({9, 6}), P({9}), P({4, 9}), P({4})});

@@ -164,6 +164,7 @@ int train_mim(const RunContext& ctx) {
   Optimizer opt(param_groups_from(m, cfg), oc, ctx.compute, ctx.device);
   cast_frozen(m, ctx.compute);
   EMA ema(m.target, opt, "encoder.");
+  std::printf("optimizer %s\n", opt.backend().c_str());
 
   int probe_n = std::min(train.n, 10000);  // the probe trains on the first 10k training images
   ImageSet probe_tr = train;
@@ -256,12 +257,34 @@ int train_mim(const RunContext& ctx) {
     return 0;
   }
 
+  // One whole step: forward, backward, clip, the non-finite skip, AdamW, EMA, zero_grad. All of
+  // it on the device, so that it can be captured into a CUDA graph; returns {loss, norm}.
+  const double grad_clip = cfg.get_float("train.grad_clip");
+  auto body = [&](const std::map<std::string, Tensor>& t) -> std::vector<Tensor> {
+    std::vector<MIMView> views;
+    for (int v = 0; v < nviews; v++)
+      views.push_back({t.at("images"), t.at("keep" + std::to_string(v)), t.at("masked" + std::to_string(v))});
+    Tensor loss = m.forward(views);
+    backward(loss);
+    if (loss.dtype() != DType::F32) loss = cast(loss, DType::F32);
+    Tensor norm = opt.clip_grad_norm(grad_clip, loss);
+    opt.step();
+    ema.update(mc.ema);
+    opt.zero_grad();
+    return {loss, norm};
+  };
+  const bool use_graph = ctx.device == Device::CUDA && cfg.get_bool("train.cuda_graph") && !cfg.get_bool("train.profile");
+  constexpr int64_t kEagerSteps = 3;  // before the capture: plans, kernels' first-use setup, the allocator warm
+  StepGraph graph;
+  if (ctx.device == Device::CUDA)
+    std::printf("step: %s\n", use_graph ? "eager for 3 steps, then captured into one CUDA graph and replayed (train.cuda_graph)"
+                                         : "eager (train.cuda_graph=false or profiling)");
+
   RunLog log(ctx, start > 0);
   NanGuard guard(cfg.get_int("train.max_nan_skips"));
   AsyncStepLog slog(ctx, log, guard, "img/s");
   Prefetcher<StagedBatch> loader(make, start, steps, std::max(1, cfg.get_int("data.workers")), 4);
   int64_t eval_every = cfg.get_int64("train.eval_every"), save_every = cfg.get_int64("train.save_every");
-  const double grad_clip = cfg.get_float("train.grad_clip");
   profile_enable(cfg.get_bool("train.profile"));
   for (int64_t s = start; s < steps; s++) {
     double w0 = now_ms();
@@ -269,22 +292,28 @@ int train_mim(const RunContext& ctx) {
     double wait = now_ms() - w0;
     profile_add("data (waiting for the loader)", wait);
     profile_mark();
-    slog.begin_step();
-    Tensor loss = run_step(b);
-    double o0 = now_ms();
     double lr = lr_at(s, steps, cfg.get_int64("train.warmup_steps"), cfg.get_float("train.lr"),
                       cfg.get_float("train.min_lr"), cfg.get_str("train.schedule"));
-    // clip, skip a non-finite step, AdamW and EMA: all decided on the device
-    Tensor norm = opt.clip_grad_norm(grad_clip, loss.dtype() == DType::F32 ? loss : Tensor());
-    opt.set_lr(lr);
-    opt.step();
-    ema.update(mc.ema);
-    opt.zero_grad();
-    up.step_done();
+    opt.set_lr(lr);  // a fill on the device, outside any captured graph
+    slog.begin_step();
+    auto inputs = up.upload(b);
+    std::vector<Tensor> out;
+    if (use_graph && s - start >= kEagerSteps) {
+      graph.static_inputs(inputs);
+      graph.load(inputs);  // batch -> the graph's input addresses, on the GPU
+      up.step_done();
+      if (!graph.ready()) {
+        graph.capture([&] { return body(graph.static_inputs(inputs)); });
+        std::printf("step %lld: captured into a CUDA graph\n", (long long)(s + 1));
+      }
+      graph.launch();
+      out = graph.outputs();
+    } else {
+      out = body(inputs);
+      up.step_done();
+    }
     if (profile_enabled() && ctx.device == Device::CUDA) cuda::synchronize();
-    profile_add("optimizer (clip, AdamW, EMA, zero)", now_ms() - o0);
-    slog.post({s + 1, steps, lr, wait, double(nviews * B), step_flops}, loss.dtype() == DType::F32 ? loss : cast(loss, DType::F32),
-              norm, opt.control().narrow(0, 1, 1));
+    slog.post({s + 1, steps, lr, wait, double(nviews * B), step_flops}, out[0], out[1], opt.control().narrow(0, 1, 1));
     bool last = s + 1 == steps;
     bool stop = cfg.get_int64("train.stop_at") > 0 && s + 1 >= cfg.get_int64("train.stop_at") && !last;
     bool eval_now = ((eval_every > 0 && (s + 1) % eval_every == 0) || last) && test.n > 0;

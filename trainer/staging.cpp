@@ -225,3 +225,51 @@ std::vector<double> StepReadback::take(int64_t* step, double* gpu_ms) {
 }
 
 }  // namespace loom
+
+namespace loom {
+
+// ------------------------------------------------------------------ StepGraph
+StepGraph::~StepGraph() { cuda::graph_destroy(exec_); }
+
+std::map<std::string, Tensor>& StepGraph::static_inputs(const std::map<std::string, Tensor>& like) {
+  if (inputs_.empty())
+    for (auto& [name, t] : like) inputs_[name] = Tensor::empty(t.shape(), t.dtype(), t.device());
+  return inputs_;
+}
+
+void StepGraph::load(const std::map<std::string, Tensor>& batch) {
+  for (auto& [name, t] : batch) {
+    auto it = inputs_.find(name);
+    LOOM_CHECK(it != inputs_.end() && it->second.shape() == t.shape() && it->second.dtype() == t.dtype(),
+               "captured step: input '%s' %s does not match the captured %s", name.c_str(), t.desc().c_str(),
+               it == inputs_.end() ? "(none)" : it->second.desc().c_str());
+    cuda::memcpy_d2d(it->second.raw(), t.raw(), t.nbytes(), cuda::default_stream());
+  }
+}
+
+void StepGraph::capture(const std::function<std::vector<Tensor>()>& body) {
+  LOOM_CHECK(!exec_, "captured step: already captured");
+  cuda::synchronize();
+  cuda::release_cached();  // the eager steps' cache is not kept beside the graph's own pool
+  cuda::graph_pool_begin();
+  Stream s = cuda::default_stream();
+  cuda::graph_capture_begin(s);
+  try {
+    outputs_ = body();
+  } catch (...) {
+    void* g = nullptr;
+    try { g = cuda::graph_capture_end(s); } catch (...) {}
+    cuda::graph_destroy(g);
+    cuda::graph_pool_end();
+    throw;
+  }
+  exec_ = cuda::graph_capture_end(s);
+  cuda::graph_pool_end();
+}
+
+void StepGraph::launch() {
+  LOOM_CHECK(exec_, "captured step: launch before capture");
+  cuda::graph_launch(exec_, cuda::default_stream());
+}
+
+}  // namespace loom

@@ -18,6 +18,7 @@
 // for the step that read it last.
 // On the CPU the same calls work: the "device" tensors are views of the host slab.
 #pragma once
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -146,6 +147,38 @@ class StepReadback {
   int head_ = 0, count_ = 0;
   bool have_prev_end_ = false;
   double t_begin_ = 0;
+};
+
+}  // namespace loom
+
+namespace loom {
+
+// A training step captured once into a CUDA graph and replayed: no launch overhead, no host
+// work per kernel. The step's inputs are device tensors at fixed addresses (static_inputs():
+// each batch is copied into them, on the GPU, right before a replay); what the step's body
+// returns (the loss, the norm) lives at fixed addresses too and is rewritten by every replay.
+// Its memory comes from the allocator's graph pool (kernels.h). Only for steps whose shapes
+// and host-side decisions never change.
+class StepGraph {
+ public:
+  StepGraph() = default;
+  ~StepGraph();
+  StepGraph(const StepGraph&) = delete;
+  StepGraph& operator=(const StepGraph&) = delete;
+  bool ready() const { return exec_ != nullptr; }
+  // Device tensors shaped like the batch's fields, allocated the first time.
+  std::map<std::string, Tensor>& static_inputs(const std::map<std::string, Tensor>& like);
+  // Copies a batch into the static inputs (default stream order).
+  void load(const std::map<std::string, Tensor>& batch);
+  // Records body() (not run: launch() runs it), keeps what it returns.
+  void capture(const std::function<std::vector<Tensor>()>& body);
+  void launch();
+  const std::vector<Tensor>& outputs() const { return outputs_; }
+
+ private:
+  void* exec_ = nullptr;
+  std::map<std::string, Tensor> inputs_;
+  std::vector<Tensor> outputs_;
 };
 
 }  // namespace loom

@@ -151,6 +151,7 @@ static int train_vlm(const RunContext& ctx) {
   OptimConfig oc = optim_config_from(cfg);
   Optimizer opt(param_groups_from(m, cfg), oc, ctx.compute, ctx.device);
   cast_frozen(m, ctx.compute);
+  std::printf("optimizer %s\n", opt.backend().c_str());
 
   int64_t steps = cfg.get_int64("train.steps"), start = 0;
   int bs = cfg.get_int("train.batch_size"), accum = std::max(1, cfg.get_int("train.grad_accum"));
@@ -207,6 +208,8 @@ static int train_vlm(const RunContext& ctx) {
   NanGuard guard(cfg.get_int("train.max_nan_skips"));
   AsyncStepLog slog(ctx, log, guard, "tok/s");
   Uploader up(ctx.device);
+  if (ctx.device == Device::CUDA)
+    std::printf("step: eager (a packed batch's sequence and image counts change from step to step)\n");
   Prefetcher<Staged> loader(make_staged, start * accum, steps * accum, std::max(1, cfg.get_int("data.workers")), 4);
   int64_t eval_every = cfg.get_int64("train.eval_every"), save_every = cfg.get_int64("train.save_every");
   int64_t epoch_rows_seen = start * accum * bs;

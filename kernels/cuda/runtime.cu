@@ -6,7 +6,8 @@
  * Caching allocator
  *   A request is rounded up to a size class:
  *     < 1 MiB   -> multiple of 512 B      (activations of small models, statistics, scalars)
- *     >= 1 MiB  -> multiple of 2 MiB      (weights, activations, optimizer states)
+ *     >= 1 MiB  -> multiple of 2 MiB, and of 1/16 of the power of two below the size past
+ *                  32 MiB (weights, activations, optimizer states: at most ~6% rounding)
  *   Each class keeps a free list. device_free() never calls cudaFree: the block goes back to
  *   its free list and a later request reuses it, so a steady-state training step does no
  *   cudaMalloc and no cudaFree (both synchronize the device). A large request takes the
@@ -18,6 +19,13 @@
  *   synchronize) and the request is tried once more.
  *   Statistics: bytes_in_use() counts the rounded sizes of live blocks; peak_bytes_in_use()
  *   their maximum since reset_peak_bytes().
+ *
+ * Graph pool: while a training step is captured into a CUDA graph (graph_pool_begin/end), the
+ *   allocations come from a second set of free lists, and every block handed out then stays
+ *   the graph pool's for good (freed later, it returns there): a graph writes its addresses at
+ *   every replay, so they must never be given to other code. release_cached() (synchronizes)
+ *   gives the unused blocks of the ordinary lists back to the driver before a capture, so the
+ *   eager warm-up steps' cache and the graph's pool are not both reserved.
  *
  * Stream: default_stream() is one stream created on first use with default flags, so it
  *   also orders against the legacy stream 0 (safe for code that uses plain cudaMemcpy), and
@@ -66,7 +74,11 @@ constexpr size_t kLargeRound = size_t(2) << 20;   // 2 MiB
 
 size_t round_size(size_t bytes) {
   if (bytes == 0) bytes = 1;
-  size_t r = bytes < kSmallLimit ? kSmallRound : kLargeRound;
+  size_t r = kSmallRound;
+  if (bytes >= kSmallLimit) {  // 2 MiB steps, coarser above 32 MiB: 1/16 of the power of two below
+    size_t p = size_t(1) << (63 - __builtin_clzll(bytes));
+    r = std::max(kLargeRound, p / 16);
+  }
   return (bytes + r - 1) / r * r;
 }
 
@@ -74,28 +86,35 @@ struct Allocator {
   std::mutex mu;
   std::map<size_t, std::vector<void*>> free_lists;   // size class -> cached blocks
   std::unordered_map<void*, size_t> live;            // block -> size class
+  // the graph pool (graph_pool_begin): its blocks are served and returned apart
+  bool pool_mode = false;
+  std::unordered_map<void*, bool> graph_owned;
+  std::map<size_t, std::vector<void*>> graph_free;
   size_t in_use = 0, peak = 0, cached = 0, peak_reserved = 0;
 
   void release_cache() {  // caller holds mu
     CUDA_CHECK(cudaDeviceSynchronize());
     for (auto& kv : free_lists)
-      for (void* p : kv.second) CUDA_CHECK(cudaFree(p));
-    free_lists.clear();
-    cached = 0;
+      for (void* p : kv.second) {
+        CUDA_CHECK(cudaFree(p));
+        cached -= kv.first;
+      }
+    free_lists.clear();  // the graph pool's blocks stay: a graph may still use them
   }
 
   void* alloc(size_t bytes) {
     size_t sz = round_size(bytes);
     std::lock_guard<std::mutex> lock(mu);
     void* p = nullptr;
+    auto& lists = pool_mode ? graph_free : free_lists;
     // Best fit: the smallest cached block that holds the request, if it wastes at most an
     // eighth (and 2 MiB past the class size for large blocks). Batches whose shapes change a
     // little from step to step (a VLM batch's image count) then reuse blocks instead of
     // adding new ones to the cache.
-    auto it = free_lists.lower_bound(sz);
-    while (it != free_lists.end() && it->second.empty()) ++it;
+    auto it = lists.lower_bound(sz);
+    while (it != lists.end() && it->second.empty()) ++it;
     const size_t slack = sz < kSmallLimit ? 0 : std::max(sz / 8, kLargeRound);
-    if (it != free_lists.end() && it->first <= sz + slack) {
+    if (it != lists.end() && it->first <= sz + slack) {
       p = it->second.back();
       it->second.pop_back();
       sz = it->first;  // the block keeps its size
@@ -117,6 +136,7 @@ struct Allocator {
       }
     }
     live[p] = sz;
+    if (pool_mode) graph_owned[p] = true;
     in_use += sz;
     if (in_use > peak) peak = in_use;
     if (in_use + cached > peak_reserved) peak_reserved = in_use + cached;
@@ -131,7 +151,7 @@ struct Allocator {
     size_t sz = it->second;
     live.erase(it);
     in_use -= sz;
-    free_lists[sz].push_back(p);
+    (graph_owned.count(p) ? graph_free : free_lists)[sz].push_back(p);
     cached += sz;
   }
 };
@@ -168,6 +188,36 @@ size_t bytes_reserved() {
 size_t peak_bytes_reserved() {
   std::lock_guard<std::mutex> lock(allocator().mu);
   return allocator().peak_reserved;
+}
+
+void graph_pool_begin() {
+  std::lock_guard<std::mutex> lock(allocator().mu);
+  allocator().pool_mode = true;
+}
+void graph_pool_end() {
+  std::lock_guard<std::mutex> lock(allocator().mu);
+  allocator().pool_mode = false;
+}
+void release_cached() {
+  std::lock_guard<std::mutex> lock(allocator().mu);
+  allocator().release_cache();
+}
+
+void graph_capture_begin(Stream s) {
+  // Thread-local: the loader threads may go on with their own CUDA calls meanwhile.
+  CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+}
+void* graph_capture_end(Stream s) {
+  cudaGraph_t g = nullptr;
+  CUDA_CHECK(cudaStreamEndCapture(s, &g));
+  cudaGraphExec_t exec = nullptr;
+  CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+  CUDA_CHECK(cudaGraphDestroy(g));
+  return exec;
+}
+void graph_launch(void* g, Stream s) { CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(g), s)); }
+void graph_destroy(void* g) {
+  if (g) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(g));
 }
 
 Stream copy_stream() {

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# make bench-e2e: the SPEC §3 training steps, loom and the PyTorch reference (eager and
+# torch.compile) on the same GPU in one call, then one table (bench/e2e_report.py): ms/step
+# (median and p90 of the steps after warm-up), throughput, MFU, peak allocated and reserved
+# memory, and the ratio to each PyTorch row.
+#   bash bench/e2e.sh [BUILD_DIR]          writes $OUT (default bench/out)/e2e_*.jsonl, e2e_table.md
+# E2E_STEPS (default 30; the first 5 are warm-up and the capture of the CUDA graph) and
+# E2E_TORCH=0 (skip the reference) shorten it.
+set -uo pipefail
+B=${1:-build}
+OUT=${OUT:-bench/out}
+mkdir -p "$OUT"
+STEPS=${E2E_STEPS:-30}
+: > "$OUT/e2e_loom.jsonl"
+run() {  # name, config, overrides...
+  local name=$1 cfg=$2; shift 2
+  local dir="$OUT/e2e_$name"
+  rm -rf "$dir"
+  timeout 400 "$B/train" "$cfg" --train.steps="$STEPS" --train.log_every=5 --train.out_dir="$dir" "$@" > "$OUT/e2e_$name.log" 2>&1
+  echo "loom $name rc=$?: $(grep -E '^step +[0-9]+/' "$OUT/e2e_$name.log" | tail -1)"
+  python3 - "$dir/metrics.jsonl" "$name" "$*" >> "$OUT/e2e_loom.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if '"kind": "train"' in l]
+print(json.dumps({"impl": "loom", "name": sys.argv[2], "args": sys.argv[3], "steps": rows}))
+PY
+  rm -rf "$dir"/step_*
+}
+run mim bench_mim.cfg
+run mim_eager bench_mim.cfg --train.cuda_graph=false
+run mim_contrastive bench_mim.cfg --model.contrastive=true
+run vlm_sft bench_vlm_sft.cfg
+REF=../shared/reference/torch_ref.py
+[ -f "$REF" ] || REF=.deps/shared/reference/torch_ref.py
+rm -f "$OUT/torch_ref.jsonl"
+if [ "${E2E_TORCH:-1}" = 1 ] && [ -f "$REF" ] && python3 -c "import torch" 2>/dev/null; then
+  timeout 900 python3 "$REF" bench --workload mim,mim_contrastive,vlm --compile 0,1 --vlm-variants packed \
+    --out "$OUT" > "$OUT/e2e_torch.log" 2>&1 || tail -20 "$OUT/e2e_torch.log"
+else
+  echo "PyTorch reference not run"
+fi
+python3 bench/e2e_report.py "$OUT/e2e_loom.jsonl" "$OUT/torch_ref.jsonl" | tee "$OUT/e2e_table.md"

@@ -1,0 +1,68 @@
+#!/usr/bin/env python3
+"""The end-to-end table of bench/e2e.sh: loom's training steps (metrics.jsonl of each run) beside
+the PyTorch reference's (torch_ref.py bench, same call, same GPU).
+
+loom's ms/step is the GPU's own time per step (CUDA events from the end of one step to the end
+of the next), median and p90 over the steps after the first 5 (warm-up and, with
+train.cuda_graph, the capture). PyTorch's is torch_ref.py's median of 20 event-timed steps.
+Ratio (above 1: loom is faster): PyTorch ms / loom ms for the MIM rows (the same batch), loom
+tokens/s / PyTorch tokens/s for the VLM rows (each packs its own synthetic batches of 8 x 2048;
+PyTorch's real tokens per step are in the table, loom's ~16.3k are in its log)."""
+import json
+import statistics
+import sys
+
+
+def load(path):
+    try:
+        return [json.loads(l) for l in open(path) if l.strip().startswith("{")]
+    except FileNotFoundError:
+        return []
+
+
+loom, ref = load(sys.argv[1]), load(sys.argv[2])
+device = next((r.get("device") for r in ref if "device" in r), "?")
+torch_rows = {(r["workload"], r["compile"]): r for r in ref if r.get("impl") == "torch"}
+WORK = {"mim": "mim", "mim_eager": "mim", "mim_contrastive": "mim_contrastive", "vlm_sft": "vlm_sft"}
+
+
+def p(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
+
+
+print(f"device (PyTorch's report): {device}\n")
+print("| workload | impl | ms/step median | p90 | p90/median | throughput | MFU | peak alloc GB | reserved GB | "
+      "vs torch eager | vs torch.compile |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
+for r in loom:
+    steps = r["steps"][5:]
+    if not steps:
+        print(f"| {r['name']} | loom | no steps |")
+        continue
+    ms = [s["ms"] for s in steps]
+    med, p90 = statistics.median(ms), p(ms, 0.9)
+    unit = "img/s" if "img/s" in steps[0] else "tok/s"
+    thr = statistics.median(s[unit] for s in steps)
+    mfu = statistics.median(s.get("mfu", 0) for s in steps)
+    peak = max(s.get("mem_mb", 0) for s in steps) / 1024
+    res = max(s.get("reserved_mb", 0) for s in steps) / 1024
+    w = WORK[r["name"]]
+    ratios = []
+    for c in (0, 1):
+        t = torch_rows.get((w, c))
+        if not t:
+            ratios.append("—")
+        elif unit == "tok/s":
+            ratios.append(f"{thr / t['tokens_per_s']:.2f}x")
+        else:
+            ratios.append(f"{t['ms_per_step'] / med:.2f}x")
+    label = r["name"] + (" (train.cuda_graph=false)" if "cuda_graph=false" in r["args"] else "")
+    thr_s = f"{thr / 1e3:.1f}k {unit}"
+    print(f"| {label} | loom | {med:.1f} | {p90:.1f} | {p90 / med:.2f} | {thr_s} | {100 * mfu:.1f}% | {peak:.2f} | "
+          f"{res:.2f} | {ratios[0]} | {ratios[1]} |")
+for (w, c), t in sorted(torch_rows.items()):
+    thr = f"{t['images_per_s'] / 1e3:.1f}k img/s" if "images_per_s" in t else f"{t['tokens_per_s'] / 1e3:.1f}k tok/s"
+    extra = f" ({t['real_tokens']} real tokens/step)" if "real_tokens" in t else ""
+    print(f"| {w} | torch {'compile' if c else 'eager'} | {t['ms_per_step']:.1f} | — | — | {thr}{extra} | "
+          f"{100 * t.get('mfu', 0):.1f}% | {t.get('peak_mem_gb', 0):.2f} | — | | |")
