@@ -377,7 +377,7 @@ TEMPLATE_TEST_CASE("matmul: linear + GELU in the GEMM epilogue, forward and back
     auto hpre = rounded<T>(rpre), hdb = rounded<T>(rnd(c.O, 55));
     DBuf<T> dout(hd), w2(hw2), dpre(c.N * c.O), pre_in(hpre), db(hdb);
     std::vector<float> rdpre(c.N * c.O), rdb = hdb;
-    cpu::linear_dgelu_backward(rdpre.data(), nullptr, hd.data(), hw2.data(), hpre.data(), c.N, c.O, C2, nullptr);
+    cpu::linear_dgelu_backward(rdpre.data(), (float*)nullptr, hd.data(), hw2.data(), hpre.data(), c.N, c.O, C2, nullptr);
     // dbias is the column sum of dpre as stored (T): sum the rounded values, as the kernel does
     auto stored = rounded<T>(rdpre);
     for (int64_t n = 0; n < c.N; n++)
