@@ -20,7 +20,7 @@ run() {  # name, config, overrides...
   echo "loom $name rc=$?: $(grep -E '^step +[0-9]+/' "$OUT/e2e_$name.log" | tail -1)"
   python3 - "$dir/metrics.jsonl" "$name" "$*" >> "$OUT/e2e_loom.jsonl" <<'PY'
 import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if '"kind": "train"' in l]
+rows = [r for r in (json.loads(l) for l in open(sys.argv[1]) if l.strip()) if r.get("kind") == "train"]
 print(json.dumps({"impl": "loom", "name": sys.argv[2], "args": sys.argv[3], "steps": rows}))
 PY
   rm -rf "$dir"/step_*

@@ -204,8 +204,9 @@ void release_cached() {
 }
 
 void graph_capture_begin(Stream s) {
-  // Thread-local: the loader threads may go on with their own CUDA calls meanwhile.
-  CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  // Relaxed: the graph pool may cudaMalloc a new block during the capture (the stricter modes
+  // refuse it), and the loader threads go on with their own CUDA calls meanwhile.
+  CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
 }
 void* graph_capture_end(Stream s) {
   cudaGraph_t g = nullptr;
