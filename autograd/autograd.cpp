@@ -148,6 +148,38 @@ Tensor grad_buffer(const Tensor& x) {
   return x.grad();
 }
 
+Tensor checkpoint(const std::function<Tensor(const Tensor&)>& fn, const Tensor& x) {
+  if (!g_grad_enabled) return fn(x);
+  Tensor out;
+  {
+    NoGradGuard ng;
+    out = fn(x);
+  }
+  record("checkpoint", {out}, [fn, x, out]() {
+    Tensor g = grad_of(out);
+    // a leaf sharing x's storage: where the recomputation's gradient for x collects
+    auto d = std::make_shared<TensorImpl>(*x.impl());
+    d->grad.reset();
+    d->tape_id = -1;
+    d->requires_grad = x.requires_grad();
+    Tensor xd(d);
+    std::vector<Node> outer;
+    std::swap(outer, g_tape);  // the recomputation records on a tape of its own
+    try {
+      Tensor o2 = fn(xd);
+      if (o2.requires_grad()) backward(o2, g);
+      else clear_tape();
+    } catch (...) {
+      clear_tape();
+      std::swap(outer, g_tape);
+      throw;
+    }
+    std::swap(outer, g_tape);
+    if (x.requires_grad() && xd.grad().defined()) accumulate_grad(x, xd.grad(), true);
+  });
+  return out;
+}
+
 void backward(const Tensor& root, const Tensor& seed) {
   LOOM_CHECK(root.requires_grad(), "backward: %s does not require grad (nothing recorded it)",
              root.desc().c_str());

@@ -32,6 +32,12 @@ bool any_requires_grad(std::initializer_list<Tensor> inputs);
 void record(const char* name, std::initializer_list<Tensor> outputs, std::function<void()> backward);
 void record(const char* name, const std::vector<Tensor>& outputs, std::function<void()> backward);
 
+// Gradient checkpointing: runs fn(x) without recording and records one node whose backward
+// runs fn again with recording on (on a tape of its own) and back-propagates through it, so
+// the activations inside fn are not kept from the forward to the backward. fn must compute the
+// same function both times (no randomness of its own); its parameters get their gradients.
+Tensor checkpoint(const std::function<Tensor(const Tensor&)>& fn, const Tensor& x);
+
 // Runs backward from a scalar loss (seed 1) or from `seed` (same shape as `root`), then
 // clears the tape.
 void backward(const Tensor& root, const Tensor& seed = Tensor());

@@ -23,7 +23,8 @@ def load(path):
 loom, ref = load(sys.argv[1]), load(sys.argv[2])
 device = next((r.get("device") for r in ref if "device" in r), "?")
 torch_rows = {(r["workload"], r["compile"]): r for r in ref if r.get("impl") == "torch"}
-WORK = {"mim": "mim", "mim_eager": "mim", "mim_contrastive": "mim_contrastive", "vlm_sft": "vlm_sft"}
+WORK = {"mim": "mim", "mim_eager": "mim", "mim_ckpt": "mim", "mim_contrastive": "mim_contrastive",
+        "vlm_sft": "vlm_sft", "vlm_sft_ckpt": "vlm_sft"}
 
 
 def p(xs, q):
@@ -57,7 +58,7 @@ for r in loom:
             ratios.append(f"{thr / t['tokens_per_s']:.2f}x")
         else:
             ratios.append(f"{t['ms_per_step'] / med:.2f}x")
-    label = r["name"] + (" (train.cuda_graph=false)" if "cuda_graph=false" in r["args"] else "")
+    label = r["name"] + "".join(f" ({a.lstrip('-')})" for a in r["args"].split() if a)
     thr_s = f"{thr / 1e3:.1f}k {unit}"
     print(f"| {label} | loom | {med:.1f} | {p90:.1f} | {p90 / med:.2f} | {thr_s} | {100 * mfu:.1f}% | {peak:.2f} | "
           f"{res:.2f} | {ratios[0]} | {ratios[1]} |")

@@ -104,7 +104,11 @@ Tensor LM::hidden(const Tensor& x, const Tensor& pos, const SeqInfo& seq) const 
   LOOM_CHECK(x.dim() == 2 && x.size(1) == cfg.dim && pos.numel() == x.size(0),
              "LM: expected x [Ntok, %d] and pos [Ntok], got %s and %s", cfg.dim, x.desc().c_str(), pos.desc().c_str());
   Tensor h = x;
-  for (auto& l : layers) h = l->forward(h, pos, seq);
+  for (auto& l : layers) {
+    const LMBlock* blk = l.get();
+    h = checkpoint_blocks ? checkpoint([blk, pos, seq](const Tensor& in) { return blk->forward(in, pos, seq); }, h)
+                          : blk->forward(h, pos, seq);
+  }
   return norm.forward(h);
 }
 

@@ -47,6 +47,7 @@ class LM : public Module {
   LMConfig cfg;
   Tensor embed_tokens;  // [V, D]; state-dict name embed_tokens.weight
   std::vector<std::unique_ptr<LMBlock>> layers;
+  bool checkpoint_blocks = false;  // gradient checkpointing: recompute each block in backward
   RMSNorm norm;
   int64_t loss_chunk = 4096;
 

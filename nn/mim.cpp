@@ -58,7 +58,11 @@ Tensor LatentMIM::view_loss(const MIMView& v, Tensor* z_out) const {
   full = scatter_rows(full, v.keep, pred_in.forward(z));
   Tensor x = add(full, pred_pos);
   SeqInfo rows = SeqInfo::dense(B, N, x.device());
-  for (auto& b : pred_blocks) x = b->forward(x, rows);
+  for (auto& b : pred_blocks) {
+    const ViTBlock* blk = b.get();
+    x = checkpoint_blocks ? checkpoint([blk, rows](const Tensor& in) { return blk->forward(in, rows); }, x)
+                          : blk->forward(x, rows);
+  }
   Tensor p = gather_rows(pred_out.forward(pred_norm.forward(x)), v.masked);
   if (z_out) *z_out = z;
   Tensor pa = p.dtype() == DType::BF16 ? cast(p, DType::F32) : p;

@@ -38,6 +38,7 @@ class LatentMIM : public Module {
   Linear pred_in;
   Tensor mask_token, pred_pos;
   std::vector<std::unique_ptr<ViTBlock>> pred_blocks;
+  bool checkpoint_blocks = false;  // gradient checkpointing of the predictor blocks
   LayerNorm pred_norm;
   Linear pred_out;
 

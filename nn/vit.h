@@ -37,6 +37,7 @@ class ViT : public Module {
   Linear patch_embed_proj;  // state-dict name patch_embed.proj
   Tensor pos_embed;
   std::vector<std::unique_ptr<ViTBlock>> blocks;
+  bool checkpoint_blocks = false;  // gradient checkpointing: recompute each block in backward
   LayerNorm norm;
 
  private:

@@ -187,6 +187,24 @@ TEST_CASE("gradcheck: linear and matmul", "[gradcheck]") {
     auto b = linear(gelu(linear(x, w1, b1)), w2, b2).to_vector<double>();
     for (size_t i = 0; i < a.size(); i++) CHECK(std::abs(a[i] - b[i]) <= 1e-12 * (1 + std::abs(b[i])));
   }
+  // gradient checkpointing: the same gradients, for the input and for parameters inside fn
+  {
+    Tensor w = P({6, 6}), b = P({6});
+    auto block = [w, b](const Tensor& x) { return add(x, gelu(linear(x, w, b))); };
+    check("checkpoint of a residual block (input and captured parameters)",
+          [block](auto& in) { return mul(checkpoint(block, in[0]), checkpoint(block, in[0])); }, {P({3, 6})});
+    Tensor x = P({3, 6});
+    w.impl()->grad.reset();  // the check above accumulated into them
+    b.impl()->grad.reset();
+    backward(sum(checkpoint(block, x)));
+    auto gw = w.grad().to_vector<double>(), gx = x.grad().to_vector<double>();
+    w.impl()->grad.reset();
+    b.impl()->grad.reset();
+    x.impl()->grad.reset();
+    backward(sum(block(x)));
+    CHECK(w.grad().to_vector<double>() == gw);
+    CHECK(x.grad().to_vector<double>() == gx);
+  }
   REQUIRE_THROWS_WITH(matmul(P({B, K, M}), P({K, N}), true, false), Catch::Contains("shared 2-D b"));
   REQUIRE_THROWS_WITH(matmul(P({B, M, K}), P({B, 3, N})), Catch::Contains("[2, 3, 4]"));
   clear_tape();

@@ -158,6 +158,7 @@ int train_mim(const RunContext& ctx) {
   Rng init_rng(ctx.seed);
   LatentMIM m(mc, Init{DType::F32, ctx.device, &init_rng});
   freeze_prefixes(m, cfg.get_str("train.freeze"));
+  m.encoder.checkpoint_blocks = m.checkpoint_blocks = cfg.get_bool("train.grad_checkpointing");
   m.target.requires_grad_(false);
   std::printf("%s\n", describe_params(m).c_str());
   OptimConfig oc = optim_config_from(cfg);

@@ -146,6 +146,7 @@ static int train_vlm(const RunContext& ctx) {
   VLM m(vc, Init{DType::F32, ctx.device, &init_rng});
   init_vlm_from(m, cfg);
   freeze_prefixes(m, cfg.get_str("train.freeze"));
+  m.vision.checkpoint_blocks = m.lm.checkpoint_blocks = cfg.get_bool("train.grad_checkpointing");
   std::printf("%s (vision %.3fM, projector %.3fM, lm %.3fM)\n", describe_params(m).c_str(),
               m.vision.num_parameters() / 1e6, m.projector.num_parameters() / 1e6, m.lm.num_parameters() / 1e6);
   OptimConfig oc = optim_config_from(cfg);

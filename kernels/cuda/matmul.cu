@@ -21,8 +21,10 @@
  *   GELU is the tanh approximation, the one the CPU reference uses (tests/cuda compare them). dbias is a column-sum kernel, not the BGRADB epilogue: BGRADB writes
  *   (=) while the contract is +=, which would cost an extra buffer and add anyway.
  * Plans: matmul descriptors, layouts and the heuristic's algorithm are cached per shape,
- *   transposes, strides, epilogue and pointer alignment (the heuristic is ~10-50 us of host
- *   time, far more than a small GEMM).
+ *   transposes, strides, epilogue and pointer alignment (the heuristic is ~10 us to ~3 ms of
+ *   host time, far more than a small GEMM). A new shape first tries the algorithm of its
+ *   bucket (sizes rounded up to 1/8 of their power of two; cublasLtMatmulAlgoCheck), so
+ *   row counts that change every step do not run the heuristic every step.
  * Napkin: gemm_bf16 8192^3 = 1.1 TFLOP; at ~700 TFLOP/s dense bf16 that is ~1.6 ms.
  *   Column sum: N*O*sizeof(T) read once.
  * Launch shape (column sum): grid (ceil(O/32), R row-splits), block 32x8; partial sums
@@ -123,14 +125,43 @@ Plan& get_plan(const PlanKey& k) {
     int64_t ld = k.N;
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, sizeof(ld)));
   }
-  cublasLtMatmulHeuristicResult_t res{};
-  int count = 0;
-  cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(cublaslt_handle(), p.op, p.a, p.b, p.c, p.c, pref, 1, &res, &count);
-  cublasLtMatmulPreferenceDestroy(pref);
-  if (st == CUBLAS_STATUS_SUCCESS && count > 0) {
-    p.algo = res.algo;
-    p.ok = true;
+  // The heuristic costs 1-3 ms of host time for some shapes: a batch whose row count changes
+  // every step (a VLM batch's image count) would pay it in every step. So the algorithm found
+  // for a shape is offered first to the shapes of its bucket (each size rounded up to 1/8 of
+  // its power of two), checked with cublasLtMatmulAlgoCheck (microseconds), and the heuristic
+  // runs only when the bucket has none or it does not fit.
+  static std::unordered_map<PlanKey, cublasLtMatmulAlgo_t, PlanKeyHash> by_bucket;
+  PlanKey bk = k;
+  auto bucket = [](int v) {
+    if (v <= 256) return v;
+    int p2 = 1 << (31 - __builtin_clz(unsigned(v)));
+    int step = p2 / 8;
+    return (v + step - 1) / step * step;
+  };
+  bk.M = bucket(k.M), bk.N = bucket(k.N), bk.K = bucket(k.K);
+  bk.sa = bk.sb = bk.sc = 0;
+  auto bit = by_bucket.find(bk);
+  if (bit != by_bucket.end()) {
+    cublasLtMatmulHeuristicResult_t chk{};
+    if (cublasLtMatmulAlgoCheck(cublaslt_handle(), p.op, p.a, p.b, p.c, p.c, &bit->second, &chk) ==
+            CUBLAS_STATUS_SUCCESS &&
+        chk.workspaceSize <= ws) {
+      p.algo = bit->second;
+      p.ok = true;
+    }
   }
+  if (!p.ok) {
+    cublasLtMatmulHeuristicResult_t res{};
+    int count = 0;
+    cublasStatus_t st =
+        cublasLtMatmulAlgoGetHeuristic(cublaslt_handle(), p.op, p.a, p.b, p.c, p.c, pref, 1, &res, &count);
+    if (st == CUBLAS_STATUS_SUCCESS && count > 0) {
+      p.algo = res.algo;
+      p.ok = true;
+      by_bucket[bk] = res.algo;
+    }
+  }
+  cublasLtMatmulPreferenceDestroy(pref);
   return cache.emplace(k, p).first->second;
 }
 
