@@ -20,11 +20,21 @@ thread_local bool g_grad_enabled = true;
 
 // ------------------------------------------------------------------ profiling
 namespace {
+struct Cut {
+  std::string category;
+  int column;  // 0 forward (or a phase), 1 backward
+  void* start;
+  void* end;
+};
 bool g_profile = false;
-double g_mark = 0;
+bool g_profile_gpu = false;
+double g_mark = 0;                 // CPU: host clock of the last cut
+void* g_last_event = nullptr;      // CUDA: event of the last cut
+std::vector<void*> g_events;       // pool, reused every step
+size_t g_next_event = 0;
+std::vector<Cut> g_cuts;
 std::map<std::string, std::pair<double, double>> g_prof;  // category -> (forward ms, backward ms)
-double prof_now() {
-  if (cuda::available()) cuda::synchronize();
+double host_ms() {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 std::string category_of(const std::string& op) {
@@ -33,31 +43,78 @@ std::string category_of(const std::string& op) {
   if (op == "layernorm" || op == "rmsnorm" || op == "l2_normalize") return "norms";
   if (op == "gelu" || op == "silu" || op == "swiglu" || op == "softmax") return "activations";
   if (op.find("cross_entropy") != std::string::npos || op == "patch_disc_loss" || op == "infonce_loss") return "loss";
+  if (op == "checkpoint") return "recomputed blocks (checkpointing)";
   return "other (views, adds, indexing, rope)";
+}
+void* next_event() {
+  if (g_next_event == g_events.size()) g_events.push_back(cuda::event_create(true));
+  return g_events[g_next_event++];
+}
+void cut(const std::string& category, int column) {
+  if (g_profile_gpu) {
+    void* e = next_event();
+    cuda::event_record(e, cuda::default_stream());
+    if (g_last_event) g_cuts.push_back({category, column, g_last_event, e});
+    g_last_event = e;
+  } else {
+    double t = host_ms();
+    auto& slot = g_prof[category];
+    (column ? slot.second : slot.first) += t - g_mark;
+    g_mark = t;
+  }
 }
 }  // namespace
 
-void profile_enable(bool on) { g_profile = on; }
+void profile_enable(bool on) {
+  g_profile = on;
+  g_profile_gpu = on && cuda::available();
+}
 bool profile_enabled() { return g_profile; }
 void profile_mark() {
-  if (g_profile) g_mark = prof_now();
+  if (!g_profile) return;
+  if (g_profile_gpu) {
+    g_last_event = next_event();
+    cuda::event_record(g_last_event, cuda::default_stream());
+  } else {
+    g_mark = host_ms();
+  }
+}
+void profile_phase(const std::string& category) {
+  if (g_profile) cut(category, 0);
 }
 void profile_add(const std::string& category, double ms) {
   if (g_profile) g_prof[category].first += ms;
+}
+void profile_step_end() {
+  if (!g_profile || !g_profile_gpu) return;
+  if (g_last_event) cuda::event_synchronize(g_last_event);
+  for (auto& c : g_cuts) {
+    auto& slot = g_prof[c.category];
+    (c.column ? slot.second : slot.first) += cuda::event_elapsed_ms(c.start, c.end);
+  }
+  g_cuts.clear();
+  g_next_event = 0;
+  g_last_event = nullptr;
 }
 void profile_reset() { g_prof.clear(); }
 std::string profile_report(int64_t steps) {
   double total = 0;
   for (auto& [k, v] : g_prof) total += v.first + v.second;
-  std::string s = "profile (ms per step; forward | backward | share):\n";
+  const double n = double(std::max<int64_t>(steps, 1));
+  std::string s = std::string("profile (ms per step; forward | backward | share; ") +
+                  (g_profile_gpu ? "GPU time between CUDA events" : "host time") + "):\n";
   char b[200];
   for (auto& [k, v] : g_prof) {
-    std::snprintf(b, sizeof b, "  %-38s %9.2f | %9.2f | %5.1f%%\n", k.c_str(), v.first / double(std::max<int64_t>(steps, 1)),
-                  v.second / double(std::max<int64_t>(steps, 1)), 100 * (v.first + v.second) / std::max(total, 1e-9));
+    std::snprintf(b, sizeof b, "  %-38s %9.2f | %9.2f | %5.1f%%\n", k.c_str(), v.first / n, v.second / n,
+                  100 * (v.first + v.second) / std::max(total, 1e-9));
     s += b;
   }
-  return s;
+  std::snprintf(b, sizeof b, "  %-38s %9.2f\n", "total", total / n);
+  return s + b;
 }
+
+ProfileRange::ProfileRange(const char* name) { cuda::range_push(name); }
+ProfileRange::~ProfileRange() { cuda::range_pop(); }
 
 bool grad_enabled() { return g_grad_enabled; }
 NoGradGuard::NoGradGuard() : prev(g_grad_enabled) { g_grad_enabled = false; }
@@ -75,11 +132,7 @@ void record(const char* name, std::initializer_list<Tensor> outputs, std::functi
 }
 
 void record(const char* name, const std::vector<Tensor>& outputs, std::function<void()> backward) {
-  if (g_profile) {  // this op's forward ran since the previous record (or mark)
-    double t = prof_now();
-    g_prof[category_of(name)].first += t - g_mark;
-    g_mark = t;
-  }
+  if (g_profile) cut(category_of(name), 0);  // this op's forward ran since the previous cut
   Node n{name, {}, std::move(backward)};
   for (auto& t : outputs) {
     t.impl()->requires_grad = true;
@@ -196,9 +249,8 @@ void backward(const Tensor& root, const Tensor& seed) {
     bool any = false;
     for (auto& o : n.outputs) any |= bool(o->grad);
     if (any) {
-      double t0 = g_profile ? prof_now() : 0;
       n.backward();
-      if (g_profile) g_prof[category_of(n.name)].second += prof_now() - t0;
+      if (g_profile) cut(category_of(n.name), 1);
     }
     n.backward = nullptr;  // frees what the node saved
     for (auto& o : n.outputs) {

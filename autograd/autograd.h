@@ -57,15 +57,28 @@ void accumulate_grad(const Tensor& x, const Tensor& g, bool fresh = false);
 Tensor grad_buffer(const Tensor& x);
 
 // ---- profiling (--train.profile=1)
-// While on, each recorded op's forward time (since the previous op or profile_mark()) and each
-// node's backward time are added to a per-category table (attention, linear, norms,
-// activations, loss, other); CUDA is synchronized around each op so the times are real.
-// Costs a synchronization per op: for finding where time goes, not for speed runs.
+// While on, the GPU work of a step is cut at every recorded op, after every backward node and
+// at every profile_phase(), by CUDA events on the default stream (nothing waits inside the
+// step). Each interval is charged to the op's category (forward or backward column: attention,
+// linear, norms, activations, loss, other) or to the named phase, and profile_step_end() waits
+// once for the step and adds them up, so the table sums to the GPU time of the steps. Work
+// that records no op (a no-grad forward such as the EMA target's) is charged to the next op.
+// On the CPU, host clocks at the same points. profile_add() adds host time (loader waits).
 void profile_enable(bool on);
 bool profile_enabled();
-void profile_mark();                                  // start of a forward: the next op's time starts here
-void profile_add(const std::string& category, double ms);  // e.g. "optimizer", "data"
-std::string profile_report(int64_t steps);            // the table, ms per step
+void profile_mark();                                       // a step starts here
+void profile_phase(const std::string& category);           // the work since the last cut was this
+void profile_add(const std::string& category, double ms);  // host time, e.g. waiting for the loader
+void profile_step_end();
+std::string profile_report(int64_t steps);                 // the table, ms per step
 void profile_reset();
+
+// A named span on an nsys timeline (NVTX; nothing without CUDA).
+struct ProfileRange {
+  explicit ProfileRange(const char* name);
+  ~ProfileRange();
+  ProfileRange(const ProfileRange&) = delete;
+  ProfileRange& operator=(const ProfileRange&) = delete;
+};
 
 }  // namespace loom

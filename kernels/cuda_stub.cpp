@@ -41,6 +41,8 @@ void event_synchronize(void*) { no_cuda(); }
 bool event_done(void*) { no_cuda(); }
 float event_elapsed_ms(void*, void*) { no_cuda(); }
 void memcpy_h2d_async(void*, const void*, size_t, Stream) { no_cuda(); }
+void range_push(const char*) {}  // no timeline without CUDA: nothing to mark
+void range_pop() {}
 void graph_pool_begin() { no_cuda(); }
 void graph_pool_end() { no_cuda(); }
 void release_cached() { no_cuda(); }

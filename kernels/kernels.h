@@ -94,6 +94,9 @@ void stream_wait_event(Stream s, void* e);   // later work on s waits for e (no 
 void event_synchronize(void* e);             // the host waits for e
 bool event_done(void* e);                    // has e completed? (never waits)
 float event_elapsed_ms(void* start, void* end);
+// NVTX ranges (named spans on an nsys timeline): forward, backward, optimizer, each block.
+void range_push(const char* name);
+void range_pop();
 // CUDA graphs of a whole training step. While the graph pool is on, the allocator serves
 // allocations from (and returns frees to) a pool of its own: the addresses a captured graph
 // uses stay the graph's, never handed to other code (a block the graph wrote once stays its

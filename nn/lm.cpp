@@ -105,6 +105,7 @@ Tensor LM::hidden(const Tensor& x, const Tensor& pos, const SeqInfo& seq) const 
              "LM: expected x [Ntok, %d] and pos [Ntok], got %s and %s", cfg.dim, x.desc().c_str(), pos.desc().c_str());
   Tensor h = x;
   for (auto& l : layers) {
+    ProfileRange r("lm block");
     const LMBlock* blk = l.get();
     h = checkpoint_blocks ? checkpoint([blk, pos, seq](const Tensor& in) { return blk->forward(in, pos, seq); }, h)
                           : blk->forward(h, pos, seq);

@@ -62,6 +62,7 @@ Tensor ViT::forward(const Tensor& images, const Tensor& keep) const {
   if (keep.defined()) x = gather_rows(x, keep);
   SeqInfo rows = SeqInfo::dense(int(x.size(0)), int(x.size(1)), x.device());
   for (auto& b : blocks) {
+    ProfileRange r("vit block");
     const ViTBlock* blk = b.get();
     x = checkpoint_blocks ? checkpoint([blk, rows](const Tensor& in) { return blk->forward(in, rows); }, x)
                           : blk->forward(x, rows);

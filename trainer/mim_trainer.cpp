@@ -265,13 +265,22 @@ int train_mim(const RunContext& ctx) {
     std::vector<MIMView> views;
     for (int v = 0; v < nviews; v++)
       views.push_back({t.at("images"), t.at("keep" + std::to_string(v)), t.at("masked" + std::to_string(v))});
-    Tensor loss = m.forward(views);
-    backward(loss);
+    Tensor loss;
+    {
+      ProfileRange r("forward");
+      loss = m.forward(views);
+    }
+    {
+      ProfileRange r("backward");
+      backward(loss);
+    }
+    ProfileRange r("optimizer");
     if (loss.dtype() != DType::F32) loss = cast(loss, DType::F32);
     Tensor norm = opt.clip_grad_norm(grad_clip, loss);
     opt.step();
     ema.update(mc.ema);
     opt.zero_grad();
+    profile_phase("optimizer (clip, AdamW, EMA, zero)");
     return {loss, norm};
   };
   const bool use_graph = ctx.device == Device::CUDA && cfg.get_bool("train.cuda_graph") && !cfg.get_bool("train.profile");
@@ -291,13 +300,14 @@ int train_mim(const RunContext& ctx) {
     double w0 = now_ms();
     StagedBatch b = loader.next();
     double wait = now_ms() - w0;
-    profile_add("data (waiting for the loader)", wait);
+    profile_add("data (waiting for the loader, host)", wait);
     profile_mark();
     double lr = lr_at(s, steps, cfg.get_int64("train.warmup_steps"), cfg.get_float("train.lr"),
                       cfg.get_float("train.min_lr"), cfg.get_str("train.schedule"));
     opt.set_lr(lr);  // a fill on the device, outside any captured graph
     slog.begin_step();
     auto inputs = up.upload(b);
+    profile_phase("data (upload, lr)");
     std::vector<Tensor> out;
     if (use_graph && s - start >= kEagerSteps) {
       graph.static_inputs(inputs);
@@ -313,8 +323,8 @@ int train_mim(const RunContext& ctx) {
       out = body(inputs);
       up.step_done();
     }
-    if (profile_enabled() && ctx.device == Device::CUDA) cuda::synchronize();
     slog.post({s + 1, steps, lr, wait, double(nviews * B), step_flops}, out[0], out[1], opt.control().narrow(0, 1, 1));
+    profile_step_end();
     bool last = s + 1 == steps;
     bool stop = cfg.get_int64("train.stop_at") > 0 && s + 1 >= cfg.get_int64("train.stop_at") && !last;
     bool eval_now = ((eval_every > 0 && (s + 1) % eval_every == 0) || last) && test.n > 0;

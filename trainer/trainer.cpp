@@ -225,25 +225,31 @@ static int train_vlm(const RunContext& ctx) {
       double w0 = now_ms();
       Staged sb = loader.next();
       wait += now_ms() - w0;
-      profile_add("data (waiting for the loader)", now_ms() - w0);
+      profile_add("data (waiting for the loader, host)", now_ms() - w0);
       if (epoch_rows_seen % nrows < int64_t(bs) && epoch_rows_seen > 0)
         log.event("epoch", {{"step", double(s)}}, "epoch " + std::to_string(epoch_rows_seen / nrows) + "\n" + d.stats.log_lines());
       epoch_rows_seen += bs;
       tokens += sb.real_tokens;
       flops += sb.flops;
-      double h0 = now_ms();
+      if (a == 0) profile_mark();
       VLMBatch vb = from_staged(sb.batch, up.upload(sb.batch));
-      profile_add("data (host to device)", now_ms() - h0);
-      profile_mark();
-      Tensor loss = m.loss(vb);
+      profile_phase("data (upload)");
+      Tensor loss;
+      {
+        ProfileRange r("forward");
+        loss = m.loss(vb);
+      }
       Tensor scaled = accum > 1 ? scale(loss, 1.0 / accum) : loss;
-      backward(scaled);
+      {
+        ProfileRange r("backward");
+        backward(scaled);
+      }
       up.step_done();
       NoGradGuard ng;
       Tensor l = accum > 1 ? scale(loss, 1.0 / accum) : loss;
       loss_sum = loss_sum.defined() ? add(loss_sum, l) : l;
     }
-    double o0 = now_ms();
+    ProfileRange opt_range("optimizer");
     double lr = lr_at(s, steps, cfg.get_int64("train.warmup_steps"), cfg.get_float("train.lr"),
                       cfg.get_float("train.min_lr"), cfg.get_str("train.schedule"));
     Tensor loss_f32 = loss_sum.dtype() == DType::F32 ? loss_sum : loss_sum.to(DType::F32);
@@ -252,9 +258,9 @@ static int train_vlm(const RunContext& ctx) {
     opt.set_lr(lr);
     opt.step();
     opt.zero_grad();
-    if (profile_enabled() && ctx.device == Device::CUDA) cuda::synchronize();
-    profile_add("optimizer (clip, AdamW, zero)", now_ms() - o0);
+    profile_phase("optimizer (clip, AdamW, zero)");
     slog.post({s + 1, steps, lr, wait, double(tokens), flops}, loss_f32, norm, opt.control().narrow(0, 1, 1));
+    profile_step_end();
     bool last = s + 1 == steps;
     bool stop = cfg.get_int64("train.stop_at") > 0 && s + 1 >= cfg.get_int64("train.stop_at") && !last;
     bool eval_now = ((eval_every > 0 && (s + 1) % eval_every == 0) || last) && !d.val.empty();

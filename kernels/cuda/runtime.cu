@@ -41,6 +41,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include <nvtx3/nvToolsExt.h>
+
 #include "kernels/cuda/common.cuh"
 
 namespace loom::cuda {
@@ -189,6 +191,9 @@ size_t peak_bytes_reserved() {
   std::lock_guard<std::mutex> lock(allocator().mu);
   return allocator().peak_reserved;
 }
+
+void range_push(const char* name) { nvtxRangePushA(name); }
+void range_pop() { nvtxRangePop(); }
 
 void graph_pool_begin() {
   std::lock_guard<std::mutex> lock(allocator().mu);
