@@ -34,6 +34,8 @@ std::vector<void*> g_events;       // pool, reused every step
 size_t g_next_event = 0;
 std::vector<Cut> g_cuts;
 std::map<std::string, std::pair<double, double>> g_prof;  // category -> (forward ms, backward ms)
+int64_t g_prof_steps = 0;          // steps ended, warm-up included
+constexpr int64_t kProfileWarmup = 2;  // the first steps (allocations, plans, first launches) are left out
 double host_ms() {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
@@ -51,6 +53,10 @@ void* next_event() {
   return g_events[g_next_event++];
 }
 void cut(const std::string& category, int column) {
+  if (g_prof_steps < kProfileWarmup && !g_profile_gpu) {  // CPU warm-up: advance the clock only
+    g_mark = host_ms();
+    return;
+  }
   if (g_profile_gpu) {
     void* e = next_event();
     cuda::event_record(e, cuda::default_stream());
@@ -83,11 +89,14 @@ void profile_phase(const std::string& category) {
   if (g_profile) cut(category, 0);
 }
 void profile_add(const std::string& category, double ms) {
-  if (g_profile) g_prof[category].first += ms;
+  if (g_profile && g_prof_steps >= kProfileWarmup) g_prof[category].first += ms;
 }
 void profile_step_end() {
-  if (!g_profile || !g_profile_gpu) return;
+  if (!g_profile) return;
+  g_prof_steps++;
+  if (!g_profile_gpu) return;
   if (g_last_event) cuda::event_synchronize(g_last_event);
+  if (g_prof_steps <= kProfileWarmup) g_cuts.clear();
   for (auto& c : g_cuts) {
     auto& slot = g_prof[c.category];
     (c.column ? slot.second : slot.first) += cuda::event_elapsed_ms(c.start, c.end);
@@ -96,13 +105,18 @@ void profile_step_end() {
   g_next_event = 0;
   g_last_event = nullptr;
 }
-void profile_reset() { g_prof.clear(); }
-std::string profile_report(int64_t steps) {
+void profile_reset() {
+  g_prof.clear();
+  g_prof_steps = 0;
+}
+std::string profile_report() {
   double total = 0;
   for (auto& [k, v] : g_prof) total += v.first + v.second;
-  const double n = double(std::max<int64_t>(steps, 1));
-  std::string s = std::string("profile (ms per step; forward | backward | share; ") +
-                  (g_profile_gpu ? "GPU time between CUDA events" : "host time") + "):\n";
+  const int64_t counted = std::max<int64_t>(g_prof_steps - kProfileWarmup, 1);
+  const double n = double(counted);
+  std::string s = strformat("profile (ms per step over %lld steps after %lld of warm-up; forward | backward | share; %s):\n",
+                            (long long)counted, (long long)kProfileWarmup,
+                            g_profile_gpu ? "GPU time between CUDA events" : "host time");
   char b[200];
   for (auto& [k, v] : g_prof) {
     std::snprintf(b, sizeof b, "  %-38s %9.2f | %9.2f | %5.1f%%\n", k.c_str(), v.first / n, v.second / n,

@@ -70,7 +70,7 @@ void profile_mark();                                       // a step starts here
 void profile_phase(const std::string& category);           // the work since the last cut was this
 void profile_add(const std::string& category, double ms);  // host time, e.g. waiting for the loader
 void profile_step_end();
-std::string profile_report(int64_t steps);                 // the table, ms per step
+std::string profile_report();  // the table, ms per step (the first 2 steps, warm-up, left out)
 void profile_reset();
 
 // A named span on an nsys timeline (NVTX; nothing without CUDA).

@@ -53,6 +53,7 @@ Tensor LatentMIM::view_loss(const MIMView& v, Tensor* z_out) const {
     NoGradGuard ng;
     t = gather_rows(target.forward(v.images), v.masked);  // [B, N-K, D]
   }
+  profile_phase("EMA target forward (no grad)");  // records no op: its own row in the profile
   // sync-free unmask: scatter the visible tokens into a full sequence of mask tokens
   Tensor full = expand(mask_token, {B, N, cfg.pred_dim});
   full = scatter_rows(full, v.keep, pred_in.forward(z));

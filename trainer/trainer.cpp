@@ -286,7 +286,7 @@ static int train_vlm(const RunContext& ctx) {
   }
   slog.flush(true);
   log.finish();
-  if (cfg.get_bool("train.profile")) std::printf("%s", profile_report(steps - start).c_str());
+  if (cfg.get_bool("train.profile")) std::printf("%s", profile_report().c_str());
   return 0;
 }
 
