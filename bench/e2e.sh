@@ -35,7 +35,7 @@ REF=../shared/reference/torch_ref.py
 [ -f "$REF" ] || REF=.deps/shared/reference/torch_ref.py
 rm -f "$OUT/torch_ref.jsonl"
 if [ "${E2E_TORCH:-1}" = 1 ] && [ -f "$REF" ] && python3 -c "import torch" 2>/dev/null; then
-  timeout 900 python3 "$REF" bench --workload mim,mim_contrastive,vlm --compile 0,1 --vlm-variants packed \
+  timeout ${E2E_TORCH_TIMEOUT:-900} python3 "$REF" bench --workload mim,mim_contrastive,vlm --compile 0,1 --vlm-variants packed \
     --out "$OUT" > "$OUT/e2e_torch.log" 2>&1 || tail -20 "$OUT/e2e_torch.log"
 else
   echo "PyTorch reference not run"
