@@ -36,14 +36,9 @@ for p in $parts; do
     vlm)
       timeout 150 ./build/train vlm_sft.cfg --train.out_dir="$W/vlm_sft" > "$W/vlm_sft.log" 2>&1
       log "vlm_sft rc=$?: $(grep -E '^  all' "$W/vlm_sft.log" | tail -1)" ;;
-    e2e)  # SPEC §3 training steps: ours (bench_*.cfg) and the PyTorch reference (eager)
-      for c in bench_vlm_sft bench_mim; do
-        timeout 150 ./build/train $c.cfg --train.out_dir="$W/$c" > "$W/$c.log" 2>&1
-        log "$c rc=$?: $(grep -E '^step +2[0-5]/' "$W/$c.log" | tail -1)"
-      done
-      REF=.deps/shared/reference/torch_ref.py
-      timeout 200 python3 $REF bench --workload mim,vlm --compile 0 --out "$W" > "$W/torch_e2e.log" 2>&1
-      log "torch e2e rc=$?"; grep -E '"workload"' "$W/torch_e2e.log" >> "$W/summary.txt" ;;
+    e2e)  # SPEC §3 training steps: loom beside PyTorch eager and torch.compile (bench/e2e.sh)
+      OUT=$W timeout 580 bash bench/e2e.sh build > "$W/e2e.log" 2>&1
+      log "e2e rc=$?"; cp "$W/e2e_table.md" "$OUT/e2e_table.md" 2>/dev/null; tail -16 "$W/e2e_table.md" >> "$W/summary.txt" ;;
     mim)
       timeout ${MIM_SECONDS:-200} ./build/train vit_mim.cfg --data.path=.deps/fashion-mnist ${MIM_ARGS:-} --train.out_dir="$W/vit_mim" > "$W/vit_mim.log" 2>&1
       log "vit_mim rc=$?: $(grep -E 'eval at step' "$W/vit_mim.log" | tail -1)" ;;
