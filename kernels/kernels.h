@@ -23,7 +23,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "tensor/dtype.h"
+#include "kernels/scalar.h"
 
 struct CUstream_st;  // cudaStream_t is CUstream_st*; CPU kernels ignore the stream
 
