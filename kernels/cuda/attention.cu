@@ -12,6 +12,7 @@
  *   6. attention_bwd_single.cu        v2 backward, one pass with fp32-atomic dq: the default
  *   7. attention_sm90.cu              the Hopper forward: the same tiles on wgmma
  *   8. attention_cudnn.cu             a second backend: cuDNN's fused attention, chosen per shape
+ *      attention_cudnn_graph.cu       its SDPA graph, built with cuDNN's backend descriptor API
  * How each version came to be (dated measurements, commits): docs/kernels/attention.md.
  *
  * Shape legend: Nq / Nk query / key rows (sequences packed back to back), H query heads,
