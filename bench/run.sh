@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # make bench: our kernel benchmarks and the PyTorch reference on the same GPU in one run, then
 # the ratio table (bench/report.py). Needs a CUDA build and, for the reference, python3 with
-# torch and ../shared/reference/torch_ref.py (or .deps/shared/reference on the GPU machine).
+# torch and ../shared/reference/torch_ref.py (or .deps/shared/reference where tools/gpu-prep.sh bundled it).
 #   bash bench/run.sh BUILD_DIR          writes $OUT (default bench/out)/{loom,torch_ref}.jsonl
 set -uo pipefail
 B=${1:-build}

@@ -23,7 +23,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "tensor/dtype.h"
+#include "kernels/scalar.h"
 
 struct CUstream_st;  // cudaStream_t is CUstream_st*; CPU kernels ignore the stream
 
@@ -113,7 +113,7 @@ void memcpy_h2d_async(void* dst, const void* src, size_t bytes, Stream s);
 // device -> page-locked host memory: returns at once; read dst after an event on s
 void memcpy_d2h_async(void* dst, const void* src, size_t bytes, Stream s);
 
-// Attention backward (kernels/cuda/attention.cu), bf16 at hd 64/128: by default one pass over
+// Attention backward (kernels/cuda/attention_bwd*.cu), bf16 at hd 64/128: by default one pass over
 // the key tiles that adds dq with fp32 atomics (fast; dq differs from run to run in the last
 // bits). Deterministic: the two-pass kernels, every output row written by one block, bitwise
 // reproducible. LOOM_DETERMINISTIC=1 in the environment turns it on at start.

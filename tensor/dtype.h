@@ -1,8 +1,6 @@
-// dtype.h: element types, devices and the bf16 storage type shared by every layer.
-//
-// bf16 here is a plain 16-bit struct with the same layout as CUDA's __nv_bfloat16, so host
-// code (and CPU-only builds) can hold, convert and save bf16 data without CUDA headers.
-// CUDA kernels reinterpret_cast `bf16*` to `__nv_bfloat16*`.
+// dtype.h: element types (DType) and devices, for tensors and everything above them. The
+// scalar types themselves (bf16, acc_t) live one layer down, in kernels/scalar.h, because the
+// kernels compute in them and may not include tensor/.
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -10,39 +8,16 @@
 #include <string>
 #include <type_traits>
 
+#include "kernels/scalar.h"
+
 namespace loom {
 
 enum class DType : uint8_t { F32, BF16, F64, I32, I64, U8, F16 };
 enum class Device : uint8_t { CPU, CUDA };
 
-struct bf16 {
-  uint16_t bits = 0;
-  bf16() = default;
-  // round to nearest even; NaN stays NaN (quiet bit forced)
-  explicit bf16(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) { bits = uint16_t((u >> 16) | 0x40); return; }
-    u += 0x7fffu + ((u >> 16) & 1u);
-    bits = uint16_t(u >> 16);
-  }
-  explicit operator float() const {
-    uint32_t u = uint32_t(bits) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  }
-};
-
 // IEEE half, storage only (safetensors F16 load/save); converted to f32 on load.
 float half_to_float(uint16_t h);
 uint16_t float_to_half(float f);
-
-// The accumulation / statistics type of an activation type: double stays double (gradient
-// checks), everything else accumulates in float.
-template <class T> struct acc { using type = float; };
-template <> struct acc<double> { using type = double; };
-template <class T> using acc_t = typename acc<T>::type;
 
 inline size_t dtype_size(DType t) {
   switch (t) {

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU machine's whole check in one call (carry .deps, see tools/gpu-prep.sh):
+# The whole check on a CUDA machine in one call (with .deps where the machine lacks the -dev
+# packages, see tools/gpu-prep.sh; CUDA_ARCH and JOBS as in tools/gpu-run.sh):
 # CUDA build, every test (CPU and GPU), the fixture checks on CUDA, the kernel benchmark beside
 # the PyTorch reference, and short training runs. Each part is time-boxed; logs go to
 # $OUT/work and come back as $OUT/gpu-ci.tgz plus the bench table.
@@ -17,8 +18,9 @@ for p in $parts; do
   case $p in
     build)
       t0=$(date +%s)
-      cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_CUDA=ON -DLOOM_CUDA_ARCH=90 > "$W/configure.log" 2>&1 &&
-        cmake --build build -j 16 > "$W/build.log" 2>&1
+      GEN=(); command -v ninja > /dev/null && GEN=(-G Ninja)
+      cmake -S . -B build "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DLOOM_CUDA=ON -DLOOM_CUDA_ARCH="${CUDA_ARCH:-90}" \
+        > "$W/configure.log" 2>&1 && cmake --build build -j "${JOBS:-$(nproc)}" > "$W/build.log" 2>&1
       rc=$?; log "build rc=$rc in $(( $(date +%s) - t0 )) s"
       [ $rc -ne 0 ] && { grep -E "error" "$W/build.log" | head -40; tar czf "$OUT/gpu-ci.tgz" -C "$W" .; exit 1; } ;;
     test)

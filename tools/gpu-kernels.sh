@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Build and run kernel-level GPU tests on the GPU machine without the rest of the tree:
-# compiles kernels/cpu/*.cpp, kernels/cuda/*.cu and the named test files (each linked with the
-# Catch2 main) using 16 jobs, then runs each test. Needs .deps (tools/gpu-prep.sh) carried.
+# Build and run kernel-level GPU tests on a CUDA machine without the rest of the tree (a few
+# minutes less than the full build): compiles kernels/cpu/*.cpp, kernels/cuda/*.cu and the named
+# test files (each linked with the Catch2 main) on JOBS cores (default: all), then runs each
+# test. Needs Eigen and Catch2 (the system's, or .deps from tools/gpu-prep.sh); CUDA_ARCH
+# (default 90) picks the target, NVCC the compiler.
 #   bash tools/gpu-kernels.sh tests/cuda/test_cuda_norms.cpp [more tests] [-- extra sources]
 # A file under bench/ is linked with its own main (no Catch2) and run the same way.
 # Logs: $OUT/kbuild.log and $OUT/<test>.log
@@ -29,7 +31,7 @@ compile() {  # src -> obj
 }
 export -f compile; export B NVCC ARCH INC DEF GENCODE
 srcs=(kernels/cpu/*.cpp kernels/cuda/*.cu tests/catch_main.cpp "${tests[@]}" "${extra[@]}")
-printf '%s\n' "${srcs[@]}" | xargs -P 16 -I{} bash -c 'compile {} || echo "FAILED {}"' > "$OUT/kbuild.log" 2>&1
+printf '%s\n' "${srcs[@]}" | xargs -P "${JOBS:-$(nproc)}" -I{} bash -c 'compile {} || echo "FAILED {}"' > "$OUT/kbuild.log" 2>&1
 if grep -q FAILED "$OUT/kbuild.log"; then grep -E "error|FAILED" "$OUT/kbuild.log" | head -80; exit 1; fi
 lib=()
 for s in kernels/cpu/*.cpp kernels/cuda/*.cu "${extra[@]}"; do lib+=($B/$(echo "$s" | tr '/' '_').o); done

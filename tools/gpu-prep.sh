@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# Fill .deps/ (git-ignored) with what a bare GPU machine lacks, so every session prepares a
-# GPU run the same way: Catch2 v2, nlohmann-json, stb, PCRE2, zlib, utf8proc headers and the
-# shared libraries they need, plus ../shared/reference and ../shared/fixtures.
-# Then run on the GPU machine (carry .deps):   bash tools/gpu-run.sh [what]   (see that file)
+# Bundle into .deps/ (git-ignored) what a CUDA machine without the Debian -dev packages or
+# network access needs to build and test loom, taken from this machine (where `make deps` ran):
+#   headers   Catch2 v2, nlohmann-json, stb, PCRE2, zlib, utf8proc (the build's dependencies),
+#             cuDNN's (many CUDA machines have its libraries but not its headers)
+#   libraries libpcre2-8, libz, libutf8proc (CMakeLists.txt looks in .deps/lib after the system)
+#   data      the Fashion-MNIST files (vit_mim.cfg), ../shared/reference (the PyTorch reference
+#             the benchmarks run beside ours) and ../shared/fixtures
+# A machine that has the packages needs none of this. Then copy the tree with .deps to the
+# CUDA machine and run there:   bash tools/gpu-run.sh [what]   (see that file)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 D=.deps
@@ -12,7 +17,7 @@ cp -r /usr/include/nlohmann $D/include/
 mkdir -p $D/include/stb && cp /usr/include/stb/stb_image.h /usr/include/stb/stb_image_write.h $D/include/stb/ 2>/dev/null || cp /usr/include/stb/stb_image.h $D/include/stb/
 cp /usr/include/pcre2.h /usr/include/zlib.h /usr/include/zconf.h $D/include/
 [ -f /usr/include/utf8proc.h ] && cp /usr/include/utf8proc.h $D/include/
-# cuDNN headers (the GPU machine may have only the libraries): the attention backend's build
+# cuDNN headers (a CUDA machine may have only the libraries): the attention backend's build
 for d in /usr/local/cuda/include /usr/include /usr/include/x86_64-linux-gnu; do
   ls $d/cudnn*.h >/dev/null 2>&1 && { cp $d/cudnn*.h $D/include/; break; }
 done

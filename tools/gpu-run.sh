@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine from the repo root (after tools/gpu-prep.sh here, with .deps
-# carried): configure and build the CUDA build, run the GPU tests, optionally the benchmark.
+# Runs on a CUDA machine from the repo root (with .deps from tools/gpu-prep.sh when the machine
+# lacks the -dev packages): configure and build the CUDA build, run the tests, optionally the
+# benchmark. CUDA_ARCH (default 90: Hopper, sm_90a) and JOBS (default: every core) as in the
+# Makefile; Ninja when it is installed.
 #   bash tools/gpu-run.sh test            build + ctest (all tests, GPU ones included)
 #   bash tools/gpu-run.sh test REGEX      build + ctest -R REGEX
 #   bash tools/gpu-run.sh bench           build + make bench (ours and the PyTorch reference)
@@ -12,9 +14,10 @@ export LD_LIBRARY_PATH=$PWD/.deps/lib:${LD_LIBRARY_PATH:-}
 export NCCL_NVLS_ENABLE=0
 what=${1:-test}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_CUDA=ON -DLOOM_CUDA_ARCH=90 \
+GEN=(); command -v ninja > /dev/null && GEN=(-G Ninja)
+cmake -S . -B build "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DLOOM_CUDA=ON -DLOOM_CUDA_ARCH="${CUDA_ARCH:-90}" \
   > "$OUT/configure.log" 2>&1 || { tail -50 "$OUT/configure.log"; exit 1; }
-cmake --build build -j 16 > "$OUT/build.log" 2>&1 || { grep -E "error|Error" "$OUT/build.log" | head -60; exit 1; }
+cmake --build build -j "${JOBS:-$(nproc)}" > "$OUT/build.log" 2>&1 || { grep -E "error|Error" "$OUT/build.log" | head -60; exit 1; }
 echo "build ok"
 case "$what" in
   test)

@@ -1,4 +1,6 @@
-// run.cpp: run folder, logs, checkpoints, NaN guard (see run.h).
+// run.cpp: the run folder, the run log (metrics.jsonl, the step line, the loss plot) and the
+// NaN guard (see run.h). Checkpoints: checkpoint.cpp; config -> structs, parameter groups and
+// freezing: params.cpp.
 #include "trainer/run.h"
 
 #include <dirent.h>
@@ -20,7 +22,7 @@ double now_ms() {
   return duration<double, std::milli>(steady_clock::now().time_since_epoch()).count();
 }
 
-static void mkdirs(const std::string& path) {
+void mkdirs(const std::string& path) {
   std::string cur;
   std::stringstream ss(path);
   std::string part;
@@ -176,118 +178,6 @@ void RunLog::finish() {
   std::printf("wrote %s/loss.svg and metrics.jsonl\n", ctx_.out_dir.c_str());
 }
 
-// ------------------------------------------------------------------ checkpoints
-std::map<std::string, Tensor> model_master_state(Module& model, const Optimizer& opt) {
-  std::map<std::string, Tensor> sd;
-  for (auto& [name, slot] : model.named_parameters()) {
-    Tensor m;
-    try {
-      m = opt.master(name);
-    } catch (const std::exception&) {
-    }
-    sd[name] = m.defined() ? m : *slot;
-  }
-  return sd;
-}
-
-static std::vector<std::string> checkpoint_dirs(const std::string& out_dir) {
-  std::vector<std::string> v;
-  DIR* d = opendir(out_dir.c_str());
-  if (!d) return v;
-  while (dirent* e = readdir(d)) {
-    std::string n = e->d_name;
-    if (n.rfind("step_", 0) == 0 && n.find(".tmp") == std::string::npos) {
-      struct stat s;
-      if (stat((out_dir + "/" + n + "/trainer.json").c_str(), &s) == 0) v.push_back(n);
-    }
-  }
-  closedir(d);
-  std::sort(v.begin(), v.end());
-  return v;
-}
-
-static void remove_dir(const std::string& dir) {
-  DIR* d = opendir(dir.c_str());
-  if (!d) return;
-  while (dirent* e = readdir(d)) {
-    std::string n = e->d_name;
-    if (n != "." && n != "..") std::remove((dir + "/" + n).c_str());
-  }
-  closedir(d);
-  rmdir(dir.c_str());
-}
-
-void save_checkpoint(const RunContext& ctx, Module& model, const Optimizer& opt, const TrainerState& st) {
-  char name[64];
-  std::snprintf(name, sizeof name, "step_%08lld", (long long)st.step);
-  std::string final_dir = ctx.out_dir + "/" + name, tmp = final_dir + ".tmp";
-  remove_dir(tmp);
-  mkdirs(tmp);
-  save_safetensors(tmp + "/model.safetensors", model_master_state(model, opt));
-  save_safetensors(tmp + "/optimizer.safetensors", opt.state_dict());
-  json j = {{"step", st.step}, {"config", ctx.cfg.dump()}, {"extra", st.extra}};
-  {
-    std::ofstream f(tmp + "/trainer.json");
-    f << j.dump(1) << "\n";
-    LOOM_CHECK(f.good(), "%s/trainer.json: write failed", tmp.c_str());
-  }
-  remove_dir(final_dir);
-  LOOM_CHECK(std::rename(tmp.c_str(), final_dir.c_str()) == 0, "cannot rename %s to %s", tmp.c_str(), final_dir.c_str());
-  int keep = std::max(1, ctx.cfg.get_int("train.keep_last"));
-  auto dirs = checkpoint_dirs(ctx.out_dir);
-  for (size_t i = 0; i + size_t(keep) < dirs.size(); i++) remove_dir(ctx.out_dir + "/" + dirs[i]);
-}
-
-std::string find_checkpoint(const RunContext& ctx, const std::string& resume) {
-  if (resume.empty()) return "";
-  if (resume != "latest") {
-    struct stat s;
-    LOOM_CHECK(stat((resume + "/trainer.json").c_str(), &s) == 0, "train.resume: %s is not a checkpoint folder (no trainer.json)",
-               resume.c_str());
-    return resume;
-  }
-  auto dirs = checkpoint_dirs(ctx.out_dir);
-  return dirs.empty() ? "" : ctx.out_dir + "/" + dirs.back();
-}
-
-static json read_trainer_json(const std::string& dir) {
-  std::ifstream f(dir + "/trainer.json");
-  LOOM_CHECK(f.good(), "%s/trainer.json: cannot open", dir.c_str());
-  try {
-    return json::parse(f);
-  } catch (const std::exception& e) {
-    LOOM_CHECK(false, "%s/trainer.json: %s", dir.c_str(), e.what());
-  }
-}
-
-TrainerState load_checkpoint(const std::string& dir, Module& model, Optimizer& opt) {
-  json j = read_trainer_json(dir);
-  TrainerState st;
-  st.step = j.at("step");
-  if (j.contains("extra")) st.extra = j["extra"].get<std::map<std::string, double>>();
-  opt.load_state_dict(load_safetensors(dir + "/optimizer.safetensors").tensors, dir + "/optimizer.safetensors");
-  // parameters the optimizer does not own (frozen, EMA target) come from the model file
-  auto sd = load_safetensors(dir + "/model.safetensors").tensors;
-  for (auto& [name, slot] : model.named_parameters()) {
-    auto it = sd.find(name);
-    LOOM_CHECK(it != sd.end(), "%s/model.safetensors: missing '%s'", dir.c_str(), name.c_str());
-    bool owned = true;
-    try {
-      opt.master(name);
-    } catch (const std::exception&) {
-      owned = false;
-    }
-    if (!owned) slot->copy_(it->second);
-  }
-  return st;
-}
-
-std::map<std::string, Tensor> load_checkpoint_model(const std::string& dir) {
-  return load_safetensors(dir + "/model.safetensors").tensors;
-}
-
-std::string checkpoint_config_text(const std::string& dir) { return read_trainer_json(dir).at("config"); }
-
 // ------------------------------------------------------------------ guards and helpers
 bool NanGuard::ok(int64_t step, double loss, double grad_norm) {
   if (std::isfinite(loss) && std::isfinite(grad_norm)) {
@@ -301,85 +191,6 @@ bool NanGuard::ok(int64_t step, double loss, double grad_norm) {
   LOOM_CHECK(run_ < max_, "%d non-finite steps in a row (last at step %lld): stopping; the last checkpoint is intact. "
              "Lower train.lr or check the data.", run_, (long long)step);
   return false;
-}
-
-void freeze_prefixes(Module& m, const std::string& prefixes) {
-  if (prefixes.empty()) return;
-  std::vector<std::string> ps;
-  std::stringstream ss(prefixes);
-  std::string p;
-  while (std::getline(ss, p, ','))
-    if (!p.empty()) ps.push_back(p);
-  for (auto& [name, t] : m.named_parameters())
-    for (auto& pre : ps)
-      if (name.rfind(pre, 0) == 0) t->requires_grad_(false);
-}
-
-std::vector<ParamGroup> param_groups_from(Module& m, const Config& cfg) {
-  double wd = cfg.get_float("train.weight_decay"), ewd = cfg.get_float("train.embeddings_weight_decay");
-  if (ewd < 0) ewd = wd;
-  double s_emb = cfg.get_float("train.lr_scale_embeddings"), s_proj = cfg.get_float("train.lr_scale_projector"),
-         s_norm = cfg.get_float("train.lr_scale_norms");
-  auto has = [](const std::string& n, const char* part) { return n.find(part) != std::string::npos; };
-  // With every factor at its default the four groups collapse to two (decay: all matrices,
-  // embeddings and the projector; no decay: 1-D), in parameter order, so runs made before the
-  // groups existed reproduce bit for bit.
-  bool split = s_emb != 1.0 || s_proj != 1.0 || s_norm != 1.0 || ewd != wd;
-  std::vector<ParamGroup> g;
-  if (split) {
-    g = {{"matrices", 1.0, wd, {}}, {"embeddings", s_emb, ewd, {}}, {"projector", s_proj, wd, {}}, {"norms", s_norm, 0.0, {}}};
-  } else {
-    g = {{"decay", 1.0, wd, {}}, {"no_decay", 1.0, 0.0, {}}};
-  }
-  for (auto& [name, t] : m.named_parameters()) {
-    if (!t->requires_grad()) continue;
-    size_t i;
-    if (!split) i = t->dim() >= 2 ? 0 : 1;
-    else if (has(name, "embed_tokens") || has(name, "pos_embed") || has(name, "pred_pos") || has(name, "mask_token")) i = 1;
-    else if (name.rfind("projector.", 0) == 0) i = 2;
-    else if (t->dim() < 2) i = 3;
-    else i = 0;
-    g[i].params.push_back({name, t});
-  }
-  return g;
-}
-
-ViTConfig vit_config_from(const Config& cfg) {
-  ViTConfig c;
-  c.image_size = cfg.get_int("model.image_size");
-  c.patch_size = cfg.get_int("model.patch_size");
-  c.channels = cfg.get_int("model.channels");
-  c.dim = cfg.get_int("model.vit_dim");
-  c.depth = cfg.get_int("model.vit_depth");
-  c.heads = cfg.get_int("model.vit_heads");
-  c.mlp_ratio = cfg.get_int("model.vit_mlp_ratio");
-  return c;
-}
-
-OptimConfig optim_config_from(const Config& cfg) {
-  OptimConfig oc;
-  oc.kind = cfg.get_str("train.optimizer");
-  oc.beta1 = cfg.get_float("train.beta1");
-  oc.beta2 = cfg.get_float("train.beta2");
-  oc.eps = cfg.get_float("train.eps");
-  oc.momentum = cfg.get_float("train.momentum");
-  return oc;
-}
-
-void cast_frozen(Module& m, DType compute) {
-  for (auto& [name, t] : m.named_parameters())
-    if (!t->requires_grad() && t->dtype() != compute) *t = t->to(compute);
-}
-
-std::string describe_params(Module& m) {
-  int64_t total = 0, trained = 0;
-  for (auto& [n, t] : m.named_parameters()) {
-    total += t->numel();
-    if (t->requires_grad()) trained += t->numel();
-  }
-  char b[160];
-  std::snprintf(b, sizeof b, "parameters: %.3fM total, %.3fM trained", double(total) / 1e6, double(trained) / 1e6);
-  return b;
 }
 
 }  // namespace loom

@@ -81,6 +81,8 @@ class NanGuard {
 };
 
 double now_ms();
+// mkdir -p; throws when path is not a directory afterwards
+void mkdirs(const std::string& path);
 // master weights for saving: opt.master(name) for trained parameters, the slot otherwise
 std::map<std::string, Tensor> model_master_state(Module& model, const Optimizer& opt);
 // parameters whose name starts with one of the comma-separated prefixes are frozen

@@ -20,8 +20,8 @@
  *   256-thread block per row.
  * Versions: v1 only. Measured (H200): gelu_forward 16384x768 bf16 0.021 ms = 2.39 TB/s
  *   (4 bytes per element counted).
- * Test: tests/cuda/test_cuda_kernels_a.cpp [activations]:
- *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_kernels_a.cpp
+ * Test: tests/cuda/test_cuda_activations.cpp [activations]:
+ *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_activations.cpp
  */
 #include <algorithm>
 

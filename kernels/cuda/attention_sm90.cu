@@ -1,6 +1,6 @@
 /*
  * attention_sm90.cu: the flash-attention forward on Hopper tensor cores (wgmma, sm_90a).
- * Same contract, masks and results as attn_fwd_v2 in attention.cu (read that header first:
+ * Same contract, masks and results as attn_fwd_v2 in attention_fwd.cu (read attention.cu first:
  * the math, shapes, causal bottom-right alignment and rows outside every sequence are the
  * same); this file only changes how the two tile products are issued.
  *
@@ -32,11 +32,11 @@
  *   offset 1024 (8 rows of 128 bytes), swizzle mode 128 B. A k-step of 16 along a K-major
  *   row moves the start address by 32 bytes inside the swizzle atom.
  * Needs sm_90a (the build passes -gencode arch=compute_90a,code=sm_90a for CUDA_ARCH=90 and
- *   defines LOOM_SM90A); elsewhere the kernel body is empty and attention.cu keeps v2.
+ *   defines LOOM_SM90A); elsewhere the kernel body is empty and attention.cu runs v2.
  *
  * Versions (H200, bf16, TFLOP/s forward, bench/bench_attention.cpp, one call; the SPEC shapes
  * B8 H12 T1024 D64 full | B8 H16 T2048 D128 causal | B4 H9 T2048 D64 causal):
- *   v2 (attention.cu, mma.sync), same call           212 | 226 | 146
+ *   v2 (attention_fwd.cu, mma.sync), same call           212 | 226 | 146
  *   sm90 v1: S and P V each issued and waited for, block-wide barrier per key tile
  *     2 warpgroups x 64-key tiles                     237 | 250 | 166
  *     3 warpgroups x 128-key tiles                    222 | 321 | 179

@@ -1,8 +1,9 @@
 // attention_tiles.cuh: the tile primitives the tensor-core attention kernels share
-// (kernels/cuda/attention.cu, attention_sm90.cu): cp.async staging into XOR-swizzled shared
-// memory, ldmatrix fragments, mma.sync m16n8k16 (bf16 in, fp32 accumulate), and the C -> A
-// fragment repack that keeps the score tile in registers. See attention.cu's header for the
-// algorithm and the measured versions.
+// (attention_fwd.cu, attention_bwd.cu, attention_bwd_single.cu, attention_sm90.cu): cp.async
+// staging into XOR-swizzled shared memory, ldmatrix fragments, mma.sync m16n8k16 (bf16 in,
+// fp32 accumulate), the C -> A fragment repack that keeps the score tile in registers, the
+// per-tile pieces the two backward schedules share, and the host entry points of each file.
+// See attention.cu's header for the algorithm, the reading order and the measured versions.
 #pragma once
 #include <functional>
 
@@ -144,7 +145,7 @@ void fwd_sm90(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const 
               const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int H, int KV, int hd, bool causal,
               float scale_log2, cudaStream_t s);
 
-// ---- single-pass backward (attention.cu, attn_bwd_v2_atomic_dq)
+// ---- single-pass backward (attention_bwd_single.cu, attn_bwd_v2_atomic_dq)
 // Stores four 8x8 bf16 matrices transposed: register r[i] holds matrix i in the mma C layout
 // (lane: row lane/4, columns 2 (lane%4) and +1, packed); lanes 8i..8i+7 pass the addresses of
 // the 8 rows of matrix i as it lands in shared memory (= its columns in registers), 16 bytes
@@ -180,5 +181,122 @@ __device__ __forceinline__ void red_add_f32x2(float* dst, float a, float b) {
   atomicAdd(dst + 1, b);
 #endif
 }
+
+// ---- v2 backward, shared by attn_bwd_dkdv_v2 (attention_bwd.cu) and the single pass
+// Pieces of a key-tile block's work per query tile, used by attn_bwd_dkdv_v2 and the single
+// pass. A warp owns 16 keys (rows warp*16.. of sK / sV); cQ, cO, cL, cD are the current
+// query tile's Q, dO, lse * log2(e) and delta in shared memory.
+
+// Q, dO (rows qt.. of query head h, nq of them valid) into buffer buf; lse and delta beside them
+// (+inf / 0 past nq, so that p = 0 there).
+template <int HD, int BRQ, int NT>
+__device__ __forceinline__ void load_q_dout_tile(bf* sQ, bf* sO, float* sL, float* sD, int buf, const bf* q,
+                                                 const bf* dout, const float* lse, const float* delta,
+                                                 int q0, int qt, int h, int H, int Lq) {
+  const int nq = min(BRQ, Lq - qt);
+  const int64_t qstride = int64_t(H) * HD, off = (int64_t(q0) + qt) * qstride + h * HD;
+  load_tile<HD, BRQ, NT>(sQ + buf * BRQ * HD, q + off, qstride, nq);
+  load_tile<HD, BRQ, NT>(sO + buf * BRQ * HD, dout + off, qstride, nq);
+  for (int i = threadIdx.x; i < BRQ; i += NT) {
+    const bool ok = i < nq;
+    const int64_t st = (int64_t(q0) + qt + i) * H + h;
+    sL[buf * BRQ + i] = ok ? lse[st] * kLog2e : INFINITY;
+    sD[buf * BRQ + i] = ok ? delta[st] : 0.f;
+  }
+}
+
+// st = P^T and dpt = dS^T (the warp's 16 keys x BRQ queries, C layout): S^T = K Q^T and
+// dP^T = V dO^T by mma, then p = exp2(s scale log2(e) - lse), masked past Lk and above the
+// causal diagonal (query tile starting at qt), dS^T = p (dP^T - delta).
+template <int HD, int BRQ>
+__device__ __forceinline__ void dkdv_p_ds(float (&st)[BRQ / 8][4], float (&dpt)[BRQ / 8][4], const bf* sK,
+                                          const bf* sV, const bf* cQ, const bf* cO, const float* cL,
+                                          const float* cD, int warp, int lane, int key0, int Lk, bool need_mask,
+                                          bool causal, int qt, int shift, float scale_log2) {
+  const int t = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < BRQ / 8; nt++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) st[nt][e] = dpt[nt][e] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; kk++) {
+    uint32_t ka[4], va[4];
+    frag_a<HD>(ka, sK, warp * 16, kk * 16, lane);
+    frag_a<HD>(va, sV, warp * 16, kk * 16, lane);
+#pragma unroll
+    for (int np = 0; np < BRQ / 16; np++) {
+      uint32_t b[4];
+      frag_b_rows_n<HD>(b, cQ, np * 16, kk * 16, lane);  // S^T = K Q^T
+      mma_bf16(st[2 * np], ka, b[0], b[1]);
+      mma_bf16(st[2 * np + 1], ka, b[2], b[3]);
+      frag_b_rows_n<HD>(b, cO, np * 16, kk * 16, lane);  // dP^T = V dO^T
+      mma_bf16(dpt[2 * np], va, b[0], b[1]);
+      mma_bf16(dpt[2 * np + 1], va, b[2], b[3]);
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < BRQ / 8; nt++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      const int qc = nt * 8 + 2 * t + (e & 1);  // query column inside the tile
+      float p = exp2f(st[nt][e] * scale_log2 - cL[qc]);  // rows past Lq have lse +inf: p = 0
+      if (need_mask) {
+        const int key = key0 + 8 * (e >> 1);
+        if (key >= Lk || (causal && key > qt + qc + shift)) p = 0.f;
+      }
+      st[nt][e] = p;
+      dpt[nt][e] = p * (dpt[nt][e] - cD[qc]);  // dS^T
+    }
+}
+
+// dV += P^T dO and dK += dS^T Q for queries 16 kk..16 kk+15 (pa, da: A fragments of P^T, dS^T).
+template <int HD>
+__device__ __forceinline__ void dkdv_accumulate(float (&dva)[HD / 8][4], float (&dka)[HD / 8][4],
+                                                const uint32_t (&pa)[4], const uint32_t (&da)[4], const bf* cQ,
+                                                const bf* cO, int kk, int lane) {
+#pragma unroll
+  for (int dd = 0; dd < HD / 16; dd++) {
+    uint32_t b[4];
+    frag_b_rows_k<HD>(b, cO, kk * 16, dd * 16, lane);  // dV += P^T dO
+    mma_bf16(dva[2 * dd], pa, b[0], b[1]);
+    mma_bf16(dva[2 * dd + 1], pa, b[2], b[3]);
+    frag_b_rows_k<HD>(b, cQ, kk * 16, dd * 16, lane);  // dK += dS^T Q
+    mma_bf16(dka[2 * dd], da, b[0], b[1]);
+    mma_bf16(dka[2 * dd + 1], da, b[2], b[3]);
+  }
+}
+
+// Opts a kernel in to more than 48 KB of dynamic shared memory (once per instantiation).
+template <class K>
+inline void set_smem(K kernel, int bytes) {
+  if (bytes > 48 * 1024)
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+}
+
+// ---- host entry points of the attention files (attention.cu chooses among them)
+// attention_v1.cu: v1_warp_per_row, T = float or bf16, any hd <= 128. Writes every row.
+template <class T>
+void fwd_v1(T* out, float* lse, const T* q, const T* k, const T* v, const int32_t* cu_q,
+            const int32_t* cu_k, int nseq, int64_t Nq, int H, int KV, int hd, bool causal,
+            float scale_log2, cudaStream_t s);
+template <class T>
+void bwd_v1(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, const T* v, const float* lse,
+            const float* delta, const int32_t* cu_q, const int32_t* cu_k, int nseq, int64_t Nq,
+            int64_t Nk, int H, int KV, int hd, bool causal, float scale, cudaStream_t s);
+// attention_fwd.cu: v2 forward, hd 16/32/64/128, nseq and max_seqlen > 0. Rows outside every
+// sequence are left to the caller.
+void fwd_v2(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const int32_t* cu_q,
+            const int32_t* cu_k, int nseq, int max_seqlen, int H, int KV, int hd, bool causal,
+            float scale_log2, cudaStream_t s);
+// attention_bwd.cu: the two-pass (deterministic) v2 backward, hd 16/32/64/128; delta computed
+// before, rows outside every sequence left to the caller.
+void bwd_v2(bf* dq, bf* dk, bf* dv, const bf* dout, const bf* q, const bf* k, const bf* v,
+            const float* lse, const float* delta, const int32_t* cu_q, const int32_t* cu_k, int nseq,
+            int max_seqlen, int H, int KV, int hd, bool causal, float scale, cudaStream_t s);
+// attention_bwd_single.cu: the single pass, hd 64/128; computes delta and writes every row.
+void bwd_v2_atomic(bf* dq, bf* dk, bf* dv, float* dq_acc, float* delta, const bf* dout, const bf* out,
+                   const bf* q, const bf* k, const bf* v, const float* lse, const int32_t* cu_q,
+                   const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV,
+                   int hd, bool causal, float scale, cudaStream_t s);
 
 }  // namespace loom::cuda::attn

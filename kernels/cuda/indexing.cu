@@ -31,8 +31,8 @@
  * Launch shape: grid-stride, 256 threads, one thread per output element (gathers read
  *   coalesced along C); warp per row for l2norm/argmax; warp per id run for embedding bwd.
  * Versions: embedding backward v2_chunked_runs (above); the others v1 only.
- * Test: tests/cuda/test_cuda_kernels_a.cpp [indexing]:
- *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_kernels_a.cpp
+ * Test: tests/cuda/test_cuda_indexing.cpp [indexing]:
+ *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_indexing.cpp
  */
 #include <cub/device/device_radix_sort.cuh>
 

@@ -32,8 +32,8 @@
  *   deterministic, no atomics.
  * Versions: v1 cuBLASLt + BIAS epilogue. Measured (H200, bench/bench_kernels_a.cpp):
  *   gemm_bf16 8192^3 1.37-1.38 ms = 798-803 TFLOP/s (PyTorch a @ b: 1.396 ms, 788 TFLOP/s).
- * Test: tests/cuda/test_cuda_kernels_a.cpp [matmul]:
- *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_kernels_a.cpp
+ * Test: tests/cuda/test_cuda_matmul.cpp [matmul]:
+ *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_matmul.cpp
  */
 #include <cstdio>
 #include <cstring>

@@ -25,8 +25,8 @@
  *   outputs, e.g. a bias-gradient-shaped sum over all rows).
  *   sum_all: two deterministic passes (<= 1024 block partials, then one block), no atomics.
  * Versions: v1 only (plain grid-stride); these are not on a hot path of training.
- * Test: tests/cuda/test_cuda_kernels_a.cpp [memory]:
- *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_kernels_a.cpp
+ * Test: tests/cuda/test_cuda_memory.cpp [memory]:
+ *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_memory.cpp
  */
 #include <cmath>
 #include <type_traits>

@@ -29,33 +29,30 @@
  *   vector width, or misaligned pointers, take the same kernels with scalar (1-element)
  *   vectors; rows longer than 1024 x 4 vectors take a block-per-row kernel that re-reads
  *   the row from global memory (slow, but correct for any C).
- * Versions:
+ * Versions (H200, bf16, bench/bench_kernels_a.cpp, medians; bytes = 4 N C forward):
  *   v1_generic_block_per_row: the reference loop, a block per row, three passes over global
- *     memory (kept as the fallback for very long rows).
- *   v2_row_in_registers: warp/block per row, 128-bit loads, the row in registers; the
- *     production path. Measured (H200, bench/bench_kernels_a.cpp, median of 20, bytes = 4 M C):
- *     layernorm_fwd 16384x768 bf16 0.020 ms = 2.51-2.55 TB/s (PyTorch 0.046 ms, 1.09 TB/s);
- *     rmsnorm_fwd 16384x576 bf16 0.016 ms = 2.30-2.35 TB/s (PyTorch 1.09 TB/s): short of the
- *     2.5 TB/s goal; the kernel is ~16 us, so launch and the tail wave weigh. Keeping the row
- *     as packed bf16 instead of floats did not lower the register count (53) or move the time;
- *     forcing 10-12 blocks/SM with __launch_bounds__ spilled (24-64 B), so it was not kept.
-     Also tried at 16384x576 and not kept (same session, this kernel at 2.27-2.39 TB/s):
-     8 threads x 9 vectors per row, 4 rows per warp (95 registers) 2.10-2.17 TB/s, with 6
-     blocks/SM forced (80 registers, spills) 1.93-1.97; 16 threads x 5 vectors 2.06-2.16;
-     loading the weight slice with the row (86 registers) 2.15-2.19 and LayerNorm 768 fell to
-     2.30. More rows in flight per SM did not help: the time is not the number of waves.
- *     Third session, the ceiling (H200, one call, event-timed medians of 50): a device-to-device
- *     cudaMemcpyAsync of the same 37.7 MB moves 2.54 TB/s with the 4 rotating buffer sets
- *     (every byte from DRAM) and this kernel 2.36 TB/s (93% of the copy); with one buffer
- *     called again and again, as torch_ref.py times PyTorch, 3.09 TB/s (copy 3.21). Tried and
- *     not kept: a warp per row with 36 bytes per lane (two 16-byte chunks and one 4-byte word,
- *     every lane busy) 2.21 cold, the same as a persistent grid-stride kernel 2.35, without
- *     the streaming cache hints 2.11. bench_kernels_a prints both methods and the copy.
- *     layernorm_bwd 16384x768 bf16 0.060 ms = 1.25 TB/s counting 6 M C bytes (163 registers,
- *     one 256-thread block per SM: the next thing to tune).
- * Test: tests/cuda/test_cuda_kernels_a.cpp [norms] (C = 1, 31, 64, 576, 768, 1030, 3000,
- *   5000, odd N, N = 1), run on the GPU machine with
- *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_kernels_a.cpp
+ *     memory; the fallback for rows longer than 1024 x 4 vectors. Not timed.
+ *   v2_row_in_registers: warp / block per row, 16-byte loads, the row in registers; the
+ *     production path. layernorm_fwd 16384x768 2.55 TB/s, rmsnorm_fwd 16384x576 2.31 TB/s with
+ *     every call reading DRAM (a device-to-device copy of the same bytes: 2.36-2.54), 2.87-3.09
+ *     timed on one buffer as torch_ref.py times PyTorch (PyTorch 0.80-1.09 TB/s);
+ *     layernorm_bwd 16384x768 1.25 TB/s counting 6 N C bytes (163 registers, one 256-thread
+ *     block per SM: the next thing to tune).
+ * Measured alternatives that lost (rmsnorm_fwd 16384x576, against v2's 2.27-2.39 TB/s in the
+ * same runs; dated in docs/kernels/norms.md):
+ *   8 threads x 9 vectors per row, 4 rows per warp (95 registers): 2.10-2.17 TB/s (-8%);
+ *     with 6 blocks/SM forced (spills): 1.93-1.97.
+ *   16 threads x 5 vectors per row: 2.06-2.16 (-7%).
+ *   the weight slice loaded with the row (86 registers): 2.15-2.19 (-6%); LayerNorm 768 fell
+ *     to 2.30.
+ *   a warp per row with 36 bytes per lane (every lane busy): 2.21 (-6%); a persistent
+ *     grid-stride kernel: 2.35 (same); without the streaming cache hints: 2.11 (-11%).
+ *   the row kept as packed bf16 instead of floats: same registers (53), same time;
+ *     10-12 blocks/SM forced with __launch_bounds__: spills of 24-64 B.
+ * History: docs/kernels/norms.md.
+ * Test: tests/cuda/test_cuda_norms.cpp [norms] (C = 1, 31, 64, 576, 768, 1030, 3000,
+ *   5000, odd N, N = 1), on a CUDA machine:
+ *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_norms.cpp
  */
 #include <algorithm>
 

@@ -29,8 +29,8 @@
  *   adamw 134.5M fp32 params 0.946 ms = 3.98 TB/s (PyTorch fused 1.189 ms, foreach 3.16 ms);
  *   with bf16 grad + bf16 copy 0.966 ms. grad_norm_squared over 134.5M bf16: 0.070 ms with
  *   16-byte loads (0.211 ms with scalar loads and 1 element per thread per step).
- * Test: tests/cuda/test_cuda_kernels_a.cpp [optim]:
- *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_kernels_a.cpp
+ * Test: tests/cuda/test_cuda_optim_kernels.cpp [optim]:
+ *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_optim_kernels.cpp
  */
 #include <algorithm>
 #include <cmath>

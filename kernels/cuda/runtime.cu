@@ -33,8 +33,8 @@
  *   also orders against the legacy stream 0 (safe for code that uses plain cudaMemcpy), and
  *   it can be captured into a CUDA graph (stream 0 cannot).
  *
- * Test: tests/cuda/test_cuda_kernels_a.cpp ("runtime" cases); on the GPU machine:
- *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_kernels_a.cpp
+ * Test: tests/cuda/test_cuda_runtime.cpp; on a CUDA machine:
+ *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_runtime.cpp
  */
 #include <algorithm>
 #include <cstdio>

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU machine, after a CUDA build in build/: trace the SPEC §3 training steps with
+# On a CUDA machine, after a CUDA build in build/: trace the SPEC §3 training steps with
 # cupti_trace.cpp and print report.py's summary for each. Logs and traces go to $OUT.
 #   bash tools/trace/run_trace.sh [CONFIG ...] [-- --train.key=value ...]
 set -uo pipefail

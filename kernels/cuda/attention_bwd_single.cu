@@ -1,0 +1,295 @@
+/*
+ * attention_bwd_single.cu: the v2 backward in one pass with fp32-atomic dq, the default for
+ * bf16 at hd 64/128 (set_deterministic_attention(true) or LOOM_DETERMINISTIC=1 runs
+ * attention_bwd.cu instead). Read attention_bwd.cu first: this is its dk/dv pass plus the dq
+ * contribution of every tile pair, so that S and dP are computed once.
+ *
+ * Three launches:
+ *   attn_bwd_prep     delta = dout . out (fp32) and dq_acc = 0, HD / 8 threads per row
+ *   attn_bwd_v2_atomic_dq  one block per key tile (16 NW keys of one kv head) walks the query
+ *                     tiles that see it (the group's query heads in order), keeps dK and dV in
+ *                     registers; per tile pair dS^T is stored transposed into shared memory as
+ *                     bf16 (stmatrix .trans), a barrier, dQ_tile = dS K split over the warps
+ *                     (WM along the rows, NW / WM along the columns) and added with
+ *                     red.global.add.v2.f32 into dq_acc [Nq, H, hd] fp32 (workspace, +=).
+ *   attn_bwd_finish   dq = bf16(scale dq_acc) (=), and the rows of dk, dv outside every key
+ *                     sequence = 0.
+ *   The order of the fp32 additions into dq_acc changes from run to run: dq differs in the
+ *   last bits between runs (dk, dv do not).
+ * Launch: hd 128: 8 warps = 128 keys per block, query tiles of 64 (255 registers, no spill,
+ *   145 KB shared memory, 1 block per SM); hd 64: 4 warps = 64 keys, query tiles of 64
+ *   (225 registers, 2 blocks per SM). Blocks go by chunks of (kv head, sequence) pairs
+ *   holding ~32 MB of Q, dO and dq_acc (H200 L2: 50 MB), key tile 0 of every pair of the
+ *   chunk first (causal: longest first).
+ * Bytes / FLOPs: 5 tile GEMMs per tile pair (2.5x the forward), plus fp32 reductions of
+ *   BRQ x hd x 4 bytes per tile pair, i.e. 4 / (10 BC) bytes per FLOP: 1.1 GB at 128 keys per
+ *   block on the hd 128 shape (343 GFLOP), into an L2-resident dq_acc; zeroing and converting
+ *   dq_acc moves 0.34 GB more. The atomics cost ~0.3 ms of the 1.7 ms backward at hd 128.
+ * Versions: fwd+bwd 0.494 | 2.124 | 0.398 ms on the SPEC shapes (H200; two passes: 0.573 |
+ *   2.632 | 0.552; PyTorch FLASH_ATTENTION 0.512 | 2.243 | 0.516). Lost, fwd+bwd ms:
+ *   hd 64 with 8 warps x 16 keys 0.522-0.532 | 0.428 (kept 0.512-0.515 | 0.421-0.423);
+ *   hd 128 with query tiles of 32: 2.45 (4 warps), 2.52 (8 warps) against 2.20;
+ *   blocks pair-major 0.530 | 2.255 | 0.487 (the long causal blocks of the last heads run
+ *   alone at the end); key-tile-major over all pairs 0.550 | 2.366 | 0.429 (every head's dq_acc
+ *   in flight at once: the atomics miss in L2); red.v4 after a lane shuffle 2.26 against 2.22;
+ *   a wgmma single pass at hd 64 0.571 | 0.514 (1 warpgroup) against 0.496 | 0.401 (every
+ *   product waited for before its result is used); delta, zeroing and conversion as 6 launches
+ *   instead of 3: 0.514 | 2.150 | 0.418. History: docs/kernels/attention.md.
+ * Test: tests/cuda/test_cuda_kernels_b.cpp ("attention forward/backward bf16 ...", single-pass runs).
+ */
+#include <algorithm>
+
+#include "kernels/cuda/attention_tiles.cuh"
+
+namespace loom::cuda {
+namespace {
+
+using namespace attn;
+
+// =========================================================================== v2 backward, single pass
+// attn_bwd_dkdv_v2's block and loop (16 NW keys of one kv head; the group's query heads and
+// the query tiles that see the keys), plus the dQ contribution of every tile pair, so that S
+// and dP are computed once: dS is staged in shared memory as bf16 (queries x keys), then all
+// warps split dQ_tile = dS K (BRQ x HD; WM warps along the rows, NW / WM along the columns)
+// and add it with fp32 vector reductions into dq_acc (zeroed before, converted to bf16 after).
+// 5 tile GEMMs per tile pair instead of 7. The order in which blocks add into a dq_acc row
+// changes from run to run: dq is not bitwise reproducible (fp32 rounding only).
+template <int HD, int NW, int BRQ, int WM>
+__global__ void __launch_bounds__(NW * 32)
+attn_bwd_v2_atomic_dq(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ dq_acc,
+                      const bf* __restrict__ dout, const bf* __restrict__ q, const bf* __restrict__ k,
+                      const bf* __restrict__ v, const float* __restrict__ lse,
+                      const float* __restrict__ delta, const int32_t* __restrict__ cu_q,
+                      const int32_t* __restrict__ cu_k, int nseq, int H, int KV, int n_kt,
+                      int chunk_pairs, bool causal, float scale, float scale_log2) {
+  constexpr int BC = 16 * NW, NT = NW * 32;
+  constexpr int WN = NW / WM, QM = BRQ / WM, QN = HD / WN;  // a warp's block of dQ: QM x QN
+  static_assert(NW % WM == 0 && QM % 16 == 0 && QN % 16 == 0, "dQ warp blocks are whole 16x16 tiles");
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf* sK = reinterpret_cast<bf*>(smem);  // [BC][HD], later the dk staging
+  bf* sV = sK + BC * HD;                 // [BC][HD], later the dv staging
+  bf* sQ = sV + BC * HD;                 // [2][BRQ][HD]
+  bf* sO = sQ + 2 * BRQ * HD;            // [2][BRQ][HD] dout
+  bf* sS = sO + 2 * BRQ * HD;            // [BRQ][BC] dS of the current tile pair, queries x keys
+  float* sL = reinterpret_cast<float*>(sS + BRQ * BC);  // [2][BRQ] lse * log2(e)
+  float* sD = sL + 2 * BRQ;                             // [2][BRQ] delta
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+  // block -> (key tile kt, kv head, sequence). The (kv head, sequence) pairs go in chunks of
+  // chunk_pairs; inside a chunk key tile 0 of every pair first, then tile 1, ... Causal: the
+  // first key tiles see the most queries, so the long blocks start first and the short ones
+  // fill the tail; the chunk keeps the Q, dO and dq_acc rows that the running blocks share
+  // in L2 (see bwd_v2_atomic).
+  const int pairs = KV * nseq, per_chunk = chunk_pairs * n_kt;
+  const int chunk = int(blockIdx.x) / per_chunk, within = int(blockIdx.x) % per_chunk;
+  const int pc = min(chunk_pairs, pairs - chunk * chunk_pairs);
+  const int kt = within / pc, pair = chunk * chunk_pairs + within % pc;
+  const int seq = pair / KV, kvh = pair % KV, group = H / KV;
+  const int q0 = cu_q[seq], Lq = cu_q[seq + 1] - q0, k0 = cu_k[seq], Lk = cu_k[seq + 1] - k0;
+  const int ks = kt * BC;
+  if (ks >= Lk) return;
+  const int nk = min(BC, Lk - ks), shift = Lk - Lq;
+  const int64_t qstride = int64_t(H) * HD, kvstride = int64_t(KV) * HD;
+  const int64_t koff = (int64_t(k0) + ks) * kvstride + kvh * HD;
+  const int t_min = causal ? max(0, ks - shift) : 0;  // the first query that sees key ks
+  const int n_qt = t_min < Lq ? (Lq - t_min + BRQ - 1) / BRQ : 0;
+  const int n_it = group * n_qt;
+  auto qtile = [&](int it) { return t_min + (it % n_qt) * BRQ; };  // iteration -> first query
+
+  auto load_q_tile = [&](int it, int buf) {
+    load_q_dout_tile<HD, BRQ, NT>(sQ, sO, sL, sD, buf, q, dout, lse, delta, q0, qtile(it), kvh * group + it / n_qt,
+                                  H, Lq);
+  };
+  load_tile<HD, BC, NT>(sK, k + koff, kvstride, nk);
+  load_tile<HD, BC, NT>(sV, v + koff, kvstride, nk);
+  if (n_it > 0) load_q_tile(0, 0);
+  cp_async_commit();
+
+  float dka[HD / 8][4] = {}, dva[HD / 8][4] = {};
+  const int key0 = ks + warp * 16 + g;  // this thread's keys: key0 (c0, c1) and key0 + 8
+  const int wm = warp / WN, wn = warp % WN;  // the warp's dQ block: rows wm QM.., columns wn QN..
+  for (int it = 0; it < n_it; it++) {
+    // Two barriers per tile pair, none at the end of the loop: the buffer refilled here was
+    // last read before the previous pair's dQ barrier, which every warp has passed; the barrier
+    // below says tile `it` landed and every warp is done with the previous dQ product (sS).
+    if (it + 1 < n_it) load_q_tile(it + 1, (it + 1) & 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    const int buf = it & 1, h = kvh * group + it / n_qt, qt = qtile(it);
+    const bf* cQ = sQ + buf * BRQ * HD;
+    const bf* cO = sO + buf * BRQ * HD;
+    const float* cL = sL + buf * BRQ;
+    const float* cD = sD + buf * BRQ;
+    float st[BRQ / 8][4], dpt[BRQ / 8][4];
+    const bool need_mask = ks + BC > Lk || (causal && ks + BC - 1 > qt + shift);
+    dkdv_p_ds<HD, BRQ>(st, dpt, sK, sV, cQ, cO, cL, cD, warp, lane, key0, Lk, need_mask, causal, qt, shift,
+                       scale_log2);
+#pragma unroll
+    for (int kk = 0; kk < BRQ / 16; kk++) {
+      uint32_t pa[4], da[4];
+      c_to_a(pa, st, kk);
+      c_to_a(da, dpt, kk);
+      // da is dS^T (this warp's 16 keys x queries 16 kk..) as four 8x8 matrices: keys 0-7 and
+      // 8-15 of queries 16 kk.., then of 16 kk + 8..; stored transposed into sS, each lands as
+      // 8 query rows x 8 keys (one 16-byte chunk per row)
+      const int m = lane >> 3;
+      stsm_x4_t(sS + swz<BC>(kk * 16 + (m >> 1) * 8 + (lane & 7), 2 * warp + (m & 1)), da, lane);
+      dkdv_accumulate<HD>(dva, dka, pa, da, cQ, cO, kk, lane);
+    }
+    __syncthreads();  // all of dS is in sS
+    float dqa[QM / 16][QN / 8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; kk++) {  // dQ_tile = dS K (scale applied at the conversion)
+      uint32_t a[QM / 16][4];
+#pragma unroll
+      for (int mt = 0; mt < QM / 16; mt++) frag_a<BC>(a[mt], sS, wm * QM + mt * 16, kk * 16, lane);
+#pragma unroll
+      for (int dd = 0; dd < QN / 16; dd++) {
+        uint32_t b[4];
+        frag_b_rows_k<HD>(b, sK, kk * 16, wn * QN + dd * 16, lane);
+#pragma unroll
+        for (int mt = 0; mt < QM / 16; mt++) {
+          mma_bf16(dqa[mt][2 * dd], a[mt], b[0], b[1]);
+          mma_bf16(dqa[mt][2 * dd + 1], a[mt], b[2], b[3]);
+        }
+      }
+    }
+    // Each lane adds pairs of columns (a warp's reduction: 8 rows x 32 bytes). Query rows past
+    // the sequence are skipped (they belong to the next sequence or to no row at all).
+    const int nq = min(BRQ, Lq - qt);
+    float* dst = dq_acc + ((int64_t(q0) + qt) * H + h) * HD + wn * QN + 2 * t;
+#pragma unroll
+    for (int mt = 0; mt < QM / 16; mt++)
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        const int row = wm * QM + mt * 16 + g + 8 * r;
+        if (row < nq) {
+#pragma unroll
+          for (int nt = 0; nt < QN / 8; nt++)
+            red_add_f32x2(dst + row * qstride + nt * 8, dqa[mt][nt][2 * r], dqa[mt][nt][2 * r + 1]);
+        }
+      }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // K/V landed (no query tile ran) or every warp is done reading sK
+  store_rows<HD>(sK, warp * 16, dka, scale, dk + koff, kvstride, nk, lane);
+  store_rows<HD>(sV, warp * 16, dva, 1.f, dv + koff, kvstride, nk, lane);
+}
+
+// The single pass's first launch (replaces attn_delta and a memset): for every (row, head) r
+// of [Nq * H, HD], delta[r] = dout[r, :] . out[r, :] in fp32 and dq_acc[r, :] = 0. HD / 8
+// threads per row, 16-byte loads; the row's threads are adjacent lanes (HD / 8 divides 32).
+template <int HD>
+__global__ void attn_bwd_prep(float* __restrict__ delta, float* __restrict__ dq_acc, const bf* __restrict__ dout,
+                              const bf* __restrict__ out, int64_t rows) {
+  constexpr int TPR = HD / 8;
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, r = i / TPR;
+  const int c = int(i % TPR);
+  float s = 0.f;
+  if (r < rows) {
+    const uint4 a = *reinterpret_cast<const uint4*>(dout + r * HD + c * 8);
+    const uint4 b = *reinterpret_cast<const uint4*>(out + r * HD + c * 8);
+    const bf* pa = reinterpret_cast<const bf*>(&a);
+    const bf* pb = reinterpret_cast<const bf*>(&b);
+#pragma unroll
+    for (int j = 0; j < 8; j++) s += __bfloat162float(pa[j]) * __bfloat162float(pb[j]);
+    float4* z = reinterpret_cast<float4*>(dq_acc + r * HD + c * 8);
+    z[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+    z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+#pragma unroll
+  for (int o = TPR / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  if (r < rows && c == 0) delta[r] = s;
+}
+
+// The single pass's last launch: dq = bf16(scale dq_acc) (4 elements per thread), and the rows
+// of dk and dv outside every key sequence, [0, cu_k[0]) and [cu_k[nseq], Nk), set to 0 (grid
+// stride, 8 elements per thread): no separate zeroing launches.
+__global__ void attn_bwd_finish(bf* __restrict__ dq, const float* __restrict__ acc, int64_t n, float scale,
+                                bf* __restrict__ dk, bf* __restrict__ dv, const int32_t* __restrict__ cu_k,
+                                int nseq, int64_t Nk, int kv_width) {
+  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, i = t * 4;
+  if (i < n) {
+    const float4 a = *reinterpret_cast<const float4*>(acc + i);
+    uint2 o;
+    o.x = pack_bf16(a.x * scale, a.y * scale);
+    o.y = pack_bf16(a.z * scale, a.w * scale);
+    *reinterpret_cast<uint2*>(dq + i) = o;
+  }
+  const int64_t lo = cu_k[0], hi = cu_k[nseq], cpr = kv_width / 8, m = (lo + Nk - hi) * cpr;
+  for (int64_t j = t; j < m; j += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t rr = j / cpr, row = rr < lo ? rr : hi + (rr - lo), off = row * kv_width + (j % cpr) * 8;
+    *reinterpret_cast<uint4*>(dk + off) = make_uint4(0u, 0u, 0u, 0u);
+    *reinterpret_cast<uint4*>(dv + off) = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+// =========================================================================== launchers
+template <int HD, int NW, int BRQ, int WM>
+void bwd_atomic_launch(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, const bf* k,
+                       const bf* v, const float* lse, const float* delta, const int32_t* cu_q,
+                       const int32_t* cu_k, int nseq, int max_seqlen, int H, int KV, bool causal,
+                       float scale, cudaStream_t s) {
+  constexpr int BC = 16 * NW;
+  const int smem = (2 * BC + 4 * BRQ) * HD * int(sizeof(bf)) + BRQ * BC * int(sizeof(bf)) +
+                   4 * BRQ * int(sizeof(float));
+  static bool once = (set_smem(attn_bwd_v2_atomic_dq<HD, NW, BRQ, WM>, smem), true);
+  (void)once;
+  // Chunks of (kv head, sequence) pairs whose Q, dO (bf16) and dq_acc (fp32) rows take about
+  // 32 MB (H200 L2: 50 MB), split evenly so that the last chunk is not a small tail.
+  const int n_kt = ceil_div(max_seqlen, BC), pairs = KV * nseq;
+  const double pair_bytes = double(H / KV) * std::max(max_seqlen, 1) * HD * 8.0;
+  const int fit = std::max(1, int(32.0 * 1024 * 1024 / pair_bytes));
+  const int chunk_pairs = ceil_div(pairs, ceil_div(pairs, fit));
+  attn_bwd_v2_atomic_dq<HD, NW, BRQ, WM><<<pairs * n_kt, NW * 32, smem, s>>>(
+      dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, H, KV, n_kt, chunk_pairs,
+      causal, scale, scale * kLog2e);
+  LAUNCH_CHECK();
+}
+
+// Single pass (hd 64 / 128), three launches: prep (delta, dq_acc = 0), the block kernel
+// (dk, dv, dq_acc +=), finish (dq from dq_acc; dk, dv rows outside every sequence = 0). Rows of
+// dq outside every sequence are never added to: dq = 0 there.
+template <int HD>
+void bwd_v2_atomic_hd(bf* dq, bf* dk, bf* dv, float* dq_acc, float* delta, const bf* dout, const bf* out,
+                   const bf* q, const bf* k, const bf* v, const float* lse, const int32_t* cu_q,
+                   const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV,
+                   bool causal, float scale, cudaStream_t s) {
+  const int64_t rows = Nq * H, n = rows * HD;
+  if (rows > 0) {
+    attn_bwd_prep<HD><<<ceil_div(rows * (HD / 8), 256), 256, 0, s>>>(delta, dq_acc, dout, out, rows);
+    LAUNCH_CHECK();
+  }
+  if (nseq > 0 && max_seqlen > 0) {
+    // hd 128: 8 warps x 16 keys, query tiles of 64 (255 registers, no spill; 1 block per SM).
+    // hd 64: 4 warps x 16 keys, query tiles of 64 (225 registers; 2 blocks per SM).
+    if constexpr (HD == 128)
+      bwd_atomic_launch<HD, 8, 64, 2>(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, scale, s);
+    else
+      bwd_atomic_launch<HD, 4, 64, 2>(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, scale, s);
+  }
+  if (n > 0 || Nk > 0) {
+    attn_bwd_finish<<<std::max(1, ceil_div(n / 4, 256)), 256, 0, s>>>(dq, dq_acc, n, scale, dk, dv, cu_k, nseq, Nk,
+                                                                      KV * HD);
+    LAUNCH_CHECK();
+  }
+}
+
+}  // namespace
+
+namespace attn {
+
+void bwd_v2_atomic(bf* dq, bf* dk, bf* dv, float* dq_acc, float* delta, const bf* dout, const bf* out,
+                   const bf* q, const bf* k, const bf* v, const float* lse, const int32_t* cu_q,
+                   const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV,
+                   int hd, bool causal, float scale, cudaStream_t s) {
+  if (hd == 64)
+    bwd_v2_atomic_hd<64>(dq, dk, dv, dq_acc, delta, dout, out, q, k, v, lse, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV,
+                          causal, scale, s);
+  else
+    bwd_v2_atomic_hd<128>(dq, dk, dv, dq_acc, delta, dout, out, q, k, v, lse, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H,
+                           KV, causal, scale, s);
+}
+
+}  // namespace attn
+}  // namespace loom::cuda

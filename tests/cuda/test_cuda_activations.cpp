@@ -1,0 +1,70 @@
+// test_cuda_activations.cpp: kernels/cuda/activations.cu (gelu, silu, swiglu, softmax) against the
+// loom::cpu reference, f32 and bf16 (tests/cuda/cuda_kernel_test_util.h). Skipped without a GPU.
+//   bash tools/gpu-kernels.sh tests/cuda/test_cuda_activations.cpp
+#include <catch2/catch.hpp>
+
+#include "kernels/kernels.h"
+#include "tests/tolerances.h"
+
+#include "tests/cuda/cuda_kernel_test_util.h"
+
+TEMPLATE_TEST_CASE("activations: gelu, silu, swiglu forward and backward", "[activations]", float, bf16) {
+  need_gpu();
+  using T = TestType;
+  const auto t = tol_of<T>();
+  for (int64_t n : {1, 7, 1000, 4099}) {
+    for (int off : {0, 1}) {  // off = 1: misaligned pointers take the scalar path
+      INFO("n " << n << " offset " << off);
+      auto hx = rounded<T>(rnd(n + off, 60, -4.f, 4.f)), hu = rounded<T>(rnd(n + off, 61));
+      auto hd = rounded<T>(rnd(n + off, 62));
+      DBuf<T> x(hx), u(hu), d(hd), o(n + off), o2(n + off);
+      const float* X = hx.data() + off;
+      const float* U = hu.data() + off;
+      const float* D = hd.data() + off;
+      auto tail = [&](const DBuf<T>& b) { auto v = b.get(); return std::vector<float>(v.begin() + off, v.end()); };
+      std::vector<float> r(n), r2(n);
+      cpu::gelu_forward(r.data(), X, n, nullptr);
+      cu::gelu_forward(o.p + off, x.p + off, n, S());
+      CHECK_CLOSE(tail(o), r, t, "gelu");
+      cpu::gelu_backward(r.data(), D, X, n, nullptr);
+      cu::gelu_backward(o.p + off, d.p + off, x.p + off, n, S());
+      CHECK_CLOSE(tail(o), r, t, "gelu_backward");
+      cpu::silu_forward(r.data(), X, n, nullptr);
+      cu::silu_forward(o.p + off, x.p + off, n, S());
+      CHECK_CLOSE(tail(o), r, t, "silu");
+      cpu::silu_backward(r.data(), D, X, n, nullptr);
+      cu::silu_backward(o.p + off, d.p + off, x.p + off, n, S());
+      CHECK_CLOSE(tail(o), r, t, "silu_backward");
+      cpu::swiglu_forward(r.data(), X, U, n, nullptr);
+      cu::swiglu_forward(o.p + off, x.p + off, u.p + off, n, S());
+      CHECK_CLOSE(tail(o), r, t, "swiglu");
+      o.poison();
+      cpu::swiglu_backward(r.data(), r2.data(), D, X, U, n, nullptr);
+      cu::swiglu_backward(o.p + off, o2.p + off, d.p + off, x.p + off, u.p + off, n, S());
+      CHECK_CLOSE(tail(o), r, t, "swiglu dgate");
+      CHECK_CLOSE(tail(o2), r2, t, "swiglu dup");
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("activations: softmax forward and backward", "[activations]", float, bf16) {
+  need_gpu();
+  using T = TestType;
+  const auto t = tol_of<T>();
+  struct Case { int64_t N; int C; };
+  for (Case c : {Case{1, 1}, Case{5, 17}, Case{9, 1024}, Case{3, 1500}, Case{2, 9000}}) {
+    INFO("N " << c.N << " C " << c.C);
+    int64_t n = c.N * c.C;
+    auto hx = rounded<T>(rnd(n, 63, -6.f, 6.f)), hd = rounded<T>(rnd(n, 64));
+    std::vector<float> ry(n), rdx(n);
+    cpu::softmax_forward(ry.data(), hx.data(), c.N, c.C, nullptr);
+    DBuf<T> x(hx), d(hd), y(n), dx(n);
+    cu::softmax_forward(y.p, x.p, c.N, c.C, S());
+    CHECK_CLOSE(y.get(), ry, t, "softmax");
+    auto hy = rounded<T>(ry);
+    DBuf<T> yin(hy);
+    cpu::softmax_backward(rdx.data(), hd.data(), hy.data(), c.N, c.C, nullptr);
+    cu::softmax_backward(dx.p, d.p, yin.p, c.N, c.C, S());
+    CHECK_CLOSE(dx.get(), rdx, t, "softmax_backward");
+  }
+}

@@ -1,0 +1,156 @@
+// test_cuda_memory.cpp: kernels/cuda/memory.cu (fill, copy_strided, convert, binary, unary, axpby,
+// reductions) against the loom::cpu reference, f32 and bf16 (tests/cuda/cuda_kernel_test_util.h).
+// Skipped without a GPU.
+//   bash tools/gpu-kernels.sh tests/cuda/test_cuda_memory.cpp
+#include <catch2/catch.hpp>
+
+#include "kernels/kernels.h"
+#include "tests/tolerances.h"
+
+#include "tests/cuda/cuda_kernel_test_util.h"
+
+TEMPLATE_TEST_CASE("memory: fill, copy_strided, convert", "[memory]", float, bf16, int32_t, int64_t) {
+  need_gpu();
+  using T = TestType;
+  DBuf<T> out(1001);
+  cu::fill(out.p, 3.0, 1001, S());
+  CHECK(out.get() == std::vector<float>(1001, 3.f));
+  // a [5, 7, 3] view of a [3, 5, 7] tensor (permute 1, 2, 0)
+  auto h = rnd_int(105, 2, -50, 50);
+  std::vector<float> hf(h.begin(), h.end());
+  DBuf<T> in(hf);
+  Layout l = make_layout({5, 7, 3}, {7, 1, 35});
+  DBuf<T> dst(105);
+  cu::copy_strided(dst.p, in.p, l, S());
+  std::vector<float> ref(105);
+  for (int a = 0; a < 5; a++)
+    for (int b = 0; b < 7; b++)
+      for (int c = 0; c < 3; c++) ref[(a * 7 + b) * 3 + c] = hf[a * 7 + b + c * 35];
+  CHECK(dst.get() == ref);
+  // convert to every other type and back
+  DBuf<float> f(105);
+  cu::convert(f.p, in.p, 105, S());
+  CHECK(f.get() == hf);
+  DBuf<bf16> b16(105);
+  cu::convert(b16.p, in.p, 105, S());
+  CHECK(b16.get() == hf);  // small integers are exact in bf16
+  DBuf<int32_t> i32(105);
+  cu::convert(i32.p, in.p, 105, S());
+  CHECK(i32.get() == hf);
+  DBuf<int64_t> i64(105);
+  cu::convert(i64.p, in.p, 105, S());
+  CHECK(i64.get() == hf);
+}
+
+TEST_CASE("memory: convert float<->double and float->bf16 rounding", "[memory]") {
+  need_gpu();
+  auto h = rnd(777, 3, -100, 100);
+  DBuf<float> f(h);
+  double* d = static_cast<double*>(cu::device_malloc(777 * 8));
+  cu::convert(d, f.p, 777, S());
+  DBuf<float> back(777);
+  cu::convert(back.p, static_cast<const double*>(d), 777, S());
+  CHECK(back.get() == h);
+  std::vector<double> hd(777);
+  cu::memcpy_d2h(hd.data(), d, 777 * 8, S());
+  for (int i = 0; i < 777; i++) CHECK(hd[i] == double(h[i]));
+  cu::device_free(d);
+  DBuf<bf16> b(777);
+  cu::convert(b.p, f.p, 777, S());
+  CHECK(b.get() == rounded<bf16>(h));  // device rounding = host round-to-nearest-even
+}
+
+TEMPLATE_TEST_CASE("memory: binary, unary, axpby, axpy_dev, reduce_sum_to, sum_all", "[memory]", float, bf16) {
+  need_gpu();
+  using T = TestType;
+  const auto t = tol_of<T>();
+  // binary with broadcast: a [4, 33, 5] + b [33, 1] broadcast
+  Layout la = make_layout({4, 33, 5});
+  Layout lb = make_layout({4, 33, 5}, {0, 1, 0});
+  auto ha = rounded<T>(rnd(660, 4)), hb = rounded<T>(rnd(33, 5, 0.5f, 2.f));
+  DBuf<T> a(ha), b(hb), out(660);
+  for (auto op : {loom::BinaryOp::Add, loom::BinaryOp::Sub, loom::BinaryOp::Mul, loom::BinaryOp::Div}) {
+    std::vector<float> ref(660);
+    cpu::binary(ref.data(), ha.data(), la, hb.data(), lb, op, nullptr);
+    out.poison();
+    cu::binary(out.p, a.p, la, b.p, lb, op, S());
+    CHECK_CLOSE(out.get(), ref, t, "binary broadcast");
+  }
+  {  // contiguous fast path
+    auto hc = rounded<T>(rnd(660, 6));
+    DBuf<T> c(hc);
+    std::vector<float> ref(660);
+    cpu::binary(ref.data(), ha.data(), la, hc.data(), la, loom::BinaryOp::Mul, nullptr);
+    out.poison();
+    cu::binary(out.p, a.p, la, c.p, la, loom::BinaryOp::Mul, S());
+    CHECK_CLOSE(out.get(), ref, t, "binary contiguous");
+  }
+  auto hp = rounded<T>(rnd(660, 7, 0.1f, 3.f));
+  DBuf<T> pos(hp);
+  for (auto op : {loom::UnaryOp::Neg, loom::UnaryOp::Exp, loom::UnaryOp::Log, loom::UnaryOp::Sqrt,
+                  loom::UnaryOp::Square, loom::UnaryOp::Abs}) {
+    std::vector<float> ref(660);
+    cpu::unary(ref.data(), hp.data(), op, 660, nullptr);
+    out.poison();
+    cu::unary(out.p, pos.p, op, 660, S());
+    CHECK_CLOSE(out.get(), ref, t, "unary");
+  }
+  {
+    std::vector<float> ref(660);
+    cpu::axpby(ref.data(), ha.data(), 0.7, hp.data(), -1.3, 660, nullptr);
+    out.poison();
+    cu::axpby(out.p, a.p, 0.7, pos.p, -1.3, 660, S());
+    CHECK_CLOSE(out.get(), ref, t, "axpby");
+    cpu::axpby(ref.data(), ha.data(), 2.5, (const float*)nullptr, 0.0, 660, nullptr);
+    out.poison();
+    cu::axpby(out.p, a.p, 2.5, (const T*)nullptr, 0.0, 660, S());
+    CHECK_CLOSE(out.get(), ref, t, "axpby b=null");
+  }
+  {
+    std::vector<float> y = hp, alpha = {-0.37f};
+    cpu::axpy_dev(y.data(), alpha.data(), ha.data(), 660, nullptr);
+    DBuf<T> dy(hp);
+    DBuf<float> dal(alpha);
+    cu::axpy_dev(dy.p, dal.p, a.p, 660, S());
+    CHECK_CLOSE(dy.get(), y, t, "axpy_dev");
+  }
+  // reduce_sum_to: [4, 33, 5] -> [1, 33, 1], -> [4, 1, 5], -> [1,1,1]; a strided input too
+  for (int pattern = 0; pattern < 4; pattern++) {
+    Layout ob = make_layout({4, 33, 5}), il = make_layout({4, 33, 5});
+    int64_t nout = 1;
+    std::vector<int64_t> os;
+    if (pattern == 0) os = {0, 1, 0};
+    if (pattern == 1) os = {5, 0, 1};
+    if (pattern == 2) os = {0, 0, 0};
+    if (pattern == 3) { os = {0, 1, 0}; il = make_layout({4, 33, 5}, {1, 20, 4}); }
+    for (int d = 0; d < 3; d++) {
+      ob.stride[d] = os[d];
+      if (os[d]) nout *= ob.shape[d];
+    }
+    std::vector<float> ref(nout);
+    cpu::reduce_sum_to(ref.data(), ob, ha.data(), il, nullptr);
+    DBuf<T> o(nout);
+    cu::reduce_sum_to(o.p, ob, a.p, il, S());
+    CHECK_CLOSE(o.get(), ref, t, "reduce_sum_to");
+  }
+  {  // long reduction to few outputs: the block-per-output path
+    auto hl = rounded<T>(rnd(3 * 5000, 8));
+    DBuf<T> l(hl);
+    Layout il = make_layout({3, 5000}), ob = make_layout({3, 5000}, {1, 0});
+    std::vector<float> ref(3);
+    cpu::reduce_sum_to(ref.data(), ob, hl.data(), il, nullptr);
+    DBuf<T> o(3);
+    cu::reduce_sum_to(o.p, ob, l.p, il, S());
+    CHECK_CLOSE(o.get(), ref, t, "reduce_sum_to long");
+  }
+  for (int64_t n : {1, 1000, 300001}) {
+    auto hs = rounded<T>(rnd(n, 9 + n));
+    DBuf<T> in(hs);
+    float ref = 0;
+    cpu::sum_all(&ref, hs.data(), n, nullptr);
+    DBuf<float> o(1);
+    cu::sum_all(o.p, in.p, n, S());
+    // the sum is in f32 for both types (same rounded inputs): a long-sum row, not bf16's
+    CHECK_CLOSE(o.get(), std::vector<float>{ref}, tol::kCudaSumF32, "sum_all");
+  }
+}

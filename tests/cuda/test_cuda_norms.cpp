@@ -1,0 +1,93 @@
+// test_cuda_norms.cpp: kernels/cuda/norms.cu (layernorm and rmsnorm (+ residual), forward and
+// backward) against the loom::cpu reference, f32 and bf16 (tests/cuda/cuda_kernel_test_util.h).
+// Skipped without a GPU.
+//   bash tools/gpu-kernels.sh tests/cuda/test_cuda_norms.cpp
+#include <catch2/catch.hpp>
+
+#include "kernels/kernels.h"
+#include "tests/tolerances.h"
+
+#include "tests/cuda/cuda_kernel_test_util.h"
+
+TEMPLATE_TEST_CASE("norms: layernorm / rmsnorm (+residual) forward and backward", "[norms]", float, bf16) {
+  need_gpu();
+  using T = TestType;
+  const auto t = tol_of<T>();
+  struct Case { int64_t N; int C; };
+  // C covers: tiny, < 32, warp paths, not a multiple of the vector (scalar), 128-thread and
+  // 1024-thread groups, and the generic block-per-row kernel (5001 scalar, 40000 bf16 vectors)
+  for (Case c : {Case{1, 1}, Case{7, 31}, Case{33, 64}, Case{5, 200}, Case{65, 576}, Case{9, 768}, Case{4, 1030},
+                 Case{3, 3000}, Case{2, 5001}, Case{2, 20000}, Case{1, 40000}}) {
+    INFO("N " << c.N << " C " << c.C);
+    const int64_t n = c.N * c.C;
+    auto hx = rounded<T>(rnd(n, 50, -2.f, 3.f)), hr = rounded<T>(rnd(n, 51));
+    auto hw = rounded<T>(rnd(c.C, 52, 0.5f, 1.5f)), hb = rounded<T>(rnd(c.C, 53));
+    auto hd = rounded<T>(rnd(n, 54));
+    DBuf<T> x(hx), r(hr), w(hw), b(hb), dout(hd);
+    for (bool rms : {false, true}) {
+      for (bool resid : {false, true}) {
+        INFO((rms ? "rmsnorm" : "layernorm") << (resid ? " residual" : ""));
+        std::vector<float> rout(n), rres(n), rmean(c.N), rrstd(c.N);
+        DBuf<T> out(n), ro(n);
+        DBuf<float> mean(c.N), rstd(c.N);
+        if (!resid) {
+          if (rms) cpu::rmsnorm_forward(rout.data(), rrstd.data(), hx.data(), hw.data(), c.N, c.C, 1e-5, nullptr);
+          else cpu::layernorm_forward(rout.data(), rmean.data(), rrstd.data(), hx.data(), hw.data(), hb.data(), c.N, c.C, 1e-6, nullptr);
+          if (rms) cu::rmsnorm_forward(out.p, rstd.p, x.p, w.p, c.N, c.C, 1e-5, S());
+          else cu::layernorm_forward(out.p, mean.p, rstd.p, x.p, w.p, b.p, c.N, c.C, 1e-6, S());
+        } else {
+          // the reference normalizes resid + x rounded to T, as the kernel does
+          std::vector<float> sum(n);
+          for (int64_t i = 0; i < n; i++) sum[i] = hr[i] + hx[i];
+          sum = rounded<T>(sum);
+          if (rms) cpu::rmsnorm_forward(rout.data(), rrstd.data(), sum.data(), hw.data(), c.N, c.C, 1e-5, nullptr);
+          else cpu::layernorm_forward(rout.data(), rmean.data(), rrstd.data(), sum.data(), hw.data(), hb.data(), c.N, c.C, 1e-6, nullptr);
+          if (rms) cu::residual_rmsnorm_forward(ro.p, out.p, rstd.p, r.p, x.p, w.p, c.N, c.C, 1e-5, S());
+          else cu::residual_layernorm_forward(ro.p, out.p, mean.p, rstd.p, r.p, x.p, w.p, b.p, c.N, c.C, 1e-6, S());
+          CHECK_CLOSE(ro.get(), sum, t, "resid_out");
+        }
+        CHECK_CLOSE(out.get(), rout, t, "out");
+        CHECK_CLOSE(rstd.get(), rrstd, t, "rstd");
+        if (!rms) CHECK_CLOSE(mean.get(), rmean, t, "mean");
+        if (resid) continue;
+        // backward from the reference's statistics (the same for both)
+        DBuf<float> smean(rmean), srstd(rrstd);
+        auto hdw = rounded<T>(rnd(c.C, 55)), hdb = rounded<T>(rnd(c.C, 56));
+        std::vector<float> rdx(n), rdw = hdw, rdb = hdb;
+        DBuf<T> dx(n), dw(hdw), db(hdb);
+        if (rms) {
+          cpu::rmsnorm_backward(rdx.data(), rdw.data(), hd.data(), hx.data(), hw.data(), rrstd.data(), c.N, c.C, nullptr);
+          cu::rmsnorm_backward(dx.p, dw.p, dout.p, x.p, w.p, srstd.p, c.N, c.C, S());
+        } else {
+          cpu::layernorm_backward(rdx.data(), rdw.data(), rdb.data(), hd.data(), hx.data(), hw.data(), rmean.data(),
+                                  rrstd.data(), c.N, c.C, nullptr);
+          cu::layernorm_backward(dx.p, dw.p, db.p, dout.p, x.p, w.p, smean.p, srstd.p, c.N, c.C, S());
+          CHECK_CLOSE(db.get(), rdb, t, "dbias (+=)");
+        }
+        CHECK_CLOSE(dx.get(), rdx, t, "dinp");
+        CHECK_CLOSE(dw.get(), rdw, t, "dweight (+=)");
+      }
+    }
+  }
+}
+
+TEST_CASE("norms: backward is deterministic at a large shape", "[norms]") {
+  need_gpu();
+  const int64_t N = 4099;
+  const int C = 768;
+  auto hx = rounded<bf16>(rnd(N * C, 57)), hd = rounded<bf16>(rnd(N * C, 58)), hw = rounded<bf16>(rnd(C, 59));
+  std::vector<float> rm(N), rr(N), ro(N * C);
+  cpu::layernorm_forward(ro.data(), rm.data(), rr.data(), hx.data(), hw.data(), hw.data(), N, C, 1e-6, nullptr);
+  DBuf<bf16> x(hx), d(hd), w(hw), dx(N * C);
+  DBuf<float> m(rm), r(rr);
+  std::vector<float> first;
+  for (int rep = 0; rep < 3; rep++) {
+    DBuf<bf16> dw(std::vector<float>(C, 0.f)), db(std::vector<float>(C, 0.f));
+    cu::layernorm_backward(dx.p, dw.p, db.p, d.p, x.p, w.p, m.p, r.p, N, C, S());
+    auto g = dw.get();
+    auto gb = db.get();
+    g.insert(g.end(), gb.begin(), gb.end());
+    if (rep == 0) first = g;
+    else CHECK(g == first);
+  }
+}
