@@ -4,17 +4,15 @@
  * handles declared in common.cuh.
  *
  * Caching allocator
- *   A request is rounded up:
- *     < 1 MiB   -> multiple of 512 B: an exact size class with its own free list
- *                  (activations of small models, statistics, scalars)
- *     >= 1 MiB  -> multiple of 2 MiB: best fit over the free pieces of the segments cudaMalloc
- *                  gave; a larger piece is split (the rest stays free), and a freed piece
- *                  merges with its free neighbours in the segment. So memory freed by one
- *                  shape serves the next shape: a VLM batch whose image count changes every
- *                  step does not grow the cache step after step.
- *   device_free() never calls cudaFree: the memory goes back to the cache and a later request
- *   reuses it, so a steady-state training step does no cudaMalloc and no cudaFree (both
- *   synchronize the device).
+ *   A request is rounded up to a size class:
+ *     < 1 MiB   -> multiple of 512 B      (activations of small models, statistics, scalars)
+ *     >= 1 MiB  -> multiple of 2 MiB, and of 1/16 of the power of two below the size past
+ *                  32 MiB (weights, activations, optimizer states: at most ~6% rounding)
+ *   Each class keeps a free list. device_free() never calls cudaFree: the block goes back to
+ *   its free list and a later request reuses it, so a steady-state training step does no
+ *   cudaMalloc and no cudaFree (both synchronize the device). A large request takes the
+ *   smallest cached block that fits it with at most 1/8 (or 2 MiB) to spare (best fit), so
+ *   shapes that vary a little between steps do not grow the cache step after step.
  *   Reuse is stream-ordered: every loom kernel runs on default_stream(), so a block freed
  *   after a launch and handed out again is only touched by later work in the same stream.
  *   When cudaMalloc runs out of memory, the cached blocks are released (after a device
@@ -78,121 +76,69 @@ constexpr size_t kLargeRound = size_t(2) << 20;   // 2 MiB
 
 size_t round_size(size_t bytes) {
   if (bytes == 0) bytes = 1;
-  size_t r = bytes < kSmallLimit ? kSmallRound : kLargeRound;
+  size_t r = kSmallRound;
+  if (bytes >= kSmallLimit) {  // 2 MiB steps, coarser above 32 MiB: 1/16 of the power of two below
+    size_t p = size_t(1) << (63 - __builtin_clzll(bytes));
+    r = std::max(kLargeRound, p / 16);
+  }
   return (bytes + r - 1) / r * r;
 }
 
-// A large block: a piece of one cudaMalloc'd segment; its neighbours in the segment are linked
-// so that freed pieces merge back.
-struct Block {
-  char* ptr = nullptr;
-  size_t size = 0;
-  bool free = false;
-  int pool = 0;  // 0 ordinary, 1 the graph pool
-  Block* prev = nullptr;
-  Block* next = nullptr;
-};
-
 struct Allocator {
   std::mutex mu;
-  // small blocks: exact size classes, a free list per class and pool
-  std::map<size_t, std::vector<void*>> small_free[2];
-  std::unordered_map<void*, std::pair<size_t, int>> small_live;  // block -> (class, pool)
-  // large blocks: best fit over the free pieces of every segment, split and merged
-  std::multimap<size_t, Block*> large_free[2];
-  std::unordered_map<void*, Block*> large_live;
-  bool pool_mode = false;  // graph_pool_begin/end
+  std::map<size_t, std::vector<void*>> free_lists;   // size class -> cached blocks
+  std::unordered_map<void*, size_t> live;            // block -> size class
+  // the graph pool (graph_pool_begin): its blocks are served and returned apart
+  bool pool_mode = false;
+  std::unordered_map<void*, bool> graph_owned;
+  std::map<size_t, std::vector<void*>> graph_free;
   size_t in_use = 0, peak = 0, cached = 0, peak_reserved = 0;
 
-  void* cuda_malloc(size_t sz, size_t bytes) {  // caller holds mu
-    void* p = nullptr;
-    cudaError_t e = cudaMalloc(&p, sz);
-    if (e == cudaErrorMemoryAllocation && cached > 0) {
-      cudaGetLastError();
-      release_cache();
-      e = cudaMalloc(&p, sz);
-    }
-    if (e != cudaSuccess) {
-      cudaGetLastError();
-      char buf[256];
-      std::snprintf(buf, sizeof buf, "device_malloc(%zu bytes) failed: %s (in use %zu bytes, peak %zu)", bytes,
-                    cudaGetErrorString(e), in_use, peak);
-      throw std::runtime_error(buf);
-    }
-    return p;
-  }
-
-  // Unused memory of the ordinary pool back to the driver: small cached blocks and large
-  // segments that are wholly free (the graph pool's stay: a graph may still use them).
   void release_cache() {  // caller holds mu
     CUDA_CHECK(cudaDeviceSynchronize());
-    for (auto& kv : small_free[0])
+    for (auto& kv : free_lists)
       for (void* p : kv.second) {
         CUDA_CHECK(cudaFree(p));
         cached -= kv.first;
       }
-    small_free[0].clear();
-    for (auto it = large_free[0].begin(); it != large_free[0].end();) {
-      Block* b = it->second;
-      if (!b->prev && !b->next) {
-        CUDA_CHECK(cudaFree(b->ptr));
-        cached -= b->size;
-        delete b;
-        it = large_free[0].erase(it);
-      } else {
-        ++it;
-      }
-    }
-  }
-
-  void erase_free(Block* b) {
-    auto range = large_free[b->pool].equal_range(b->size);
-    for (auto it = range.first; it != range.second; ++it)
-      if (it->second == b) {
-        large_free[b->pool].erase(it);
-        return;
-      }
+    free_lists.clear();  // the graph pool's blocks stay: a graph may still use them
   }
 
   void* alloc(size_t bytes) {
     size_t sz = round_size(bytes);
     std::lock_guard<std::mutex> lock(mu);
-    const int pool = pool_mode ? 1 : 0;
     void* p = nullptr;
-    if (sz < kSmallLimit) {
-      auto it = small_free[pool].find(sz);
-      if (it != small_free[pool].end() && !it->second.empty()) {
-        p = it->second.back();
-        it->second.pop_back();
-        cached -= sz;
-      } else {
-        p = cuda_malloc(sz, bytes);
-      }
-      small_live[p] = {sz, pool};
+    auto& lists = pool_mode ? graph_free : free_lists;
+    // Best fit: the smallest cached block that holds the request, if it wastes at most an
+    // eighth (and 2 MiB past the class size for large blocks). Batches whose shapes change a
+    // little from step to step (a VLM batch's image count) then reuse blocks instead of
+    // adding new ones to the cache.
+    auto it = lists.lower_bound(sz);
+    while (it != lists.end() && it->second.empty()) ++it;
+    const size_t slack = sz < kSmallLimit ? 0 : std::max(sz / 8, kLargeRound);
+    if (it != lists.end() && it->first <= sz + slack) {
+      p = it->second.back();
+      it->second.pop_back();
+      sz = it->first;  // the block keeps its size
+      cached -= sz;
     } else {
-      // best fit: the smallest free piece that holds the request, split if it is larger
-      Block* b = nullptr;
-      auto it = large_free[pool].lower_bound(sz);
-      if (it != large_free[pool].end()) {
-        b = it->second;
-        large_free[pool].erase(it);
-        cached -= b->size;
-        if (b->size - sz >= kLargeRound) {  // the rest stays free, after this block
-          Block* rest = new Block{b->ptr + sz, b->size - sz, true, pool, b, b->next};
-          if (b->next) b->next->prev = rest;
-          b->next = rest;
-          b->size = sz;
-          large_free[pool].emplace(rest->size, rest);
-          cached += rest->size;
-        }
-      } else {
-        b = new Block{static_cast<char*>(cuda_malloc(sz, bytes)), sz, false, pool, nullptr, nullptr};
+      cudaError_t e = cudaMalloc(&p, sz);
+      if (e == cudaErrorMemoryAllocation && cached > 0) {
+        cudaGetLastError();
+        release_cache();
+        e = cudaMalloc(&p, sz);
       }
-      b->free = false;
-      large_live[b->ptr] = b;
-      p = b->ptr;
-      sz = b->size;
+      if (e != cudaSuccess) {
+        cudaGetLastError();
+        char buf[256];
+        std::snprintf(buf, sizeof buf,
+                      "device_malloc(%zu bytes) failed: %s (in use %zu bytes, peak %zu)", bytes,
+                      cudaGetErrorString(e), in_use, peak);
+        throw std::runtime_error(buf);
+      }
     }
+    live[p] = sz;
+    if (pool_mode) graph_owned[p] = true;
     in_use += sz;
     if (in_use > peak) peak = in_use;
     if (in_use + cached > peak_reserved) peak_reserved = in_use + cached;
@@ -202,40 +148,13 @@ struct Allocator {
   void free(void* p) {
     if (!p) return;
     std::lock_guard<std::mutex> lock(mu);
-    auto s = small_live.find(p);
-    if (s != small_live.end()) {
-      auto [sz, pool] = s->second;
-      small_live.erase(s);
-      in_use -= sz;
-      small_free[pool][sz].push_back(p);  // back to the pool it came from
-      cached += sz;
-      return;
-    }
-    auto l = large_live.find(p);
-    if (l == large_live.end()) throw std::runtime_error("device_free: pointer was not allocated by device_malloc");
-    Block* b = l->second;
-    large_live.erase(l);
-    in_use -= b->size;
-    b->free = true;
-    cached += b->size;
-    if (b->next && b->next->free) {  // merge with the free neighbours of the same segment
-      Block* n = b->next;
-      erase_free(n);
-      b->size += n->size;
-      b->next = n->next;
-      if (n->next) n->next->prev = b;
-      delete n;
-    }
-    if (b->prev && b->prev->free) {
-      Block* pr = b->prev;
-      erase_free(pr);
-      pr->size += b->size;
-      pr->next = b->next;
-      if (b->next) b->next->prev = pr;
-      delete b;
-      b = pr;
-    }
-    large_free[b->pool].emplace(b->size, b);
+    auto it = live.find(p);
+    if (it == live.end()) throw std::runtime_error("device_free: pointer was not allocated by device_malloc");
+    size_t sz = it->second;
+    live.erase(it);
+    in_use -= sz;
+    (graph_owned.count(p) ? graph_free : free_lists)[sz].push_back(p);
+    cached += sz;
   }
 };
 
