@@ -12,7 +12,7 @@ set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0
-export LD_LIBRARY_PATH=$PWD/.deps/lib:${LD_LIBRARY_PATH:-}
+export LD_LIBRARY_PATH=$PWD/.nccl/lib:$PWD/.deps/lib:${LD_LIBRARY_PATH:-}
 T=build/train
 STEPS=${STEPS:-20}
 fails=0
@@ -36,6 +36,17 @@ for what in "$@"; do
   case "$what" in
     build)
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+      # NCCL: the CUDA toolkit's or the system's; else the library of a Python wheel (nvidia.nccl)
+      # with a header in .nccl/include, through NCCL_ROOT=.nccl
+      if ! ls /usr/local/cuda/lib*/libnccl.so* /usr/lib/x86_64-linux-gnu/libnccl.so* > /dev/null 2>&1; then
+        L=$(python3 -c "import nvidia.nccl as n, glob; print(sorted(glob.glob(n.__path__[0] + '/lib/libnccl.so*'))[0])" 2>/dev/null)
+        if [ -n "$L" ]; then
+          mkdir -p .nccl/lib && ln -sf "$L" .nccl/lib/libnccl.so && ln -sf "$L" .nccl/lib/libnccl.so.2
+          export NCCL_ROOT=$PWD/.nccl LD_LIBRARY_PATH=$PWD/.nccl/lib:$LD_LIBRARY_PATH
+        fi
+        echo "NCCL library: ${L:-none found}" | tee -a "$OUT/summary.txt"
+      fi
+      [ -f .nccl/include/nccl.h ] && export NCCL_ROOT=$PWD/.nccl
       cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_CUDA=ON -DLOOM_CUDA_ARCH=90 \
         > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
       grep -i "nccl" "$OUT/configure.log" | tee -a "$OUT/summary.txt"

@@ -585,7 +585,7 @@ void Rendezvous::monitor_loop(double stall_timeout_s) {
       }
     }
     if (stall_timeout_s > 0 && now_ms_() - last_beat_ms_.load() > stall_timeout_s * 1e3) {
-      fault(strformat("rank %d: no training step finished in %.0f s (train.dist_timeout): a hung collective or a "
+      fault(strformat("rank %d: no training step finished in %g s (train.dist_timeout): a hung collective or a "
                       "stalled rank", env_.rank, stall_timeout_s));
       return;
     }
