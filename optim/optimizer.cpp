@@ -274,6 +274,13 @@ std::string Optimizer::backend() const {
                    compute_ != master_dtype_ ? (std::string(" + ") + dtype_name(compute_) + " copy").c_str() : "");
 }
 
+std::vector<Tensor> Optimizer::grad_buffers() const {
+  std::vector<Tensor> v;
+  for (auto* g : groups_)
+    if (g->n) v.push_back(g->grad);
+  return v;
+}
+
 int64_t Optimizer::num_parameters() const {
   int64_t n = 0;
   for (auto* g : groups_) n += g->n;

@@ -64,6 +64,9 @@ class Optimizer {
   std::map<std::string, Tensor> state_dict() const;
   void load_state_dict(const std::map<std::string, Tensor>& sd, const std::string& source);
   int64_t num_parameters() const;
+  // The flat gradient buffers (one per non-empty group, compute dtype): data parallel averages
+  // them across ranks between backward and clip_grad_norm.
+  std::vector<Tensor> grad_buffers() const;
   // One line naming the update kernel in use, e.g. "adamw: one fused multi-tensor kernel per
   // group (cuda, 4 groups, fp32 master + bf16 copy)".
   std::string backend() const;

@@ -58,6 +58,7 @@ static void remove_dir(const std::string& dir) {
 }
 
 void save_checkpoint(const RunContext& ctx, Module& model, const Optimizer& opt, const TrainerState& st) {
+  if (ctx.rank != 0) return;  // data parallel: every rank holds the same weights; rank 0 writes them
   char name[64];
   std::snprintf(name, sizeof name, "step_%08lld", (long long)st.step);
   std::string final_dir = ctx.out_dir + "/" + name, tmp = final_dir + ".tmp";

@@ -93,6 +93,9 @@ const std::vector<ConfigKey>& config_schema() {
       {"train", "lr_scale_norms", F, "1.0", "learning-rate factor of the norms group (norm gains and biases, 1-D)", nullptr},
       {"train", "embeddings_weight_decay", F, "-1", "weight decay of the embeddings group (-1: train.weight_decay; norms get none)", nullptr},
       {"train", "max_nan_skips", I, "5", "consecutive non-finite losses skipped before aborting", nullptr},
+      {"train", "gpus", I, "0", "GPUs on this machine: N > 1 starts N ranks (one process per GPU, NCCL data parallel); batch_size is per GPU. Ignored under torchrun/srun (their environment sets the ranks)", nullptr},
+      {"train", "dist_join_timeout", F, "60", "data parallel: seconds for every rank to reach rank 0 (MASTER_ADDR:MASTER_PORT+1)", nullptr},
+      {"train", "dist_timeout", F, "600", "data parallel: a rank that finishes no step in this many seconds (a hung collective) stops every rank", nullptr},
       {"train", "stop_at", I, "0", "stop after this step as if interrupted, checkpoint kept (0 = run to train.steps)", nullptr},
       // ---------------------------------------------------------------- eval
       {"eval", "samples", I, "200", "evaluation samples", nullptr},

@@ -9,6 +9,7 @@
 #include "data/fashion_mnist.h"
 #include "data/images.h"
 #include "nn/mim.h"
+#include "trainer/distributed.h"
 #include "trainer/prefetch.h"
 #include "trainer/staging.h"
 #include "trainer/step_log.h"
@@ -181,7 +182,7 @@ int train_mim(const RunContext& ctx) {
     start = st.step;
     baselines = st.extra;
     std::printf("resumed from %s at step %lld\n", ck.c_str(), (long long)start);
-  } else if (!cfg.get_bool("train.dry_run") && test.n > 0) {
+  } else if (!cfg.get_bool("train.dry_run") && test.n > 0 && ctx.rank == 0) {
     // the two baselines the trained encoder must beat: raw pixels, and this random encoder
     int d = train.c * train.h * train.w;
     baselines["probe_raw_pixels"] = probe(probe_tr.pixels, probe_tr, test.pixels, test, d, cfg);
@@ -192,6 +193,13 @@ int train_mim(const RunContext& ctx) {
   }
 
   int B = cfg.get_int("train.batch_size"), nviews = mc.contrastive ? 2 : 1;
+  // Data parallel: the step's global batch is B x world images drawn as one batch of that size
+  // would be on one GPU; this rank builds rows [rank*B, (rank+1)*B) of it (the same random
+  // draws on every rank), so N GPUs with B each see exactly what one GPU with N*B sees.
+  const int Bg = B * ctx.world;
+  const Shard mine = shard_of(Bg, ctx.rank, ctx.world);
+  if (ctx.world > 1)
+    std::printf("data parallel: %d ranks x batch %d = global batch %d images per step\n", ctx.world, B, Bg);
   size_t px = size_t(train.c) * train.h * train.w;
   int N = mc.vit.num_patches(), K = mc.keep_count();
   // A batch is built by a loader thread straight into page-locked memory: the images already
@@ -209,8 +217,10 @@ int train_mim(const RunContext& ctx) {
     Rng r(ctx.seed * 7919ull + uint64_t(s) * 104729ull + 17);
     StagedBatch b(pool, batch_bytes);
     void* img = b.add("images", img_dt, {B, train.c, train.h, train.w});
-    for (int i = 0; i < B; i++) {
+    for (int gi = 0; gi < Bg; gi++) {
       int idx = int(r.randint(train.n));
+      if (gi < mine.begin || gi >= mine.end) continue;
+      const int i = gi - int(mine.begin);
       const float* src = train.pixels.data() + size_t(idx) * px;
       if (img_dt == DType::BF16)
         for (size_t j = 0; j < px; j++) static_cast<bf16*>(img)[size_t(i) * px + j] = bf16(src[j]);
@@ -222,8 +232,10 @@ int train_mim(const RunContext& ctx) {
     for (int v = 0; v < nviews; v++) {
       int32_t* keep = b.add_as<int32_t>("keep" + std::to_string(v), DType::I32, {B, K});
       int32_t* masked = b.add_as<int32_t>("masked" + std::to_string(v), DType::I32, {B, N - K});
-      for (int i = 0; i < B; i++) {
+      for (int gi = 0; gi < Bg; gi++) {
         auto p = r.permutation(N);
+        if (gi < mine.begin || gi >= mine.end) continue;
+        const int i = gi - int(mine.begin);
         std::copy(p.begin(), p.begin() + K, keep + size_t(i) * K);
         std::copy(p.begin() + K, p.end(), masked + size_t(i) * (N - K));
       }
@@ -276,6 +288,7 @@ int train_mim(const RunContext& ctx) {
     }
     ProfileRange r("optimizer");
     if (loss.dtype() != DType::F32) loss = cast(loss, DType::F32);
+    if (ctx.dp) ctx.dp->reduce(opt, loss);  // gradients and loss averaged over the ranks
     Tensor norm = opt.clip_grad_norm(grad_clip, loss);
     opt.step();
     ema.update(mc.ema);
@@ -323,11 +336,12 @@ int train_mim(const RunContext& ctx) {
       out = body(inputs);
       up.step_done();
     }
-    slog.post({s + 1, steps, lr, wait, double(nviews * B), step_flops}, out[0], out[1], opt.control().narrow(0, 1, 1));
+    if (ctx.dp) ctx.dp->heartbeat();
+    slog.post({s + 1, steps, lr, wait, double(nviews * Bg), step_flops}, out[0], out[1], opt.control().narrow(0, 1, 1));
     profile_step_end();
     bool last = s + 1 == steps;
     bool stop = cfg.get_int64("train.stop_at") > 0 && s + 1 >= cfg.get_int64("train.stop_at") && !last;
-    bool eval_now = ((eval_every > 0 && (s + 1) % eval_every == 0) || last) && test.n > 0;
+    bool eval_now = ((eval_every > 0 && (s + 1) % eval_every == 0) || last) && test.n > 0 && ctx.rank == 0;
     bool save_now = (save_every > 0 && (s + 1) % save_every == 0) || last || stop;
     slog.flush(eval_now || save_now || stop);
     if (eval_now) {

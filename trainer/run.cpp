@@ -36,8 +36,10 @@ void mkdirs(const std::string& path) {
   LOOM_CHECK(stat(path.c_str(), &s) == 0 && S_ISDIR(s.st_mode), "cannot create directory %s", path.c_str());
 }
 
-RunContext open_run(const Config& cfg) {
+RunContext open_run(const Config& cfg, int rank, int world) {
   RunContext ctx;
+  ctx.rank = rank;
+  ctx.world = world;
   ctx.cfg = cfg;
   ctx.out_dir = cfg.get_str("train.out_dir");
   ctx.seed = uint64_t(cfg.get_int64("train.seed"));
@@ -57,6 +59,7 @@ RunContext open_run(const Config& cfg) {
                               : attn == "loom" ? cuda::AttentionBackend::Loom
                                                : cuda::AttentionBackend::Auto);
   mkdirs(ctx.out_dir);
+  if (rank != 0) return ctx;  // data parallel: rank 0 prints and saves the config
   std::printf("# resolved config (%s)\n%s", cfg.source().c_str(), cfg.dump().c_str());
   std::printf("# device %s, compute %s, run folder %s\n", device_name(ctx.device), dtype_name(ctx.compute),
               ctx.out_dir.c_str());
@@ -67,7 +70,7 @@ RunContext open_run(const Config& cfg) {
 // ------------------------------------------------------------------ logging
 RunLog::RunLog(const RunContext& ctx, bool append) : ctx_(ctx), tty_(isatty(fileno(stdout))) {
   log_every_ = std::max(1, ctx.cfg.get_int("train.log_every"));
-  std::string p = ctx.out_dir + "/metrics.jsonl";
+  std::string p = ctx.rank == 0 ? ctx.out_dir + "/metrics.jsonl" : std::string("/dev/null");
   metrics_ = std::fopen(p.c_str(), append ? "a" : "w");
   LOOM_CHECK(metrics_, "cannot open %s for writing", p.c_str());
   if (append) {  // keep the curve of the run being resumed
@@ -143,7 +146,7 @@ void RunLog::event(const std::string& kind, const std::map<std::string, double>&
 // loss.svg: training loss (and its moving average) and validation loss against the step.
 void RunLog::finish() {
   if (tty_) std::printf("\n");
-  if (train_.empty()) return;
+  if (train_.empty() || ctx_.rank != 0) return;
   const double W = 720, H = 420, L = 60, R = 20, T = 30, B = 45;
   double xmax = 1, ymin = 1e300, ymax = -1e300;
   for (auto& p : train_) xmax = std::max(xmax, double(p.first)), ymin = std::min(ymin, p.second), ymax = std::max(ymax, p.second);

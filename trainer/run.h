@@ -14,17 +14,22 @@
 
 namespace loom {
 
+class DataParallel;
+
 struct RunContext {
   Config cfg;
   std::string out_dir;
   Device device = Device::CPU;
   DType compute = DType::F32;  // bf16 on CUDA by default
   uint64_t seed = 0;
+  int rank = 0, world = 1;            // data parallel (trainer/distributed.h): rank 0 logs and saves
+  DataParallel* dp = nullptr;         // set when world > 1
 };
 
 // Resolves device/dtype ("auto": CUDA + bf16 when a GPU is usable, else CPU + f32), creates
 // out_dir, prints the resolved config and saves it as out_dir/config.cfg.
-RunContext open_run(const Config& cfg);
+// rank / world: a data-parallel rank (trainer/distributed.h); ranks other than 0 write no run files.
+RunContext open_run(const Config& cfg, int rank = 0, int world = 1);
 
 struct StepStats {
   int64_t step = 0, total = 0;

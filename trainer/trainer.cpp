@@ -10,6 +10,7 @@
 #include "data/images.h"
 #include "data/shapes.h"
 #include "nn/hf.h"
+#include "trainer/distributed.h"
 #include "trainer/mim_trainer.h"
 #include "trainer/prefetch.h"
 #include "trainer/step_log.h"
@@ -164,24 +165,49 @@ static int train_vlm(const RunContext& ctx) {
     start = st.step;
     std::printf("resumed from %s at step %lld\n", ck.c_str(), (long long)start);
   }
-  // batch of micro-step s: rows [s*bs, (s+1)*bs) of the epoch's shuffled row order
+  // batch of micro-step s: rows [s*bs, (s+1)*bs) of the epoch's shuffled row order. Data
+  // parallel: the micro-step's global batch is rows [s*G, (s+1)*G), G = bs x world, and this
+  // rank takes its part [rank*bs, (rank+1)*bs) (the same permutation on every rank).
   int64_t nrows = int64_t(d.rows.size());
+  const int world = ctx.world;
+  const int64_t G = int64_t(bs) * world;
+  auto global_row = [&, nrows](int64_t g) {
+    Rng r(ctx.seed * 1000003ull + uint64_t(g / nrows));
+    std::vector<int32_t> perm = r.permutation(int(nrows));
+    return size_t(perm[size_t(g % nrows)]);
+  };
   auto make = [&, nrows](int64_t micro) {
     std::vector<std::vector<int>> rows;
-    for (int i = 0; i < bs; i++) {
-      int64_t g = micro * bs + i, epoch = g / nrows;
-      Rng r(ctx.seed * 1000003ull + uint64_t(epoch));
-      std::vector<int32_t> perm = r.permutation(int(nrows));
-      rows.push_back(d.rows[size_t(perm[size_t(g % nrows)])]);
-    }
+    const Shard mine = shard_of(G, ctx.rank, world);
+    for (int64_t i = mine.begin; i < mine.end; i++) rows.push_back(d.rows[global_row(micro * G + i)]);
     return build_batch(d.train, rows, row, d.pad_id, d.image_token);
   };
+  // Data parallel: each rank's loss is a mean over its own target tokens; scaling it by
+  // local_targets * world / global_targets makes the average over ranks the mean over the
+  // global batch's targets (what one GPU with the whole batch computes). Per packed row: its
+  // target and real token counts, so that every rank knows the global batch's totals.
+  std::vector<int64_t> row_targets, row_tokens;
+  if (world > 1) {
+    for (auto& r : d.rows) {
+      int64_t t = 0, n = 0;
+      for (int si : r) {
+        const Sample& smp = d.train[size_t(si)];
+        n += int64_t(smp.ids.size());
+        for (size_t k = 0; k + 1 < smp.labels.size(); k++) t += smp.labels[k + 1] != -100;
+      }
+      row_targets.push_back(t);
+      row_tokens.push_back(n);
+    }
+    std::printf("data parallel: %d ranks x %d rows = global batch %lld packed rows per micro-step\n", world, bs,
+                (long long)G);
+  }
   // What the loader threads hand over: the batch already in page-locked memory (images in the
   // compute dtype), with the FLOPs of its step counted on the way.
   struct Staged {
     StagedBatch batch;
     double flops = 0;
-    int64_t real_tokens = 0;
+    int64_t real_tokens = 0;      // of the global batch (all ranks)
+    double loss_scale = 1.0;      // data parallel: local_targets * world / global_targets
   };
   auto pool = std::make_shared<PinnedPool>(ctx.device);
   auto make_staged = [&](int64_t micro) {
@@ -189,6 +215,16 @@ static int train_vlm(const RunContext& ctx) {
     Staged st;
     st.flops = vlm_step_flops(vc, pb);
     st.real_tokens = pb.real_tokens;
+    if (world > 1) {
+      int64_t tg = 0, ng = 0;
+      for (int64_t i = 0; i < G; i++) {
+        size_t r = global_row(micro * G + i);
+        tg += row_targets[r];
+        ng += row_tokens[r];
+      }
+      st.real_tokens = ng;
+      st.loss_scale = tg > 0 ? double(pb.target_tokens) * world / double(tg) : 1.0;
+    }
     st.batch = stage_batch(d, pb, pool, ctx.compute);
     return st;
   };
@@ -213,7 +249,7 @@ static int train_vlm(const RunContext& ctx) {
     std::printf("step: eager (a packed batch's sequence and image counts change from step to step)\n");
   Prefetcher<Staged> loader(make_staged, start * accum, steps * accum, std::max(1, cfg.get_int("data.workers")), 4);
   int64_t eval_every = cfg.get_int64("train.eval_every"), save_every = cfg.get_int64("train.save_every");
-  int64_t epoch_rows_seen = start * accum * bs;
+  int64_t epoch_rows_seen = start * accum * G;
   const double grad_clip = cfg.get_float("train.grad_clip");
   profile_enable(cfg.get_bool("train.profile"));
   for (int64_t s = start; s < steps; s++) {
@@ -226,9 +262,9 @@ static int train_vlm(const RunContext& ctx) {
       Staged sb = loader.next();
       wait += now_ms() - w0;
       profile_add("data (waiting for the loader, host)", now_ms() - w0);
-      if (epoch_rows_seen % nrows < int64_t(bs) && epoch_rows_seen > 0)
+      if (epoch_rows_seen % nrows < G && epoch_rows_seen > 0)
         log.event("epoch", {{"step", double(s)}}, "epoch " + std::to_string(epoch_rows_seen / nrows) + "\n" + d.stats.log_lines());
-      epoch_rows_seen += bs;
+      epoch_rows_seen += G;
       tokens += sb.real_tokens;
       flops += sb.flops;
       if (a == 0) profile_mark();
@@ -239,31 +275,37 @@ static int train_vlm(const RunContext& ctx) {
         ProfileRange r("forward");
         loss = m.loss(vb);
       }
-      Tensor scaled = accum > 1 ? scale(loss, 1.0 / accum) : loss;
+      const double f = sb.loss_scale / accum;  // 1 on one GPU without accumulation
+      Tensor scaled = f != 1.0 ? scale(loss, f) : loss;
       {
         ProfileRange r("backward");
         backward(scaled);
       }
       up.step_done();
       NoGradGuard ng;
-      Tensor l = accum > 1 ? scale(loss, 1.0 / accum) : loss;
+      Tensor l = f != 1.0 ? scale(loss, f) : loss;
       loss_sum = loss_sum.defined() ? add(loss_sum, l) : l;
     }
     ProfileRange opt_range("optimizer");
     double lr = lr_at(s, steps, cfg.get_int64("train.warmup_steps"), cfg.get_float("train.lr"),
                       cfg.get_float("train.min_lr"), cfg.get_str("train.schedule"));
     Tensor loss_f32 = loss_sum.dtype() == DType::F32 ? loss_sum : loss_sum.to(DType::F32);
+    if (ctx.dp) {  // gradients and the step's loss averaged over the ranks, before the clip
+      loss_f32 = loss_f32.clone();
+      ctx.dp->reduce(opt, loss_f32);
+    }
     // clip, skip a non-finite step and AdamW: all decided on the device
     Tensor norm = opt.clip_grad_norm(grad_clip, loss_f32.device() == ctx.device ? loss_f32 : Tensor());
     opt.set_lr(lr);
     opt.step();
     opt.zero_grad();
     profile_phase("optimizer (clip, AdamW, zero)");
+    if (ctx.dp) ctx.dp->heartbeat();
     slog.post({s + 1, steps, lr, wait, double(tokens), flops}, loss_f32, norm, opt.control().narrow(0, 1, 1));
     profile_step_end();
     bool last = s + 1 == steps;
     bool stop = cfg.get_int64("train.stop_at") > 0 && s + 1 >= cfg.get_int64("train.stop_at") && !last;
-    bool eval_now = ((eval_every > 0 && (s + 1) % eval_every == 0) || last) && !d.val.empty();
+    bool eval_now = ((eval_every > 0 && (s + 1) % eval_every == 0) || last) && !d.val.empty() && ctx.rank == 0;
     bool save_now = (save_every > 0 && (s + 1) % save_every == 0) || last || stop;
     slog.flush(eval_now || save_now || stop);
     if (eval_now) {
@@ -300,11 +342,44 @@ int train_command(int argc, char** argv) {
     overrides.push_back(a);
   }
   Config cfg = Config::load(path, overrides);
-  RunContext ctx = open_run(cfg);
   std::string trainer = cfg.get_str("train.trainer");
-  if (trainer == "vlm_sft" || trainer == "vlm_pretrain") return train_vlm(ctx);
-  if (trainer == "vit_mim") return train_mim(ctx);
-  LOOM_CHECK(false, "%s: train.trainer '%s' (vlm_sft, vlm_pretrain, vit_mim)", cfg.source().c_str(), trainer.c_str());
+  LOOM_CHECK(trainer == "vlm_sft" || trainer == "vlm_pretrain" || trainer == "vit_mim",
+             "%s: train.trainer '%s' (vlm_sft, vlm_pretrain, vit_mim)", cfg.source().c_str(), trainer.c_str());
+  auto run = [&](const RunContext& ctx) { return trainer == "vit_mim" ? train_mim(ctx) : train_vlm(ctx); };
+  // Several GPUs (trainer/distributed.h): a launcher when train.gpus > 1 and no launcher's
+  // environment says this process is a rank; a rank when it does.
+  EnvMap env = process_env();
+  DistEnv de = parse_dist_env(env);
+  const int gpus = cfg.get_int("train.gpus");
+  LOOM_CHECK(gpus >= 0, "%s: train.gpus = %d", cfg.source().c_str(), gpus);
+  if (!de.distributed() && gpus > 1) {
+    LOOM_CHECK(cfg.get_str("train.device") != "cpu", "%s: train.gpus = %d with train.device = cpu: data parallel "
+               "runs on CUDA", cfg.source().c_str(), gpus);
+    std::vector<char*> args = {const_cast<char*>("train")};
+    for (int i = 0; i < argc; i++) args.push_back(argv[i]);
+    return launch_local(gpus, int(args.size()), args.data());
+  }
+  if (!de.distributed()) return run(open_run(cfg));
+  LOOM_CHECK(gpus <= 1 || gpus == de.local_world, "train.gpus = %d, but the launcher (%s) started %d ranks on this "
+             "machine (LOCAL_WORLD_SIZE): leave train.gpus out under torchrun / srun", gpus, de.launcher.c_str(),
+             de.local_world);
+  LOOM_CHECK(!cfg.get_bool("train.dry_run"), "train.dry_run is a one-process check: run it without several ranks");
+  de = select_rank_device(env, cfg.get_str("train.out_dir"));
+  RunContext ctx = open_run(cfg, de.rank, de.world);
+  LOOM_CHECK(ctx.device == Device::CUDA, "%s: data parallel needs the CUDA device (train.device = %s)",
+             de.describe().c_str(), cfg.get_str("train.device").c_str());
+  DataParallel dp(de, cfg);
+  ctx.dp = &dp;
+  std::printf("%s\n", dp.backend().c_str());
+  int rc;
+  try {
+    rc = run(ctx);
+  } catch (const std::exception& e) {
+    dp.fail(e.what());
+    throw;
+  }
+  dp.finish();
+  return rc;
 }
 
 // ./train chat CHECKPOINT --image IMG [--prompt TEXT] [--temperature T] [--max_new_tokens N]

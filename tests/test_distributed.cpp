@@ -1,0 +1,267 @@
+// test_distributed.cpp: the CPU-testable parts of data parallel (trainer/distributed.h): the
+// launchers' environments, the batch shards, the GPU-count errors, and the TCP rendezvous that
+// carries the NCCL unique id, with its monitor (two ranks as two threads on localhost).
+#include <catch2/catch.hpp>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <set>
+#include <string>
+#include <thread>
+
+#include "trainer/distributed.h"
+#include "trainer/trainer.h"
+
+using namespace loom;
+using Catch::Matchers::Contains;
+
+static double secs() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// a MASTER_PORT whose rendezvous port (MASTER_PORT + 1) is free now
+static int free_master_port() {
+  int s = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  REQUIRE(bind(s, (sockaddr*)&a, sizeof a) == 0);
+  REQUIRE(getsockname(s, (sockaddr*)&a, &len) == 0);
+  int p = ntohs(a.sin_port);
+  close(s);
+  return p - 1;
+}
+
+static DistEnv env_of(int rank, int world, int port) {
+  DistEnv d;
+  d.rank = rank;
+  d.world = world;
+  d.local_rank = rank;
+  d.local_world = world;
+  d.master_addr = "127.0.0.1";
+  d.master_port = port;
+  d.launcher = "torchrun";
+  return d;
+}
+
+TEST_CASE("torchrun environment", "[distributed]") {
+  EnvMap e = {{"RANK", "3"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"},
+              {"MASTER_ADDR", "node7"}, {"MASTER_PORT", "29400"}};
+  DistEnv d = parse_dist_env(e);
+  CHECK(d.launcher == "torchrun");
+  CHECK(d.rank == 3);
+  CHECK(d.world == 8);
+  CHECK(d.local_rank == 1);
+  CHECK(d.local_world == 2);
+  CHECK(d.master_addr == "node7");
+  CHECK(d.rendezvous_port() == 29401);  // torchrun's agent holds MASTER_PORT itself
+  CHECK(d.distributed());
+
+  CHECK(!parse_dist_env({}).distributed());
+  CHECK(parse_dist_env({}).launcher == "single");
+
+  EnvMap bad = e;
+  bad["RANK"] = "8";
+  CHECK_THROWS_WITH(parse_dist_env(bad), Contains("rank 8 is not below the world size 8"));
+  bad = e;
+  bad["WORLD_SIZE"] = "two";
+  CHECK_THROWS_WITH(parse_dist_env(bad), Contains("WORLD_SIZE = 'two'"));
+  bad = e;
+  bad.erase("WORLD_SIZE");
+  CHECK_THROWS_WITH(parse_dist_env(bad), Contains("WORLD_SIZE"));
+  bad = e;
+  bad.erase("MASTER_PORT");
+  CHECK_THROWS_WITH(parse_dist_env(bad), Contains("MASTER_PORT"));
+  bad = e;
+  bad["LOCAL_RANK"] = "2";
+  CHECK_THROWS_WITH(parse_dist_env(bad), Contains("local rank 2"));
+}
+
+TEST_CASE("Slurm environment and node lists", "[distributed]") {
+  CHECK(slurm_first_host("node[01-04,07],gpu12") == "node01");
+  CHECK(slurm_first_host("gpu[3,5]") == "gpu3");
+  CHECK(slurm_first_host("a,b") == "a");
+  CHECK(slurm_first_host("host") == "host");
+  CHECK(slurm_first_host("rack1-[10-11]-ib") == "rack1-10-ib");
+
+  EnvMap e = {{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "1"},
+              {"SLURM_NTASKS_PER_NODE", "4"}, {"SLURM_JOB_NODELIST", "gpu[07-08]"}};
+  DistEnv d = parse_dist_env(e);
+  CHECK(d.launcher == "slurm");
+  CHECK(d.rank == 5);
+  CHECK(d.world == 8);
+  CHECK(d.local_rank == 1);
+  CHECK(d.local_world == 4);
+  CHECK(d.master_addr == "gpu07");
+  CHECK(d.master_port == 29500);
+  e["MASTER_ADDR"] = "10.0.0.2";
+  e["MASTER_PORT"] = "1234";
+  d = parse_dist_env(e);
+  CHECK(d.master_addr == "10.0.0.2");
+  CHECK(d.master_port == 1234);
+  // torchrun's variables win over Slurm's (torchrun inside an allocation)
+  e["RANK"] = "0";
+  e["WORLD_SIZE"] = "2";
+  CHECK(parse_dist_env(e).launcher == "torchrun");
+  // a one-task job is a single process
+  CHECK(!parse_dist_env({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}}).distributed());
+  CHECK_THROWS_WITH(parse_dist_env({{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "2"}}), Contains("SLURM_JOB_NODELIST"));
+}
+
+TEST_CASE("shards of a global batch are disjoint, cover it, and are what one process would see", "[distributed]") {
+  for (int world : {1, 2, 3, 8}) {
+    int64_t global = 24;
+    std::set<int64_t> seen;
+    for (int r = 0; r < world; r++) {
+      Shard s = shard_of(global, r, world);
+      CHECK(s.size() == global / world);
+      CHECK(s.begin == r * (global / world));
+      for (int64_t i = s.begin; i < s.end; i++) CHECK(seen.insert(i).second);
+    }
+    CHECK(int64_t(seen.size()) == global);
+  }
+  CHECK_THROWS_WITH(shard_of(10, 0, 3), Contains("does not split into 3"));
+  CHECK_THROWS(shard_of(10, 2, 2));
+}
+
+TEST_CASE("GPU count errors", "[distributed]") {
+  CHECK(gpu_count_error(2, 2, true).empty());
+  CHECK(gpu_count_error(2, 8, true).empty());
+  CHECK_THAT(gpu_count_error(4, 2, true), Contains("train.gpus = 4, but this machine has 2 usable GPUs"));
+  CHECK_THAT(gpu_count_error(2, 0, false), Contains("CPU-only build"));
+}
+
+TEST_CASE("./train --train.gpus=2 without GPUs is a clear error", "[distributed]") {
+  if (probe_gpu_count() >= 2) return;  // a machine with GPUs: the GPU scripts cover the launch
+  std::vector<std::string> args = {"vlm_sft.cfg", "--train.gpus=2", "--train.out_dir=runs/test_dist_nogpu"};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  double t0 = secs();
+  CHECK_THROWS_WITH(train_command(int(argv.size()), argv.data()),
+                    Contains("train.gpus = 2") && (Contains("usable GPU") || Contains("CPU-only build")));
+  CHECK(secs() - t0 < 10);
+}
+
+TEST_CASE("rendezvous: rank 0's payload reaches every rank; goodbye is a clean end", "[distributed]") {
+  const int port = free_master_port(), world = 3;
+  const std::string id(128, '\x5a');
+  std::string got[3];
+  std::atomic<int> faults{0};
+  {
+    std::unique_ptr<Rendezvous> rv[3];
+    std::thread ranks[2];
+    for (int r = 1; r < world; r++)
+      ranks[r - 1] = std::thread([&, r] { rv[r] = std::make_unique<Rendezvous>(env_of(r, world, port), "", 10); });
+    rv[0] = std::make_unique<Rendezvous>(env_of(0, world, port), id, 10);
+    for (auto& t : ranks) t.join();
+    for (int r = 0; r < world; r++) {
+      got[r] = rv[r]->payload();
+      rv[r]->start_monitor([&](const std::string&) { faults++; }, nullptr, 0);
+    }
+    for (int r = world - 1; r >= 0; r--) rv[r]->goodbye();
+    usleep(300000);
+  }
+  for (int r = 0; r < world; r++) CHECK(got[r] == id);
+  CHECK(faults == 0);
+}
+
+TEST_CASE("rendezvous: a rank that dies is named to the others", "[distributed]") {
+  const int port = free_master_port(), world = 3;
+  std::unique_ptr<Rendezvous> rv[3];
+  std::thread ranks[2];
+  for (int r = 1; r < world; r++)
+    ranks[r - 1] = std::thread([&, r] { rv[r] = std::make_unique<Rendezvous>(env_of(r, world, port), "", 10); });
+  rv[0] = std::make_unique<Rendezvous>(env_of(0, world, port), std::string(128, 'x'), 10);
+  for (auto& t : ranks) t.join();
+  std::mutex mu;
+  std::string msg0, msg1;
+  std::atomic<int> n{0};
+  rv[0]->start_monitor([&](const std::string& m) { std::lock_guard<std::mutex> l(mu); msg0 = m; n++; }, nullptr, 0);
+  rv[1]->start_monitor([&](const std::string& m) { std::lock_guard<std::mutex> l(mu); msg1 = m; n++; }, nullptr, 0);
+  double t0 = secs();
+  rv[2].reset();  // rank 2 "dies": its sockets close without a goodbye
+  while (n < 2 && secs() - t0 < 10) usleep(20000);
+  CHECK(secs() - t0 < 5);
+  std::lock_guard<std::mutex> l(mu);
+  CHECK_THAT(msg0, Contains("lost rank 2"));
+  CHECK_THAT(msg1, Contains("lost rank 2"));  // relayed by rank 0
+}
+
+TEST_CASE("rendezvous: a rank without progress stops the run", "[distributed]") {
+  const int port = free_master_port();
+  std::unique_ptr<Rendezvous> rv1;
+  std::thread t([&] { rv1 = std::make_unique<Rendezvous>(env_of(1, 2, port), "", 10); });
+  Rendezvous rv0(env_of(0, 2, port), "id", 10);
+  t.join();
+  std::atomic<int> n{0};
+  std::string m0, m1;
+  rv0.start_monitor([&](const std::string& m) { m0 = m; n++; }, nullptr, 0);
+  rv1->start_monitor([&](const std::string& m) { m1 = m; n++; }, nullptr, 0.5);  // never beats
+  double t0 = secs();
+  while (n < 2 && secs() - t0 < 10) usleep(20000);
+  CHECK(n == 2);
+  CHECK_THAT(m1, Contains("no training step finished in 0.5 s"));
+  CHECK_THAT(m0, Contains("rank 1: no training step"));
+  rv0.goodbye();
+  rv1.reset();
+}
+
+TEST_CASE("rendezvous: NCCL's asynchronous error stops every rank", "[distributed]") {
+  const int port = free_master_port();
+  std::unique_ptr<Rendezvous> rv1;
+  std::thread t([&] { rv1 = std::make_unique<Rendezvous>(env_of(1, 2, port), "", 10); });
+  Rendezvous rv0(env_of(0, 2, port), "id", 10);
+  t.join();
+  std::atomic<int> n{0};
+  std::string m0;
+  rv0.start_monitor([&](const std::string& m) { m0 = m; n++; }, [] { return std::string("NCCL asynchronous error: x"); }, 0);
+  rv1->start_monitor([&](const std::string&) { n++; }, nullptr, 0);
+  double t0 = secs();
+  while (n < 2 && secs() - t0 < 10) usleep(20000);
+  CHECK(n == 2);
+  CHECK_THAT(m0, Contains("rank 0: NCCL asynchronous error"));
+  rv1.reset();
+}
+
+TEST_CASE("rendezvous errors: wrong WORLD_SIZE, missing ranks, unreachable MASTER_ADDR", "[distributed]") {
+  SECTION("a rank with another WORLD_SIZE") {
+    const int port = free_master_port();
+    std::string e1;
+    std::thread t([&] {
+      try {
+        Rendezvous r(env_of(1, 3, port), "", 10);
+      } catch (const std::exception& e) {
+        e1 = e.what();
+      }
+    });
+    double t0 = secs();
+    CHECK_THROWS_WITH(Rendezvous(env_of(0, 2, port), "id", 10), Contains("says WORLD_SIZE 3, rank 0 says 2"));
+    t.join();
+    CHECK_THAT(e1, Contains("says WORLD_SIZE 3, rank 0 says 2"));
+    CHECK(secs() - t0 < 5);
+  }
+  SECTION("fewer ranks than WORLD_SIZE") {
+    const int port = free_master_port();
+    double t0 = secs();
+    CHECK_THROWS_WITH(Rendezvous(env_of(0, 2, port), "id", 1), Contains("only 1 of WORLD_SIZE 2 ranks joined") &&
+                                                                   Contains("missing ranks 1"));
+    CHECK(secs() - t0 < 4);
+  }
+  SECTION("nobody listens at MASTER_ADDR") {
+    const int port = free_master_port();
+    double t0 = secs();
+    CHECK_THROWS_WITH(Rendezvous(env_of(1, 2, port), "", 1), Contains("cannot reach rank 0 at 127.0.0.1"));
+    CHECK(secs() - t0 < 4);
+  }
+  SECTION("an unknown host name") {
+    DistEnv d = env_of(1, 2, free_master_port());
+    d.master_addr = "no-such-host.invalid";
+    CHECK_THROWS_WITH(Rendezvous(d, "", 1), Contains("cannot resolve MASTER_ADDR 'no-such-host.invalid'"));
+  }
+}

@@ -1,0 +1,667 @@
+// distributed.cpp: rank environment, launcher, TCP rendezvous + monitor, NCCL data parallel
+// (see distributed.h).
+#include "trainer/distributed.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "optim/optimizer.h"
+#include "tensor/dispatch.h"
+#include "trainer/comm.h"
+#include "trainer/config.h"
+
+extern char** environ;
+
+namespace loom {
+
+EnvMap process_env() {
+  EnvMap m;
+  for (char** e = environ; e && *e; e++) {
+    const char* eq = std::strchr(*e, '=');
+    if (eq) m[std::string(*e, size_t(eq - *e))] = eq + 1;
+  }
+  return m;
+}
+
+// ------------------------------------------------------------------ environment
+static int env_int(const EnvMap& env, const std::string& key) {
+  const std::string& v = env.at(key);
+  char* end = nullptr;
+  errno = 0;
+  long x = std::strtol(v.c_str(), &end, 10);
+  LOOM_CHECK(!v.empty() && *end == 0 && errno == 0 && x >= 0 && x < (1 << 30),
+             "%s = '%s' is not a non-negative integer", key.c_str(), v.c_str());
+  return int(x);
+}
+
+static bool has(const EnvMap& env, const char* k) { return env.count(k) && !env.at(k).empty(); }
+
+std::string slurm_first_host(const std::string& nodelist) {
+  // the first entry: up to a comma that is not inside brackets
+  std::string first;
+  int depth = 0;
+  for (char c : nodelist) {
+    if (c == '[') depth++;
+    if (c == ']') depth--;
+    if (c == ',' && depth == 0) break;
+    first += c;
+  }
+  size_t lb = first.find('[');
+  if (lb == std::string::npos) return first;
+  // prefix[01-04,07]suffix -> prefix01suffix
+  size_t rb = first.find(']', lb);
+  LOOM_CHECK(rb != std::string::npos, "SLURM_JOB_NODELIST '%s': unbalanced brackets", nodelist.c_str());
+  std::string inner = first.substr(lb + 1, rb - lb - 1);
+  size_t stop = inner.find_first_of(",-");
+  return first.substr(0, lb) + inner.substr(0, stop) + first.substr(rb + 1);
+}
+
+DistEnv parse_dist_env(const EnvMap& env) {
+  DistEnv d;
+  if (has(env, "WORLD_SIZE") || has(env, "RANK")) {
+    for (const char* k : {"RANK", "WORLD_SIZE"})
+      LOOM_CHECK(has(env, k), "%s is set but %s is not (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, "
+                 "MASTER_PORT)", has(env, "RANK") ? "RANK" : "WORLD_SIZE", k);
+    d.launcher = "torchrun";
+    d.rank = env_int(env, "RANK");
+    d.world = env_int(env, "WORLD_SIZE");
+    d.local_rank = has(env, "LOCAL_RANK") ? env_int(env, "LOCAL_RANK") : d.rank;
+    d.local_world = has(env, "LOCAL_WORLD_SIZE") ? env_int(env, "LOCAL_WORLD_SIZE") : d.world;
+  } else if (has(env, "SLURM_PROCID") && has(env, "SLURM_NTASKS")) {
+    d.launcher = "slurm";
+    d.rank = env_int(env, "SLURM_PROCID");
+    d.world = env_int(env, "SLURM_NTASKS");
+    d.local_rank = has(env, "SLURM_LOCALID") ? env_int(env, "SLURM_LOCALID") : 0;
+    if (has(env, "LOCAL_WORLD_SIZE")) d.local_world = env_int(env, "LOCAL_WORLD_SIZE");
+    else if (has(env, "SLURM_NTASKS_PER_NODE")) d.local_world = std::atoi(env.at("SLURM_NTASKS_PER_NODE").c_str());
+    else d.local_world = d.local_rank + 1;
+    if (d.world > 1 && !has(env, "MASTER_ADDR"))
+      LOOM_CHECK(has(env, "SLURM_JOB_NODELIST") || has(env, "SLURM_NODELIST"),
+                 "Slurm rank %d of %d: neither MASTER_ADDR nor SLURM_JOB_NODELIST is set", d.rank, d.world);
+    if (!has(env, "MASTER_ADDR") && d.world > 1)
+      d.master_addr = slurm_first_host(has(env, "SLURM_JOB_NODELIST") ? env.at("SLURM_JOB_NODELIST") : env.at("SLURM_NODELIST"));
+  } else {
+    return d;  // single process
+  }
+  LOOM_CHECK(d.world >= 1, "%s: WORLD_SIZE must be at least 1", d.launcher.c_str());
+  LOOM_CHECK(d.rank < d.world, "%s: rank %d is not below the world size %d (RANK/SLURM_PROCID must be 0..%d)",
+             d.launcher.c_str(), d.rank, d.world, d.world - 1);
+  LOOM_CHECK(d.local_world >= 1 && d.local_rank < d.local_world,
+             "%s: local rank %d is not below the local world size %d", d.launcher.c_str(), d.local_rank, d.local_world);
+  if (has(env, "MASTER_ADDR")) d.master_addr = env.at("MASTER_ADDR");
+  if (has(env, "MASTER_PORT")) d.master_port = env_int(env, "MASTER_PORT");
+  else LOOM_CHECK(d.world == 1 || d.launcher == "slurm", "torchrun: WORLD_SIZE %d but MASTER_PORT is not set", d.world);
+  LOOM_CHECK(d.master_port > 0 && d.master_port < 65535, "MASTER_PORT %d: the rendezvous uses MASTER_PORT+1, "
+             "which must be a valid port", d.master_port);
+  return d;
+}
+
+std::string DistEnv::describe() const {
+  return strformat("rank %d of %d (local %d of %d, %s), rendezvous %s:%d", rank, world, local_rank, local_world,
+                   launcher.c_str(), master_addr.c_str(), rendezvous_port());
+}
+
+Shard shard_of(int64_t global, int rank, int world) {
+  LOOM_CHECK(world >= 1 && rank >= 0 && rank < world, "shard_of: rank %d of %d", rank, world);
+  LOOM_CHECK(global % world == 0, "shard_of: a global batch of %lld does not split into %d equal parts",
+             (long long)global, world);
+  int64_t per = global / world;
+  return {rank * per, (rank + 1) * per};
+}
+
+std::string gpu_count_error(int want, int have, bool cuda_build) {
+  if (!cuda_build)
+    return strformat("train.gpus = %d: this is a CPU-only build (data parallel needs the CUDA build with NCCL)", want);
+  if (have < want)
+    return strformat("train.gpus = %d, but this machine has %d usable GPU%s", want, have, have == 1 ? "" : "s");
+  return "";
+}
+
+int probe_gpu_count() {
+#ifndef LOOM_CUDA
+  return 0;
+#else
+  int p[2];
+  if (pipe(p) != 0) return cuda::device_count();
+  pid_t pid = fork();
+  if (pid == 0) {
+    close(p[0]);
+    int n = cuda::device_count();
+    ssize_t w = write(p[1], &n, sizeof n);
+    (void)w;
+    _exit(0);
+  }
+  close(p[1]);
+  int n = 0;
+  ssize_t r = pid > 0 ? read(p[0], &n, sizeof n) : -1;
+  close(p[0]);
+  if (pid > 0) waitpid(pid, nullptr, 0);
+  return r == ssize_t(sizeof n) ? n : 0;
+#endif
+}
+
+// ------------------------------------------------------------------ launcher
+static int free_port_pair() {
+  // a port p whose p+1 is also free (MASTER_PORT and the rendezvous)
+  for (int attempt = 0; attempt < 50; attempt++) {
+    int s = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = 0;
+    socklen_t len = sizeof a;
+    if (bind(s, (sockaddr*)&a, sizeof a) != 0 || getsockname(s, (sockaddr*)&a, &len) != 0) {
+      close(s);
+      continue;
+    }
+    int p = ntohs(a.sin_port);
+    close(s);
+    if (p >= 65534) continue;
+    int s2 = socket(AF_INET, SOCK_STREAM, 0);
+    a.sin_port = htons(uint16_t(p + 1));
+    bool ok = bind(s2, (sockaddr*)&a, sizeof a) == 0;
+    close(s2);
+    if (ok) return p;
+  }
+  LOOM_CHECK(false, "launcher: no free pair of local ports");
+  return 0;
+}
+
+int launch_local(int n, int argc, char** argv) {
+  std::string err = gpu_count_error(n, probe_gpu_count(),
+#ifdef LOOM_CUDA
+                                    true
+#else
+                                    false
+#endif
+  );
+  LOOM_CHECK(err.empty(), "%s", err.c_str());
+  LOOM_CHECK(nccl::available(), "train.gpus = %d: %s", n, nccl::version().c_str());
+  int port = free_port_pair();
+  std::printf("launching %d ranks (one per GPU), rendezvous on 127.0.0.1:%d; rank 0 logs here, the others in "
+              "out_dir/rank_K.log\n", n, port + 1);
+  std::fflush(stdout);
+  std::vector<pid_t> pids(size_t(n), -1);
+  for (int r = 0; r < n; r++) {
+    pid_t pid = fork();
+    LOOM_CHECK(pid >= 0, "launcher: fork failed: %s", std::strerror(errno));
+    if (pid == 0) {
+      setenv("RANK", std::to_string(r).c_str(), 1);
+      setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
+      setenv("WORLD_SIZE", std::to_string(n).c_str(), 1);
+      setenv("LOCAL_WORLD_SIZE", std::to_string(n).c_str(), 1);
+      setenv("MASTER_ADDR", "127.0.0.1", 1);
+      setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      setpgid(0, getppid() == 1 ? 0 : getpgid(getppid()));
+      std::vector<char*> args(argv, argv + argc);
+      args.push_back(nullptr);
+      execv("/proc/self/exe", args.data());
+      std::fprintf(stderr, "launcher: exec of rank %d failed: %s\n", r, std::strerror(errno));
+      _exit(127);
+    }
+    pids[size_t(r)] = pid;
+  }
+  int first_rc = 0, alive = n;
+  double stop_deadline = 0;
+  auto now_s = [] { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); };
+  while (alive > 0) {
+    int status = 0;
+    pid_t pid = waitpid(-1, &status, WNOHANG);
+    if (pid <= 0) {
+      if (stop_deadline > 0 && now_s() > stop_deadline) {
+        for (pid_t p : pids)
+          if (p > 0) kill(p, SIGKILL);
+        stop_deadline = 0;
+      }
+      usleep(50000);
+      continue;
+    }
+    int r = -1;
+    for (int i = 0; i < n; i++)
+      if (pids[size_t(i)] == pid) r = i;
+    if (r < 0) continue;
+    pids[size_t(r)] = -1;
+    alive--;
+    int rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    if (rc != 0 && first_rc == 0) {
+      first_rc = rc;
+      if (WIFSIGNALED(status))
+        std::fprintf(stderr, "launcher: rank %d was killed by signal %d (%s); stopping the other ranks\n", r,
+                     WTERMSIG(status), strsignal(WTERMSIG(status)));
+      else
+        std::fprintf(stderr, "launcher: rank %d exited with status %d; stopping the other ranks\n", r, rc);
+      // the ranks notice on their own (the rendezvous link); a terminate, then a kill, in case one hangs
+      for (pid_t p : pids)
+        if (p > 0) kill(p, SIGTERM);
+      stop_deadline = now_s() + 20;
+    }
+  }
+  return first_rc;
+}
+
+DistEnv select_rank_device(const EnvMap& env, const std::string& out_dir) {
+  DistEnv d = parse_dist_env(env);
+  if (!d.distributed()) return d;
+#ifndef LOOM_CUDA
+  LOOM_CHECK(false, "%s: data parallel needs the CUDA build with NCCL; this is a CPU-only build", d.describe().c_str());
+#else
+  LOOM_CHECK(nccl::available(), "%s: %s", d.describe().c_str(), nccl::version().c_str());
+  int have = probe_gpu_count();
+  LOOM_CHECK(d.local_rank < have, "rank %d: LOCAL_RANK %d needs GPU %d, but this machine shows %d usable GPU%s "
+             "(LOCAL_WORLD_SIZE %d)", d.rank, d.local_rank, d.local_rank, have, have == 1 ? "" : "s", d.local_world);
+  // GPU LOCAL_RANK of the visible ones becomes this process's only GPU
+  std::string vis = env.count("CUDA_VISIBLE_DEVICES") ? env.at("CUDA_VISIBLE_DEVICES") : "";
+  std::string pick = std::to_string(d.local_rank);
+  if (!vis.empty()) {
+    std::vector<std::string> ids;
+    size_t a = 0;
+    while (a <= vis.size()) {
+      size_t b = vis.find(',', a);
+      if (b == std::string::npos) b = vis.size();
+      ids.push_back(vis.substr(a, b - a));
+      a = b + 1;
+    }
+    if (size_t(d.local_rank) < ids.size()) pick = ids[size_t(d.local_rank)];
+  }
+  setenv("CUDA_VISIBLE_DEVICES", pick.c_str(), 1);
+#endif
+  if (d.rank != 0 && !out_dir.empty()) {
+    std::string p = out_dir + "/rank_" + std::to_string(d.rank) + ".log";
+    std::string mk = out_dir;
+    // the run folder may not exist yet (rank 0 creates it too)
+    for (size_t i = 1; i <= mk.size(); i++)
+      if (i == mk.size() || mk[i] == '/') mkdir(mk.substr(0, i).c_str(), 0755);
+    if (!std::freopen(p.c_str(), "w", stdout)) std::fprintf(stderr, "rank %d: cannot write %s\n", d.rank, p.c_str());
+    std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  }
+  return d;
+}
+
+// ------------------------------------------------------------------ TCP rendezvous
+// Frames: 4-byte big-endian length of (type + body), 1 type byte, body.
+//   'H' hello (rank world host), 'I' rank 0's payload, 'E' error (join refused),
+//   'A' abort (text), 'B' goodbye.
+namespace {
+
+bool write_all(int fd, const char* p, size_t n) {
+  while (n) {
+    ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return false;
+    p += w;
+    n -= size_t(w);
+  }
+  return true;
+}
+
+// reads exactly n bytes before deadline_ms (steady clock ms); false on EOF, error or timeout
+bool read_all(int fd, char* p, size_t n, double deadline_ms, double (*now)()) {
+  while (n) {
+    int wait = int(std::max(0.0, deadline_ms - now()));
+    pollfd pf{fd, POLLIN, 0};
+    int k = ::poll(&pf, 1, std::min(wait, 1000));
+    if (k < 0 && errno == EINTR) continue;
+    if (k == 0) {
+      if (now() >= deadline_ms) return false;
+      continue;
+    }
+    ssize_t r = ::recv(fd, p, n, 0);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    p += r;
+    n -= size_t(r);
+  }
+  return true;
+}
+
+bool read_frame(int fd, char& type, std::string& body, double deadline_ms, double (*now)()) {
+  unsigned char len[4];
+  if (!read_all(fd, reinterpret_cast<char*>(len), 4, deadline_ms, now)) return false;
+  uint32_t n = (uint32_t(len[0]) << 24) | (uint32_t(len[1]) << 16) | (uint32_t(len[2]) << 8) | len[3];
+  if (n < 1 || n > (1u << 20)) return false;
+  std::string buf(n, '\0');
+  if (!read_all(fd, buf.data(), n, deadline_ms, now)) return false;
+  type = buf[0];
+  body = buf.substr(1);
+  return true;
+}
+
+std::string host_name() {
+  char h[256] = {0};
+  gethostname(h, sizeof h - 1);
+  return h;
+}
+
+}  // namespace
+
+double Rendezvous::now_ms_() {
+  using namespace std::chrono;
+  return duration<double, std::milli>(steady_clock::now().time_since_epoch()).count();
+}
+
+bool Rendezvous::send_frame(int fd, char type, const std::string& body) {
+  if (fd < 0) return false;
+  std::lock_guard<std::mutex> l(send_mu_);
+  uint32_t n = uint32_t(body.size() + 1);
+  std::string buf(4, '\0');
+  buf[0] = char(n >> 24), buf[1] = char(n >> 16), buf[2] = char(n >> 8), buf[3] = char(n);
+  buf += type;
+  buf += body;
+  return write_all(fd, buf.data(), buf.size());
+}
+
+Rendezvous::Rendezvous(const DistEnv& env, const std::string& payload, double join_timeout_s) : env_(env) {
+  const double deadline = now_ms_() + join_timeout_s * 1e3;
+  const int port = env.rendezvous_port();
+  fds_.assign(size_t(env.world), -1);
+  hosts_.assign(size_t(env.world), "");
+  done_.assign(size_t(env.world), false);
+  auto fail_all = [&](const std::string& msg) {
+    for (int fd : fds_)
+      if (fd >= 0) {
+        send_frame(fd, 'E', msg);
+        close(fd);
+      }
+    fds_.assign(size_t(env.world), -1);
+    LOOM_CHECK(false, "%s", msg.c_str());
+  };
+  if (env.rank == 0) {
+    payload_ = payload;
+    int ls = socket(AF_INET6, SOCK_STREAM, 0);
+    bool v6 = ls >= 0;
+    if (!v6) ls = socket(AF_INET, SOCK_STREAM, 0);
+    LOOM_CHECK(ls >= 0, "rendezvous: socket: %s", std::strerror(errno));
+    int one = 1, zero = 0;
+    setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    int rc;
+    if (v6) {
+      setsockopt(ls, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero);
+      sockaddr_in6 a{};
+      a.sin6_family = AF_INET6;
+      a.sin6_addr = in6addr_any;
+      a.sin6_port = htons(uint16_t(port));
+      rc = bind(ls, (sockaddr*)&a, sizeof a);
+    } else {
+      sockaddr_in a{};
+      a.sin_family = AF_INET;
+      a.sin_addr.s_addr = htonl(INADDR_ANY);
+      a.sin_port = htons(uint16_t(port));
+      rc = bind(ls, (sockaddr*)&a, sizeof a);
+    }
+    if (rc != 0 || listen(ls, 128) != 0) {
+      int e = errno;
+      close(ls);
+      LOOM_CHECK(false, "rendezvous: rank 0 cannot listen on port %d (MASTER_PORT+1): %s", port, std::strerror(e));
+    }
+    int joined = 1;
+    while (joined < env.world) {
+      int wait = int(deadline - now_ms_());
+      pollfd pf{ls, POLLIN, 0};
+      int k = wait > 0 ? ::poll(&pf, 1, std::min(wait, 1000)) : 0;
+      if (k <= 0) {
+        if (k < 0 && errno == EINTR) continue;
+        if (now_ms_() < deadline) continue;
+        std::string missing;
+        for (int r = 1; r < env.world; r++)
+          if (fds_[size_t(r)] < 0) missing += (missing.empty() ? "" : ",") + std::to_string(r);
+        close(ls);
+        fail_all(strformat("rendezvous: only %d of WORLD_SIZE %d ranks joined rank 0 within %.0f s (missing ranks "
+                           "%s): is WORLD_SIZE right, and did every rank start?", joined, env.world, join_timeout_s,
+                           missing.c_str()));
+      }
+      int fd = accept(ls, nullptr, nullptr);
+      if (fd < 0) continue;
+      setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+      char type = 0;
+      std::string body;
+      if (!read_frame(fd, type, body, std::min(deadline, now_ms_() + 10000), now_ms_) || type != 'H') {
+        close(fd);  // not one of ours (a port scan, a stale process)
+        continue;
+      }
+      int r = -1, w = -1;
+      char host[256] = {0};
+      std::sscanf(body.c_str(), "%d %d %255s", &r, &w, host);
+      if (w != env.world) {
+        std::string msg = strformat("rendezvous: rank %d (host %s) says WORLD_SIZE %d, rank 0 says %d: every rank "
+                                    "must be started with the same WORLD_SIZE", r, host, w, env.world);
+        send_frame(fd, 'E', msg);
+        close(fd);
+        close(ls);
+        fail_all(msg);
+      }
+      if (r <= 0 || r >= env.world || fds_[size_t(r)] >= 0) {
+        std::string msg = strformat("rendezvous: two processes claim rank %d (host %s): every RANK must be unique",
+                                    r, host);
+        send_frame(fd, 'E', msg);
+        close(fd);
+        close(ls);
+        fail_all(msg);
+      }
+      fds_[size_t(r)] = fd;
+      hosts_[size_t(r)] = host;
+      joined++;
+    }
+    close(ls);
+    for (int r = 1; r < env.world; r++) send_frame(fds_[size_t(r)], 'I', payload_);
+    return;
+  }
+  // other ranks: connect to rank 0 (it may start later: retry until the deadline)
+  addrinfo hints{}, *res = nullptr;
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  int gai = getaddrinfo(env.master_addr.c_str(), std::to_string(port).c_str(), &hints, &res);
+  LOOM_CHECK(gai == 0, "rendezvous: rank %d cannot resolve MASTER_ADDR '%s': %s", env.rank, env.master_addr.c_str(),
+             gai_strerror(gai));
+  int fd = -1;
+  std::string last = "no attempt";
+  while (fd < 0) {
+    for (addrinfo* ai = res; ai && fd < 0; ai = ai->ai_next) {
+      int s = socket(ai->ai_family, SOCK_STREAM, 0);
+      if (s < 0) continue;
+      int fl = fcntl(s, F_GETFL, 0);
+      fcntl(s, F_SETFL, fl | O_NONBLOCK);
+      int rc = connect(s, ai->ai_addr, ai->ai_addrlen);
+      if (rc != 0 && errno == EINPROGRESS) {
+        pollfd pf{s, POLLOUT, 0};
+        int wait = int(std::max(1.0, std::min(2000.0, deadline - now_ms_())));
+        if (::poll(&pf, 1, wait) == 1) {
+          int e = 0;
+          socklen_t el = sizeof e;
+          getsockopt(s, SOL_SOCKET, SO_ERROR, &e, &el);
+          rc = e == 0 ? 0 : -1;
+          errno = e;
+        } else {
+          errno = ETIMEDOUT;
+        }
+      }
+      if (rc == 0) {
+        fcntl(s, F_SETFL, fl);
+        fd = s;
+      } else {
+        last = std::strerror(errno);
+        close(s);
+      }
+    }
+    if (fd >= 0) break;
+    if (now_ms_() >= deadline) {
+      freeaddrinfo(res);
+      LOOM_CHECK(false, "rendezvous: rank %d cannot reach rank 0 at %s:%d (MASTER_ADDR, MASTER_PORT+1) within %.0f s: "
+                 "%s. Is MASTER_ADDR right, and is rank 0 running?", env.rank, env.master_addr.c_str(), port,
+                 join_timeout_s, last.c_str());
+    }
+    usleep(200000);
+  }
+  freeaddrinfo(res);
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  fds_[0] = fd;
+  send_frame(fd, 'H', strformat("%d %d %s", env.rank, env.world, host_name().c_str()));
+  char type = 0;
+  std::string body;
+  // rank 0 answers once every rank has joined (it waits at most its own join timeout)
+  bool got = read_frame(fd, type, body, deadline + 15000, now_ms_);
+  if (!got || type != 'I') {
+    close(fd);
+    fds_[0] = -1;
+    LOOM_CHECK(type != 'E' || !got, "%s", body.c_str());
+    LOOM_CHECK(false, "rendezvous: rank %d connected to rank 0 at %s:%d but got no NCCL id (rank 0 ended or the "
+               "other ranks did not all join)", env.rank, env.master_addr.c_str(), port);
+  }
+  payload_ = body;
+}
+
+Rendezvous::~Rendezvous() {
+  stop_ = true;
+  if (monitor_.joinable()) monitor_.join();
+  for (int fd : fds_)
+    if (fd >= 0) close(fd);
+}
+
+void Rendezvous::start_monitor(std::function<void(const std::string&)> on_fault, std::function<std::string()> poll,
+                               double stall_timeout_s) {
+  on_fault_ = std::move(on_fault);
+  poll_ = std::move(poll);
+  heartbeat();
+  monitor_ = std::thread([this, stall_timeout_s] { monitor_loop(stall_timeout_s); });
+}
+
+void Rendezvous::fault(const std::string& why) {
+  if (faulted_.exchange(true)) return;
+  // tell the others: rank 0 tells every rank, the others tell rank 0 (which relays)
+  for (size_t r = 0; r < fds_.size(); r++)
+    if (fds_[r] >= 0 && !done_[r]) send_frame(fds_[r], 'A', why);
+  if (on_fault_) on_fault_(why);
+}
+
+void Rendezvous::monitor_loop(double stall_timeout_s) {
+  while (!stop_ && !faulted_) {
+    std::vector<pollfd> pfs;
+    std::vector<int> who;
+    for (size_t r = 0; r < fds_.size(); r++)
+      if (fds_[r] >= 0 && !done_[r]) {
+        pfs.push_back({fds_[r], POLLIN, 0});
+        who.push_back(int(r));
+      }
+    int k = pfs.empty() ? (usleep(200000), 0) : ::poll(pfs.data(), nfds_t(pfs.size()), 200);
+    if (stop_) return;
+    for (size_t i = 0; k > 0 && i < pfs.size(); i++) {
+      if (!(pfs[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      int r = who[i];
+      char type = 0;
+      std::string body;
+      bool ok = read_frame(pfs[i].fd, type, body, now_ms_() + 5000, now_ms_);
+      if (stop_) return;
+      if (ok && type == 'B') {
+        done_[size_t(r)] = true;
+        continue;
+      }
+      std::string peer = env_.rank == 0 ? strformat("rank %d (host %s)", r, hosts_[size_t(r)].c_str()) : "rank 0";
+      if (ok && type == 'A') fault(body);
+      else fault(strformat("lost %s: its connection closed without a goodbye (the process died or was killed)",
+                           peer.c_str()));
+      return;
+    }
+    if (poll_) {
+      std::string e = poll_();
+      if (!e.empty()) {
+        fault(strformat("rank %d: %s", env_.rank, e.c_str()));
+        return;
+      }
+    }
+    if (stall_timeout_s > 0 && now_ms_() - last_beat_ms_.load() > stall_timeout_s * 1e3) {
+      fault(strformat("rank %d: no training step finished in %g s (train.dist_timeout): a hung collective or a "
+                      "stalled rank", env_.rank, stall_timeout_s));
+      return;
+    }
+  }
+}
+
+void Rendezvous::goodbye() {
+  stop_ = true;
+  if (monitor_.joinable() && std::this_thread::get_id() != monitor_.get_id()) monitor_.join();
+  for (size_t r = 0; r < fds_.size(); r++)
+    if (fds_[r] >= 0) send_frame(fds_[r], 'B', "");
+}
+
+void Rendezvous::tell_abort(const std::string& why) {
+  if (faulted_.exchange(true)) return;
+  for (size_t r = 0; r < fds_.size(); r++)
+    if (fds_[r] >= 0 && !done_[r]) send_frame(fds_[r], 'A', why);
+}
+
+// ------------------------------------------------------------------ data parallel
+DataParallel::DataParallel(const DistEnv& env, const Config& cfg) : env_(env) {
+  LOOM_CHECK(nccl::available(), "%s: %s", env.describe().c_str(), nccl::version().c_str());
+  std::string id = env.rank == 0 ? nccl::unique_id() : std::string();
+  rv_ = std::make_unique<Rendezvous>(env, id, cfg.get_float("train.dist_join_timeout"));
+  // the watchdog is up before NCCL's own init, which waits for every rank
+  int rank = env.rank;
+  rv_->start_monitor(
+      [this, rank](const std::string& why) {
+        std::fprintf(stderr, "error: rank %d: %s; stopping (checkpoints already written are complete)\n", rank,
+                     why.c_str());
+        std::fflush(stderr);
+        std::fflush(stdout);
+        // ncclCommAbort can wait on a peer that is gone: give it a few seconds, then leave
+        void* c = comm_;
+        std::thread([c] { nccl::abort(c); }).detach();
+        usleep(3000000);
+        std::_Exit(3);
+      },
+      [this] { return comm_ ? nccl::async_error(comm_) : std::string(); }, cfg.get_float("train.dist_timeout"));
+  comm_ = nccl::init(rv_->payload(), env.world, env.rank);
+}
+
+// The communicator is left to the process's exit: ncclCommDestroy can wait on peers that
+// have already gone, and every rank ends (or fails) right after this.
+DataParallel::~DataParallel() { rv_.reset(); }
+
+void DataParallel::reduce(Optimizer& opt, Tensor& loss) {
+  nccl::group_start();
+  for (Tensor& g : opt.grad_buffers()) nccl::all_reduce_avg(comm_, g.raw(), size_t(g.numel()), g.dtype(), cuda::default_stream());
+  if (loss.defined()) {
+    LOOM_CHECK(loss.numel() == 1 && loss.is_contiguous(), "DataParallel::reduce: the loss must be one value, got %s",
+               loss.desc().c_str());
+    nccl::all_reduce_avg(comm_, loss.raw(), 1, loss.dtype(), cuda::default_stream());
+  }
+  nccl::group_end();
+}
+
+void DataParallel::all_reduce_avg(Tensor& t) {
+  LOOM_CHECK(t.is_contiguous(), "all_reduce_avg: %s is not contiguous", t.desc().c_str());
+  nccl::all_reduce_avg(comm_, t.raw(), size_t(t.numel()), t.dtype(), cuda::default_stream());
+}
+
+void DataParallel::finish() {
+  if (finished_) return;
+  finished_ = true;
+  cuda::synchronize();
+  rv_->goodbye();
+}
+
+void DataParallel::fail(const std::string& why) {
+  if (rv_) rv_->tell_abort(strformat("rank %d failed: %s", env_.rank, why.c_str()));
+}
+
+std::string DataParallel::backend() const {
+  return strformat("data parallel: %s; NCCL %s, gradients averaged with one all-reduce per parameter group after "
+                   "the backward", env_.describe().c_str(), nccl::version().c_str());
+}
+
+}  // namespace loom

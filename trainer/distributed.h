@@ -1,0 +1,152 @@
+// distributed.h: data-parallel training on several GPUs (one process per GPU, NCCL).
+//
+// How a run becomes several processes (README "Several GPUs"):
+//   ./train CONFIG --train.gpus=N      this process is a launcher: it starts N copies of itself
+//                                      with the torchrun variables set (MASTER_ADDR 127.0.0.1,
+//                                      a free MASTER_PORT), waits, and stops the rest when one fails
+//   torchrun ... ./train CONFIG        RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+//                                      MASTER_ADDR, MASTER_PORT
+//   srun ./train CONFIG                SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
+//                                      SLURM_NTASKS_PER_NODE (or LOCAL_WORLD_SIZE), MASTER_ADDR or
+//                                      the first host of SLURM_JOB_NODELIST, MASTER_PORT or 29500
+//
+// Each rank uses GPU LOCAL_RANK of the GPUs it sees (CUDA_VISIBLE_DEVICES is narrowed to that
+// one before CUDA starts, so every thread of the process uses it).
+//
+// The NCCL unique id travels over a small TCP side channel (Rendezvous): rank 0 listens on
+// MASTER_ADDR:MASTER_PORT+1 (torchrun's own agent holds MASTER_PORT), every other rank connects,
+// says {rank, world size, host}, and gets the 128-byte id back once all WORLD_SIZE ranks have
+// joined. A wrong WORLD_SIZE, a duplicate RANK or an unreachable MASTER_ADDR are errors within
+// train.dist_join_timeout seconds. The connections stay open for the whole run: they are how a
+// dead rank is noticed (its socket closes without a goodbye; rank 0 tells the others which rank
+// was lost) and how a rank that stopped making progress (a hung collective: no step finished in
+// train.dist_timeout seconds, or NCCL's asynchronous error) stops all of them.
+#pragma once
+#include <atomic>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tensor/tensor.h"
+
+namespace loom {
+
+class Config;
+class Optimizer;
+
+using EnvMap = std::map<std::string, std::string>;
+EnvMap process_env();
+
+struct DistEnv {
+  int rank = 0, world = 1, local_rank = 0, local_world = 1;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  std::string launcher = "single";  // single | torchrun | slurm
+  bool distributed() const { return world > 1; }
+  int rendezvous_port() const { return master_port + 1; }
+  std::string describe() const;  // "rank 1 of 4 (local 1 of 2, torchrun), rendezvous host:port"
+};
+
+// From torchrun's (RANK, WORLD_SIZE, ...) or Slurm's (SLURM_PROCID, SLURM_NTASKS, ...) variables;
+// torchrun's win when both are set. Inconsistent values (RANK >= WORLD_SIZE, a missing partner
+// variable, a non-number) throw with the variable's name.
+DistEnv parse_dist_env(const EnvMap& env);
+// "node[01-04,07],gpu12" -> "node01"; "a,b" -> "a"; "host" -> "host"
+std::string slurm_first_host(const std::string& nodelist);
+
+// The rank's part [begin, end) of a global batch of `global` items split over `world` ranks
+// (contiguous, equal parts: rank r holds [r*global/world, (r+1)*global/world)).
+struct Shard {
+  int64_t begin = 0, end = 0;
+  int64_t size() const { return end - begin; }
+};
+Shard shard_of(int64_t global, int rank, int world);
+
+// ./train's own launcher (train.gpus = N > 1, no rank variables in the environment):
+// argv is the full command line (argv[0] the executable). Starts N ranks, returns the exit code:
+// 0 when all succeed, else the first failure's (the others are stopped).
+int launch_local(int n, int argc, char** argv);
+// The error when `want` GPUs are asked for and `have` are usable ("" when fine).
+std::string gpu_count_error(int want, int have, bool cuda_build);
+// GPUs the CUDA runtime reports, asked in a forked child so that this process's CUDA state
+// (and its CUDA_VISIBLE_DEVICES) stays untouched; 0 in a CPU-only build.
+int probe_gpu_count();
+
+// ------------------------------------------------------------------ TCP rendezvous and monitor
+class Rendezvous {
+ public:
+  // Rank 0 listens on env.rendezvous_port() (all interfaces) and waits for the other ranks;
+  // the others connect to env.master_addr (retrying until the timeout). `payload` (rank 0's:
+  // the NCCL unique id) reaches every rank: payload() after construction.
+  Rendezvous(const DistEnv& env, const std::string& payload, double join_timeout_s);
+  ~Rendezvous();
+  const std::string& payload() const { return payload_; }
+
+  // Watch the peers on a thread: a peer's socket closing without goodbye(), an abort message,
+  // `poll()` returning a non-empty error (NCCL's asynchronous error) or no heartbeat() for
+  // stall_timeout_s seconds call on_fault(message) once (from the monitor thread; the message
+  // names the lost rank). Peers are told so that every rank stops.
+  void start_monitor(std::function<void(const std::string&)> on_fault, std::function<std::string()> poll,
+                     double stall_timeout_s);
+  void heartbeat() { last_beat_ms_.store(now_ms_()); }
+  // A clean end: tell the peers, stop watching.
+  void goodbye();
+  // Tell the peers this rank is failing (message relayed by rank 0 to every rank).
+  void tell_abort(const std::string& why);
+
+ private:
+  static double now_ms_();
+  void monitor_loop(double stall_timeout_s);
+  void fault(const std::string& why);
+  bool send_frame(int fd, char type, const std::string& body);
+
+  DistEnv env_;
+  std::string payload_;
+  std::vector<int> fds_;                 // rank 0: one per rank (fds_[0] = -1); others: fds_[0] = rank 0
+  std::vector<std::string> hosts_;       // rank 0: peers' host names
+  std::vector<bool> done_;               // peer said goodbye
+  std::mutex send_mu_;
+  std::thread monitor_;
+  std::atomic<bool> stop_{false}, faulted_{false};
+  std::atomic<double> last_beat_ms_{0};
+  std::function<void(const std::string&)> on_fault_;
+  std::function<std::string()> poll_;
+};
+
+// ------------------------------------------------------------------ NCCL data parallel
+// One per rank when world > 1: the rendezvous, the NCCL communicator and the watchdog.
+class DataParallel {
+ public:
+  DataParallel(const DistEnv& env, const Config& cfg);
+  ~DataParallel();
+  int rank() const { return env_.rank; }
+  int world() const { return env_.world; }
+  const DistEnv& env() const { return env_; }
+  // After backward: average every flat gradient buffer of `opt` and the step's loss (an f32
+  // device scalar, in place) over the ranks, on the compute stream (graph-capturable). The
+  // clip norm, the non-finite skip and the update then see the same values on every rank.
+  void reduce(Optimizer& opt, Tensor& loss);
+  // Average one device tensor in place (f32/bf16), on the compute stream.
+  void all_reduce_avg(Tensor& t);
+  void heartbeat() { rv_->heartbeat(); }
+  void finish();                          // clean end (before the process exits)
+  void fail(const std::string& why);      // this rank is failing: tell the others
+  std::string backend() const;            // one log line
+
+ private:
+  DistEnv env_;
+  std::unique_ptr<Rendezvous> rv_;
+  void* comm_ = nullptr;
+  bool finished_ = false;
+};
+
+// Set up this process as a rank (when the environment says it is one): checks the GPU count,
+// narrows CUDA_VISIBLE_DEVICES to GPU LOCAL_RANK (before any CUDA call) and, for ranks other
+// than 0, sends stdout to out_dir/rank_K.log. Returns the parsed environment.
+DistEnv select_rank_device(const EnvMap& env, const std::string& out_dir);
+
+}  // namespace loom
