@@ -73,6 +73,36 @@ TEST_CASE("a resumed run continues with bit-identical losses (CPU)", "[trainer]"
   CHECK(la.front().second != la.back().second);
 }
 
+TEST_CASE("a resume drops the metrics lines written after its checkpoint (a kill between saves)", "[trainer]") {
+  std::string a = tmpdir("ma"), b = tmpdir("mb");
+  auto args_a = tiny(a);
+  REQUIRE(run_train(args_a) == 0);
+  auto args_b = tiny(b);
+  args_b.push_back("--train.stop_at=3");
+  REQUIRE(run_train(args_b) == 0);
+  // what a run killed after step 5 (checkpoint at 3) leaves: two step lines and a torn one
+  std::string m = b + "/metrics.jsonl";
+  {
+    std::ofstream f(m, std::ios::app);
+    f << "{\"kind\":\"train\",\"step\":4,\"loss\":123.0}\n{\"kind\":\"train\",\"step\":5,\"loss\":7.0}\n{\"kind\":\"tr";
+  }
+  auto args_c = tiny(b);
+  args_c.push_back("--train.resume=latest");
+  REQUIRE(run_train(args_c) == 0);
+  auto read = [](const std::string& p) {
+    std::ifstream f(p);
+    std::vector<std::string> lines;
+    std::string line;
+    while (std::getline(f, line)) {
+      auto j = nlohmann::json::parse(line);  // every line parses: the torn one is gone
+      if (j.value("kind", "") == "train") lines.push_back(j["step"].dump() + " " + j["loss"].dump());
+    }
+    return lines;
+  };
+  CHECK(read(a + "/metrics.jsonl") == read(m));
+  CHECK(read(m).size() == 6);
+}
+
 TEST_CASE("non-finite steps are skipped; too many in a row stop the run, checkpoint intact", "[trainer]") {
   std::string d = tmpdir("nan");
   auto args = tiny(d);

@@ -6,10 +6,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+
+#include "tensor/fileio.h"
 
 namespace loom {
 
@@ -59,11 +63,34 @@ RunContext open_run(const Config& cfg) {
 }
 
 // ------------------------------------------------------------------ logging
+// The metrics.jsonl size recorded by the checkpoint a resume starts from (-1: unknown, or
+// the checkpoint belongs to another run folder).
+static int64_t resumed_metrics_bytes(const RunContext& ctx) {
+  std::string ck = find_checkpoint(ctx, ctx.cfg.get_str("train.resume"));
+  if (ck.empty() || parent_dir(ck) != ctx.out_dir) return -1;
+  try {
+    std::ifstream f(ck + "/trainer.json");
+    json j = json::parse(f);
+    if (j.contains("metrics_bytes") && j["metrics_bytes"].is_number_unsigned()) return j["metrics_bytes"].get<int64_t>();
+  } catch (const std::exception&) {
+  }
+  return -1;
+}
+
 RunLog::RunLog(const RunContext& ctx, bool append) : ctx_(ctx), tty_(isatty(fileno(stdout))) {
   log_every_ = std::max(1, ctx.cfg.get_int("train.log_every"));
   std::string p = ctx.out_dir + "/metrics.jsonl";
+  if (append) {
+    // Lines written after the checkpoint (the steps about to be redone, and a line cut by a
+    // kill) are dropped, so the resumed file reads as if the run had never stopped.
+    int64_t keep = resumed_metrics_bytes(ctx);
+    struct stat s;
+    if (keep >= 0 && stat(p.c_str(), &s) == 0 && s.st_size > keep)
+      LOOM_CHECK(truncate(p.c_str(), keep) == 0, "%s: cannot truncate to the checkpoint's %lld bytes: %s", p.c_str(),
+                 (long long)keep, std::strerror(errno));
+  }
   metrics_ = std::fopen(p.c_str(), append ? "a" : "w");
-  LOOM_CHECK(metrics_, "cannot open %s for writing", p.c_str());
+  LOOM_CHECK(metrics_, "cannot open %s for writing: %s", p.c_str(), std::strerror(errno));
   if (append) {  // keep the curve of the run being resumed
     std::ifstream f(p);
     std::string line;
@@ -77,6 +104,15 @@ RunLog::RunLog(const RunContext& ctx, bool append) : ctx_(ctx), tty_(isatty(file
       }
     }
   }
+}
+
+// One line to metrics.jsonl, flushed; a failed write (disk full) stops the run.
+void RunLog::write_line(const std::string& line) {
+  std::string p = ctx_.out_dir + "/metrics.jsonl";
+  bool ok = std::fprintf(metrics_, "%s\n", line.c_str()) >= 0;
+  ok = std::fflush(metrics_) == 0 && ok;
+  LOOM_CHECK(ok && !std::ferror(metrics_), "%s: write failed: %s (the last checkpoint is intact)", p.c_str(),
+             std::strerror(errno));
 }
 
 RunLog::~RunLog() {
@@ -97,8 +133,7 @@ void RunLog::step(const StepStats& s) {
             {"ms", s.ms}, {"data_ms", s.data_ms}, {s.items, s.items_per_s}, {"mem_mb", s.mem_mb},
             {"skipped", s.skipped}};
   if (s.mfu >= 0) j["mfu"] = s.mfu;
-  std::fprintf(metrics_, "%s\n", j.dump().c_str());
-  std::fflush(metrics_);
+  write_line(j.dump());
   if (!s.skipped && std::isfinite(s.loss)) train_.push_back({s.step, s.loss});
   char line[512];
   int n = std::snprintf(line, sizeof line, "step %5lld/%lld | loss %.4f | lr %.2e | norm %.3f | %.1f ms | %s %s | data %.1f ms",
@@ -122,8 +157,7 @@ void RunLog::step(const StepStats& s) {
 void RunLog::event(const std::string& kind, const std::map<std::string, double>& values, const std::string& text) {
   json j = {{"kind", kind}};
   for (auto& [k, v] : values) j[k] = std::isfinite(v) ? json(v) : json(nullptr);
-  std::fprintf(metrics_, "%s\n", j.dump().c_str());
-  std::fflush(metrics_);
+  write_line(j.dump());
   if (kind == "eval" && values.count("val_loss") && values.count("step"))
     val_.push_back({int64_t(values.at("step")), values.at("val_loss")});
   if (!text.empty()) std::printf("%s%s\n", tty_ ? "\r\033[K" : "", text.c_str());
@@ -187,7 +221,7 @@ static std::vector<std::string> checkpoint_dirs(const std::string& out_dir) {
   if (!d) return v;
   while (dirent* e = readdir(d)) {
     std::string n = e->d_name;
-    if (n.rfind("step_", 0) == 0 && n.find(".tmp") == std::string::npos) {
+    if (n.rfind("step_", 0) == 0 && n.find('.') == std::string::npos) {  // not .tmp / .old
       struct stat s;
       if (stat((out_dir + "/" + n + "/trainer.json").c_str(), &s) == 0) v.push_back(n);
     }
@@ -197,7 +231,7 @@ static std::vector<std::string> checkpoint_dirs(const std::string& out_dir) {
   return v;
 }
 
-static void remove_dir(const std::string& dir) {
+static void remove_files_and_dir(const std::string& dir) {
   DIR* d = opendir(dir.c_str());
   if (!d) return;
   while (dirent* e = readdir(d)) {
@@ -208,25 +242,63 @@ static void remove_dir(const std::string& dir) {
   rmdir(dir.c_str());
 }
 
+// A checkpoint is first renamed to NAME.old (atomic: it stops being a checkpoint at once),
+// then emptied, so a kill during the removal never leaves a half-deleted one that looks
+// complete.
+static void remove_checkpoint_dir(const std::string& dir) {
+  struct stat s;
+  if (stat(dir.c_str(), &s) != 0) return;
+  std::string old = dir + ".old";
+  remove_files_and_dir(old);
+  if (std::rename(dir.c_str(), old.c_str()) == 0) remove_files_and_dir(old);
+  else remove_files_and_dir(dir);
+}
+
+// Leftovers of a run killed while saving or deleting: step_*.tmp and step_*.old folders.
+static void remove_stale_dirs(const std::string& out_dir) {
+  std::vector<std::string> stale;
+  if (DIR* d = opendir(out_dir.c_str())) {
+    while (dirent* e = readdir(d)) {
+      std::string n = e->d_name;
+      auto ends = [&](const char* x) { return n.size() > 4 && n.compare(n.size() - 4, 4, x) == 0; };
+      if (n.rfind("step_", 0) == 0 && (ends(".tmp") || ends(".old"))) stale.push_back(out_dir + "/" + n);
+    }
+    closedir(d);
+  }
+  for (auto& p : stale) remove_files_and_dir(p);
+}
+
+// Checkpoint write order: files into step_N.tmp/ (each written to a temporary name, fsync'ed
+// and renamed), then the folder renamed to step_N and out_dir fsync'ed; only a folder named
+// step_N holding trainer.json counts as a checkpoint (checkpoint_dirs), so a kill at any
+// moment leaves the previous checkpoint as the latest. trainer.json records how many bytes
+// of metrics.jsonl belong to the steps before it (the resume truncates to that).
 void save_checkpoint(const RunContext& ctx, Module& model, const Optimizer& opt, const TrainerState& st) {
   char name[64];
   std::snprintf(name, sizeof name, "step_%08lld", (long long)st.step);
   std::string final_dir = ctx.out_dir + "/" + name, tmp = final_dir + ".tmp";
-  remove_dir(tmp);
+  remove_stale_dirs(ctx.out_dir);
   mkdirs(tmp);
   save_safetensors(tmp + "/model.safetensors", model_master_state(model, opt));
   save_safetensors(tmp + "/optimizer.safetensors", opt.state_dict());
-  json j = {{"step", st.step}, {"config", ctx.cfg.dump()}, {"extra", st.extra}};
-  {
-    std::ofstream f(tmp + "/trainer.json");
-    f << j.dump(1) << "\n";
-    LOOM_CHECK(f.good(), "%s/trainer.json: write failed", tmp.c_str());
+  std::string metrics = ctx.out_dir + "/metrics.jsonl";
+  struct stat ms;
+  int64_t metrics_bytes = -1;
+  if (stat(metrics.c_str(), &ms) == 0) {
+    fsync_path(metrics);
+    metrics_bytes = int64_t(ms.st_size);
   }
-  remove_dir(final_dir);
-  LOOM_CHECK(std::rename(tmp.c_str(), final_dir.c_str()) == 0, "cannot rename %s to %s", tmp.c_str(), final_dir.c_str());
+  json j = {{"step", st.step}, {"config", ctx.cfg.dump()}, {"extra", st.extra}};
+  if (metrics_bytes >= 0) j["metrics_bytes"] = metrics_bytes;
+  std::string text = j.dump(1) + "\n";
+  write_file_atomic(tmp + "/trainer.json", {{text.data(), text.size()}});
+  remove_checkpoint_dir(final_dir);
+  LOOM_CHECK(std::rename(tmp.c_str(), final_dir.c_str()) == 0, "cannot rename %s to %s: %s", tmp.c_str(),
+             final_dir.c_str(), std::strerror(errno));
+  fsync_dir(ctx.out_dir);
   int keep = std::max(1, ctx.cfg.get_int("train.keep_last"));
   auto dirs = checkpoint_dirs(ctx.out_dir);
-  for (size_t i = 0; i + size_t(keep) < dirs.size(); i++) remove_dir(ctx.out_dir + "/" + dirs[i]);
+  for (size_t i = 0; i + size_t(keep) < dirs.size(); i++) remove_checkpoint_dir(ctx.out_dir + "/" + dirs[i]);
 }
 
 std::string find_checkpoint(const RunContext& ctx, const std::string& resume) {
