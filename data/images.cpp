@@ -89,6 +89,37 @@ void resize_bilinear_hwc_to_chw(const unsigned char* src, int w, int h, int c, f
   }
 }
 
+// JPEG Huffman tables checked before stb sees them. The stb_image of Debian 12
+// (libstb-dev 0.0~git20220908) builds a table before checking that its 16 code counts sum to
+// at most 256, and a DHT segment with more writes past the 257-entry size array (found by
+// the image fuzz target; the inputs are kept in tests/fuzz/image/). stb skips bytes between
+// markers until it finds an 0xFF, so the segments it would read cannot be told from a
+// walk of the marker chain; every 0xFF 0xC4 in the file is checked instead (entropy-coded
+// data stuffs each 0xFF data byte as FF 00, so a real DHT is never missed; a payload that
+// happens to hold FF C4 followed by an impossible table is refused, which no encoder writes).
+static bool jpeg_huffman_tables_ok(const unsigned char* d, size_t n, std::string* error) {
+  if (n < 2 || d[0] != 0xFF || d[1] != 0xD8) return true;  // not a JPEG: stb's checks decide
+  for (size_t p = 2; p + 4 <= n; p++) {
+    if (d[p] != 0xFF || d[p + 1] != 0xC4) continue;
+    // tables of 1 + 16 counts + symbols, read the way stb reads them: while the segment
+    // length left is > 0, past the segment's end if the counts say so; bytes past the end of
+    // the file read as 0
+    long left = long(size_t(d[p + 2]) << 8 | d[p + 3]) - 2;
+    size_t q = p + 4;
+    while (left > 0 && q < n) {
+      size_t symbols = 0;
+      for (size_t i = 1; i <= 16 && q + i < n; i++) symbols += d[q + i];
+      if (symbols > 256) {
+        if (error) *error = "corrupt JPEG: Huffman table with " + std::to_string(symbols) + " codes (at most 256)";
+        return false;
+      }
+      q += 17 + symbols;
+      left -= long(17 + symbols);
+    }
+  }
+  return true;
+}
+
 ImageStatus decode_image_chw(const unsigned char* data, size_t bytes, int size, int channels,
                              std::vector<float>& out, std::string* error, int64_t max_pixels) {
   if (channels != 1 && channels != 3) throw std::runtime_error("decode_image: channels must be 1 or 3, got " + std::to_string(channels));
@@ -102,6 +133,7 @@ ImageStatus decode_image_chw(const unsigned char* data, size_t bytes, int size, 
     if (error) *error = std::to_string(w) + "x" + std::to_string(h) + " is over the limit of " + std::to_string(max_pixels) + " pixels";
     return ImageStatus::TooLarge;
   }
+  if (!jpeg_huffman_tables_ok(data, bytes, error)) return ImageStatus::DecodeError;
   unsigned char* px = stbi_load_from_memory(data, int(bytes), &w, &h, &comp, channels);
   if (!px) {
     if (error) *error = std::string("decode failed (") + stbi_failure_reason() + ")";
