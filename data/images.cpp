@@ -6,6 +6,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <stdexcept>
@@ -98,8 +99,11 @@ void resize_bilinear_hwc_to_chw(const unsigned char* src, int w, int h, int c, f
 // data stuffs each 0xFF data byte as FF 00, so a real DHT is never missed; a payload that
 // happens to hold FF C4 followed by an impossible table is refused, which no encoder writes).
 static bool jpeg_huffman_tables_ok(const unsigned char* d, size_t n, std::string* error) {
-  if (n < 2 || d[0] != 0xFF || d[1] != 0xD8) return true;  // not a JPEG: stb's checks decide
-  for (size_t p = 2; p + 4 <= n; p++) {
+  // stb takes a file for a JPEG when it starts with SOI after any number of 0xFF fill bytes
+  size_t start = 0;
+  while (start < n && d[start] == 0xFF) start++;
+  if (start == 0 || start >= n || d[start] != 0xD8) return true;  // not a JPEG: stb's checks decide
+  for (size_t p = start + 1; p + 4 <= n; p++) {
     if (d[p] != 0xFF || d[p + 1] != 0xC4) continue;
     // tables of 1 + 16 counts + symbols, read the way stb reads them: while the segment
     // length left is > 0, past the segment's end if the counts say so; bytes past the end of
@@ -120,11 +124,46 @@ static bool jpeg_huffman_tables_ok(const unsigned char* d, size_t n, std::string
   return true;
 }
 
+// PNG IDAT chunks of length 0 dropped before stb sees them: stb_image copies a chunk's bytes
+// with memcpy into its data buffer, which is still NULL when the first IDAT is empty, and
+// memcpy(NULL, p, 0) is undefined behaviour (UBSan's nonnull-attribute; found by the image
+// fuzz target, input kept in tests/fuzz/image/). An empty IDAT holds no data, so the copy
+// without it decodes to the same image. Returns false (nothing to change) for other files.
+static bool drop_empty_png_idat(const unsigned char* d, size_t n, std::vector<unsigned char>& out) {
+  static const unsigned char sig[8] = {0x89, 'P', 'N', 'G', 0x0D, 0x0A, 0x1A, 0x0A};
+  if (n < 8 || std::memcmp(d, sig, 8) != 0) return false;
+  bool any = false;
+  for (size_t p = 8; p + 12 <= n;) {  // length (4, big-endian), type (4), data, CRC (4)
+    size_t len = size_t(d[p]) << 24 | size_t(d[p + 1]) << 16 | size_t(d[p + 2]) << 8 | d[p + 3];
+    if (len == 0 && std::memcmp(d + p + 4, "IDAT", 4) == 0) any = true;
+    if (len > n - p - 12) break;  // cut by the end of the file: stb reports it
+    p += 12 + len;
+  }
+  if (!any) return false;
+  out.assign(d, d + 8);
+  size_t p = 8;
+  for (; p + 12 <= n;) {
+    size_t len = size_t(d[p]) << 24 | size_t(d[p + 1]) << 16 | size_t(d[p + 2]) << 8 | d[p + 3];
+    bool empty_idat = len == 0 && std::memcmp(d + p + 4, "IDAT", 4) == 0;
+    if (len > n - p - 12) break;
+    if (!empty_idat) out.insert(out.end(), d + p, d + p + 12 + len);
+    p += 12 + len;
+  }
+  out.insert(out.end(), d + p, d + n);  // whatever follows the last whole chunk, as it was
+  return true;
+}
+
 ImageStatus decode_image_chw(const unsigned char* data, size_t bytes, int size, int channels,
                              std::vector<float>& out, std::string* error, int64_t max_pixels) {
   if (channels != 1 && channels != 3) throw std::runtime_error("decode_image: channels must be 1 or 3, got " + std::to_string(channels));
   if (size <= 0) throw std::runtime_error("decode_image: size must be > 0, got " + std::to_string(size));
   int w = 0, h = 0, comp = 0;
+  if (!jpeg_huffman_tables_ok(data, bytes, error)) return ImageStatus::DecodeError;  // before any stb call
+  std::vector<unsigned char> png;
+  if (drop_empty_png_idat(data, bytes, png)) {
+    data = png.data();
+    bytes = png.size();
+  }
   if (bytes > size_t(INT32_MAX) || !stbi_info_from_memory(data, int(bytes), &w, &h, &comp)) {
     if (error) *error = std::string("not a PNG/JPEG or corrupt header (") + stbi_failure_reason() + ")";
     return ImageStatus::DecodeError;
@@ -133,7 +172,6 @@ ImageStatus decode_image_chw(const unsigned char* data, size_t bytes, int size, 
     if (error) *error = std::to_string(w) + "x" + std::to_string(h) + " is over the limit of " + std::to_string(max_pixels) + " pixels";
     return ImageStatus::TooLarge;
   }
-  if (!jpeg_huffman_tables_ok(data, bytes, error)) return ImageStatus::DecodeError;
   unsigned char* px = stbi_load_from_memory(data, int(bytes), &w, &h, &comp, channels);
   if (!px) {
     if (error) *error = std::string("decode failed (") + stbi_failure_reason() + ")";
@@ -171,15 +209,16 @@ ImageStatus load_image_chw(const std::string& path, int size, int channels, std:
 }
 
 ImageStatus probe_image(const std::string& path, int* w, int* h, std::string* error, int64_t max_pixels) {
-  FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f) {
+  // the whole file: stb's header parse (stbi_info) reads the Huffman tables before the frame
+  // header, so they are checked first (jpeg_huffman_tables_ok)
+  std::vector<unsigned char> buf;
+  if (!fs::is_regular_file(path) || !read_file(path, buf)) {
     if (error) *error = "cannot open " + path;
     return ImageStatus::Missing;
   }
+  if (!jpeg_huffman_tables_ok(buf.data(), buf.size(), error)) return ImageStatus::DecodeError;
   int comp = 0, ww = 0, hh = 0;
-  int ok = stbi_info_from_file(f, &ww, &hh, &comp);
-  std::fclose(f);
-  if (!ok) {
+  if (buf.size() > size_t(INT32_MAX) || !stbi_info_from_memory(buf.data(), int(buf.size()), &ww, &hh, &comp)) {
     if (error) *error = std::string("not a PNG/JPEG or corrupt header (") + stbi_failure_reason() + ")";
     return ImageStatus::DecodeError;
   }

@@ -25,7 +25,8 @@ for t in "${TARGETS[@]}"; do
   mkdir -p $B/corpus/$t $B/crashes/$t
   log=$B/fuzz_$t.log
   # -rss_limit_mb / -malloc_limit_mb: a header that makes us allocate gigabytes is a finding
-  if $B/fuzz_$t $B/corpus/$t $B/seeds/$t tests/fuzz/$t -max_total_time="$SECONDS_EACH" -timeout=10 \
+  kept=(); [ -d tests/fuzz/$t ] && kept=(tests/fuzz/$t)
+  if $B/fuzz_$t $B/corpus/$t $B/seeds/$t "${kept[@]}" -max_total_time="$SECONDS_EACH" -timeout=10 \
        -rss_limit_mb=2048 -malloc_limit_mb=1024 -max_len=65536 -print_final_stats=1 \
        -artifact_prefix=$B/crashes/$t/ >"$log" 2>&1; then
     runs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' || echo '?')

@@ -12,6 +12,9 @@
 #include <string>
 #include <vector>
 
+#define STB_IMAGE_WRITE_IMPLEMENTATION
+#include <stb_image_write.h>
+
 #include "data/images.h"
 #include "fuzz/targets.h"
 
@@ -64,11 +67,45 @@ TEST_CASE("fuzz targets: random inputs are refused without a crash", "[fuzz]") {
 // The inputs that found defects, each with the verdict the fix gives (the replay above runs
 // them; these name what must happen).
 TEST_CASE("fuzz regressions: the verdicts of the fixed defects", "[fuzz]") {
-  std::string jpeg = slurp("tests/fuzz/image/jpeg_dht_257_codes");
-  REQUIRE(jpeg.size() > 100);
-  std::vector<float> out;
-  std::string err;
-  CHECK(loom::decode_image_chw(reinterpret_cast<const unsigned char*>(jpeg.data()), jpeg.size(), 8, 3, out, &err) ==
-        loom::ImageStatus::DecodeError);
-  CHECK(err.find("Huffman table with") != std::string::npos);
+  // JPEG Huffman tables of more than 256 codes (stb_image wrote past its size array, in the
+  // header parse of stbi_info and in the decode); the second one puts junk before the table,
+  // the third 0xFF fill bytes before the SOI marker
+  for (const char* f : {"tests/fuzz/image/jpeg_dht_257_codes", "tests/fuzz/image/jpeg_dht_257_codes_resync",
+                        "tests/fuzz/image/jpeg_dht_257_codes_fill_bytes"}) {
+    INFO(f);
+    std::string jpeg = slurp(f);
+    REQUIRE(jpeg.size() > 100);
+    std::vector<float> out;
+    std::string err;
+    CHECK(loom::decode_image_chw(reinterpret_cast<const unsigned char*>(jpeg.data()), jpeg.size(), 8, 3, out, &err) ==
+          loom::ImageStatus::DecodeError);
+    CHECK(err.find("Huffman table with") != std::string::npos);
+    err.clear();
+    CHECK(loom::probe_image(f, nullptr, nullptr, &err) == loom::ImageStatus::DecodeError);
+    CHECK(err.find("Huffman table with") != std::string::npos);
+  }
+}
+
+// An empty IDAT chunk holds no data: the copy without it (what the decoder hands stb) must
+// decode to the same pixels as the file without it.
+TEST_CASE("images: a PNG with empty IDAT chunks decodes like the one without", "[fuzz]") {
+  std::mt19937_64 rng(std::random_device{}());
+  int w = 5 + int(rng() % 7), h = 3 + int(rng() % 5);
+  std::vector<unsigned char> px(size_t(w) * h * 3);
+  for (auto& v : px) v = (unsigned char)rng();
+  int len = 0;
+  unsigned char* png = stbi_write_png_to_mem(px.data(), w * 3, w, h, 3, &len);
+  REQUIRE(png != nullptr);
+  std::string plain(reinterpret_cast<char*>(png), size_t(len));
+  STBIW_FREE(png);
+  // after IHDR (8 + 25 bytes): an empty IDAT (length 0, type, CRC of the type alone)
+  std::string empty = std::string("\0\0\0\0IDAT\xae\x42\x60\x82", 12);
+  std::string with = plain.substr(0, 33) + empty + plain.substr(33);
+  std::vector<float> a, b;
+  auto dec = [](const std::string& f, std::vector<float>& out) {
+    return loom::decode_image_chw(reinterpret_cast<const unsigned char*>(f.data()), f.size(), 6, 3, out);
+  };
+  REQUIRE(dec(plain, a) == loom::ImageStatus::Ok);
+  REQUIRE(dec(with, b) == loom::ImageStatus::Ok);
+  CHECK(a == b);
 }
