@@ -124,31 +124,37 @@ static bool jpeg_huffman_tables_ok(const unsigned char* d, size_t n, std::string
   return true;
 }
 
-// PNG IDAT chunks of length 0 dropped before stb sees them: stb_image copies a chunk's bytes
-// with memcpy into its data buffer, which is still NULL when the first IDAT is empty, and
-// memcpy(NULL, p, 0) is undefined behaviour (UBSan's nonnull-attribute; found by the image
-// fuzz target, input kept in tests/fuzz/image/). An empty IDAT holds no data, so the copy
-// without it decodes to the same image. Returns false (nothing to change) for other files.
-static bool drop_empty_png_idat(const unsigned char* d, size_t n, std::vector<unsigned char>& out) {
+// PNG chunks checked before stb sees them (both found by the image fuzz target; the inputs
+// are kept in tests/fuzz/image/):
+//  - a chunk whose length runs past the end of the file is refused: stb reallocates its data
+//    buffer to the claimed IDAT size first (up to 2 GB for a 100-byte file) and only then
+//    finds the bytes missing;
+//  - IDAT chunks of length 0 are dropped: stb copies a chunk with memcpy into its buffer,
+//    which is still NULL when the first IDAT is empty, and memcpy(NULL, p, 0) is undefined
+//    behaviour. An empty IDAT holds no data: the copy without it decodes to the same image.
+// Returns false with `error` set for a refused file; `out` holds the copy when one was made.
+static bool png_chunks_ok(const unsigned char* d, size_t n, std::vector<unsigned char>& out, std::string* error) {
   static const unsigned char sig[8] = {0x89, 'P', 'N', 'G', 0x0D, 0x0A, 0x1A, 0x0A};
-  if (n < 8 || std::memcmp(d, sig, 8) != 0) return false;
-  bool any = false;
-  for (size_t p = 8; p + 12 <= n;) {  // length (4, big-endian), type (4), data, CRC (4)
-    size_t len = size_t(d[p]) << 24 | size_t(d[p + 1]) << 16 | size_t(d[p + 2]) << 8 | d[p + 3];
-    if (len == 0 && std::memcmp(d + p + 4, "IDAT", 4) == 0) any = true;
-    if (len > n - p - 12) break;  // cut by the end of the file: stb reports it
-    p += 12 + len;
-  }
-  if (!any) return false;
-  out.assign(d, d + 8);
+  if (n < 8 || std::memcmp(d, sig, 8) != 0) return true;  // not a PNG
+  auto len_at = [&](size_t p) { return size_t(d[p]) << 24 | size_t(d[p + 1]) << 16 | size_t(d[p + 2]) << 8 | d[p + 3]; };
+  auto empty_idat = [&](size_t p) { return len_at(p) == 0 && std::memcmp(d + p + 4, "IDAT", 4) == 0; };
+  bool any_empty = false;
   size_t p = 8;
-  for (; p + 12 <= n;) {
-    size_t len = size_t(d[p]) << 24 | size_t(d[p + 1]) << 16 | size_t(d[p + 2]) << 8 | d[p + 3];
-    bool empty_idat = len == 0 && std::memcmp(d + p + 4, "IDAT", 4) == 0;
-    if (len > n - p - 12) break;
-    if (!empty_idat) out.insert(out.end(), d + p, d + p + 12 + len);
-    p += 12 + len;
+  for (; p + 8 <= n; p += 12 + len_at(p)) {  // length (4, big-endian), type (4), data, CRC (4)
+    if (len_at(p) > n - p - 8) {
+      if (error)
+        *error = "corrupt PNG: chunk '" + std::string(reinterpret_cast<const char*>(d + p + 4), 4) + "' at byte " +
+                 std::to_string(p) + " claims " + std::to_string(len_at(p)) + " bytes, the file has " +
+                 std::to_string(n - p - 8) + " left";
+      return false;
+    }
+    any_empty |= empty_idat(p);
+    if (len_at(p) + 12 > n - p || std::memcmp(d + p + 4, "IEND", 4) == 0) break;  // stb reads no further
   }
+  if (!any_empty) return true;
+  out.assign(d, d + 8);
+  for (p = 8; p + 12 <= n && len_at(p) + 12 <= n - p; p += 12 + len_at(p))
+    if (!empty_idat(p)) out.insert(out.end(), d + p, d + p + 12 + len_at(p));
   out.insert(out.end(), d + p, d + n);  // whatever follows the last whole chunk, as it was
   return true;
 }
@@ -160,7 +166,8 @@ ImageStatus decode_image_chw(const unsigned char* data, size_t bytes, int size, 
   int w = 0, h = 0, comp = 0;
   if (!jpeg_huffman_tables_ok(data, bytes, error)) return ImageStatus::DecodeError;  // before any stb call
   std::vector<unsigned char> png;
-  if (drop_empty_png_idat(data, bytes, png)) {
+  if (!png_chunks_ok(data, bytes, png, error)) return ImageStatus::DecodeError;
+  if (!png.empty()) {
     data = png.data();
     bytes = png.size();
   }

@@ -86,6 +86,17 @@ TEST_CASE("fuzz regressions: the verdicts of the fixed defects", "[fuzz]") {
   }
 }
 
+TEST_CASE("fuzz regressions: a PNG chunk longer than the file is refused before any allocation", "[fuzz]") {
+  // 113 bytes whose IDAT claims 1.4 GB: stb reallocated its buffer to that before reading
+  std::string png = slurp("tests/fuzz/image/png_idat_claims_1.4GB");
+  REQUIRE(png.size() == 113);
+  std::vector<float> out;
+  std::string err;
+  CHECK(loom::decode_image_chw(reinterpret_cast<const unsigned char*>(png.data()), png.size(), 8, 3, out, &err) ==
+        loom::ImageStatus::DecodeError);
+  CHECK(err.find("chunk 'IDAT' at byte 33 claims") != std::string::npos);
+}
+
 // An empty IDAT chunk holds no data: the copy without it (what the decoder hands stb) must
 // decode to the same pixels as the file without it.
 TEST_CASE("images: a PNG with empty IDAT chunks decodes like the one without", "[fuzz]") {
