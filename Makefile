@@ -36,7 +36,7 @@ endif
 
 DEPS := cmake g++ make pkg-config libeigen3-dev catch2 nlohmann-json3-dev libpcre2-dev \
         libutf8proc-dev libstb-dev zlib1g-dev libomp-dev dataset-fashion-mnist \
-        clang libclang-rt-dev
+        libjpeg62-turbo-dev clang libclang-rt-dev
 
 .PHONY: all build test bench deps clean fuzz
 all: build
