@@ -7,6 +7,9 @@
 #   make CUDA=0 ... force the CPU-only build (its own build folder: build-cpu/)
 #   make CUDA_ARCH=80 ...  build the CUDA backend for another architecture
 #   make NATIVE=0 ...      a portable binary (no -march=native for the CPU code)
+#   make SANITIZE=1 test   CPU-only build with ASan + UBSan in build-san/, tests run under them
+#   make fuzz              build the libFuzzer targets (clang) in build-fuzz/ and run each for
+#                          FUZZ_SECONDS (default 60); FUZZ_TARGETS="idx image" picks some
 NVCC := $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 ifeq ($(NVCC),)
   CUDA ?= 0
@@ -16,19 +19,27 @@ endif
 CUDA_ARCH ?= 90
 JOBS ?= $(shell nproc)
 NATIVE ?= 1
+SANITIZE ?= 0
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS ?= safetensors config jsonl tokenizer image idx
+ifeq ($(SANITIZE),1)
+  CUDA := 0
+  BUILD ?= build-san
+endif
 
 ifeq ($(CUDA),0)
   BUILD ?= build-cpu
-  CMAKE_FLAGS := -DLOOM_CUDA=OFF
+  CMAKE_FLAGS := -DLOOM_CUDA=OFF -DLOOM_SANITIZE=$(if $(filter 1,$(SANITIZE)),ON,OFF)
 else
   BUILD ?= build
   CMAKE_FLAGS := -DLOOM_CUDA=ON -DCMAKE_CUDA_COMPILER=$(NVCC) -DLOOM_CUDA_ARCH="$(CUDA_ARCH)"
 endif
 
 DEPS := cmake g++ make pkg-config libeigen3-dev catch2 nlohmann-json3-dev libpcre2-dev \
-        libutf8proc-dev libstb-dev zlib1g-dev libomp-dev dataset-fashion-mnist
+        libutf8proc-dev libstb-dev zlib1g-dev libomp-dev dataset-fashion-mnist \
+        libjpeg62-turbo-dev clang libclang-rt-dev
 
-.PHONY: all build test bench bench-e2e deps clean
+.PHONY: all build test bench bench-e2e deps clean fuzz
 all: build
 	@ln -sf $(BUILD)/train train
 
@@ -40,6 +51,10 @@ $(BUILD)/CMakeCache.txt:
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+
+# libFuzzer targets: clang, ASan + UBSan, CPU only (fuzz/run.sh builds, seeds and runs them)
+fuzz:
+	JOBS=$(JOBS) FUZZ_SECONDS=$(FUZZ_SECONDS) bash fuzz/run.sh $(FUZZ_TARGETS)
 
 bench: build
 	bash bench/run.sh $(BUILD)
@@ -56,4 +71,4 @@ deps:
 	else echo "deps: all present"; fi
 
 clean:
-	rm -rf build build-cpu train
+	rm -rf build build-cpu build-san build-fuzz train

@@ -56,8 +56,10 @@ bool read_exact(gzFile f, void* dst, size_t bytes) {
 
 uint32_t be32(const unsigned char* b) { return uint32_t(b[0]) << 24 | uint32_t(b[1]) << 16 | uint32_t(b[2]) << 8 | b[3]; }
 
-// Read an IDX file of unsigned bytes with `ndim` dimensions; keep at most `limit` items.
-std::vector<unsigned char> read_idx(const std::string& path, int ndim, std::vector<uint32_t>& dims, int limit) {
+}  // namespace
+
+std::vector<unsigned char> read_idx(const std::string& path, int ndim, std::vector<uint32_t>& dims, int64_t limit) {
+  if (ndim < 1 || ndim > 3) throw std::runtime_error("read_idx: ndim must be 1..3, got " + std::to_string(ndim));
   Gz gz(path);
   if (!gz.f) throw std::runtime_error("Fashion-MNIST: " + path + ": cannot open");
   unsigned char head[4];
@@ -68,24 +70,37 @@ std::vector<unsigned char> read_idx(const std::string& path, int ndim, std::vect
     std::snprintf(buf, sizeof buf, ": bad magic 0x%08x (expected 0x%08x, unsigned bytes, %d dims)", magic, want, ndim);
     throw std::runtime_error("Fashion-MNIST: " + path + buf);
   }
-  dims.assign(ndim, 0);
-  size_t per_item = 1;
+  dims.assign(size_t(ndim), 0);
+  // every size >= 1 and the sizes bounded before any product (items x bytes per item is at
+  // most 2^24 x 2^20, far from overflowing)
+  uint64_t per_item = 1;
   for (int d = 0; d < ndim; d++) {
     if (!read_exact(gz.f, head, 4)) throw std::runtime_error("Fashion-MNIST: " + path + ": truncated header");
-    dims[d] = be32(head);
-    if (d > 0) per_item *= dims[d];
+    dims[size_t(d)] = be32(head);
+    if (dims[size_t(d)] == 0 || dims[size_t(d)] > (1u << 24))
+      throw std::runtime_error("Fashion-MNIST: " + path + ": implausible size " + std::to_string(dims[size_t(d)]) +
+                               " of dimension " + std::to_string(d) + " in the header (1..2^24)");
+    if (d > 0) per_item *= dims[size_t(d)];
   }
-  if (dims[0] > 10000000u || per_item > 1000000u)
-    throw std::runtime_error("Fashion-MNIST: " + path + ": implausible sizes in header");
-  if (limit > 0 && uint32_t(limit) < dims[0]) dims[0] = uint32_t(limit);
-  std::vector<unsigned char> data(size_t(dims[0]) * per_item);
-  if (!read_exact(gz.f, data.data(), data.size()))
-    throw std::runtime_error("Fashion-MNIST: " + path + ": truncated data (header says " + std::to_string(dims[0]) +
-                             " items)");
+  if (per_item > (1u << 20))
+    throw std::runtime_error("Fashion-MNIST: " + path + ": implausible item size " + std::to_string(per_item) +
+                             " bytes in the header (at most 2^20)");
+  if (limit > 0 && uint64_t(limit) < dims[0]) dims[0] = uint32_t(limit);
+  // Read in chunks as the data arrives: a header that claims more than the file holds fails
+  // at the end of the data, not by allocating what it claims first.
+  uint64_t total = uint64_t(dims[0]) * per_item;
+  std::vector<unsigned char> data;
+  const uint64_t chunk = 1u << 24;
+  for (uint64_t done = 0; done < total;) {
+    uint64_t n = std::min(chunk, total - done);
+    data.resize(size_t(done + n));
+    if (!read_exact(gz.f, data.data() + done, size_t(n)))
+      throw std::runtime_error("Fashion-MNIST: " + path + ": truncated data (header says " + std::to_string(dims[0]) +
+                               " items of " + std::to_string(per_item) + " bytes)");
+    done += n;
+  }
   return data;
 }
-
-}  // namespace
 
 ImageSet load_fashion_mnist(const std::string& split, const std::string& dir_in, int limit) {
   std::string prefix;

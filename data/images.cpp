@@ -1,20 +1,33 @@
-// images.cpp: PNG/JPEG decoding (stb_image), bilinear resize, image folders, DataStats.
-// This is the one translation unit that compiles stb_image's implementation.
+// images.cpp: PNG/JPEG decoding, bilinear resize, image folders, DataStats.
+// PNG goes through stb_image (this is the one translation unit that compiles it); JPEG goes
+// through libjpeg-turbo when the build found it (LOOM_HAVE_LIBJPEG, Debian's
+// libjpeg62-turbo-dev), else through stb_image too. The image fuzz target found that the
+// JPEG decoder of Debian 12's stb_image reads out of bounds on corrupt entropy-coded data
+// (tests/fuzz/image/jpeg_huffman_decode_negative_index), which no check in front of it can
+// rule out; libjpeg-turbo is fuzzed continuously upstream.
 #include "data/images.h"
 
 #include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <stdexcept>
 
 #define STB_IMAGE_IMPLEMENTATION
 #define STBI_ONLY_PNG
+#ifndef LOOM_HAVE_LIBJPEG
 #define STBI_ONLY_JPEG
+#endif
 #define STBI_FAILURE_USERMSG
 #include <stb_image.h>
+
+#ifdef LOOM_HAVE_LIBJPEG
+#include <csetjmp>
+#include <jpeglib.h>
+#endif
 
 namespace fs = std::filesystem;
 
@@ -89,27 +102,188 @@ void resize_bilinear_hwc_to_chw(const unsigned char* src, int w, int h, int c, f
   }
 }
 
+// JPEG Huffman tables checked before stb sees them. The stb_image of Debian 12
+// (libstb-dev 0.0~git20220908) builds a table before checking that its 16 code counts sum to
+// at most 256, and a DHT segment with more writes past the 257-entry size array (found by
+// the image fuzz target; the inputs are kept in tests/fuzz/image/). stb skips bytes between
+// markers until it finds an 0xFF, so the segments it would read cannot be told from a
+// walk of the marker chain; every 0xFF 0xC4 in the file is checked instead (entropy-coded
+// data stuffs each 0xFF data byte as FF 00, so a real DHT is never missed; a payload that
+// happens to hold FF C4 followed by an impossible table is refused, which no encoder writes).
+#ifndef LOOM_HAVE_LIBJPEG
+static bool jpeg_huffman_tables_ok(const unsigned char* d, size_t n, std::string* error) {
+  // stb takes a file for a JPEG when it starts with SOI after any number of 0xFF fill bytes
+  size_t start = 0;
+  while (start < n && d[start] == 0xFF) start++;
+  if (start == 0 || start >= n || d[start] != 0xD8) return true;  // not a JPEG: stb's checks decide
+  for (size_t p = start + 1; p + 4 <= n; p++) {
+    if (d[p] != 0xFF || d[p + 1] != 0xC4) continue;
+    // tables of 1 + 16 counts + symbols, read the way stb reads them: while the segment
+    // length left is > 0, past the segment's end if the counts say so; bytes past the end of
+    // the file read as 0
+    long left = long(size_t(d[p + 2]) << 8 | d[p + 3]) - 2;
+    size_t q = p + 4;
+    while (left > 0 && q < n) {
+      size_t symbols = 0;
+      for (size_t i = 1; i <= 16 && q + i < n; i++) symbols += d[q + i];
+      if (symbols > 256) {
+        if (error) *error = "corrupt JPEG: Huffman table with " + std::to_string(symbols) + " codes (at most 256)";
+        return false;
+      }
+      q += 17 + symbols;
+      left -= long(17 + symbols);
+    }
+  }
+  return true;
+}
+#endif
+
+// PNG chunks checked before stb sees them (both found by the image fuzz target; the inputs
+// are kept in tests/fuzz/image/):
+//  - a chunk whose length runs past the end of the file is refused: stb reallocates its data
+//    buffer to the claimed IDAT size first (up to 2 GB for a 100-byte file) and only then
+//    finds the bytes missing;
+//  - IDAT chunks of length 0 are dropped: stb copies a chunk with memcpy into its buffer,
+//    which is still NULL when the first IDAT is empty, and memcpy(NULL, p, 0) is undefined
+//    behaviour. An empty IDAT holds no data: the copy without it decodes to the same image.
+// Returns false with `error` set for a refused file; `out` holds the copy when one was made.
+static bool png_chunks_ok(const unsigned char* d, size_t n, std::vector<unsigned char>& out, std::string* error) {
+  static const unsigned char sig[8] = {0x89, 'P', 'N', 'G', 0x0D, 0x0A, 0x1A, 0x0A};
+  if (n < 8 || std::memcmp(d, sig, 8) != 0) return true;  // not a PNG
+  auto len_at = [&](size_t p) { return size_t(d[p]) << 24 | size_t(d[p + 1]) << 16 | size_t(d[p + 2]) << 8 | d[p + 3]; };
+  auto empty_idat = [&](size_t p) { return len_at(p) == 0 && std::memcmp(d + p + 4, "IDAT", 4) == 0; };
+  bool any_empty = false;
+  size_t p = 8;
+  for (; p + 8 <= n; p += 12 + len_at(p)) {  // length (4, big-endian), type (4), data, CRC (4)
+    if (len_at(p) > n - p - 8) {
+      if (error)
+        *error = "corrupt PNG: chunk '" + std::string(reinterpret_cast<const char*>(d + p + 4), 4) + "' at byte " +
+                 std::to_string(p) + " claims " + std::to_string(len_at(p)) + " bytes, the file has " +
+                 std::to_string(n - p - 8) + " left";
+      return false;
+    }
+    any_empty |= empty_idat(p);
+    if (len_at(p) + 12 > n - p || std::memcmp(d + p + 4, "IEND", 4) == 0) break;  // stb reads no further
+  }
+  if (!any_empty) return true;
+  out.assign(d, d + 8);
+  for (p = 8; p + 12 <= n && len_at(p) + 12 <= n - p; p += 12 + len_at(p))
+    if (!empty_idat(p)) out.insert(out.end(), d + p, d + p + 12 + len_at(p));
+  out.insert(out.end(), d + p, d + n);  // whatever follows the last whole chunk, as it was
+  return true;
+}
+
+#ifdef LOOM_HAVE_LIBJPEG
+// libjpeg reports errors through a callback that must not return: it longjmps back here. A
+// warning (corrupt data: a bad Huffman code, a premature end) is an error too, so a damaged
+// file is refused rather than decoded into garbage. Only plain data lives in the frame
+// between setjmp and longjmp.
+struct JpegError {
+  jpeg_error_mgr mgr;
+  std::jmp_buf jump;
+  char msg[JMSG_LENGTH_MAX];
+};
+
+extern "C" {
+static void jpeg_on_error(j_common_ptr c) {
+  JpegError* e = reinterpret_cast<JpegError*>(c->err);
+  (*c->err->format_message)(c, e->msg);
+  std::longjmp(e->jump, 1);
+}
+static void jpeg_on_message(j_common_ptr c, int level) {
+  if (level < 0) jpeg_on_error(c);  // a warning: corrupt data
+}
+}
+
+// JPEG -> interleaved 8-bit pixels with `channels` (1 grey, 3 RGB); header_only: sizes only.
+static ImageStatus decode_jpeg(const unsigned char* d, size_t n, int channels, int64_t max_pixels, bool header_only,
+                               std::vector<unsigned char>& px, int* w, int* h, std::string* error) {
+  jpeg_decompress_struct cinfo;
+  JpegError err;
+  cinfo.err = jpeg_std_error(&err.mgr);
+  err.mgr.error_exit = jpeg_on_error;
+  err.mgr.emit_message = jpeg_on_message;
+  ImageStatus status = ImageStatus::DecodeError;
+  if (setjmp(err.jump)) {
+    jpeg_destroy_decompress(&cinfo);
+    if (error) *error = std::string("corrupt JPEG (") + err.msg + ")";
+    return ImageStatus::DecodeError;
+  }
+  jpeg_create_decompress(&cinfo);
+  jpeg_mem_src(&cinfo, d, static_cast<unsigned long>(n));
+  jpeg_read_header(&cinfo, TRUE);
+  *w = int(cinfo.image_width);
+  *h = int(cinfo.image_height);
+  if (int64_t(*w) * *h > max_pixels) {
+    status = ImageStatus::TooLarge;
+  } else if (header_only) {
+    status = ImageStatus::Ok;
+  } else {
+    cinfo.out_color_space = channels == 1 ? JCS_GRAYSCALE : JCS_RGB;
+    cinfo.dct_method = JDCT_ISLOW;
+    jpeg_start_decompress(&cinfo);
+    px.resize(size_t(*w) * size_t(*h) * size_t(channels));
+    while (cinfo.output_scanline < cinfo.output_height) {
+      JSAMPROW row = px.data() + size_t(cinfo.output_scanline) * size_t(*w) * size_t(channels);
+      jpeg_read_scanlines(&cinfo, &row, 1);
+    }
+    jpeg_finish_decompress(&cinfo);
+    status = ImageStatus::Ok;
+  }
+  jpeg_destroy_decompress(&cinfo);
+  if (status == ImageStatus::TooLarge && error)
+    *error = std::to_string(*w) + "x" + std::to_string(*h) + " is over the limit of " + std::to_string(max_pixels) + " pixels";
+  return status;
+}
+#endif
+
+// PNG or JPEG bytes -> interleaved 8-bit pixels with `channels`, after the checks above;
+// header_only: only the size (and its limit).
+static ImageStatus decode_pixels(const unsigned char* data, size_t bytes, int channels, int64_t max_pixels,
+                                 bool header_only, std::vector<unsigned char>& px, int* w, int* h, std::string* error) {
+  *w = *h = 0;
+#ifdef LOOM_HAVE_LIBJPEG
+  if (bytes >= 2 && data[0] == 0xFF && data[1] == 0xD8)
+    return decode_jpeg(data, bytes, channels, max_pixels, header_only, px, w, h, error);
+#else
+  if (!jpeg_huffman_tables_ok(data, bytes, error)) return ImageStatus::DecodeError;  // before any stb call
+#endif
+  std::vector<unsigned char> png;
+  if (!png_chunks_ok(data, bytes, png, error)) return ImageStatus::DecodeError;
+  if (!png.empty()) {
+    data = png.data();
+    bytes = png.size();
+  }
+  int comp = 0;
+  if (bytes > size_t(INT32_MAX) || !stbi_info_from_memory(data, int(bytes), w, h, &comp)) {
+    if (error) *error = std::string("not a PNG/JPEG or corrupt header (") + stbi_failure_reason() + ")";
+    return ImageStatus::DecodeError;
+  }
+  if (int64_t(*w) * *h > max_pixels) {
+    if (error) *error = std::to_string(*w) + "x" + std::to_string(*h) + " is over the limit of " + std::to_string(max_pixels) + " pixels";
+    return ImageStatus::TooLarge;
+  }
+  if (header_only) return ImageStatus::Ok;
+  unsigned char* p = stbi_load_from_memory(data, int(bytes), w, h, &comp, channels);
+  if (!p) {
+    if (error) *error = std::string("decode failed (") + stbi_failure_reason() + ")";
+    return ImageStatus::DecodeError;
+  }
+  px.assign(p, p + size_t(*w) * size_t(*h) * size_t(channels));
+  stbi_image_free(p);
+  return ImageStatus::Ok;
+}
+
 ImageStatus decode_image_chw(const unsigned char* data, size_t bytes, int size, int channels,
                              std::vector<float>& out, std::string* error, int64_t max_pixels) {
   if (channels != 1 && channels != 3) throw std::runtime_error("decode_image: channels must be 1 or 3, got " + std::to_string(channels));
   if (size <= 0) throw std::runtime_error("decode_image: size must be > 0, got " + std::to_string(size));
-  int w = 0, h = 0, comp = 0;
-  if (bytes > size_t(INT32_MAX) || !stbi_info_from_memory(data, int(bytes), &w, &h, &comp)) {
-    if (error) *error = std::string("not a PNG/JPEG or corrupt header (") + stbi_failure_reason() + ")";
-    return ImageStatus::DecodeError;
-  }
-  if (int64_t(w) * h > max_pixels) {
-    if (error) *error = std::to_string(w) + "x" + std::to_string(h) + " is over the limit of " + std::to_string(max_pixels) + " pixels";
-    return ImageStatus::TooLarge;
-  }
-  unsigned char* px = stbi_load_from_memory(data, int(bytes), &w, &h, &comp, channels);
-  if (!px) {
-    if (error) *error = std::string("decode failed (") + stbi_failure_reason() + ")";
-    return ImageStatus::DecodeError;
-  }
+  std::vector<unsigned char> px;
+  int w = 0, h = 0;
+  ImageStatus st = decode_pixels(data, bytes, channels, max_pixels, false, px, &w, &h, error);
+  if (st != ImageStatus::Ok) return st;
   out.resize(size_t(channels) * size * size);
-  resize_bilinear_hwc_to_chw(px, w, h, channels, out.data(), size);
-  stbi_image_free(px);
+  resize_bilinear_hwc_to_chw(px.data(), w, h, channels, out.data(), size);
   for (float& v : out) v = (v - 0.5f) / 0.5f;
   return ImageStatus::Ok;
 }
@@ -139,25 +313,19 @@ ImageStatus load_image_chw(const std::string& path, int size, int channels, std:
 }
 
 ImageStatus probe_image(const std::string& path, int* w, int* h, std::string* error, int64_t max_pixels) {
-  FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f) {
+  // the whole file, through the same checks as a decode (stb's header parse reads a JPEG's
+  // Huffman tables before its frame header)
+  std::vector<unsigned char> buf;
+  if (!fs::is_regular_file(path) || !read_file(path, buf)) {
     if (error) *error = "cannot open " + path;
     return ImageStatus::Missing;
   }
-  int comp = 0, ww = 0, hh = 0;
-  int ok = stbi_info_from_file(f, &ww, &hh, &comp);
-  std::fclose(f);
-  if (!ok) {
-    if (error) *error = std::string("not a PNG/JPEG or corrupt header (") + stbi_failure_reason() + ")";
-    return ImageStatus::DecodeError;
-  }
+  std::vector<unsigned char> px;
+  int ww = 0, hh = 0;
+  ImageStatus st = decode_pixels(buf.data(), buf.size(), 3, max_pixels, true, px, &ww, &hh, error);
   if (w) *w = ww;
   if (h) *h = hh;
-  if (int64_t(ww) * hh > max_pixels) {
-    if (error) *error = std::to_string(ww) + "x" + std::to_string(hh) + " is over the limit of " + std::to_string(max_pixels) + " pixels";
-    return ImageStatus::TooLarge;
-  }
-  return ImageStatus::Ok;
+  return st;
 }
 
 // ------------------------------------------------------------------ folders

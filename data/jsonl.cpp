@@ -30,19 +30,31 @@ size_t count_tags(const std::string& s) {
   return n;
 }
 
-// Validate one parsed line; fills e.reason/e.message on failure.
-void validate_line(const std::string& text, const std::string& base_dir, Entry& e) {
+}  // namespace
+
+bool parse_llava_line(const std::string& text, const std::string& base_dir, ConversationSample& sample,
+                      std::string* reason, std::string* message) {
+  struct {
+    std::string reason, message;
+    ConversationSample& sample;
+  } e{"", "", sample};
+  auto done = [&]() {
+    if (reason) *reason = e.reason;
+    if (message) *message = e.message;
+    return e.reason.empty();
+  };
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(text);
   } catch (const nlohmann::json::parse_error& x) {
     e.reason = "bad_json";
     e.message = x.what();
-    return;
+    return done();
   }
-  auto bad = [&](const std::string& reason, const std::string& msg) {
-    e.reason = reason;
+  auto bad = [&](const std::string& why, const std::string& msg) {
+    e.reason = why;
     e.message = msg;
+    return done();
   };
   if (!j.is_object()) return bad("bad_schema", "line is not a JSON object");
   if (!j.contains("image") || !j["image"].is_string() || j["image"].get<std::string>().empty())
@@ -72,9 +84,8 @@ void validate_line(const std::string& text, const std::string& base_dir, Entry& 
   if (tags > 1) return bad("multiple_image_tags", std::to_string(tags) + " <image> tags (exactly one expected)");
   std::filesystem::path p(j["image"].get<std::string>());
   e.sample.image_path = p.is_absolute() ? p.string() : (std::filesystem::path(base_dir) / p).lexically_normal().string();
+  return done();
 }
-
-}  // namespace
 
 std::vector<ConversationSample> load_llava_jsonl(const std::string& path, const JsonlOptions& opt, DataStats* stats) {
   std::ifstream in(path);
@@ -88,7 +99,7 @@ std::vector<ConversationSample> load_llava_jsonl(const std::string& path, const 
     Entry e;
     e.line = lineno;
     e.sample.line = lineno;
-    validate_line(text, base_dir.empty() ? "." : base_dir, e);
+    parse_llava_line(text, base_dir.empty() ? "." : base_dir, e.sample, &e.reason, &e.message);
     entries.push_back(std::move(e));
   }
 

@@ -48,6 +48,11 @@ struct JsonlOptions {
   int max_warnings = 5; // warnings printed to stderr per reason; the rest are only counted
 };
 
+// Parse and validate one line (no image access): true and `sample` (turns, resolved
+// image_path) filled, or false with the reason (one of the names above) and a message.
+bool parse_llava_line(const std::string& line, const std::string& base_dir, ConversationSample& sample,
+                      std::string* reason, std::string* message);
+
 // Load and validate `path`. `stats` (optional) receives ok and per-reason skip counts.
 std::vector<ConversationSample> load_llava_jsonl(const std::string& path, const JsonlOptions& opt = {},
                                                  DataStats* stats = nullptr);

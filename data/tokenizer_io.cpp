@@ -9,6 +9,7 @@
 
 #include "data/tokenizer.h"
 #include "data/tokenizer_impl.h"
+#include "tensor/fileio.h"
 
 namespace loom {
 
@@ -275,11 +276,11 @@ std::string Tokenizer::to_json() const {
   return text;
 }
 
+// Written to a temporary name and renamed (tensor/fileio.h): a run killed while caching its
+// tokenizer never leaves a half-written tokenizer.json for the resume to read.
 void Tokenizer::save(const std::string& path) const {
-  std::ofstream f(path, std::ios::binary);
-  if (!f) throw std::runtime_error("tokenizer: cannot write " + path);
-  f << to_json() << "\n";
-  if (!f) throw std::runtime_error("tokenizer: error writing " + path);
+  std::string text = to_json() + "\n";
+  write_file_atomic(path, {{text.data(), text.size()}});
 }
 
 }  // namespace loom

@@ -2,9 +2,13 @@
 #include "tensor/safetensors.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
+
+#include "tensor/fileio.h"
 
 namespace loom {
 
@@ -43,32 +47,44 @@ SafeTensors load_safetensors(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   LOOM_CHECK(f.good(), "%s: cannot open", path.c_str());
   f.seekg(0, std::ios::end);
-  uint64_t file_size = uint64_t(f.tellg());
+  std::streamoff n = f.tellg();
+  LOOM_CHECK(n >= 0, "%s: cannot read (not a regular file?)", path.c_str());
   f.seekg(0);
+  std::string bytes(size_t(n), '\0');
+  f.read(bytes.data(), n);
+  LOOM_CHECK(f.good() || n == 0, "%s: short read", path.c_str());
+  return parse_safetensors(bytes, path);
+}
+
+// a * b, false when the product does not fit 63 bits (a, b >= 0)
+static bool mul_fits(uint64_t a, uint64_t b, uint64_t* out) {
+  if (a != 0 && b > uint64_t(INT64_MAX) / a) return false;
+  *out = a * b;
+  return true;
+}
+
+SafeTensors parse_safetensors(const std::string& bytes, const std::string& path) {
+  uint64_t file_size = bytes.size();
   LOOM_CHECK(file_size >= 8, "%s: %llu bytes is too short for a safetensors file", path.c_str(),
              (unsigned long long)file_size);
   uint64_t hlen = 0;
-  f.read(reinterpret_cast<char*>(&hlen), 8);
+  std::memcpy(&hlen, bytes.data(), 8);
   LOOM_CHECK(hlen <= file_size - 8 && hlen < (100u << 20), "%s: header length %llu exceeds the file (%llu bytes)",
              path.c_str(), (unsigned long long)hlen, (unsigned long long)file_size);
-  std::string header(hlen, '\0');
-  f.read(header.data(), std::streamsize(hlen));
   json h;
   try {
-    h = json::parse(header);
+    h = json::parse(bytes.begin() + 8, bytes.begin() + 8 + std::ptrdiff_t(hlen));
   } catch (const std::exception& e) {
     LOOM_CHECK(false, "%s: header is not valid JSON: %s", path.c_str(), e.what());
   }
   LOOM_CHECK(h.is_object(), "%s: header is not a JSON object", path.c_str());
   uint64_t data_size = file_size - 8 - hlen;
+  const char* data = bytes.data() + 8 + hlen;
 
   SafeTensors st;
   st.path = path;
   struct Span { uint64_t begin, end; std::string name; };
   std::vector<Span> spans;
-  std::vector<char> data(data_size);
-  f.read(data.data(), std::streamsize(data_size));
-  LOOM_CHECK(f.good() || data_size == 0, "%s: short read", path.c_str());
 
   for (auto& [name, e] : h.items()) {
     if (name == "__metadata__") {
@@ -86,15 +102,22 @@ SafeTensors load_safetensors(const std::string& path) {
                "%s: tensor '%s' has unsupported dtype %s", path.c_str(), name.c_str(), e["dtype"].dump().c_str());
     Shape shape;
     LOOM_CHECK(e["shape"].is_array(), "%s: tensor '%s' shape is not an array", path.c_str(), name.c_str());
+    // Every product is checked: [4294967296, 1073741824] must not wrap to 0 bytes. The
+    // product of the nonzero sizes must fit too (the strides of [0, 2^40, 2^40] would not).
+    uint64_t want = dtype_size(dt), nonzero = dtype_size(dt);
     for (auto& d : e["shape"]) {
       LOOM_CHECK(d.is_number_unsigned(), "%s: tensor '%s' has a bad dimension %s", path.c_str(), name.c_str(), d.dump().c_str());
-      shape.push_back(d.get<int64_t>());
+      uint64_t v = d.get<uint64_t>();
+      LOOM_CHECK(v <= uint64_t(INT64_MAX) && mul_fits(nonzero, v ? v : 1, &nonzero),
+                 "%s: tensor '%s' shape %s: the size in bytes overflows 63 bits", path.c_str(), name.c_str(),
+                 e["shape"].dump().c_str());
+      want *= v;  // <= nonzero: cannot overflow
+      shape.push_back(int64_t(v));
     }
     auto& off = e["data_offsets"];
     LOOM_CHECK(off.is_array() && off.size() == 2 && off[0].is_number_unsigned() && off[1].is_number_unsigned(),
                "%s: tensor '%s' data_offsets must be two unsigned integers", path.c_str(), name.c_str());
     uint64_t b = off[0].get<uint64_t>(), en = off[1].get<uint64_t>();
-    uint64_t want = uint64_t(shape_numel(shape)) * dtype_size(dt);
     LOOM_CHECK(b <= en && en <= data_size, "%s: tensor '%s' offsets [%llu, %llu) outside the %llu data bytes",
                path.c_str(), name.c_str(), (unsigned long long)b, (unsigned long long)en, (unsigned long long)data_size);
     LOOM_CHECK(en - b == want, "%s: tensor '%s' holds %llu bytes, shape %s of %s needs %llu", path.c_str(),
@@ -103,15 +126,15 @@ SafeTensors load_safetensors(const std::string& path) {
     spans.push_back({b, en, name});
     Tensor t = Tensor::empty(shape, dt == DType::F16 ? DType::F32 : dt);
     if (dt == DType::F16) {
-      const uint16_t* src = reinterpret_cast<const uint16_t*>(data.data() + b);
+      const char* src = data + b;
       float* o = t.data<float>();
       for (int64_t i = 0; i < t.numel(); i++) {
         uint16_t v;
-        std::memcpy(&v, src + i, 2);
+        std::memcpy(&v, src + 2 * i, 2);
         o[i] = half_to_float(v);
       }
     } else if (want) {
-      std::memcpy(t.raw(), data.data() + b, want);
+      std::memcpy(t.raw(), data + b, want);
     }
     st.tensors[name] = t;
   }
@@ -145,18 +168,10 @@ void save_safetensors(const std::string& path, const std::map<std::string, Tenso
   }
   std::string hs = h.dump();
   while ((hs.size() + 8) % 8) hs += ' ';  // keep the data 8-byte aligned
-  std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    LOOM_CHECK(f.good(), "%s: cannot open for writing", tmp.c_str());
-    uint64_t hl = hs.size();
-    f.write(reinterpret_cast<const char*>(&hl), 8);
-    f.write(hs.data(), std::streamsize(hs.size()));
-    for (auto& c : host) f.write(static_cast<const char*>(c.raw()), std::streamsize(c.nbytes()));
-    f.flush();
-    LOOM_CHECK(f.good(), "%s: write failed (disk full?)", tmp.c_str());
-  }
-  LOOM_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "cannot rename %s to %s", tmp.c_str(), path.c_str());
+  uint64_t hl = hs.size();
+  std::vector<ByteSpan> pieces = {{&hl, 8}, {hs.data(), hs.size()}};
+  for (auto& c : host) pieces.push_back({c.raw(), size_t(c.nbytes())});
+  write_file_atomic(path, pieces);
 }
 
 }  // namespace loom

@@ -19,8 +19,11 @@ struct SafeTensors {
 };
 
 SafeTensors load_safetensors(const std::string& path);
+// The same from the bytes of a file in memory; `path` names it in error messages.
+SafeTensors parse_safetensors(const std::string& bytes, const std::string& path);
 // Writes tensors (any device; copied to the host) with their own dtypes. Written to
-// path + ".tmp" and renamed, so a reader never sees a half-written file.
+// path + ".tmp", fsync'ed and renamed (tensor/fileio.h), so a reader never sees a
+// half-written file; a failed write (disk full) throws with the system's reason.
 void save_safetensors(const std::string& path, const std::map<std::string, Tensor>& tensors,
                       const std::map<std::string, std::string>& metadata = {});
 

@@ -43,8 +43,15 @@ std::string shape_str(const Shape& s) {
 }
 
 int64_t shape_numel(const Shape& s) {
-  int64_t n = 1;
-  for (auto d : s) n *= d;
+  // every size is >= 0 and the product of the nonzero ones fits 63 bits (the strides are
+  // such products), so no tensor's size can wrap around
+  int64_t n = 1, nonzero = 1;
+  for (auto d : s) {
+    LOOM_CHECK(d >= 0, "shape %s has a negative size", shape_str(s).c_str());
+    LOOM_CHECK(d == 0 || nonzero <= INT64_MAX / d, "shape %s: the element count overflows 63 bits", shape_str(s).c_str());
+    nonzero *= d ? d : 1;
+    n *= d;
+  }
   return n;
 }
 
@@ -170,7 +177,10 @@ std::vector<int32_t> Rng::permutation(int n) {
 Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
   for (auto d : shape) LOOM_CHECK(d >= 0, "negative dimension in shape %s", shape_str(shape).c_str());
   auto impl = std::make_shared<TensorImpl>();
-  impl->storage = std::make_shared<Storage>(size_t(shape_numel(shape)) * dtype_size(dtype), device);
+  int64_t numel = shape_numel(shape);
+  LOOM_CHECK(numel <= INT64_MAX / int64_t(dtype_size(dtype)), "shape %s of %s: the size in bytes overflows 63 bits",
+             shape_str(shape).c_str(), dtype_name(dtype));
+  impl->storage = std::make_shared<Storage>(size_t(numel) * dtype_size(dtype), device);
   impl->shape = shape;
   impl->strides = contiguous_strides(shape);
   impl->dtype = dtype;

@@ -54,6 +54,7 @@ TEST_CASE("config: defaults, parse, comments, quotes", "[config]") {
   CHECK(d.get_bool("data.use_sequence_packing") == true);
   CHECK(d.get_str("data.tokenizer").empty());
 
+  std::string w = write_file("with # hash.safetensors", "");  // init paths must exist
   std::string p = write_file("ok.cfg",
                              "# a comment\n"
                              "\n"
@@ -61,7 +62,7 @@ TEST_CASE("config: defaults, parse, comments, quotes", "[config]") {
                              "vit_dim = 48   # trailing comment\n"
                              "  rope_theta=10000.5\n"
                              "contrastive = yes\n"
-                             "lm_init = \"weights/with # hash.safetensors\"  # comment after a quote\n"
+                             "lm_init = \"" + w + "\"  # comment after a quote\n"
                              "[ train ]\n"
                              "lr = 3e-4\n"
                              "steps = 77\n"
@@ -71,7 +72,7 @@ TEST_CASE("config: defaults, parse, comments, quotes", "[config]") {
   CHECK(c.get_int("model.vit_dim") == 48);
   CHECK(c.get_float("model.rope_theta") == Approx(10000.5));
   CHECK(c.get_bool("model.contrastive") == true);
-  CHECK(c.get_str("model.lm_init") == "weights/with # hash.safetensors");
+  CHECK(c.get_str("model.lm_init") == w);
   CHECK(c.get_float("train.lr") == Approx(3e-4));
   CHECK(c.get_int("train.steps") == 77);
   CHECK(c.get_str("train.out_dir") == "runs/x");
@@ -171,13 +172,14 @@ TEST_CASE("config: every error names file, line and key and lists valid keys", "
 
 TEST_CASE("config: overrides", "[config]") {
   std::string p = write_file("ov.cfg", "[train]\nlr = 1e-3\nsteps = 10\n");
+  std::string w = write_file("path.safetensors", "");
   Config c = Config::load(p, {"--train.lr=5e-4", "--data.use_sequence_packing=false", "eval.samples=7",
-                              "--model.lm_init=some/path.safetensors"});
+                              "--model.lm_init=" + w});
   CHECK(c.get_float("train.lr") == Approx(5e-4));
   CHECK(c.get_int("train.steps") == 10);
   CHECK_FALSE(c.get_bool("data.use_sequence_packing"));
   CHECK(c.get_int("eval.samples") == 7);
-  CHECK(c.get_str("model.lm_init") == "some/path.safetensors");
+  CHECK(c.get_str("model.lm_init") == w);
 
   auto err = [&](const std::string& o) -> std::string {
     try {
@@ -213,9 +215,10 @@ TEST_CASE("config: getters check key and type", "[config]") {
 }
 
 TEST_CASE("config: dump / reload round trip", "[config]") {
+  std::string w = write_file("a b#c", "");
   std::string p = write_file("rt.cfg",
-                             "[model]\nkind = mim\nlm_init = \"a b/c#d\"\n[train]\nlr = 2.5e-4\n"
-                             "freeze = vision.,lm.embed\n[eval]\nprobe = linear\n");
+                             "[model]\nkind = mim\nvision_init = \"" + w + "\"\n[data]\ndataset = synthetic\n"
+                             "[train]\ntrainer = vit_mim\nlr = 2.5e-4\nfreeze = vision.,lm.embed\n[eval]\nprobe = linear\n");
   Config a = Config::load(p, {"--train.steps=123", "--data.strict=on"});
   std::string d = a.dump();
   // Every schema key appears in the dump.
@@ -228,7 +231,7 @@ TEST_CASE("config: dump / reload round trip", "[config]") {
   Config b = Config::load(p2);
   CHECK(b.dump().substr(b.dump().find('\n')) == d.substr(d.find('\n')));  // all but the header line
   CHECK(b.get_str("model.kind") == "mim");
-  CHECK(b.get_str("model.lm_init") == "a b/c#d");
+  CHECK(b.get_str("model.vision_init") == w);
   CHECK(b.get_int("train.steps") == 123);
   CHECK(b.get_bool("data.strict"));
   CHECK(b.get_str("train.freeze") == "vision.,lm.embed");
@@ -260,4 +263,71 @@ TEST_CASE("config: every shipped configs/*.cfg loads, by bare name", "[config]")
   }
   closedir(d);
   CHECK(n >= 6);
+}
+
+// The message of validate_config for the default config with `overrides`, "" when it passes.
+static std::string rule_error(const std::vector<std::string>& overrides, const std::string& file = "vlm_sft.cfg") {
+  try {
+    Config::load(file, overrides);
+  } catch (const std::runtime_error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST_CASE("config: constraints are checked when the config is resolved, naming key, value and rule", "[config]") {
+  struct Case {
+    std::vector<std::string> overrides;
+    std::string file, expect;  // expect: the "key = value: rule" text (a prefix of it)
+  };
+  std::vector<Case> cases = {
+      {{"--train.batch_size=0"}, "vlm_sft.cfg", "train.batch_size = 0: must be >= 1"},
+      {{"--model.image_size=30"}, "vlm_sft.cfg", "model.image_size = 30: must be a multiple of model.patch_size = 4"},
+      {{"--model.image_size=28"}, "vlm_sft.cfg", "model.shuffle = 2: must divide the patch grid side"},
+      {{"--model.patch_size=64"}, "vlm_sft.cfg", "model.patch_size = 64: must be <= model.image_size = 32"},
+      {{"--model.vit_heads=3"}, "vlm_sft.cfg", "model.vit_dim = 64: must be a multiple of model.vit_heads = 3"},
+      {{"--model.lm_kv_heads=3"}, "vlm_sft.cfg", "model.lm_heads = 4: must be a multiple of model.lm_kv_heads = 3"},
+      {{"--model.lm_dim=36", "--model.lm_heads=4", "--model.lm_kv_heads=1"}, "vlm_sft.cfg", "model.lm_dim = 36: lm_dim / lm_heads = 9 must be even"},
+      {{"--model.channels=2"}, "vlm_sft.cfg", "model.channels = 2: must be 1 (grey) or 3 (RGB)"},
+      {{"--model.channels=1"}, "vlm_sft.cfg", "model.channels = 1: the shapes dataset is RGB"},
+      {{"--data.pack_max_length=16"}, "vlm_sft.cfg", "data.pack_max_length = 16: must exceed the 16 image tokens"},
+      {{"--train.min_lr=1"}, "vlm_sft.cfg", "train.min_lr = 1: must be <= train.lr"},
+      {{"--train.beta2=1"}, "vlm_sft.cfg", "train.beta2 = 1: must be in [0, 1)"},
+      {{"--train.trainer=vit_mim"}, "vlm_sft.cfg", "train.trainer = vit_mim: needs model.kind = mim"},
+      {{"--data.dataset=jsonl"}, "vlm_sft.cfg", "data.path = \"\": data.dataset = jsonl needs a path"},
+      {{"--data.tokenizer=/no/such/tokenizer.json"}, "vlm_sft.cfg", "data.tokenizer = /no/such/tokenizer.json: no such file"},
+      {{"--model.lm_init=/no/such/run"}, "vlm_sft.cfg", "model.lm_init = /no/such/run: no such file or folder"},
+      {{"--data.synth_min_len=10", "--data.synth_max_len=5"}, "vlm_sft.cfg", "data.synth_max_len = 5: must be >= data.synth_min_len = 10"},
+      {{"--train.batch_size=1048576", "--data.pack_max_length=4096"}, "vlm_sft.cfg", "tokens per step must fit int32"},
+      {{"--model.mask_ratio=0.999"}, "vit_mim.cfg", "model.mask_ratio = 0.999: keeps round(49 patches x (1 - mask_ratio)) = 0"},
+      {{"--model.pred_heads=5"}, "vit_mim.cfg", "model.pred_dim = 48: must be a multiple of model.pred_heads = 5"},
+      {{"--model.image_size=32"}, "vit_mim.cfg", "model.image_size = 32: fashion_mnist images are 1x28x28"},
+      {{"--data.dataset=shapes"}, "vit_mim.cfg", "data.dataset = shapes: is a VLM dataset"},
+  };
+  for (const Case& c : cases) {
+    std::string msg = rule_error(c.overrides, c.file);
+    INFO(c.file << " " << c.overrides[0] << "\n  got: " << msg);
+    CHECK(has(msg, "config error"));
+    CHECK(has(msg, c.expect));
+    CHECK(has(msg, c.file));  // the file the config came from
+  }
+  // several broken rules: all of them, one line each
+  std::string msg = rule_error({"--train.batch_size=0", "--train.steps=0", "--eval.knn_k=0"});
+  CHECK(has(msg, "3 config errors"));
+  CHECK(has(msg, "\n  train.steps = 0: must be >= 1"));
+  CHECK(has(msg, "\n  eval.knn_k = 0: must be >= 1"));
+}
+
+// Every numeric key has a range: a far-out value on one side or the other is refused naming
+// that key (the seeds are the only free integers).
+TEST_CASE("config: every numeric key has a checked range", "[config]") {
+  for (const loom::ConfigKey& k : loom::config_schema()) {
+    if (k.type != loom::ConfigType::Int && k.type != loom::ConfigType::Float) continue;
+    std::string key = std::string(k.section) + "." + k.key;
+    if (std::string(k.key) == "seed") continue;
+    INFO(key);
+    std::string lo = rule_error({"--" + key + "=-1000000000000"}), hi = rule_error({"--" + key + "=1000000000000"});
+    CHECK((has(lo, key + " = ") || has(hi, key + " = ")));
+  }
+  CHECK(rule_error({}).empty());  // the defaults of vlm_sft.cfg pass
 }

@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <iterator>
+#include <random>
 #include <filesystem>
 #include <stdexcept>
 #include <fstream>
@@ -262,4 +264,37 @@ TEST_CASE("safetensors: malformed files are rejected naming the file and the ten
     string p = write_raw("meta.safetensors", R"({"__metadata__": {"n": 3}})", {});
     REQUIRE_THROWS_WITH(load_safetensors(p), Contains(p) && Contains("'n'"));
   }
+  SECTION("a shape whose size product overflows 64 bits (it wrapped to 0 bytes before)") {
+    string p = write_raw("overflow.safetensors",
+                         R"({"w": {"dtype": "F32", "shape": [4294967296, 1073741824], "data_offsets": [0, 0]}})", {});
+    REQUIRE_THROWS_WITH(load_safetensors(p), Contains(p) && Contains("'w'") && Contains("overflows"));
+    // the product of the nonzero sizes must fit too: their strides would overflow
+    string q = write_raw("overflow0.safetensors",
+                         R"({"w": {"dtype": "U8", "shape": [0, 4294967296, 4294967296], "data_offsets": [0, 0]}})", {});
+    REQUIRE_THROWS_WITH(load_safetensors(q), Contains(q) && Contains("'w'") && Contains("overflows"));
+    // a dimension past INT64_MAX (it would read back as a negative size)
+    string r = write_raw("overflow_dim.safetensors",
+                         R"({"w": {"dtype": "U8", "shape": [18446744073709551615], "data_offsets": [0, 0]}})", {});
+    REQUIRE_THROWS_WITH(load_safetensors(r), Contains(r) && Contains("'w'") && Contains("overflows"));
+  }
+}
+
+TEST_CASE("safetensors: the in-memory parser and the file reader agree", "[safetensors]") {
+  Rng rng(uint64_t(std::random_device{}()));
+  Tensor a = Tensor::from_vector(std::vector<float>{float(rng.normal()), float(rng.normal()), float(rng.normal())}, {3});
+  string p = temp_path("mem.safetensors");
+  save_safetensors(p, {{"a", a}});
+  std::ifstream f(p, std::ios::binary);
+  string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  SafeTensors st = parse_safetensors(bytes, "memory");
+  REQUIRE(st.at("a").to_vector<float>() == a.to_vector<float>());
+  // no .tmp file is left beside the written one
+  CHECK_FALSE(std::filesystem::exists(p + ".tmp"));
+  REQUIRE_THROWS_WITH(parse_safetensors(bytes.substr(0, 9), "memory"), Contains("memory"));
+}
+
+TEST_CASE("shapes: element counts and byte sizes that overflow are rejected", "[safetensors]") {
+  REQUIRE_THROWS_WITH(Tensor::empty({int64_t(1) << 32, int64_t(1) << 31}, DType::F32), Contains("overflows"));
+  REQUIRE_THROWS_WITH(Tensor::empty({int64_t(1) << 61}, DType::F64), Contains("overflows"));
+  REQUIRE_THROWS_WITH(Tensor::empty({2, -3}, DType::F32), Contains("negative"));
 }

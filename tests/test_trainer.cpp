@@ -4,10 +4,16 @@
 // the last checkpoint intact; bad configs fail before any work with the key in the message.
 #include <catch2/catch.hpp>
 
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -71,6 +77,113 @@ TEST_CASE("a resumed run continues with bit-identical losses (CPU)", "[trainer]"
   }
   // the loss actually moved (a constant would make the comparison meaningless)
   CHECK(la.front().second != la.back().second);
+}
+
+TEST_CASE("a resume drops the metrics lines written after its checkpoint (a kill between saves)", "[trainer]") {
+  std::string a = tmpdir("ma"), b = tmpdir("mb");
+  auto args_a = tiny(a);
+  REQUIRE(run_train(args_a) == 0);
+  auto args_b = tiny(b);
+  args_b.push_back("--train.stop_at=3");
+  REQUIRE(run_train(args_b) == 0);
+  // what a run killed after step 5 (checkpoint at 3) leaves: two step lines and a torn one
+  std::string m = b + "/metrics.jsonl";
+  {
+    std::ofstream f(m, std::ios::app);
+    f << "{\"kind\":\"train\",\"step\":4,\"loss\":123.0}\n{\"kind\":\"train\",\"step\":5,\"loss\":7.0}\n{\"kind\":\"tr";
+  }
+  auto args_c = tiny(b);
+  args_c.push_back("--train.resume=latest");
+  REQUIRE(run_train(args_c) == 0);
+  auto read = [](const std::string& p) {
+    std::ifstream f(p);
+    std::vector<std::string> lines;
+    std::string line;
+    while (std::getline(f, line)) {
+      auto j = nlohmann::json::parse(line);  // every line parses: the torn one is gone
+      if (j.value("kind", "") == "train") lines.push_back(j["step"].dump() + " " + j["loss"].dump());
+    }
+    return lines;
+  };
+  CHECK(read(a + "/metrics.jsonl") == read(m));
+  CHECK(read(m).size() == 6);
+}
+
+// ./train of the same build folder as this test, run with a file-size limit (RLIMIT_FSIZE:
+// a write past `max_file_bytes` fails with EFBIG, as a full disk fails with ENOSPC); stderr
+// to `log`. Returns the exit code.
+static int run_train_limited(const std::vector<std::string>& args, long max_file_bytes, const std::string& log) {
+  char exe[4096];
+  ssize_t n = ::readlink("/proc/self/exe", exe, sizeof exe - 1);
+  REQUIRE(n > 0);
+  exe[n] = '\0';
+  std::string train = std::string(exe).substr(0, std::string(exe).find_last_of('/')) + "/train";
+  std::vector<std::string> full = {train};
+  full.insert(full.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : full) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {  // the child only sets the limit and execs (no library state after fork)
+    // stderr (the error) to `log`, stdout away: a log file would hit the limit too
+    int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644), null = ::open("/dev/null", O_WRONLY);
+    ::dup2(null, 1);
+    ::dup2(fd, 2);
+    struct rlimit rl = {rlim_t(max_file_bytes), rlim_t(max_file_bytes)};
+    ::setrlimit(RLIMIT_FSIZE, &rl);
+    ::signal(SIGXFSZ, SIG_IGN);  // the write returns EFBIG instead of killing the process
+    ::execv(train.c_str(), argv.data());
+    ::_exit(127);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+TEST_CASE("a failed checkpoint or metrics write stops the run; the previous checkpoint resumes", "[trainer]") {
+  std::string a = tmpdir("fa"), b = tmpdir("fb");
+  REQUIRE(run_train(tiny(a)) == 0);  // uninterrupted, for the comparison
+  auto args = tiny(b);
+  args.push_back("--train.stop_at=3");
+  REQUIRE(run_train(args) == 0);
+  long model = 0, optim = 0;
+  {
+    std::ifstream m(b + "/step_00000003/model.safetensors", std::ios::ate | std::ios::binary);
+    std::ifstream o(b + "/step_00000003/optimizer.safetensors", std::ios::ate | std::ios::binary);
+    model = long(m.tellg());
+    optim = long(o.tellg());
+  }
+  REQUIRE(model > 100000);
+  REQUIRE(optim > model);
+  // 1. the checkpoint of step 4: model.safetensors fits, optimizer.safetensors does not
+  auto resume = tiny(b);
+  resume.push_back("--train.resume=latest");
+  resume.push_back("--train.save_every=1");
+  std::string log = b + "_limited.log";
+  REQUIRE(run_train_limited(resume, (model + optim) / 2, log) == 1);
+  std::ifstream lf(log);
+  std::string text((std::istreambuf_iterator<char>(lf)), std::istreambuf_iterator<char>());
+  INFO(text);
+  CHECK_THAT(text, Contains("optimizer.safetensors.tmp: write failed: File too large"));
+  RunContext ctx;
+  ctx.out_dir = b;
+  REQUIRE(find_checkpoint(ctx, "latest") == b + "/step_00000003");  // still the latest
+  CHECK_FALSE(std::ifstream(b + "/step_00000004.tmp/optimizer.safetensors.tmp").good());  // no partial file
+  // 2. a fresh run whose metrics.jsonl outgrows the limit (8 KB: config.cfg and
+  // tokenizer.json fit) stops at the failed line with the file and the reason
+  std::string c = tmpdir("fc");
+  auto fresh = tiny(c);
+  fresh.push_back("--train.steps=80");
+  REQUIRE(run_train_limited(fresh, 8192, log) == 1);
+  std::ifstream lf2(log);
+  std::string text2((std::istreambuf_iterator<char>(lf2)), std::istreambuf_iterator<char>());
+  CHECK_THAT(text2, Contains("metrics.jsonl: write failed: File too large"));
+  // 3. with room again, the resume from step 3 ends like the uninterrupted run
+  REQUIRE(run_train(resume) == 0);
+  auto la = losses(a), lb = losses(b);
+  REQUIRE(lb.size() == 6);
+  CHECK(la == lb);
 }
 
 TEST_CASE("non-finite steps are skipped; too many in a row stop the run, checkpoint intact", "[trainer]") {

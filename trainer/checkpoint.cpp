@@ -1,15 +1,19 @@
 // checkpoint.cpp: checkpoints of a run (see run.h): out_dir/step_00001234/{model.safetensors,
 // optimizer.safetensors, trainer.json}, written under a temporary name and renamed when
-// complete, the oldest beyond train.keep_last removed; found again by --train.resume.
+// complete (fsync'ed files and folder, so a kill or power cut at any moment leaves the
+// previous checkpoint as the latest), the oldest beyond train.keep_last removed; found again by --train.resume.
 #include <dirent.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "tensor/fileio.h"
 #include "tensor/safetensors.h"
 #include "trainer/run.h"
 
@@ -36,7 +40,7 @@ static std::vector<std::string> checkpoint_dirs(const std::string& out_dir) {
   if (!d) return v;
   while (dirent* e = readdir(d)) {
     std::string n = e->d_name;
-    if (n.rfind("step_", 0) == 0 && n.find(".tmp") == std::string::npos) {
+    if (n.rfind("step_", 0) == 0 && n.find('.') == std::string::npos) {  // not .tmp / .old
       struct stat s;
       if (stat((out_dir + "/" + n + "/trainer.json").c_str(), &s) == 0) v.push_back(n);
     }
@@ -46,7 +50,7 @@ static std::vector<std::string> checkpoint_dirs(const std::string& out_dir) {
   return v;
 }
 
-static void remove_dir(const std::string& dir) {
+static void remove_files_and_dir(const std::string& dir) {
   DIR* d = opendir(dir.c_str());
   if (!d) return;
   while (dirent* e = readdir(d)) {
@@ -57,26 +61,64 @@ static void remove_dir(const std::string& dir) {
   rmdir(dir.c_str());
 }
 
+// A checkpoint is first renamed to NAME.old (atomic: it stops being a checkpoint at once),
+// then emptied, so a kill during the removal never leaves a half-deleted one that looks
+// complete.
+static void remove_checkpoint_dir(const std::string& dir) {
+  struct stat s;
+  if (stat(dir.c_str(), &s) != 0) return;
+  std::string old = dir + ".old";
+  remove_files_and_dir(old);
+  if (std::rename(dir.c_str(), old.c_str()) == 0) remove_files_and_dir(old);
+  else remove_files_and_dir(dir);
+}
+
+// Leftovers of a run killed while saving or deleting: step_*.tmp and step_*.old folders.
+static void remove_stale_dirs(const std::string& out_dir) {
+  std::vector<std::string> stale;
+  if (DIR* d = opendir(out_dir.c_str())) {
+    while (dirent* e = readdir(d)) {
+      std::string n = e->d_name;
+      auto ends = [&](const char* x) { return n.size() > 4 && n.compare(n.size() - 4, 4, x) == 0; };
+      if (n.rfind("step_", 0) == 0 && (ends(".tmp") || ends(".old"))) stale.push_back(out_dir + "/" + n);
+    }
+    closedir(d);
+  }
+  for (auto& p : stale) remove_files_and_dir(p);
+}
+
+// Checkpoint write order: files into step_N.tmp/ (each written to a temporary name, fsync'ed
+// and renamed), then the folder renamed to step_N and out_dir fsync'ed; only a folder named
+// step_N holding trainer.json counts as a checkpoint (checkpoint_dirs), so a kill at any
+// moment leaves the previous checkpoint as the latest. trainer.json records how many bytes
+// of metrics.jsonl belong to the steps before it (the resume truncates to that).
 void save_checkpoint(const RunContext& ctx, Module& model, const Optimizer& opt, const TrainerState& st) {
   if (ctx.rank != 0) return;  // data parallel: every rank holds the same weights; rank 0 writes them
   char name[64];
   std::snprintf(name, sizeof name, "step_%08lld", (long long)st.step);
   std::string final_dir = ctx.out_dir + "/" + name, tmp = final_dir + ".tmp";
-  remove_dir(tmp);
+  remove_stale_dirs(ctx.out_dir);
   mkdirs(tmp);
   save_safetensors(tmp + "/model.safetensors", model_master_state(model, opt));
   save_safetensors(tmp + "/optimizer.safetensors", opt.state_dict());
-  json j = {{"step", st.step}, {"config", ctx.cfg.dump()}, {"extra", st.extra}};
-  {
-    std::ofstream f(tmp + "/trainer.json");
-    f << j.dump(1) << "\n";
-    LOOM_CHECK(f.good(), "%s/trainer.json: write failed", tmp.c_str());
+  std::string metrics = ctx.out_dir + "/metrics.jsonl";
+  struct stat ms;
+  int64_t metrics_bytes = -1;
+  if (stat(metrics.c_str(), &ms) == 0) {
+    fsync_path(metrics);
+    metrics_bytes = int64_t(ms.st_size);
   }
-  remove_dir(final_dir);
-  LOOM_CHECK(std::rename(tmp.c_str(), final_dir.c_str()) == 0, "cannot rename %s to %s", tmp.c_str(), final_dir.c_str());
+  json j = {{"step", st.step}, {"config", ctx.cfg.dump()}, {"extra", st.extra}};
+  if (metrics_bytes >= 0) j["metrics_bytes"] = metrics_bytes;
+  std::string text = j.dump(1) + "\n";
+  write_file_atomic(tmp + "/trainer.json", {{text.data(), text.size()}});
+  remove_checkpoint_dir(final_dir);
+  LOOM_CHECK(std::rename(tmp.c_str(), final_dir.c_str()) == 0, "cannot rename %s to %s: %s", tmp.c_str(),
+             final_dir.c_str(), std::strerror(errno));
+  fsync_dir(ctx.out_dir);
   int keep = std::max(1, ctx.cfg.get_int("train.keep_last"));
   auto dirs = checkpoint_dirs(ctx.out_dir);
-  for (size_t i = 0; i + size_t(keep) < dirs.size(); i++) remove_dir(ctx.out_dir + "/" + dirs[i]);
+  for (size_t i = 0; i + size_t(keep) < dirs.size(); i++) remove_checkpoint_dir(ctx.out_dir + "/" + dirs[i]);
 }
 
 std::string find_checkpoint(const RunContext& ctx, const std::string& resume) {

@@ -2,6 +2,8 @@
 // Values are kept as validated text (so `lr = 3e-4` dumps as written); getters convert.
 #include "trainer/config.h"
 
+#include "tensor/fileio.h"
+
 #include <unistd.h>
 
 #include <cerrno>
@@ -235,6 +237,7 @@ Config Config::load(const std::string& path_or_name, const std::vector<std::stri
   Config c = parse(ss.str(), path);
   c.source_ = path;
   for (const std::string& o : overrides) c.apply_override(o);
+  validate_config(c);
   return c;
 }
 
@@ -328,10 +331,8 @@ std::string Config::dump() const {
 }
 
 void Config::save(const std::string& path) const {
-  std::ofstream f(path);
-  if (!f) throw std::runtime_error(path + ": cannot write config");
-  f << dump();
-  if (!f) throw std::runtime_error(path + ": write failed");
+  std::string text = dump();
+  write_file_atomic(path, {{text.data(), text.size()}});
 }
 
 }  // namespace loom

@@ -36,12 +36,18 @@ const std::vector<ConfigKey>& config_schema();
 // The row for "section.key", or nullptr.
 const ConfigKey* find_config_key(const std::string& section, const std::string& key);
 
+class Config;
+// Every key's constraints (ranges, divisibility, combinations of keys; config_rules.cpp).
+// Throws one std::runtime_error listing each broken rule as "key = value: rule".
+// Config::load calls it after the overrides.
+void validate_config(const Config& c);
+
 class Config {
  public:
   // Every key at its default.
   Config();
 
-  // Load a file, then apply overrides ("--section.key=value"). A bare name (no '/') is looked
+  // Load a file, then apply overrides ("--section.key=value"), then validate_config(). A bare name (no '/') is looked
   // up in configs/ (./configs/NAME, then configs/ beside or above the executable's folder);
   // ".cfg" is appended when the name has no extension and the plain name is not found.
   static Config load(const std::string& path_or_name, const std::vector<std::string>& overrides = {});

@@ -37,8 +37,8 @@ const std::vector<ConfigKey>& config_schema() {
       {"model", "ema", F, "0.996", "MIM target-encoder EMA decay per optimizer step", nullptr},
       {"model", "contrastive", B, "false", "MIM: two views per image plus symmetric InfoNCE", nullptr},
       {"model", "contrastive_weight", F, "0.1", "MIM: weight of the InfoNCE term", nullptr},
-      {"model", "lm_init", S, "", "LM weights to start from (HF folder or safetensors); \"\" = random", nullptr},
-      {"model", "vision_init", S, "", "ViT weights to start from (HF folder or safetensors); \"\" = random", nullptr},
+      {"model", "lm_init", S, "", "LM weights to start from: HF folder, checkpoint or run folder (newest checkpoint), or .safetensors file; \"\" = random", nullptr},
+      {"model", "vision_init", S, "", "ViT weights to start from: HF SigLIP folder, checkpoint or run folder (VLM vision.* or MIM encoder.*), or .safetensors file; \"\" = random", nullptr},
       // ---------------------------------------------------------------- data
       {"data", "dataset", S, "shapes", "training data", "shapes|fashion_mnist|jsonl|image_folder|synthetic"},
       {"data", "path", S, "", "dataset location: JSONL file, image folder or IDX folder (\"\" = built-in default)", nullptr},

@@ -8,10 +8,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+
+#include "tensor/fileio.h"
 
 namespace loom {
 
@@ -68,11 +72,34 @@ RunContext open_run(const Config& cfg, int rank, int world) {
 }
 
 // ------------------------------------------------------------------ logging
+// The metrics.jsonl size recorded by the checkpoint a resume starts from (-1: unknown, or
+// the checkpoint belongs to another run folder).
+static int64_t resumed_metrics_bytes(const RunContext& ctx) {
+  std::string ck = find_checkpoint(ctx, ctx.cfg.get_str("train.resume"));
+  if (ck.empty() || parent_dir(ck) != ctx.out_dir) return -1;
+  try {
+    std::ifstream f(ck + "/trainer.json");
+    json j = json::parse(f);
+    if (j.contains("metrics_bytes") && j["metrics_bytes"].is_number_unsigned()) return j["metrics_bytes"].get<int64_t>();
+  } catch (const std::exception&) {
+  }
+  return -1;
+}
+
 RunLog::RunLog(const RunContext& ctx, bool append) : ctx_(ctx), tty_(isatty(fileno(stdout))) {
   log_every_ = std::max(1, ctx.cfg.get_int("train.log_every"));
   std::string p = ctx.rank == 0 ? ctx.out_dir + "/metrics.jsonl" : std::string("/dev/null");
+  if (append && ctx.rank == 0) {
+    // Lines written after the checkpoint (the steps about to be redone, and a line cut by a
+    // kill) are dropped, so the resumed file reads as if the run had never stopped.
+    int64_t keep = resumed_metrics_bytes(ctx);
+    struct stat s;
+    if (keep >= 0 && stat(p.c_str(), &s) == 0 && s.st_size > keep)
+      LOOM_CHECK(truncate(p.c_str(), keep) == 0, "%s: cannot truncate to the checkpoint's %lld bytes: %s", p.c_str(),
+                 (long long)keep, std::strerror(errno));
+  }
   metrics_ = std::fopen(p.c_str(), append ? "a" : "w");
-  LOOM_CHECK(metrics_, "cannot open %s for writing", p.c_str());
+  LOOM_CHECK(metrics_, "cannot open %s for writing: %s", p.c_str(), std::strerror(errno));
   if (append) {  // keep the curve of the run being resumed
     std::ifstream f(p);
     std::string line;
@@ -86,6 +113,15 @@ RunLog::RunLog(const RunContext& ctx, bool append) : ctx_(ctx), tty_(isatty(file
       }
     }
   }
+}
+
+// One line to metrics.jsonl, flushed; a failed write (disk full) stops the run.
+void RunLog::write_line(const std::string& line) {
+  std::string p = ctx_.out_dir + "/metrics.jsonl";
+  bool ok = std::fprintf(metrics_, "%s\n", line.c_str()) >= 0;
+  ok = std::fflush(metrics_) == 0 && ok;
+  LOOM_CHECK(ok && !std::ferror(metrics_), "%s: write failed: %s (the last checkpoint is intact)", p.c_str(),
+             std::strerror(errno));
 }
 
 RunLog::~RunLog() {
@@ -107,8 +143,7 @@ void RunLog::step(const StepStats& s) {
             {"skipped", s.skipped}};
   if (s.reserved_mb >= 0) j["reserved_mb"] = s.reserved_mb;
   if (s.mfu >= 0) j["mfu"] = s.mfu;
-  std::fprintf(metrics_, "%s\n", j.dump().c_str());
-  std::fflush(metrics_);
+  write_line(j.dump());
   if (!s.skipped && std::isfinite(s.loss)) train_.push_back({s.step, s.loss});
   char line[512];
   int n = std::snprintf(line, sizeof line, "step %5lld/%lld | loss %.4f | lr %.2e | norm %.3f | %.1f ms | %s %s | data %.1f ms",
@@ -136,8 +171,7 @@ void RunLog::step(const StepStats& s) {
 void RunLog::event(const std::string& kind, const std::map<std::string, double>& values, const std::string& text) {
   json j = {{"kind", kind}};
   for (auto& [k, v] : values) j[k] = std::isfinite(v) ? json(v) : json(nullptr);
-  std::fprintf(metrics_, "%s\n", j.dump().c_str());
-  std::fflush(metrics_);
+  write_line(j.dump());
   if (kind == "eval" && values.count("val_loss") && values.count("step"))
     val_.push_back({int64_t(values.at("step")), values.at("val_loss")});
   if (!text.empty()) std::printf("%s%s\n", tty_ ? "\r\033[K" : "", text.c_str());

@@ -50,6 +50,7 @@ class RunLog {
   void event(const std::string& kind, const std::map<std::string, double>& values, const std::string& text = "");
   void finish();                  // writes loss.svg from the metrics
  private:
+  void write_line(const std::string& line);
   const RunContext& ctx_;
   FILE* metrics_ = nullptr;
   bool tty_;
@@ -58,8 +59,10 @@ class RunLog {
 };
 
 // Checkpoints: out_dir/step_00001234/{model.safetensors, optimizer.safetensors, trainer.json};
-// written under a temporary name and renamed when complete; the oldest beyond keep_last are
-// removed. `model` holds the master (f32) weights under the model's names.
+// written under a temporary name, fsync'ed and renamed when complete (a kill at any moment
+// leaves the previous one as the latest); the oldest beyond keep_last are removed. `model`
+// holds the master (f32) weights under the model's names. A resumed RunLog cuts
+// metrics.jsonl back to the size the checkpoint recorded.
 struct TrainerState {
   int64_t step = 0;
   std::map<std::string, double> extra;  // e.g. consecutive NaN skips, best eval

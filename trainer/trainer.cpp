@@ -11,6 +11,7 @@
 #include "data/shapes.h"
 #include "nn/hf.h"
 #include "trainer/distributed.h"
+#include "trainer/init_weights.h"
 #include "trainer/mim_trainer.h"
 #include "trainer/prefetch.h"
 #include "trainer/step_log.h"
@@ -103,35 +104,16 @@ static std::string eval_table(const VLMEval& e, const VLMData& d) {
   return s + b;
 }
 
-// Initial weights from an HF model folder or one of our checkpoints.
+// Initial weights: an HF folder, a checkpoint or run folder, or a .safetensors file
+// (trainer/init_weights.h).
 static void init_vlm_from(VLM& m, const Config& cfg) {
   std::string lm_init = cfg.get_str("model.lm_init"), vis = cfg.get_str("model.vision_init");
   if (!lm_init.empty()) {
-    std::ifstream f(lm_init + "/trainer.json");
-    if (f.good()) {  // our checkpoint: take every lm.* weight
-      std::map<std::string, Tensor> sd;
-      for (auto& [k, v] : load_checkpoint_model(lm_init))
-        if (k.rfind("lm.", 0) == 0) sd[k.substr(3)] = v;
-      m.lm.load_state_dict(sd, lm_init);
-    } else {
-      HFFolder h = read_hf_folder(lm_init);
-      m.lm.load_state_dict(llama_to_loom(h.weights, m.lm.cfg, lm_init), lm_init);
-    }
+    m.lm.load_state_dict(lm_init_weights(lm_init, m.lm.cfg), lm_init);
     std::printf("initialized lm from %s\n", lm_init.c_str());
   }
   if (!vis.empty()) {
-    std::ifstream f(vis + "/trainer.json");
-    if (f.good()) {  // our checkpoint: a MIM run's encoder.* or a VLM's vision.*
-      std::map<std::string, Tensor> sd;
-      for (auto& [k, v] : load_checkpoint_model(vis)) {
-        if (k.rfind("encoder.", 0) == 0) sd[k.substr(8)] = v;
-        else if (k.rfind("vision.", 0) == 0) sd[k.substr(7)] = v;
-      }
-      m.vision.load_state_dict(sd, vis);
-    } else {
-      HFFolder h = read_hf_folder(vis);
-      m.vision.load_state_dict(siglip_to_loom(h.weights, m.vision.cfg, vis), vis);
-    }
+    m.vision.load_state_dict(vision_init_weights(vis, m.vision.cfg), vis);
     std::printf("initialized vision from %s\n", vis.c_str());
   }
 }

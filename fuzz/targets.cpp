@@ -1,0 +1,153 @@
+// targets.cpp: the fuzz targets (see targets.h).
+#include "fuzz/targets.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <fstream>
+
+#include "data/fashion_mnist.h"
+#include "data/images.h"
+#include "data/jsonl.h"
+#include "data/tokenizer.h"
+#include "tensor/safetensors.h"
+#include "trainer/config.h"
+
+namespace loom::fuzz {
+
+namespace {
+
+// A broken property: report and abort (the fuzzer keeps the input).
+[[noreturn]] void broken(const std::string& what) {
+  std::fprintf(stderr, "fuzz property broken: %s\n", what.c_str());
+  std::abort();
+}
+
+// The input cut at its first NUL byte: (before, after); after is empty when there is none.
+std::pair<std::string, std::string> split_nul(const uint8_t* data, size_t size) {
+  std::string s(reinterpret_cast<const char*>(data), size);
+  size_t z = s.find('\0');
+  if (z == std::string::npos) return {s, ""};
+  return {s.substr(0, z), s.substr(z + 1)};
+}
+
+}  // namespace
+
+int safetensors(const uint8_t* data, size_t size) {
+  try {
+    SafeTensors st = parse_safetensors(std::string(reinterpret_cast<const char*>(data), size), "fuzz.safetensors");
+    for (auto& [name, t] : st.tensors)
+      if (t.nbytes() > int64_t(size)) broken("tensor '" + name + "' holds more bytes than the file");
+  } catch (const std::exception&) {
+  }
+  return 0;
+}
+
+int config(const uint8_t* data, size_t size) {
+  auto [text, rest] = split_nul(data, size);
+  try {
+    Config c = Config::parse(text, "fuzz.cfg");
+    size_t a = 0;
+    while (a < rest.size()) {
+      size_t b = rest.find('\n', a);
+      if (b == std::string::npos) b = rest.size();
+      c.apply_override(rest.substr(a, b - a));
+      a = b + 1;
+    }
+    std::string d = c.dump();
+    Config again = Config::parse(d, "fuzz dump");
+    if (again.dump() != d) broken("dump() does not parse back to itself:\n" + d);
+    validate_config(c);
+  } catch (const std::exception&) {
+  }
+  return 0;
+}
+
+int jsonl(const uint8_t* data, size_t size) {
+  std::string line(reinterpret_cast<const char*>(data), size);
+  try {
+    ConversationSample s;
+    std::string reason, message;
+    if (parse_llava_line(line, "/nonexistent", s, &reason, &message)) {
+      size_t tags = 0;
+      for (size_t i = 0; i < s.turns.size(); i++) {
+        if (s.turns[i].from != (i % 2 ? "gpt" : "human")) broken("accepted turns that do not alternate");
+        for (size_t p = s.turns[i].value.find(kImageTag); p != std::string::npos; p = s.turns[i].value.find(kImageTag, p + 1))
+          tags++;
+      }
+      if (tags != 1 || s.turns.size() % 2 || s.image_path.empty()) broken("accepted a line breaking the schema");
+    } else if (reason.empty()) {
+      broken("refused a line without a reason");
+    }
+  } catch (const std::exception&) {
+  }
+  return 0;
+}
+
+int tokenizer(const uint8_t* data, size_t size) {
+  static const Tokenizer fallback = Tokenizer::train(
+      {"What colour is the square? red", "How many circles are there? 3", "Où est le triangle ? 左上 🙂"}, 300,
+      {"<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>"});
+  auto [json, text] = split_nul(data, size);
+  const Tokenizer* tok = &fallback;
+  Tokenizer loaded = fallback;
+  try {
+    loaded = Tokenizer::from_json(json, "fuzz tokenizer.json");
+    tok = &loaded;
+  } catch (const std::exception&) {
+  }
+  try {
+    std::vector<int32_t> ids = tok->encode(text);
+    for (int32_t id : ids)
+      if (id < 0 || id >= tok->vocab_size()) broken("encode produced id " + std::to_string(id) + " outside the vocabulary");
+    std::string back = tok->decode(ids);
+    if (tok == &fallback && back != text) broken("the byte-level tokenizer does not round-trip valid UTF-8");
+  } catch (const std::invalid_argument&) {  // not valid UTF-8: refused, as documented
+  } catch (const std::exception&) {
+  }
+  return 0;
+}
+
+int image(const uint8_t* data, size_t size) {
+  for (int channels : {1, 3}) {
+    std::vector<float> out;
+    std::string err;
+    try {
+      ImageStatus st = decode_image_chw(data, size, 8, channels, out, &err, int64_t(1) << 20);
+      if (st == ImageStatus::Ok && out.size() != size_t(channels) * 64) broken("decoded image of the wrong size");
+      if (st != ImageStatus::Ok && err.empty()) broken("refused an image without a reason");
+    } catch (const std::exception&) {
+    }
+  }
+  return 0;
+}
+
+int idx(const uint8_t* data, size_t size) {
+  // read_idx reads through zlib from a file: the input goes to one per process
+  static const std::string path = "/tmp/loom_fuzz_idx_" + std::to_string(::getpid());
+  {
+    std::ofstream f(path, std::ios::binary | std::ios::trunc);
+    f.write(reinterpret_cast<const char*>(data), std::streamsize(size));
+  }
+  for (int ndim = 1; ndim <= 3; ndim++) {
+    try {
+      std::vector<uint32_t> dims;
+      std::vector<unsigned char> d = read_idx(path, ndim, dims, 0);
+      uint64_t n = 1;
+      for (uint32_t x : dims) n *= x;
+      if (dims.size() != size_t(ndim) || d.size() != n) broken("read_idx returned sizes that disagree with its data");
+    } catch (const std::exception&) {
+    }
+  }
+  return 0;
+}
+
+const std::vector<Named>& all_targets() {
+  static const std::vector<Named> v = {{"safetensors", safetensors}, {"config", config}, {"jsonl", jsonl},
+                                       {"tokenizer", tokenizer},     {"image", image},   {"idx", idx}};
+  return v;
+}
+
+}  // namespace loom::fuzz

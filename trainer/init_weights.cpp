@@ -1,0 +1,82 @@
+// init_weights.cpp: model.lm_init / model.vision_init (see init_weights.h).
+#include "trainer/init_weights.h"
+
+#include <sys/stat.h>
+
+#include "nn/hf.h"
+#include "trainer/run.h"
+
+namespace loom {
+
+namespace {
+
+enum class Source { File, Checkpoint, HF };
+
+struct Resolved {
+  Source kind;
+  std::string path;  // the file, the checkpoint folder or the HF folder
+};
+
+bool is_file(const std::string& p) {
+  struct stat s;
+  return ::stat(p.c_str(), &s) == 0 && S_ISREG(s.st_mode);
+}
+
+bool is_dir(const std::string& p) {
+  struct stat s;
+  return ::stat(p.c_str(), &s) == 0 && S_ISDIR(s.st_mode);
+}
+
+Resolved resolve(const std::string& key, const std::string& path) {
+  if (is_file(path)) return {Source::File, path};
+  LOOM_CHECK(is_dir(path), "%s = %s: no such file or folder", key.c_str(), path.c_str());
+  if (is_file(path + "/trainer.json")) return {Source::Checkpoint, path};
+  if (is_file(path + "/config.json")) return {Source::HF, path};
+  RunContext run;
+  run.out_dir = path;
+  std::string ck = find_checkpoint(run, "latest");
+  LOOM_CHECK(!ck.empty(),
+             "%s = %s: not a .safetensors file, a checkpoint folder (trainer.json), a run folder with checkpoints "
+             "(step_*/trainer.json) or an HF model folder (config.json + model.safetensors)",
+             key.c_str(), path.c_str());
+  return {Source::Checkpoint, ck};
+}
+
+// The tensors under `prefix` (stripped) when any name has it; nullptr-equivalent (empty) if none.
+std::map<std::string, Tensor> under(const std::map<std::string, Tensor>& sd, const std::string& prefix) {
+  std::map<std::string, Tensor> out;
+  for (auto& [k, v] : sd)
+    if (k.rfind(prefix, 0) == 0) out[k.substr(prefix.size())] = v;
+  return out;
+}
+
+}  // namespace
+
+std::map<std::string, Tensor> lm_init_weights(const std::string& path, const LMConfig& c) {
+  Resolved r = resolve("model.lm_init", path);
+  if (r.kind == Source::HF) return llama_to_loom(read_hf_folder(r.path).weights, c, r.path);
+  std::string file = r.kind == Source::File ? r.path : r.path + "/model.safetensors";
+  auto sd = load_safetensors(file).tensors;
+  auto lm = under(sd, "lm.");  // a VLM checkpoint
+  if (!lm.empty()) return lm;
+  if (sd.count("model.embed_tokens.weight")) return llama_to_loom(sd, c, file);  // HF names in a bare file
+  LOOM_CHECK(r.kind == Source::File, "model.lm_init = %s: %s holds no lm.* weights (not a VLM checkpoint)", path.c_str(),
+             file.c_str());
+  return sd;  // the LM's own names
+}
+
+std::map<std::string, Tensor> vision_init_weights(const std::string& path, const ViTConfig& c) {
+  Resolved r = resolve("model.vision_init", path);
+  if (r.kind == Source::HF) return siglip_to_loom(read_hf_folder(r.path).weights, c, r.path);
+  std::string file = r.kind == Source::File ? r.path : r.path + "/model.safetensors";
+  auto sd = load_safetensors(file).tensors;
+  for (const char* prefix : {"vision.", "encoder."})  // a VLM's vision tower, a MIM run's encoder
+    if (auto v = under(sd, prefix); !v.empty()) return v;
+  auto hf = under(sd, "vision_model.");
+  if (!hf.empty()) return siglip_to_loom(hf, c, file);  // HF SigLIP names in a bare file
+  LOOM_CHECK(r.kind == Source::File, "model.vision_init = %s: %s holds no vision.* or encoder.* weights", path.c_str(),
+             file.c_str());
+  return sd;  // the ViT's own names
+}
+
+}  // namespace loom
