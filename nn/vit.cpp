@@ -33,6 +33,24 @@ Tensor ViTBlock::forward(const Tensor& x, const SeqInfo& rows) const {
   return add(h[0], mlp_gelu(h[1], fc1.weight, fc1.bias, fc2.weight, fc2.bias));
 }
 
+std::vector<float> sincos_2d(int grid, int dim) {
+  LOOM_CHECK(dim % 4 == 0, "sincos position table: dim %d is not a multiple of 4", dim);
+  int q = dim / 4;
+  std::vector<float> t(size_t(grid) * grid * dim);
+  for (int r = 0; r < grid; r++)
+    for (int col = 0; col < grid; col++) {
+      float* row = &t[(size_t(r) * grid + col) * dim];
+      for (int i = 0; i < q; i++) {
+        double w = std::pow(10000.0, -double(i) / q);
+        row[i] = float(std::sin(r * w));
+        row[q + i] = float(std::cos(r * w));
+        row[2 * q + i] = float(std::sin(col * w));
+        row[3 * q + i] = float(std::cos(col * w));
+      }
+    }
+  return t;
+}
+
 ViT::ViT(const ViTConfig& c, const Init& init)
     : cfg(c), patch_embed_proj(c.patch_size * c.patch_size * c.channels, c.dim, true, init), norm(c.dim, c.eps, init) {
   LOOM_CHECK(c.image_size % c.patch_size == 0, "ViT: image size %d is not divisible by patch size %d", c.image_size,
@@ -40,6 +58,12 @@ ViT::ViT(const ViTConfig& c, const Init& init)
   patch_embed_.child("proj", patch_embed_proj);
   child("patch_embed", patch_embed_);
   pos_embed = init.normal({c.num_patches(), c.dim}, 0.02);
+  if (c.pos_init == "sincos") {
+    Tensor t = Tensor::from_vector(sincos_2d(c.grid(), c.dim), {c.num_patches(), c.dim}).to(pos_embed.dtype());
+    pos_embed = t.to(pos_embed.device()).requires_grad_();
+  } else {
+    LOOM_CHECK(c.pos_init == "normal", "ViT: pos_init must be normal or sincos, got '%s'", c.pos_init.c_str());
+  }
   param("pos_embed", pos_embed);
   for (int i = 0; i < c.depth; i++) {
     blocks.push_back(std::make_unique<ViTBlock>(c.dim, c.heads, c.hidden(), c.eps, init));

@@ -1,6 +1,8 @@
 // vit.h: the ViT encoder of SPEC §1 (pre-norm blocks, learned positions, no CLS token) and
 // the block it is made of (also used by the LatentMIM predictor).
 #pragma once
+
+#include <string>
 #include <memory>
 
 #include "nn/module.h"
@@ -11,10 +13,20 @@ struct ViTConfig {
   int image_size = 224, patch_size = 16, channels = 3, dim = 768, depth = 12, heads = 12, mlp_ratio = 4;
   double eps = 1e-6;
   int mlp_hidden = 0;  // MLP width when it is not a multiple of dim (HF SigLIP); 0: mlp_ratio * dim
+  // Initial position embeddings: "normal" (std 0.02, learned from there, as ViT/SigLIP) or
+  // "sincos" (MAE's 2-D sine-cosine table, then learned: every patch starts distinguishable by
+  // its row and column; needs dim % 4 == 0). The random draw happens either way, so the other
+  // parameters' initial values do not depend on this choice.
+  std::string pos_init = "normal";
   int hidden() const { return mlp_hidden > 0 ? mlp_hidden : mlp_ratio * dim; }
   int num_patches() const { return (image_size / patch_size) * (image_size / patch_size); }
   int grid() const { return image_size / patch_size; }
 };
+
+// MAE's fixed 2-D sine-cosine position table [grid*grid, dim] (row-major patches): the first
+// dim/2 columns encode the patch's row, the last dim/2 its column, each as
+// [sin(p * w_i), cos(p * w_i)] with w_i = 10000^(-i / (dim/4)), i < dim/4.
+std::vector<float> sincos_2d(int grid, int dim);
 
 class ViTBlock : public Module {
  public:

@@ -11,13 +11,16 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iterator>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
+#include "nn/vit.h"
 #include "nn/vlm.h"
 #include "trainer/run.h"
 #include "trainer/trainer.h"
@@ -236,8 +239,8 @@ TEST_CASE("parameter groups: embeddings, projector, matrices, norms with their o
         if (n == name) return &g;
     return nullptr;
   };
-  // defaults: two groups (decay for every matrix, none for 1-D), as before groups existed
-  auto d = param_groups_from(m, Config::load("vlm_sft.cfg"));
+  // no factor set: two groups (decay for every matrix, none for 1-D), as before groups existed
+  auto d = param_groups_from(m, Config::load("vlm_sft.cfg", {"--train.lr_scale_embeddings=1"}));
   REQUIRE(d.size() == 2);
   CHECK(find(d, "projector.weight")->name == "decay");
   CHECK(find(d, "lm.norm.weight")->name == "no_decay");
@@ -258,4 +261,40 @@ TEST_CASE("parameter groups: embeddings, projector, matrices, norms with their o
   size_t n = 0;
   for (auto& gr : g) n += gr.params.size();
   CHECK(int64_t(n) == int64_t(m.named_parameters().size()) - 1);  // all but the frozen one
+}
+
+// model.pos_init = sincos: the 2-D table's values at a few places (sin/cos of the row in the
+// first half, of the column in the second), the ViT starting from it, the other parameters
+// drawn exactly as with normal init, and the config rule for vit_dim % 4.
+TEST_CASE("ViT position table: sincos init", "[trainer]") {
+  const int grid = 3, dim = 8, q = dim / 4;
+  std::vector<float> t = sincos_2d(grid, dim);
+  REQUIRE(t.size() == size_t(grid * grid * dim));
+  for (int r = 0; r < grid; r++)
+    for (int c = 0; c < grid; c++)
+      for (int i = 0; i < q; i++) {
+        const float* row = &t[size_t(r * grid + c) * dim];
+        double w = std::pow(10000.0, -double(i) / q);
+        CHECK(row[i] == Approx(std::sin(r * w)).margin(1e-6));
+        CHECK(row[q + i] == Approx(std::cos(r * w)).margin(1e-6));
+        CHECK(row[2 * q + i] == Approx(std::sin(c * w)).margin(1e-6));
+        CHECK(row[3 * q + i] == Approx(std::cos(c * w)).margin(1e-6));
+      }
+  uint64_t seed = uint64_t(Catch::rngSeed()) + 11;
+  ViTConfig a{12, 4, 3, 8, 1, 2, 2, 1e-6}, b = a;
+  b.pos_init = "sincos";
+  Rng ra(seed), rb(seed);
+  ViT va(a, Init{DType::F32, Device::CPU, &ra}), vb(b, Init{DType::F32, Device::CPU, &rb});
+  std::vector<float> want = sincos_2d(3, 8);
+  Tensor pb = vb.pos_embed.contiguous();
+  for (size_t i = 0; i < want.size(); i++) REQUIRE(pb.data<float>()[i] == want[i]);
+  CHECK(vb.pos_embed.requires_grad());
+  auto sa = va.state_dict(), sb = vb.state_dict();
+  for (auto& [name, x] : sa) {
+    if (name == "pos_embed") continue;
+    INFO(name);
+    REQUIRE(std::memcmp(x.contiguous().raw(), sb.at(name).contiguous().raw(), x.nbytes()) == 0);
+  }
+  REQUIRE_THROWS_WITH(Config::load("vlm_sft.cfg", {"--model.pos_init=sincos", "--model.vit_dim=66", "--model.vit_heads=2"}),
+                      Contains("model.vit_dim = 66: must be a multiple of 4 with model.pos_init = sincos"));
 }

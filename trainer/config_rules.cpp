@@ -96,6 +96,9 @@ void validate_config(const Config& c) {
   r.int_range("model.vit_depth", 1, 1024);
   r.int_range("model.vit_mlp_ratio", 1, 64);
   if (vit_ok) r.multiple("model.vit_dim", "model.vit_heads", "the head width is vit_dim / vit_heads");
+  if (vit_ok && r.s("model.pos_init") == "sincos" && r.i("model.vit_dim") % 4 != 0)
+    r.bad("model.vit_dim", std::to_string(r.i("model.vit_dim")),
+          "must be a multiple of 4 with model.pos_init = sincos (sine and cosine of the row and of the column)");
   // the patch grid side, 0 when the rules above already failed
   int64_t grid = img_ok && patch_ok && r.i("model.patch_size") <= r.i("model.image_size") &&
                          r.i("model.image_size") % r.i("model.patch_size") == 0

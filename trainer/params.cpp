@@ -58,6 +58,7 @@ ViTConfig vit_config_from(const Config& cfg) {
   c.depth = cfg.get_int("model.vit_depth");
   c.heads = cfg.get_int("model.vit_heads");
   c.mlp_ratio = cfg.get_int("model.vit_mlp_ratio");
+  c.pos_init = cfg.get_str("model.pos_init");
   return c;
 }
 
