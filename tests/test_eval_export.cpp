@@ -82,9 +82,16 @@ uint64_t fresh_seed() {
   return s;
 }
 
-// A finished tiny VLM run on the CPU (shared by the test cases below: ~10 s to train).
+// A finished tiny VLM run on the CPU (shared by the test cases below: ~10 s to train),
+// removed when the test program exits.
 const std::string& vlm_run() {
-  static std::string dir;
+  static struct Folder {
+    std::string path;
+    ~Folder() {
+      if (!path.empty()) std::system(("rm -rf " + path).c_str());
+    }
+  } run;
+  std::string& dir = run.path;
   if (!dir.empty()) return dir;
   dir = tmpdir("vlm");
   uint64_t seed = fresh_seed();
@@ -92,7 +99,8 @@ const std::string& vlm_run() {
                                "--train.seed=" + std::to_string(seed), "--data.train_samples=300",
                                "--data.val_samples=24", "--train.batch_size=2", "--train.steps=8",
                                "--train.warmup_steps=2", "--train.eval_every=0", "--eval.samples=12",
-                               "--train.log_every=4", "--data.workers=2"}) == 0);
+                               "--train.log_every=4", "--data.workers=2", "--train.save_every=4",
+                               "--train.keep_last=2"}) == 0);
   return dir;
 }
 
@@ -132,6 +140,10 @@ TEST_CASE("eval on a finished VLM run reproduces its end-of-training accuracy ta
     CHECK_THAT(r.text, Contains("eval at step 8: val loss") && Contains("baseline") && Contains("  all "));
   }
   CHECK(ref["val_loss"].get<double>() > 0);
+  // the earlier checkpoint evaluates its own weights: another validation loss
+  EvalReport r_early = run_eval(run + "/step_00000004", {"--train.device=cpu"});
+  CHECK(r_early.metrics.at("step") == 4);
+  CHECK(r_early.metrics.at("val_loss") != ref["val_loss"].get<double>());
   // an override on top of the checkpoint's config: fewer questions
   EvalReport r4 = run_eval(run, {"--train.device=cpu", "--eval.samples=4"});
   int total = 0;
@@ -296,7 +308,7 @@ TEST_CASE("eval on a finished MIM run reproduces its probe; export refuses it", 
     REQUIRE(r.metrics.count(k));
     CHECK(json(r.metrics.at(k)).dump() == ref[k].dump());
   }
-  CHECK_THAT(r.text, Contains("eval at step 3: ridge probe"));
+  CHECK_THAT(r.text, Contains("eval at step 3: linear probe"));
   REQUIRE_THROWS_WITH(export_hf(run, run + "/hf"), Contains("vit_mim") && Contains("language model"));
   CHECK(!exists(run + "/hf"));
   std::system(("rm -rf " + run).c_str());
