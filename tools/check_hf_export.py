@@ -84,7 +84,8 @@ def check_llama(d, out, ids, prompt_ids, seed, T):
     expect(m.lm_head.weight.data_ptr() == m.model.embed_tokens.weight.data_ptr(), "lm_head tied to embed_tokens")
     V = m.config.vocab_size
     with torch.no_grad():
-        gen = m.generate(torch.tensor([prompt_ids]), max_new_tokens=8, do_sample=False)
+        p = torch.tensor([prompt_ids])
+        gen = m.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=8, do_sample=False)
     print(f"  greedy continuation of the text-only prompt (no image): {gen[0, len(prompt_ids):].tolist()}")
     g = torch.Generator().manual_seed(seed)
     B = 2
