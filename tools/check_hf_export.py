@@ -123,8 +123,8 @@ def check_siglip(vd, out, seed):
         from transformers import AutoImageProcessor
         AutoImageProcessor.from_pretrained(vd)
         print("  ok  AutoImageProcessor loads preprocessor_config.json")
-    except ImportError as e:  # the processor needs Pillow / torchvision, which this check does not
-        print(f"  (AutoImageProcessor not tried: {e})")
+    except Exception as e:  # the processor may need Pillow / torchvision, which this check does not
+        print(f"  (AutoImageProcessor did not load, not part of the check: {type(e).__name__}: {e})")
     c = m.config
     m = m.double()
     g = torch.Generator().manual_seed(seed + 1)
