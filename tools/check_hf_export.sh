@@ -25,6 +25,7 @@ BUILD=${1:-build}
 DEVICE=${2:-auto}
 TRAIN="$BUILD/train"
 [ -x "$TRAIN" ] || { echo "check_hf_export: $TRAIN not found (build first: make)" >&2; exit 2; }
+python3 -c "import torch, transformers" || { echo "check_hf_export: python3 needs torch and transformers" >&2; exit 2; }
 W=$(mktemp -d /tmp/loom_hf_export.XXXXXX)
 trap 'rc=$?; if [ $rc -ne 0 ]; then echo "check_hf_export: FAILED (rc $rc); files kept in $W" >&2; else rm -rf "$W"; fi' EXIT
 step() { echo; echo "== $*"; }
@@ -37,6 +38,12 @@ grep -A8 "^eval at step 40" "$W/train.log" || true
 
 step "2. ./train eval (the same table from the checkpoint)"
 "$TRAIN" eval "$W/run" --train.device="$DEVICE" | tee "$W/eval.log" | tail -8
+# the same table as the run's end (bit-identical on the CPU; on a GPU reported, not required)
+if diff <(grep -A7 "^eval at step 40" "$W/train.log" | grep -v "^wrote") <(grep -A7 "^eval at step 40" "$W/eval.log") > /dev/null; then
+  echo "eval: the same table as at the end of training"
+else
+  echo "eval: the table differs from the one at the end of training"
+fi
 
 step "3. ./train export"
 "$TRAIN" export "$W/run" --hf "$W/hf"
