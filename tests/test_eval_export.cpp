@@ -6,9 +6,11 @@
 // weights compared differ from one test run to the next.
 #include <catch2/catch.hpp>
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -82,6 +84,39 @@ uint64_t fresh_seed() {
   return s;
 }
 
+// stdout into a file while in scope
+struct StdoutToFile {
+  int saved;
+  explicit StdoutToFile(const std::string& path) {
+    std::fflush(stdout);
+    saved = ::dup(1);
+    int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(fd, 1);
+    ::close(fd);
+  }
+  ~StdoutToFile() {
+    std::fflush(stdout);
+    ::dup2(saved, 1);
+    ::close(saved);
+  }
+};
+
+// The text the run printed from its line "eval at step N" on: that line and the next `lines`.
+std::string printed_eval(const std::string& file, int64_t step, int lines) {
+  std::ifstream f(file);
+  std::string line, out;
+  const std::string head = "eval at step " + std::to_string(step) + ":";
+  int left = -1;
+  while (std::getline(f, line)) {
+    if (left < 0 && line.rfind(head, 0) == 0) left = lines + 1;
+    if (left > 0) {
+      out += (out.empty() ? "" : "\n") + line;
+      if (--left == 0) break;
+    }
+  }
+  return out;
+}
+
 // A finished tiny VLM run on the CPU (shared by the test cases below: ~10 s to train),
 // removed when the test program exits.
 const std::string& vlm_run() {
@@ -95,6 +130,8 @@ const std::string& vlm_run() {
   if (!dir.empty()) return dir;
   dir = tmpdir("vlm");
   uint64_t seed = fresh_seed();
+  mkdirs(dir);
+  StdoutToFile capture(dir + "/stdout.txt");  // what the run prints, for the table's text
   REQUIRE(call(train_command, {"vlm_sft.cfg", "--train.out_dir=" + dir, "--train.device=cpu",
                                "--train.seed=" + std::to_string(seed), "--data.train_samples=300",
                                "--data.val_samples=24", "--train.batch_size=2", "--train.steps=8",
@@ -138,6 +175,10 @@ TEST_CASE("eval on a finished VLM run reproduces its end-of-training accuracy ta
       CHECK(json(v).dump() == ref[k].dump());  // the JSON text of a double round-trips exactly
     }
     CHECK_THAT(r.text, Contains("eval at step 8: val loss") && Contains("baseline") && Contains("  all "));
+    // the very text the run printed at its end (the eval line, the header, a line per type, "all")
+    int lines = int(std::count(r.text.begin(), r.text.end(), '\n'));
+    CHECK(lines >= 3);
+    CHECK(r.text == printed_eval(run + "/stdout.txt", 8, lines));
   }
   CHECK(ref["val_loss"].get<double>() > 0);
   // the earlier checkpoint evaluates its own weights: another validation loss
