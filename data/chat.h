@@ -38,4 +38,15 @@ ChatEncoding apply_chat_template(const Tokenizer& tok, const std::vector<ChatTur
 // The generation prompt: all turns, then "<|im_start|>assistant\n".
 std::vector<int32_t> chat_prompt(const Tokenizer& tok, const std::vector<ChatTurn>& turns);
 
+// The same template as a Jinja chat_template for HF's tokenizer_config.json (./train export):
+// every turn "<|im_start|>{role}\n{content}<|im_end|>\n", no default system turn, and with
+// add_generation_prompt the header "<|im_start|>assistant\n" that chat_prompt appends. HF
+// encodes the rendered string as a whole; for content that does not start with whitespace
+// that gives the ids apply_chat_template gives (see the top of this file).
+inline constexpr const char* kChatTemplateJinja =
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
 }  // namespace loom

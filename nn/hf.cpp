@@ -1,4 +1,4 @@
-// hf.cpp: HF checkpoint name and layout conversion (see hf.h).
+// hf.cpp: HF checkpoints into our names and layouts (see hf.h); the way back is hf_export.cpp.
 #include "nn/hf.h"
 
 #include <fstream>
@@ -92,23 +92,6 @@ std::map<std::string, Tensor> llama_to_loom(const std::map<std::string, Tensor>&
   return o;
 }
 
-std::map<std::string, Tensor> loom_to_llama(const std::map<std::string, Tensor>& ours, const LMConfig& c) {
-  std::map<std::string, Tensor> o;
-  auto put = [&](const std::string& hf, const std::string& l) {
-    auto it = ours.find(l);
-    if (it != ours.end() && it->second.defined()) o[hf] = it->second;
-  };
-  put("model.embed_tokens.weight", "embed_tokens.weight");
-  put("model.norm.weight", "norm.weight");
-  for (int i = 0; i < c.depth; i++) {
-    std::string h = "model.layers." + std::to_string(i) + ".", l = "layers." + std::to_string(i) + ".";
-    for (auto p : {"q_proj", "k_proj", "v_proj", "o_proj"}) put(h + "self_attn." + p + ".weight", l + p + ".weight");
-    for (auto p : {"gate_proj", "up_proj", "down_proj"}) put(h + "mlp." + p + ".weight", l + p + ".weight");
-    for (auto p : {"input_layernorm", "post_attention_layernorm"}) put(h + p + ".weight", l + p + ".weight");
-  }
-  return o;
-}
-
 // cat along dim 0 on the host
 static Tensor cat0(const std::vector<Tensor>& ts) {
   Shape s = ts[0].shape();
@@ -147,41 +130,6 @@ std::map<std::string, Tensor> siglip_to_loom(const std::map<std::string, Tensor>
   }
   o["norm.weight"] = need(hf, "post_layernorm.weight", src);
   o["norm.bias"] = need(hf, "post_layernorm.bias", src);
-  return o;
-}
-
-std::map<std::string, Tensor> loom_to_siglip(const std::map<std::string, Tensor>& ours, const ViTConfig& c) {
-  std::map<std::string, Tensor> o;
-  auto get = [&](const std::string& k) {
-    auto it = ours.find(k);
-    return it == ours.end() ? Tensor() : it->second.to(Device::CPU);
-  };
-  int p = c.patch_size;
-  if (Tensor w = get("patch_embed.proj.weight"); w.defined())
-    o["embeddings.patch_embedding.weight"] = w.reshape({c.dim, p, p, c.channels}).permute({0, 3, 1, 2}).contiguous();
-  if (Tensor b = get("patch_embed.proj.bias"); b.defined()) o["embeddings.patch_embedding.bias"] = b;
-  if (Tensor pe = get("pos_embed"); pe.defined()) o["embeddings.position_embedding.weight"] = pe;
-  for (int i = 0; i < c.depth; i++) {
-    std::string h = "encoder.layers." + std::to_string(i) + ".", l = "blocks." + std::to_string(i) + ".";
-    for (auto w : {"weight", "bias"}) {
-      std::string W = w;
-      if (Tensor q = get(l + "qkv." + W); q.defined()) {
-        o[h + "self_attn.q_proj." + W] = q.narrow(0, 0, c.dim).contiguous();
-        o[h + "self_attn.k_proj." + W] = q.narrow(0, c.dim, c.dim).contiguous();
-        o[h + "self_attn.v_proj." + W] = q.narrow(0, 2 * c.dim, c.dim).contiguous();
-      }
-      auto put = [&](const std::string& hf, const std::string& lk) {
-        if (Tensor t = get(lk); t.defined()) o[hf] = t;
-      };
-      put(h + "self_attn.out_proj." + W, l + "proj." + W);
-      put(h + "layer_norm1." + W, l + "norm1." + W);
-      put(h + "layer_norm2." + W, l + "norm2." + W);
-      put(h + "mlp.fc1." + W, l + "fc1." + W);
-      put(h + "mlp.fc2." + W, l + "fc2." + W);
-    }
-  }
-  if (Tensor t = get("norm.weight"); t.defined()) o["post_layernorm.weight"] = t;
-  if (Tensor t = get("norm.bias"); t.defined()) o["post_layernorm.bias"] = t;
   return o;
 }
 

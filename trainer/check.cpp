@@ -26,12 +26,16 @@ static constexpr double kTolBf16Attention = 2e-2;
 CheckRow make_row(const std::string& name, const Tensor& got, const Tensor& ref) {
   auto g = got.to_vector<double>(), r = ref.to_vector<double>();
   LOOM_CHECK(g.size() == r.size(), "%s: %zu values, reference has %zu", name.c_str(), g.size(), r.size());
-  double num = 0, den = 0;
+  double num = 0, den = 0, max_abs = 0;
   for (size_t i = 0; i < g.size(); i++) {
     num += (g[i] - r[i]) * (g[i] - r[i]);
     den += r[i] * r[i];
+    double e = std::fabs(g[i] - r[i]);
+    max_abs = std::isnan(e) ? INFINITY : std::max(max_abs, e);
   }
-  return {name, (long long)g.size(), std::sqrt(num), std::sqrt(den)};
+  CheckRow row{name, (long long)g.size(), std::sqrt(num), std::sqrt(den)};
+  row.max_abs = max_abs;
+  return row;
 }
 
 // Relative error ||got - ref|| / ||ref||. A reference gradient more than 1e6 times smaller than
@@ -241,9 +245,9 @@ int check_command(int argc, char** argv) {
   if (cudnn) r.tolerance = kTolBf16Attention;
   std::printf("check %s (%s, %s on %s, attention %s)\n", path.c_str(), r.kind.c_str(), device == "cpu" ? "f64" : "f32",
               device.c_str(), cudnn ? "cudnn: bf16" : device == "cuda" ? attention.c_str() : "cpu reference");
-  std::printf("%-56s %10s %12s\n", "tensor", "numel", "rel err");
+  std::printf("%-56s %10s %12s %12s\n", "tensor", "numel", "rel err", "max abs");
   for (auto& row : r.rows)
-    std::printf("%-56s %10lld %12.3e%s%s\n", row.name.c_str(), row.numel, row.rel_err,
+    std::printf("%-56s %10lld %12.3e %12.3e%s%s\n", row.name.c_str(), row.numel, row.rel_err, row.max_abs,
                 row.vs_largest ? "  (reference ~0: vs largest gradient)" : "", row.rel_err <= r.tolerance ? "" : "  FAIL");
   std::printf("worst %.3e, tolerance %.0e: %s\n", r.worst, r.tolerance, r.ok() ? "PASS" : "FAIL");
   return r.ok() ? 0 : 1;

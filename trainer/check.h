@@ -13,6 +13,7 @@ struct CheckRow {
   std::string name;
   long long numel;
   double err_norm, ref_norm;  // ||got - ref||, ||ref||
+  double max_abs = 0;         // max |got - ref| over the elements
   double rel_err = 0;         // err_norm / ref_norm (see finalize_rows for ~zero references)
   bool vs_largest = false;
 };

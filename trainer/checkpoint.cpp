@@ -143,11 +143,33 @@ static json read_trainer_json(const std::string& dir) {
   }
 }
 
-TrainerState load_checkpoint(const std::string& dir, Module& model, Optimizer& opt) {
+TrainerState read_checkpoint_state(const std::string& dir) {
   json j = read_trainer_json(dir);
   TrainerState st;
-  st.step = j.at("step");
-  if (j.contains("extra")) st.extra = j["extra"].get<std::map<std::string, double>>();
+  try {
+    st.step = j.at("step");
+    if (j.contains("extra")) st.extra = j["extra"].get<std::map<std::string, double>>();
+  } catch (const std::exception& e) {
+    LOOM_CHECK(false, "%s/trainer.json: %s", dir.c_str(), e.what());
+  }
+  return st;
+}
+
+std::string resolve_checkpoint(const std::string& given, const std::string& what) {
+  std::string path = given;
+  while (path.size() > 1 && path.back() == '/') path.pop_back();  // "run/" names the run folder
+  struct stat s;
+  LOOM_CHECK(!path.empty() && stat(path.c_str(), &s) == 0 && S_ISDIR(s.st_mode), "%s: %s: no such folder", what.c_str(),
+             path.c_str());
+  if (stat((path + "/trainer.json").c_str(), &s) == 0) return path;
+  auto dirs = checkpoint_dirs(path);
+  LOOM_CHECK(!dirs.empty(), "%s: %s is neither a checkpoint folder (step_NNNNNNNN/ with trainer.json) nor a run folder "
+             "holding one", what.c_str(), path.c_str());
+  return path + "/" + dirs.back();
+}
+
+TrainerState load_checkpoint(const std::string& dir, Module& model, Optimizer& opt) {
+  TrainerState st = read_checkpoint_state(dir);
   opt.load_state_dict(load_safetensors(dir + "/optimizer.safetensors").tensors, dir + "/optimizer.safetensors");
   // parameters the optimizer does not own (frozen, EMA target) come from the model file
   auto sd = load_safetensors(dir + "/model.safetensors").tensors;

@@ -74,7 +74,7 @@ double knn_probe(const std::vector<float>& xtr, const std::vector<int32_t>& ytr,
   return double(correct) / double(std::max<int64_t>(m, 1));
 }
 
-static MIMConfig mim_config_from(const Config& cfg) {
+MIMConfig mim_config_from(const Config& cfg) {
   MIMConfig c;
   c.vit = vit_config_from(cfg);
   c.pred_dim = cfg.get_int("model.pred_dim");
@@ -111,11 +111,11 @@ static double probe(const std::vector<float>& ftr, const ImageSet& tr, const std
   return ridge_probe(ftr, tr.labels, fte, te.labels, d, classes);
 }
 
-int train_mim(const RunContext& ctx) {
-  const Config& cfg = ctx.cfg;
-  MIMConfig mc = mim_config_from(cfg);
+MIMData load_mim_data(const Config& cfg, const ViTConfig& vit) {
+  MIMData d;
+  ImageSet& train = d.train;
+  ImageSet& test = d.test;
   std::string ds = cfg.get_str("data.dataset");
-  ImageSet train, test;
   int ntrain = cfg.get_int("data.train_samples"), nval = cfg.get_int("data.val_samples");
   if (ds == "fashion_mnist") {
     std::string dir = cfg.get_str("data.path").empty() ? "/usr/share/datasets/fashion-mnist" : cfg.get_str("data.path");
@@ -123,7 +123,7 @@ int train_mim(const RunContext& ctx) {
     test = load_fashion_mnist("test", dir, nval);
   } else if (ds == "image_folder") {
     DataStats st;
-    ImageSet all = load_image_folder(cfg.get_str("data.path"), mc.vit.image_size, mc.vit.channels, &st);
+    ImageSet all = load_image_folder(cfg.get_str("data.path"), vit.image_size, vit.channels, &st);
     std::printf("%s\n", st.summary().c_str());
     int nv = std::min(nval, all.n / 5);
     size_t px = size_t(all.c) * all.h * all.w;
@@ -138,8 +138,8 @@ int train_mim(const RunContext& ctx) {
   } else if (ds == "synthetic") {  // SPEC §3 timing workload: random images, no probe
     Rng r(uint64_t(cfg.get_int64("data.seed")));
     train.n = 512;
-    train.c = mc.vit.channels;
-    train.h = train.w = mc.vit.image_size;
+    train.c = vit.channels;
+    train.h = train.w = vit.image_size;
     train.pixels.resize(size_t(train.n) * train.c * train.h * train.w);
     for (auto& x : train.pixels) x = float(r.normal());
     train.labels.assign(size_t(train.n), 0);
@@ -151,11 +151,41 @@ int train_mim(const RunContext& ctx) {
     LOOM_CHECK(false, "%s: data.dataset = %s is not an image dataset for vit_mim (fashion_mnist, image_folder, synthetic)",
                cfg.source().c_str(), ds.c_str());
   }
-  LOOM_CHECK(train.h == mc.vit.image_size && train.w == mc.vit.image_size && train.c == mc.vit.channels,
+  LOOM_CHECK(train.h == vit.image_size && train.w == vit.image_size && train.c == vit.channels,
              "%s: images are %dx%dx%d but the model expects %dx%dx%d (model.channels, model.image_size)",
-             cfg.source().c_str(), train.c, train.h, train.w, mc.vit.channels, mc.vit.image_size, mc.vit.image_size);
+             cfg.source().c_str(), train.c, train.h, train.w, vit.channels, vit.image_size, vit.image_size);
   std::printf("%d training images, %d for the probe's test split\n", train.n, test.n);
+  int probe_n = std::min(train.n, 10000);  // the probe trains on the first 10k training images
+  d.probe_train = train;
+  d.probe_train.n = probe_n;
+  d.probe_train.pixels.resize(size_t(probe_n) * train.c * train.h * train.w);
+  d.probe_train.labels.resize(size_t(probe_n));
+  return d;
+}
 
+EvalReport evaluate_mim(const ViT& encoder, const MIMData& d, const RunContext& ctx,
+                        const std::map<std::string, double>& baselines, int64_t step) {
+  const Config& cfg = ctx.cfg;
+  double acc = probe(encode_all(encoder, d.probe_train, ctx), d.probe_train, encode_all(encoder, d.test, ctx), d.test,
+                     encoder.cfg.dim, cfg);
+  EvalReport r;
+  r.metrics = baselines;
+  r.metrics["step"] = double(step);
+  r.metrics["probe"] = acc;
+  auto base = [&](const char* k) { return baselines.count(k) ? baselines.at(k) : 0.0; };
+  char txt[256];
+  std::snprintf(txt, sizeof txt, "eval at step %lld: %s probe %.2f%% (raw pixels %.2f%%, random-init encoder %.2f%%)",
+                (long long)step, cfg.get_str("eval.probe").c_str(), 100 * acc, 100 * base("probe_raw_pixels"),
+                100 * base("probe_random_init"));
+  r.text = txt;
+  return r;
+}
+
+int train_mim(const RunContext& ctx) {
+  const Config& cfg = ctx.cfg;
+  MIMConfig mc = mim_config_from(cfg);
+  MIMData data = load_mim_data(cfg, mc.vit);
+  const ImageSet &train = data.train, &test = data.test, &probe_tr = data.probe_train;
   Rng init_rng(ctx.seed);
   LatentMIM m(mc, Init{DType::F32, ctx.device, &init_rng});
   freeze_prefixes(m, cfg.get_str("train.freeze"));
@@ -168,11 +198,6 @@ int train_mim(const RunContext& ctx) {
   EMA ema(m.target, opt, "encoder.");
   std::printf("optimizer %s\n", opt.backend().c_str());
 
-  int probe_n = std::min(train.n, 10000);  // the probe trains on the first 10k training images
-  ImageSet probe_tr = train;
-  probe_tr.n = probe_n;
-  probe_tr.pixels.resize(size_t(probe_n) * train.c * train.h * train.w);
-  probe_tr.labels.resize(size_t(probe_n));
   int64_t steps = cfg.get_int64("train.steps"), start = 0;
   std::string ck = find_checkpoint(ctx, cfg.get_str("train.resume"));
   TrainerState st;
@@ -345,16 +370,8 @@ int train_mim(const RunContext& ctx) {
     bool save_now = (save_every > 0 && (s + 1) % save_every == 0) || last || stop;
     slog.flush(eval_now || save_now || stop);
     if (eval_now) {
-      double acc = probe(encode_all(m.encoder, probe_tr, ctx), probe_tr, encode_all(m.encoder, test, ctx), test,
-                         mc.vit.dim, cfg);
-      std::map<std::string, double> v = baselines;
-      v["step"] = double(s + 1);
-      v["probe"] = acc;
-      char txt[256];
-      std::snprintf(txt, sizeof txt, "eval at step %lld: %s probe %.2f%% (raw pixels %.2f%%, random-init encoder %.2f%%)",
-                    (long long)(s + 1), cfg.get_str("eval.probe").c_str(), 100 * acc, 100 * baselines["probe_raw_pixels"],
-                    100 * baselines["probe_random_init"]);
-      log.event("eval", v, txt);
+      EvalReport e = evaluate_mim(m.encoder, data, ctx, baselines, s + 1);
+      log.event("eval", e.metrics, e.text);
     }
     if (save_now) {
       st.step = s + 1;

@@ -40,7 +40,7 @@ void mkdirs(const std::string& path) {
   LOOM_CHECK(stat(path.c_str(), &s) == 0 && S_ISDIR(s.st_mode), "cannot create directory %s", path.c_str());
 }
 
-RunContext open_run(const Config& cfg, int rank, int world) {
+RunContext make_context(const Config& cfg, int rank, int world) {
   RunContext ctx;
   ctx.rank = rank;
   ctx.world = world;
@@ -62,6 +62,11 @@ RunContext open_run(const Config& cfg, int rank, int world) {
   cuda::set_attention_backend(attn == "cudnn" ? cuda::AttentionBackend::Cudnn
                               : attn == "loom" ? cuda::AttentionBackend::Loom
                                                : cuda::AttentionBackend::Auto);
+  return ctx;
+}
+
+RunContext open_run(const Config& cfg, int rank, int world) {
+  RunContext ctx = make_context(cfg, rank, world);
   mkdirs(ctx.out_dir);
   if (rank != 0) return ctx;  // data parallel: rank 0 prints and saves the config
   std::printf("# resolved config (%s)\n%s", cfg.source().c_str(), cfg.dump().c_str());

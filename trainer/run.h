@@ -26,10 +26,20 @@ struct RunContext {
   DataParallel* dp = nullptr;         // set when world > 1
 };
 
+// What an evaluation reports: the values of its "eval" line in metrics.jsonl and the text
+// printed (the same for the evaluations during training and ./train eval).
+struct EvalReport {
+  std::map<std::string, double> metrics;
+  std::string text;
+};
+
 // Resolves device/dtype ("auto": CUDA + bf16 when a GPU is usable, else CPU + f32), creates
 // out_dir, prints the resolved config and saves it as out_dir/config.cfg.
 // rank / world: a data-parallel rank (trainer/distributed.h); ranks other than 0 write no run files.
 RunContext open_run(const Config& cfg, int rank = 0, int world = 1);
+// The same resolution of device, dtype and attention backend without touching any folder
+// (./train eval and export read a finished run and write nothing into it).
+RunContext make_context(const Config& cfg, int rank = 0, int world = 1);
 
 struct StepStats {
   int64_t step = 0, total = 0;
@@ -74,6 +84,11 @@ TrainerState load_checkpoint(const std::string& dir, Module& model, Optimizer& o
 // the model weights of a checkpoint folder (for chat / init from a checkpoint)
 std::map<std::string, Tensor> load_checkpoint_model(const std::string& dir);
 std::string checkpoint_config_text(const std::string& dir);
+// step and extra (probe baselines, NaN skips) of a checkpoint, without the optimizer
+TrainerState read_checkpoint_state(const std::string& dir);
+// A checkpoint folder (trainer.json) as given, or a run folder's newest checkpoint, as
+// --train.resume / model.lm_init resolve them; `what` prefixes the error, which names the path.
+std::string resolve_checkpoint(const std::string& run_or_checkpoint, const std::string& what);
 
 // Non-finite loss or gradient norm: skip the step and say so; too many in a row stop the run
 // (the last checkpoint stays intact).

@@ -11,6 +11,7 @@
 #include "data/shapes.h"
 #include "nn/hf.h"
 #include "trainer/distributed.h"
+#include "trainer/eval.h"
 #include "trainer/init_weights.h"
 #include "trainer/mim_trainer.h"
 #include "trainer/prefetch.h"
@@ -41,67 +42,6 @@ static double vlm_step_flops(const VLMConfig& c, const PackedBatch& pb) {
 
 static double memory_mb(Device d) {
   return d == Device::CUDA ? double(cuda::bytes_in_use()) / 1048576.0 : double(cpu_bytes_in_use()) / 1048576.0;
-}
-
-struct VLMEval {
-  double val_loss = 0, accuracy = 0;
-  std::map<std::string, std::pair<int, int>> by_type;  // qtype -> (correct, total)
-};
-
-static std::string trim(std::string s) {
-  while (!s.empty() && std::isspace((unsigned char)s.back())) s.pop_back();
-  size_t i = 0;
-  while (i < s.size() && std::isspace((unsigned char)s[i])) i++;
-  return s.substr(i);
-}
-
-static VLMEval evaluate_vlm(const VLM& m, const VLMData& d, const RunContext& ctx, int max_samples) {
-  NoGradGuard ng;
-  VLMEval e;
-  int n = std::min<int>(max_samples, int(d.val.size()));
-  // validation loss on packed batches of the held-out samples
-  std::vector<Sample> vs(d.val_samples.begin(), d.val_samples.begin() + n);
-  auto rows = plan_rows(vs, ctx.cfg.get_int("data.pack_max_length"), true);
-  double loss_sum = 0;
-  int nb = 0;
-  size_t per = size_t(std::max(1, ctx.cfg.get_int("train.batch_size")));
-  for (size_t r = 0; r < rows.size(); r += per) {
-    std::vector<std::vector<int>> chunk(rows.begin() + long(r), rows.begin() + long(std::min(rows.size(), r + per)));
-    PackedBatch pb = build_batch(vs, chunk, ctx.cfg.get_int("data.pack_max_length"), d.pad_id, d.image_token);
-    loss_sum += m.loss(to_device(d, pb, ctx.device, ctx.compute)).item();
-    nb++;
-  }
-  e.val_loss = nb ? loss_sum / nb : 0;
-  // exact-match answers by greedy generation
-  Rng rng(0);
-  int correct = 0;
-  for (int i = 0; i < n; i++) {
-    const QA& q = d.val[size_t(i)];
-    Tensor img = Tensor::from_vector(d.images[size_t(q.image)], {1, d.channels, d.image_size, d.image_size})
-                     .to(ctx.compute)
-                     .to(ctx.device);
-    auto ids = generate(m, img, qa_prompt(d, q.question), ctx.cfg.get_int("eval.max_new_tokens"), d.end_id, 0, rng);
-    bool ok = trim(d.tok->decode(ids, true)) == trim(q.answer);
-    correct += ok;
-    e.by_type[q.qtype].first += ok;
-    e.by_type[q.qtype].second++;
-  }
-  e.accuracy = n ? double(correct) / n : 0;
-  return e;
-}
-
-static std::string eval_table(const VLMEval& e, const VLMData& d) {
-  std::string s = "answer accuracy (exact match, greedy) vs majority baseline:\n";
-  char b[160];
-  for (auto& [t, h] : e.by_type) {
-    double base = d.baseline.count(t) ? d.baseline.at(t) : 0;
-    std::snprintf(b, sizeof b, "  %-10s %5.1f%%  (%d/%d)   baseline %5.1f%%\n", t.c_str(), 100.0 * h.first / h.second,
-                  h.first, h.second, 100 * base);
-    s += b;
-  }
-  std::snprintf(b, sizeof b, "  %-10s %5.1f%%             baseline %5.1f%%", "all", 100 * e.accuracy,
-                100 * (d.baseline.count("all") ? d.baseline.at("all") : 0));
-  return s + b;
 }
 
 // Initial weights: an HF folder, a checkpoint or run folder, or a .safetensors file
@@ -291,11 +231,9 @@ static int train_vlm(const RunContext& ctx) {
     bool save_now = (save_every > 0 && (s + 1) % save_every == 0) || last || stop;
     slog.flush(eval_now || save_now || stop);
     if (eval_now) {
-      VLMEval e = evaluate_vlm(m, d, ctx, last ? cfg.get_int("eval.samples") : std::min(100, cfg.get_int("eval.samples")));
-      std::map<std::string, double> v = {{"step", double(s + 1)}, {"val_loss", e.val_loss}, {"accuracy", e.accuracy}};
-      for (auto& [t, h] : e.by_type) v["acc_" + t] = double(h.first) / h.second;
-      log.event("eval", v, "eval at step " + std::to_string(s + 1) + ": val loss " + std::to_string(e.val_loss) + "\n" +
-                               eval_table(e, d));
+      EvalReport e = evaluate_vlm(m, d, ctx, last ? cfg.get_int("eval.samples") : std::min(100, cfg.get_int("eval.samples")),
+                                  s + 1);
+      log.event("eval", e.metrics, e.text);
     }
     if (save_now) {
       st.step = s + 1;
@@ -384,13 +322,7 @@ int chat_command(int argc, char** argv) {
     else ck = a;
   }
   LOOM_CHECK(!ck.empty(), "usage: ./train chat CHECKPOINT --image IMG [--prompt TEXT] [--temperature T]");
-  if (ck == "latest" || ck.find("step_") == std::string::npos) {  // a run folder: its newest checkpoint
-    RunContext tmp;
-    tmp.out_dir = ck == "latest" ? "runs/vlm_sft" : ck;
-    std::string found = find_checkpoint(tmp, "latest");
-    LOOM_CHECK(!found.empty(), "chat: no checkpoint in %s", tmp.out_dir.c_str());
-    ck = found;
-  }
+  ck = resolve_checkpoint(ck == "latest" ? "runs/vlm_sft" : ck, "chat");  // a run folder: its newest checkpoint
   Config cfg = Config::parse(checkpoint_config_text(ck), ck + "/trainer.json");
   cfg.set("train.device", device);
   cfg.set("train.out_dir", ck + "/..");
