@@ -7,6 +7,9 @@
 // line up with the tokens. For ordinary content this equals encoding the whole templated
 // string (special tokens cut the text anyway); content that starts with whitespace is where
 // the two can differ: a whole-string encoding may glue the header's "\n" to it.
+// With a SentencePiece-kind tokenizer whose normalizer prepends "▁" to every piece of text
+// (Llama 2's Prepend), each piece here gets its own "▁", where a whole-string encoding has
+// one per stretch of text between special tokens.
 #pragma once
 #include <cstdint>
 #include <string>

@@ -85,3 +85,16 @@ TEST_CASE("chat: bad role and a tokenizer without ChatML tokens are errors", "[c
   Tokenizer plain = Tokenizer::train({"hello world"}, 300, {"<|endoftext|>"});
   CHECK_THROWS_WITH(apply_chat_template(plain, {{"user", "hi"}}), Catch::Contains("<|im_start|>"));
 }
+
+TEST_CASE("chat: a SentencePiece-kind tokenizer with the ChatML tokens added", "[chat]") {
+  // Llama 2's front end prepends "▁" to every piece it encodes, so each piece of the template
+  // starts with a space token; labels still cover exactly the assistant contents and <|im_end|>
+  Tokenizer tok = Tokenizer::from_file("tests/fixtures/tokenizer_spm_llama2/tokenizer.json")
+                      .with_special_tokens({"<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>"});
+  std::vector<ChatTurn> turns = {{"user", "<image>\nWhat colour is the square?"}, {"assistant", "Red."}};
+  ChatEncoding enc = apply_chat_template(tok, turns);
+  check_labels(tok, turns, enc);
+  CHECK(std::count(enc.ids.begin(), enc.ids.end(), tok.token_id("<image>")) == 1);
+  CHECK(enc.ids[0] == tok.token_id("<|im_start|>"));
+  CHECK(tok.decode(tok.encode(turns[1].content)) == "Red.");
+}
