@@ -179,6 +179,10 @@ void Tokenizer::Impl::bpe(const std::string& word, std::vector<int32_t>& out) co
       return;
     }
   }
+  if (word.size() >= kCacheMaxLen) {
+    bpe_uncached(word, out);
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(cache_mu);
     auto it = cache.find(word);

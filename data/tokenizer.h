@@ -73,8 +73,9 @@ class Tokenizer {
   int num_merges() const;
   const std::string& origin() const;                  // file name or "<trained>"
 
-  // Steps 2-3 of the pipeline without added-token matching: the byte-level pre-tokens of
-  // `text` (what the trainer counts and what BPE sees).
+  // Steps 2-3 of the pipeline without added-token matching: the pre-tokens of `text` as BPE
+  // sees them (byte-level characters, or "▁" for spaces; what the trainer counts). The text
+  // counts as the start of the input (Metaspace's prepend_scheme "first" applies).
   std::vector<std::string> pre_tokenize(const std::string& text) const;
 
   struct Impl;

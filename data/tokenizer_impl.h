@@ -144,8 +144,10 @@ struct Tokenizer::Impl {
   std::vector<DecodeStep> decoders;
   // kept verbatim for save()
   json normalizer_json, pre_json, post_json, decoder_json, truncation_json, padding_json;
-  // per pre-token cache (HF keeps one too); bounded so a long run cannot grow it forever
-  static constexpr size_t kCacheCap = 1 << 18;
+  // per pre-token cache (HF keeps one too); bounded so a long run cannot grow it forever.
+  // Only short pre-tokens are kept (HF: under 256 bytes): without a pre-tokenizer (Llama 2,
+  // Gemma) a pre-token is a whole stretch of text, which would rarely be seen again.
+  static constexpr size_t kCacheCap = 1 << 18, kCacheMaxLen = 256;
   mutable std::mutex cache_mu;
   mutable std::unordered_map<std::string, std::vector<int32_t>> cache;
 
