@@ -131,29 +131,29 @@ void split_by(const std::string& s, const text::Regex& re, Behavior behavior, bo
     if (e > b) out.emplace_back(b, e);
 }
 
-struct Piece {
+struct PreToken {
   std::string s;
   bool first;  // starts at offset 0 of the original text
 };
 }  // namespace
 
 void Tokenizer::Impl::pre_tokenize(const std::string& s, bool first, std::vector<std::string>& out) const {
-  std::vector<Piece> cur, next;
+  std::vector<PreToken> cur, next;
   if (!s.empty()) cur.push_back({s, first});
   static const text::Regex gpt2(kGpt2Pattern);
   std::vector<std::pair<size_t, size_t>> ranges;
-  auto cut = [&](const Piece& p, const text::Regex& re, Behavior b, bool invert) {
+  auto cut = [&](const PreToken& p, const text::Regex& pattern, Behavior behavior, bool invert) {
     ranges.clear();
-    split_by(p.s, re, b, invert, ranges);
-    for (auto [rb, re_] : ranges) next.push_back({p.s.substr(rb, re_ - rb), p.first && rb == 0});
+    split_by(p.s, pattern, behavior, invert, ranges);
+    for (auto [b, e] : ranges) next.push_back({p.s.substr(b, e - b), p.first && b == 0});
   };
   for (const PreStep& st : pre) {
     next.clear();
-    for (Piece& p : cur) {
+    for (PreToken& p : cur) {
       if (st.kind == PreStep::Split) {
         cut(p, *st.re, st.behavior, st.invert);
       } else if (st.kind == PreStep::Metaspace) {
-        Piece m{metaspace_rewrite(st, p.s, p.first), p.first};
+        PreToken m{metaspace_rewrite(st, p.s, p.first), p.first};
         if (st.split) cut(m, *st.re, Behavior::MergedWithNext, false);  // HF: before each "▁"
         else if (!m.s.empty()) next.push_back(std::move(m));
       } else {
