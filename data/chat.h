@@ -36,8 +36,9 @@ struct ChatEncoding {
 
 inline constexpr int32_t kIgnoreLabel = -100;
 
-// Throws std::invalid_argument for a role other than the three above, and (from the
-// tokenizer) std::out_of_range when <|im_start|> or <|im_end|> is not in the vocabulary.
+// Throws std::invalid_argument for a role other than the three above, (from the tokenizer)
+// std::out_of_range when <|im_start|> or <|im_end|> is not in the vocabulary, and
+// std::logic_error when one is only a model-vocabulary piece, not cut out of text as a token.
 // "<image>" inside content stays one id (the data layer expands it).
 ChatEncoding apply_chat_template(const Tokenizer& tok, const std::vector<ChatTurn>& turns);
 
