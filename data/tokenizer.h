@@ -17,7 +17,8 @@
 //   4. model BPE: each pre-token is split into characters (a character not in the
 //      vocabulary becomes its <0xXX> byte tokens with byte_fallback, else unk, consecutive
 //      unks fused with fuse_unk), then the pair of adjacent symbols with the lowest merge
-//      rank is merged (leftmost first) until none is left. Results are cached per pre-token.
+//      rank is merged (leftmost first) until none is left. Results are cached per pre-token
+//      (those under 256 bytes, as HF does).
 // Decoding: ids -> token strings (special ones skipped on request) -> the decoder chain
 // (ByteLevel | Replace | ByteFallback | Fuse | Strip | Metaspace | Sequence; none: the
 // tokens joined by ' ') -> the strings joined. Invalid UTF-8 becomes U+FFFD as HF does:
