@@ -2,11 +2,17 @@
 //
 //   <|im_start|>{role}\n{content}<|im_end|>\n      per turn
 //
-// Each piece (header "<|im_start|>{role}\n", content, "<|im_end|>", "\n") is encoded on its
-// own and the ids concatenated, so every token belongs to exactly one piece and the labels
-// line up with the tokens. For ordinary content this equals encoding the whole templated
-// string (special tokens cut the text anyway); content that starts with whitespace is where
-// the two can differ: a whole-string encoding may glue the header's "\n" to it.
+// A turn is encoded as the text after a special token, the way a whole templated string is:
+// "<|im_start|>{role}\n{content}" and "<|im_end|>\n" are each encoded and their ids
+// concatenated (the special tokens cut the text anyway). So a tokenizer whose front end
+// depends on where a stretch of text starts sees each stretch as it would in the whole
+// string: Llama 2's normalizer puts one "▁" before "{role}\n{content}", not one before the
+// role and another before the content; Mistral's Metaspace(prepend_scheme "first") puts none.
+// The labels need the content's tokens apart from the header's: when the header's ids are a
+// prefix of the turn's, the rest is the content. When a token straddles the two (byte-level
+// content that starts with whitespace: the pre-tokenizer may glue the header's "\n" to it),
+// the header and the content are encoded on their own instead; there, and only there, the ids
+// differ from a whole-string encoding.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -30,8 +36,9 @@ struct ChatEncoding {
 
 inline constexpr int32_t kIgnoreLabel = -100;
 
-// Throws std::invalid_argument for a role other than the three above, and (from the
-// tokenizer) std::out_of_range when <|im_start|> or <|im_end|> is not in the vocabulary.
+// Throws std::invalid_argument for a role other than the three above, (from the tokenizer)
+// std::out_of_range when <|im_start|> or <|im_end|> is not in the vocabulary, and
+// std::logic_error when one is only a model-vocabulary piece, not cut out of text as a token.
 // "<image>" inside content stays one id (the data layer expands it).
 ChatEncoding apply_chat_template(const Tokenizer& tok, const std::vector<ChatTurn>& turns);
 

@@ -74,9 +74,9 @@ std::vector<Segment> Tokenizer::Impl::split_added(const std::string& s, const Tr
 // ------------------------------------------------------------------ pre-tokenizer
 namespace {
 // HF's NormalizedString::split: cut s at the regex's matches and keep/merge/remove the
-// pieces by behaviour; empty pieces are dropped.
+// pieces by behaviour; empty pieces are dropped. Appends [begin, end) byte ranges of s.
 void split_by(const std::string& s, const text::Regex& re, Behavior behavior, bool invert,
-              std::vector<std::string>& out) {
+              std::vector<std::pair<size_t, size_t>>& out) {
   std::vector<std::pair<size_t, size_t>> m;
   re.find_all(s, m);
   struct Piece {
@@ -128,31 +128,46 @@ void split_by(const std::string& s, const text::Regex& re, Behavior behavior, bo
       break;
   }
   for (auto [b, e] : keep)
-    if (e > b) out.push_back(s.substr(b, e - b));
+    if (e > b) out.emplace_back(b, e);
 }
+
+struct PreToken {
+  std::string s;
+  bool first;  // starts at offset 0 of the original text
+};
 }  // namespace
 
-void Tokenizer::Impl::pre_tokenize(const std::string& s, std::vector<std::string>& out) const {
-  std::vector<std::string> cur, next;
-  if (!s.empty()) cur.push_back(s);
+void Tokenizer::Impl::pre_tokenize(const std::string& s, bool first, std::vector<std::string>& out) const {
+  std::vector<PreToken> cur, next;
+  if (!s.empty()) cur.push_back({s, first});
   static const text::Regex gpt2(kGpt2Pattern);
+  std::vector<std::pair<size_t, size_t>> ranges;
+  auto cut = [&](const PreToken& p, const text::Regex& pattern, Behavior behavior, bool invert) {
+    ranges.clear();
+    split_by(p.s, pattern, behavior, invert, ranges);
+    for (auto [b, e] : ranges) next.push_back({p.s.substr(b, e - b), p.first && b == 0});
+  };
   for (const PreStep& st : pre) {
     next.clear();
-    for (std::string& p : cur) {
-      if (!st.byte_level) {
-        split_by(p, *st.re, st.behavior, st.invert, next);
-        continue;
+    for (PreToken& p : cur) {
+      if (st.kind == PreStep::Split) {
+        cut(p, *st.re, st.behavior, st.invert);
+      } else if (st.kind == PreStep::Metaspace) {
+        PreToken m{metaspace_rewrite(st, p.s, p.first), p.first};
+        if (st.split) cut(m, *st.re, Behavior::MergedWithNext, false);  // HF: before each "▁"
+        else if (!m.s.empty()) next.push_back(std::move(m));
+      } else {
+        // HF: the prefix space is added to every piece reaching ByteLevel, not only the first
+        if (st.add_prefix_space && p.s[0] != ' ') p.s.insert(p.s.begin(), ' ');
+        size_t at = next.size();
+        if (st.use_regex) cut(p, gpt2, Behavior::Isolated, false);
+        else next.push_back(p);
+        for (size_t k = at; k < next.size(); k++) next[k].s = text::bytes_to_chars(next[k].s);
       }
-      // HF: the prefix space is added to every piece reaching ByteLevel, not only the first
-      if (st.add_prefix_space && p[0] != ' ') p.insert(p.begin(), ' ');
-      size_t first = next.size();
-      if (st.use_regex) split_by(p, gpt2, Behavior::Isolated, false, next);
-      else next.push_back(p);
-      for (size_t k = first; k < next.size(); k++) next[k] = text::bytes_to_chars(next[k]);
     }
     cur.swap(next);
   }
-  for (auto& p : cur) out.push_back(std::move(p));
+  for (auto& p : cur) out.push_back(std::move(p.s));
 }
 
 // ------------------------------------------------------------------ BPE
@@ -163,6 +178,10 @@ void Tokenizer::Impl::bpe(const std::string& word, std::vector<int32_t>& out) co
       out.push_back(it->second);
       return;
     }
+  }
+  if (word.size() >= kCacheMaxLen) {
+    bpe_uncached(word, out);
+    return;
   }
   {
     std::lock_guard<std::mutex> lock(cache_mu);
@@ -274,7 +293,7 @@ std::vector<std::string> Tokenizer::pre_tokenize(const std::string& text) const 
   if (bad != std::string::npos)
     throw std::invalid_argument("tokenizer: text is not valid UTF-8 at byte " + std::to_string(bad));
   std::vector<std::string> out;
-  impl_->pre_tokenize(impl_->normalize(text), out);
+  impl_->pre_tokenize(impl_->normalize(text), true, out);
   return out;
 }
 
@@ -297,7 +316,8 @@ std::vector<int32_t> Tokenizer::encode(const std::string& text) const {
         continue;
       }
       words.clear();
-      im.pre_tokenize(norm.substr(seg.begin, seg.end - seg.begin), words);
+      // HF: Metaspace's "first" looks at where the piece starts in the original text
+      im.pre_tokenize(norm.substr(seg.begin, seg.end - seg.begin), raw.begin == 0 && seg.begin == 0, words);
       for (const std::string& w : words) im.bpe(w, ids);
     }
   }
@@ -306,34 +326,20 @@ std::vector<int32_t> Tokenizer::encode(const std::string& text) const {
 
 std::string Tokenizer::decode(const std::vector<int32_t>& ids, bool skip_special) const {
   const Impl& im = *impl_;
-  std::string bytes;
+  std::vector<std::string> toks;
+  toks.reserve(ids.size());
   for (size_t i = 0; i < ids.size(); i++) {
     int32_t id = ids[i];
     if (id < 0 || size_t(id) >= im.id_kind.size() || im.id_kind[size_t(id)] == 0)
       throw std::out_of_range("tokenizer " + im.origin + ": decode: id " + std::to_string(id) +
                               " (at " + std::to_string(i) + ") is not in the vocabulary");
     if (skip_special && (im.id_kind[size_t(id)] & 4)) continue;
-    const std::string& tok = im.id_to_tok[size_t(id)];
-    if (!im.byte_level_decoder) {
-      if (!bytes.empty()) bytes += ' ';
-      bytes += tok;
-      continue;
-    }
-    // HF's ByteLevel decoder: a token whose characters all come from the byte map becomes
-    // those bytes; any other token (e.g. an added "<|im_start|>" with a space) stays as is
-    std::string tb;
-    const auto* p = reinterpret_cast<const unsigned char*>(tok.data());
-    bool all = true;
-    for (size_t k = 0; k < tok.size() && all;) {
-      uint32_t cp;
-      int n = text::utf8_seq(p + k, tok.size() - k, &cp);
-      int b = n > 0 ? text::char_to_byte(cp) : -1;
-      if (b < 0) all = false;
-      else tb += char(b), k += size_t(n);
-    }
-    bytes += all ? tb : tok;
+    toks.push_back(im.id_to_tok[size_t(id)]);
   }
-  return text::utf8_lossy(bytes);
+  if (im.has_decoder) return im.run_decoders(std::move(toks));
+  std::string out;  // HF without a decoder: the tokens joined by spaces
+  for (size_t i = 0; i < toks.size(); i++) out += (i ? " " : "") + toks[i];
+  return out;
 }
 
 // ------------------------------------------------------------------ lookups and save

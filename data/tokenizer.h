@@ -1,19 +1,28 @@
-// tokenizer.h: a byte-level BPE tokenizer that reads and writes HF `tokenizer.json` files
-// and encodes id for id like HF tokenizers, plus a BPE trainer.
+// tokenizer.h: a BPE tokenizer that reads and writes HF `tokenizer.json` files and encodes
+// id for id like HF tokenizers, plus a byte-level BPE trainer. Both families of BPE files
+// load: byte-level (GPT-2, SmolLM2: every byte one printable character) and SentencePiece
+// conversions (Llama 2, Gemma, Mistral: spaces as U+2581 "▁", characters missing from the
+// vocabulary as <0xXX> byte tokens with byte_fallback).
 //
 // Encoding runs the HF pipeline, in this order:
 //   1. added tokens: the text is cut at every added token (leftmost, then longest match).
 //      Tokens with normalized=false (all special tokens) are matched on the raw text, the
 //      others on the normalized text; their ids are emitted as they are.
-//   2. normalizer (null | NFC | NFD | NFKC | NFKD | Lowercase | Sequence) on the pieces
-//      between added tokens.
-//   3. pre-tokenizer (ByteLevel | Digits | Split | Sequence): pieces cut into pre-tokens;
-//      ByteLevel maps every byte to one printable character (GPT-2's bytes_to_unicode).
-//   4. model BPE: each pre-token is split into characters, then the pair of adjacent
-//      symbols with the lowest merge rank is merged (leftmost first) until none is left.
-//      Results are cached per pre-token.
-// Decoding: ids -> token strings (special ones skipped on request) -> ByteLevel decoder
-// (characters back to bytes; invalid UTF-8 becomes U+FFFD as HF's from_utf8_lossy does).
+//   2. normalizer (null | NFC | NFD | NFKC | NFKD | Lowercase | Prepend | Replace |
+//      Sequence) on each piece between added tokens.
+//   3. pre-tokenizer (null | ByteLevel | Metaspace | Digits | Split | Sequence): pieces cut
+//      into pre-tokens; ByteLevel maps every byte to one printable character (GPT-2's
+//      bytes_to_unicode); Metaspace writes ' ' as "▁", prepends one (prepend_scheme
+//      always | first: only to the piece that starts the text | never) and may split.
+//   4. model BPE: each pre-token is split into characters (a character not in the
+//      vocabulary becomes its <0xXX> byte tokens with byte_fallback, else unk, consecutive
+//      unks fused with fuse_unk), then the pair of adjacent symbols with the lowest merge
+//      rank is merged (leftmost first) until none is left. Results are cached per pre-token
+//      (those under 256 bytes, as HF does).
+// Decoding: ids -> token strings (special ones skipped on request) -> the decoder chain
+// (ByteLevel | Replace | ByteFallback | Fuse | Strip | Metaspace | Sequence; none: the
+// tokens joined by ' ') -> the strings joined. Invalid UTF-8 becomes U+FFFD as HF does:
+// ByteLevel per ill-formed subpart, ByteFallback once per byte of an invalid run.
 //
 // Not applied: post_processor (encode never adds BOS/EOS; callers add them explicitly),
 // truncation and padding. They are kept and written back by save().
@@ -42,6 +51,12 @@ class Tokenizer {
   static Tokenizer train(const std::vector<std::string>& texts, int vocab_size,
                          const std::vector<std::string>& special_tokens);
 
+  // A copy with `tokens` added as special tokens, as HF's add_special_tokens does: a token
+  // that is already an added token stays as it is, one in the model vocabulary becomes an
+  // added token with its id, any other gets the next free id (vocab_size(), then on).
+  // Like every special token, they are cut out of the raw text before normalization.
+  Tokenizer with_special_tokens(const std::vector<std::string>& tokens) const;
+
   void save(const std::string& path) const;   // HF-compatible tokenizer.json
   std::string to_json() const;                 // the same document as a string
 
@@ -59,8 +74,9 @@ class Tokenizer {
   int num_merges() const;
   const std::string& origin() const;                  // file name or "<trained>"
 
-  // Steps 2-3 of the pipeline without added-token matching: the byte-level pre-tokens of
-  // `text` (what the trainer counts and what BPE sees).
+  // Steps 2-3 of the pipeline without added-token matching: the pre-tokens of `text` as BPE
+  // sees them (byte-level characters, or "▁" for spaces; what the trainer counts). The text
+  // counts as the start of the input (Metaspace's prepend_scheme "first" applies).
   std::vector<std::string> pre_tokenize(const std::string& text) const;
 
   struct Impl;

@@ -1,5 +1,5 @@
-// tokenizer_impl.h: the state behind a Tokenizer, shared by tokenizer.cpp (encode, decode)
-// and tokenizer_io.cpp (load, save). Internal to data/tokenizer*.cpp.
+// tokenizer_impl.h: the state behind a Tokenizer, shared by tokenizer.cpp (encode, decode),
+// tokenizer_spm.cpp (normalizers, Metaspace, decoders) and tokenizer_io.cpp (load, save). Internal to data/tokenizer*.cpp.
 #pragma once
 #include <nlohmann/json.hpp>
 
@@ -20,13 +20,40 @@ namespace tokenizer_detail {
 
 enum class Behavior { Removed, Isolated, MergedWithPrevious, MergedWithNext, Contiguous };
 
+// HF's Metaspace prepend_scheme: when the replacement character is put before a piece.
+enum class Prepend { Always, First, Never };
+
+// One normalizer step: a Unicode form or Lowercase, Prepend (a prefix on non-empty text) or
+// Replace (every match of a pattern by `content`).
+struct NormStep {
+  enum Kind { Form, PrependText, Replace } kind = Form;
+  text::NormForm form = text::NormForm::NFC;
+  std::string content;
+  std::shared_ptr<text::Regex> re;  // Replace
+};
+
 // One pre-tokenizer step. Digits is a Split on \p{N} (HF: char::is_numeric, i.e. Nd|Nl|No).
+// Metaspace writes ' ' as `replacement`, may prepend it, and may split before each one.
 struct PreStep {
-  bool byte_level = false;
+  enum Kind { Split, ByteLevel, Metaspace } kind = Split;
   bool add_prefix_space = false, use_regex = true;      // ByteLevel
-  std::shared_ptr<text::Regex> re;                      // Split / Digits
+  std::shared_ptr<text::Regex> re;                      // Split / Digits; Metaspace: the replacement
   Behavior behavior = Behavior::Isolated;
   bool invert = false;
+  std::string replacement;                              // Metaspace
+  Prepend prepend = Prepend::Always;
+  bool split = true;
+};
+
+// One decoder step; decoders map a list of token strings to another (HF's decode_chain),
+// and the result is joined with "".
+struct DecodeStep {
+  enum Kind { ByteLevel, Replace, ByteFallback, Fuse, Strip, Metaspace } kind = ByteLevel;
+  std::shared_ptr<text::Regex> re;  // Replace: the pattern
+  std::string content;              // Replace: the replacement
+  uint32_t ch = 0;                  // Strip: the character; Metaspace: the replacement
+  size_t start = 0, stop = 0;       // Strip: at most this many from the start / the end
+  Prepend prepend = Prepend::Always;
 };
 
 // GPT-2's pre-tokenizer regex, which HF's ByteLevel(use_regex=true) applies.
@@ -81,6 +108,12 @@ struct Segment {
 
 inline uint64_t pair_key(int32_t a, int32_t b) { return (uint64_t(uint32_t(a)) << 32) | uint32_t(b); }
 
+// tokenizer_spm.cpp: every match of re in s replaced by content (HF's Replace).
+std::string replace_all(const std::string& s, const text::Regex& re, const std::string& content);
+// Metaspace's rewrite of one piece before its split: ' ' -> replacement, then the prefix that
+// prepend_scheme asks for (`first`: the piece starts the original text).
+std::string metaspace_rewrite(const PreStep& st, const std::string& piece, bool first);
+
 [[noreturn]] inline void fail(const std::string& origin, const std::string& path, const std::string& msg) {
   throw std::runtime_error("tokenizer " + origin + ": " + path + ": " + msg);
 }
@@ -105,22 +138,24 @@ struct Tokenizer::Impl {
   std::vector<AddedToken> added;
   std::unordered_map<std::string, int32_t> added_ids;
   Trie raw_trie, norm_trie;  // added tokens matched before / after normalization
-  std::vector<text::NormForm> normalizers;
+  std::vector<NormStep> normalizers;
   std::vector<PreStep> pre;
-  bool byte_level_decoder = true;  // else HF's no-decoder fallback: join tokens with ' '
+  bool has_decoder = true;  // else HF's no-decoder fallback: join the tokens with ' '
+  std::vector<DecodeStep> decoders;
   // kept verbatim for save()
   json normalizer_json, pre_json, post_json, decoder_json, truncation_json, padding_json;
-  // per pre-token cache (HF keeps one too); bounded so a long run cannot grow it forever
-  static constexpr size_t kCacheCap = 1 << 18;
+  // per pre-token cache (HF keeps one too); bounded so a long run cannot grow it forever.
+  // Only short pre-tokens are kept (HF: under 256 bytes): without a pre-tokenizer (Llama 2,
+  // Gemma) a pre-token is a whole stretch of text, which would rarely be seen again.
+  static constexpr size_t kCacheCap = 1 << 18, kCacheMaxLen = 256;
   mutable std::mutex cache_mu;
   mutable std::unordered_map<std::string, std::vector<int32_t>> cache;
 
   std::vector<Segment> split_added(const std::string& s, const Trie& trie) const;
-  std::string normalize(std::string s) const {
-    for (auto f : normalizers) s = text::normalize(s, f);
-    return s;
-  }
-  void pre_tokenize(const std::string& s, std::vector<std::string>& out) const;
+  std::string normalize(std::string s) const;  // tokenizer_spm.cpp
+  // `first`: s starts at offset 0 of the original text (Metaspace's prepend_scheme "first")
+  void pre_tokenize(const std::string& s, bool first, std::vector<std::string>& out) const;
+  std::string run_decoders(std::vector<std::string> tokens) const;  // tokenizer_spm.cpp
   void bpe(const std::string& word, std::vector<int32_t>& out) const;
   void bpe_uncached(const std::string& word, std::vector<int32_t>& out) const;
 };

@@ -29,27 +29,78 @@ std::string type_of(const json& j, const std::string& origin, const std::string&
   return it->get<std::string>();
 }
 
+// {"String": s} (matched literally) or {"Regex": r}, as Split and Replace take it.
+std::shared_ptr<text::Regex> parse_pattern(const json& pat, const std::string& origin, const std::string& path) {
+  try {
+    if (pat.is_object() && pat.contains("Regex") && pat["Regex"].is_string())
+      return std::make_shared<text::Regex>(pat["Regex"].get<std::string>());
+    if (pat.is_object() && pat.contains("String") && pat["String"].is_string())
+      return std::make_shared<text::Regex>(pat["String"].get<std::string>(), true);
+  } catch (const std::runtime_error& e) {
+    fail(origin, path, e.what());
+  }
+  fail(origin, path, "expected {\"Regex\": ...} or {\"String\": ...}");
+}
+
+std::string str_field(const json& j, const char* key, const std::string& origin, const std::string& path) {
+  auto it = j.find(key);
+  if (it == j.end() || !it->is_string()) fail(origin, path + "." + key, "expected a string");
+  return it->get<std::string>();
+}
+
+// A field that HF reads as one Rust char: exactly one code point.
+uint32_t char_field(const json& j, const char* key, const std::string& origin, const std::string& path) {
+  std::string s = str_field(j, key, origin, path);
+  uint32_t cp = 0;
+  int n = s.empty() ? 0 : text::utf8_seq(reinterpret_cast<const unsigned char*>(s.data()), s.size(), &cp);
+  if (n <= 0 || size_t(n) != s.size()) fail(origin, path + "." + key, "expected one character, got \"" + s + "\"");
+  return cp;
+}
+
+// Metaspace's prepend_scheme (default "always"); the older add_prefix_space = false means
+// "never" and, as in HF, contradicts any other declared scheme.
+Prepend parse_prepend(const json& j, const std::string& origin, const std::string& path) {
+  Prepend p = Prepend::Always;
+  if (j.contains("prepend_scheme") && !j["prepend_scheme"].is_null()) {
+    std::string s = str_field(j, "prepend_scheme", origin, path);
+    if (s == "first") p = Prepend::First;
+    else if (s == "never") p = Prepend::Never;
+    else if (s != "always") fail(origin, path + ".prepend_scheme", "unsupported prepend_scheme \"" + s + "\"");
+  }
+  if (!opt_bool(j, "add_prefix_space", true)) {
+    if (p != Prepend::Never) fail(origin, path + ".add_prefix_space", "add_prefix_space does not match prepend_scheme");
+    p = Prepend::Never;
+  }
+  return p;
+}
+
 void parse_normalizer(const json& j, const std::string& origin, const std::string& path,
-                      std::vector<text::NormForm>& out) {
+                      std::vector<NormStep>& out) {
   if (j.is_null()) return;
   std::string t = type_of(j, origin, path);
+  static const std::pair<const char*, text::NormForm> forms[] = {
+      {"NFC", text::NormForm::NFC}, {"NFD", text::NormForm::NFD}, {"NFKC", text::NormForm::NFKC},
+      {"NFKD", text::NormForm::NFKD}, {"Lowercase", text::NormForm::Lowercase}};
+  auto form = std::find_if(std::begin(forms), std::end(forms), [&](auto& f) { return t == f.first; });
+  NormStep n;
   if (t == "Sequence") {
     const json& list = j.at("normalizers");
     for (size_t i = 0; i < list.size(); i++)
       parse_normalizer(list[i], origin, path + ".normalizers[" + std::to_string(i) + "]", out);
-  } else if (t == "NFC") {
-    out.push_back(text::NormForm::NFC);
-  } else if (t == "NFD") {
-    out.push_back(text::NormForm::NFD);
-  } else if (t == "NFKC") {
-    out.push_back(text::NormForm::NFKC);
-  } else if (t == "NFKD") {
-    out.push_back(text::NormForm::NFKD);
-  } else if (t == "Lowercase") {
-    out.push_back(text::NormForm::Lowercase);
+    return;
+  } else if (form != std::end(forms)) {
+    n.form = form->second;
+  } else if (t == "Prepend") {
+    n.kind = NormStep::PrependText;
+    n.content = str_field(j, "prepend", origin, path);
+  } else if (t == "Replace") {
+    n.kind = NormStep::Replace;
+    n.re = parse_pattern(j.contains("pattern") ? j["pattern"] : json(), origin, path + ".pattern");
+    n.content = str_field(j, "content", origin, path);
   } else {
     fail(origin, path + ".type", "unsupported normalizer \"" + t + "\"");
   }
+  out.push_back(std::move(n));
 }
 
 void parse_pre(const json& j, const std::string& origin, const std::string& path,
@@ -63,22 +114,21 @@ void parse_pre(const json& j, const std::string& origin, const std::string& path
       parse_pre(list[i], origin, path + ".pretokenizers[" + std::to_string(i) + "]", out);
     return;
   } else if (t == "ByteLevel") {
-    st.byte_level = true;
+    st.kind = PreStep::ByteLevel;
     st.add_prefix_space = opt_bool(j, "add_prefix_space", true);
     st.use_regex = opt_bool(j, "use_regex", true);
+  } else if (t == "Metaspace") {
+    st.kind = PreStep::Metaspace;
+    uint32_t cp = char_field(j, "replacement", origin, path);
+    text::append_utf8(st.replacement, cp);
+    st.re = std::make_shared<text::Regex>(st.replacement, true);
+    st.prepend = parse_prepend(j, origin, path);
+    st.split = opt_bool(j, "split", true);
   } else if (t == "Digits") {
     // HF: individual digits are each isolated; otherwise runs of digits ("Contiguous")
     st.re = std::make_shared<text::Regex>(opt_bool(j, "individual_digits", false) ? "\\p{N}" : "\\p{N}+");
   } else if (t == "Split") {
-    const json& pat = j.at("pattern");
-    try {
-      if (pat.contains("Regex")) st.re = std::make_shared<text::Regex>(pat["Regex"].get<std::string>());
-      else if (pat.contains("String")) st.re = std::make_shared<text::Regex>(pat["String"].get<std::string>(), true);
-      else fail(origin, path + ".pattern", "expected {\"Regex\": ...} or {\"String\": ...}");
-    } catch (const std::runtime_error& e) {
-      if (std::string(e.what()).rfind("tokenizer ", 0) == 0) throw;
-      fail(origin, path + ".pattern", e.what());
-    }
+    st.re = parse_pattern(j.contains("pattern") ? j["pattern"] : json(), origin, path + ".pattern");
     static const std::pair<const char*, Behavior> names[] = {
         {"Removed", Behavior::Removed}, {"Isolated", Behavior::Isolated},
         {"MergedWithPrevious", Behavior::MergedWithPrevious},
@@ -94,13 +144,40 @@ void parse_pre(const json& j, const std::string& origin, const std::string& path
   out.push_back(std::move(st));
 }
 
-bool parse_decoder(const json& j, const std::string& origin, const std::string& path) {
-  if (j.is_null()) return false;
+void parse_decoder(const json& j, const std::string& origin, const std::string& path,
+                   std::vector<DecodeStep>& out) {
   std::string t = type_of(j, origin, path);
-  if (t == "ByteLevel") return true;
-  if (t == "Sequence" && j.at("decoders").size() == 1)
-    return parse_decoder(j.at("decoders")[0], origin, path + ".decoders[0]");
-  fail(origin, path + ".type", "unsupported decoder \"" + t + "\"");
+  DecodeStep d;
+  if (t == "Sequence") {
+    const json& list = j.at("decoders");
+    for (size_t i = 0; i < list.size(); i++)
+      parse_decoder(list[i], origin, path + ".decoders[" + std::to_string(i) + "]", out);
+    return;
+  } else if (t == "ByteLevel") {
+    d.kind = DecodeStep::ByteLevel;
+  } else if (t == "Replace") {
+    d.kind = DecodeStep::Replace;
+    d.re = parse_pattern(j.contains("pattern") ? j["pattern"] : json(), origin, path + ".pattern");
+    d.content = str_field(j, "content", origin, path);
+  } else if (t == "ByteFallback") {
+    d.kind = DecodeStep::ByteFallback;
+  } else if (t == "Fuse") {
+    d.kind = DecodeStep::Fuse;
+  } else if (t == "Strip") {
+    d.kind = DecodeStep::Strip;
+    d.ch = char_field(j, "content", origin, path);
+    for (const char* k : {"start", "stop"})
+      if (!j.contains(k) || !j[k].is_number_unsigned())
+        fail(origin, path + "." + k, "expected a count (a non-negative integer)");
+    d.start = j["start"].get<size_t>(), d.stop = j["stop"].get<size_t>();
+  } else if (t == "Metaspace") {
+    d.kind = DecodeStep::Metaspace;
+    d.ch = char_field(j, "replacement", origin, path);
+    d.prepend = parse_prepend(j, origin, path);
+  } else {
+    fail(origin, path + ".type", "unsupported decoder \"" + t + "\"");
+  }
+  out.push_back(std::move(d));
 }
 
 std::shared_ptr<Tokenizer::Impl> build(const json& doc, const std::string& origin) {
@@ -187,7 +264,8 @@ std::shared_ptr<Tokenizer::Impl> build(const json& doc, const std::string& origi
   im->padding_json = section("padding");
   parse_normalizer(im->normalizer_json, origin, "normalizer", im->normalizers);
   parse_pre(im->pre_json, origin, "pre_tokenizer", im->pre);
-  im->byte_level_decoder = parse_decoder(im->decoder_json, origin, "decoder");
+  im->has_decoder = !im->decoder_json.is_null();
+  if (im->has_decoder) parse_decoder(im->decoder_json, origin, "decoder", im->decoders);
 
   im->id_to_tok.resize(size_t(max_id + 1));
   im->id_kind.assign(size_t(max_id + 1), 0);
@@ -274,6 +352,24 @@ std::string Tokenizer::to_json() const {
   size_t at = text.rfind(ph);
   text.replace(at, ph.size(), "\"vocab\":" + vocab_text + ",\"merges\":");
   return text;
+}
+
+Tokenizer Tokenizer::with_special_tokens(const std::vector<std::string>& tokens) const {
+  const Impl& im = *impl_;
+  json doc = json::parse(to_json());
+  int32_t next = int32_t(im.id_kind.size());
+  for (const std::string& t : tokens) {
+    if (t.empty()) throw std::invalid_argument("tokenizer " + im.origin + ": an added token cannot be empty");
+    if (im.added_ids.count(t)) continue;
+    bool listed = false;  // given twice in `tokens`
+    for (const json& a : doc["added_tokens"]) listed = listed || a["content"] == t;
+    if (listed) continue;
+    auto v = im.vocab.find(t);
+    int32_t id = v != im.vocab.end() ? v->second : next++;
+    doc["added_tokens"].push_back({{"id", id}, {"content", t}, {"single_word", false}, {"lstrip", false},
+                                   {"rstrip", false}, {"normalized", false}, {"special", true}});
+  }
+  return from_json(doc.dump(), im.origin);
 }
 
 // Written to a temporary name and renamed (tensor/fileio.h): a run killed while caching its

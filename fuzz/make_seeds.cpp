@@ -152,7 +152,9 @@ int main(int argc, char** argv) {
   // tokenizer
   std::string texts = std::string(1, '\0') + "What colour is the square?<|im_end|> Où? 左上 🙂 123  \t\n<image>";
   n = 0;
-  for (const char* f : {"tests/fixtures/tokenizer_bpe1000_s0/tokenizer.json", "tests/fixtures/tokenizer_train_hf/tokenizer.json"})
+  for (const char* f : {"tests/fixtures/tokenizer_bpe1000_s0/tokenizer.json", "tests/fixtures/tokenizer_train_hf/tokenizer.json",
+                        "tests/fixtures/tokenizer_spm_llama2/tokenizer.json", "tests/fixtures/tokenizer_spm_gemma/tokenizer.json",
+                        "tests/fixtures/tokenizer_spm_mistral/tokenizer.json"})
     put(out + "/tokenizer", "fixture" + std::to_string(n++), slurp(f) + texts);
   Tokenizer small = Tokenizer::train({"a small corpus for a small tokenizer", "What colour is it? red 12"}, 290,
                                      {"<|endoftext|>", "<image>"});

@@ -85,3 +85,29 @@ TEST_CASE("chat: bad role and a tokenizer without ChatML tokens are errors", "[c
   Tokenizer plain = Tokenizer::train({"hello world"}, 300, {"<|endoftext|>"});
   CHECK_THROWS_WITH(apply_chat_template(plain, {{"user", "hi"}}), Catch::Contains("<|im_start|>"));
 }
+
+TEST_CASE("chat: SentencePiece-kind tokenizers with the ChatML tokens added equal the whole string", "[chat]") {
+  // Llama 2's normalizer prepends "▁" to each stretch of text between special tokens and
+  // Mistral's Metaspace("first") only to the text's start: a turn encoded in pieces would get
+  // extra "▁" tokens, so the turn is encoded as it stands in the templated string
+  for (const char* kind : {"llama2", "gemma", "mistral"}) {
+    INFO(kind);
+    Tokenizer tok = Tokenizer::from_file(std::string("tests/fixtures/tokenizer_spm_") + kind + "/tokenizer.json")
+                        .with_special_tokens({"<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>"});
+    std::vector<ChatTurn> turns = {{"system", "Be brief."},
+                                   {"user", "<image>\nWhat colour is the square?"},
+                                   {"assistant", "Red."},
+                                   {"user", "And now?"},
+                                   {"assistant", "Blue, I think."}};
+    ChatEncoding enc = apply_chat_template(tok, turns);
+    CHECK(enc.ids == tok.encode(templated(turns)));
+    REQUIRE(enc.labels.size() == enc.ids.size());
+    std::vector<int32_t> trained;
+    for (size_t i = 0; i < enc.ids.size(); i++)
+      if (enc.labels[i] != kIgnoreLabel) trained.push_back(enc.ids[i]);
+    CHECK(tok.decode(trained) == "Red.<|im_end|>Blue, I think.<|im_end|>");
+    CHECK(std::count(enc.ids.begin(), enc.ids.end(), tok.token_id("<image>")) == 1);
+    std::vector<int32_t> prompt = chat_prompt(tok, {turns[0], turns[1]});
+    CHECK(prompt == tok.encode(templated({turns[0], turns[1]}) + "<|im_start|>assistant\n"));
+  }
+}

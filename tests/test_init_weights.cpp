@@ -7,6 +7,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <map>
 #include <string>
@@ -130,6 +131,31 @@ TEST_CASE("vision_init from a MIM run (encoder.*), lm_init / vision_init from HF
   require_same(got, "lm.", llama_to_loom(llama.weights, llama_config("tests/fixtures/llama_tiny_s0"), "llama"));
   ViTConfig vc = siglip_config("tests/fixtures/siglip_tiny_s0");
   require_same(got, "vision.", siglip_to_loom(siglip.weights, vc, "siglip"));
+}
+
+TEST_CASE("lm_init with a tokenizer that got the chat tokens added: the embedding grows", "[trainer][init]") {
+  // llama_tiny_s0 has 512 ids; the Llama 2 fixture tokenizer has 1056 and gets the 4 ChatML
+  // tokens, so the LM has 1060: rows 0..511 come from the HF folder, the rest stay fresh
+  std::string out = tmpdir("grow");
+  auto args = tiny_vlm(out, 1, 5);
+  for (const char* a : {"--model.lm_init=tests/fixtures/llama_tiny_s0", "--model.lm_dim=64", "--model.lm_hidden=160",
+                        "--data.tokenizer=tests/fixtures/tokenizer_spm_llama2/tokenizer.json", "--train.freeze=lm."})
+    args.push_back(a);
+  REQUIRE(run_train(args) == 0);
+  auto got = final_weights(out);
+  const Tensor& e = got.at("lm.embed_tokens.weight");
+  REQUIRE(e.shape() == Shape{1060, 64});
+  HFFolder llama = read_hf_folder("tests/fixtures/llama_tiny_s0");
+  std::vector<float> src = llama.weights.at("model.embed_tokens.weight").to_vector<float>(), all = e.to_vector<float>();
+  REQUIRE(src.size() == 512 * 64);
+  CHECK(std::equal(src.begin(), src.end(), all.begin()));
+  CHECK(std::any_of(all.begin() + 512 * 64, all.end(), [](float x) { return x != 0; }));  // initialized, not zeros
+  std::map<std::string, Tensor> rest = strip(got, "lm.");
+  rest.erase("embed_tokens.weight");
+  auto hf = llama_to_loom(llama.weights, llama_config("tests/fixtures/llama_tiny_s0"), "llama");
+  hf.erase("embed_tokens.weight");
+  require_same(rest, "", hf);
+  std::system(("rm -rf " + out).c_str());
 }
 
 TEST_CASE("lm_init / vision_init: what is not a source is an error naming the key and the path", "[trainer][init]") {

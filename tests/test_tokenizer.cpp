@@ -376,7 +376,7 @@ TEST_CASE("tokenizer: malformed and unsupported files are errors naming file and
   d3["model"]["merges"][3] = {"zz", "q"};
   CHECK_THROWS_WITH(Tokenizer::from_json(d3.dump(), "m.json"), Catch::Contains("model.merges[3]"));
   json d4 = doc;
-  d4["normalizer"] = {{"type", "Replace"}};
+  d4["normalizer"] = {{"type", "BertNormalizer"}};
   CHECK_THROWS_WITH(Tokenizer::from_json(d4.dump(), "n.json"), Catch::Contains("normalizer.type"));
   json d5 = doc;
   d5["decoder"] = {{"type", "WordPiece"}};

@@ -213,6 +213,30 @@ TEST_CASE("non-finite steps are skipped; too many in a row stop the run, checkpo
   CHECK(skipped == 2);  // the third skip in a row throws before it is logged
 }
 
+TEST_CASE("a SentencePiece-kind tokenizer without ChatML gets the chat tokens added; the LM grows", "[trainer]") {
+  // the Llama 2 fixture has <unk> <s> </s> and 1053 pieces; <|endoftext|>, <|im_start|>,
+  // <|im_end|> and <image> become special tokens 1056..1059, as HF's add_special_tokens does
+  std::string d = tmpdir("spm");
+  auto args = tiny(d);
+  args.push_back("--data.tokenizer=tests/fixtures/tokenizer_spm_llama2/tokenizer.json");
+  args.push_back("--train.steps=2");
+  REQUIRE(run_train(args) == 0);
+  REQUIRE(losses(d).size() == 2);
+  RunContext ctx;
+  ctx.out_dir = d;
+  std::string ck = find_checkpoint(ctx, "latest");
+  REQUIRE(!ck.empty());
+  auto w = load_checkpoint_model(ck);
+  bool found = false;
+  for (auto& [name, t] : w)
+    if (name.find("embed_tokens") != std::string::npos) {
+      found = true;
+      CHECK(t.size(0) == 1060);
+    }
+  CHECK(found);
+  std::system(("rm -rf " + d).c_str());
+}
+
 TEST_CASE("config errors name the file, the line or the key, before any work", "[trainer]") {
   std::string d = tmpdir("cfg");
   REQUIRE_THROWS_WITH(run_train({"vlm_sft.cfg", "--train.stepz=3", "--train.out_dir=" + d}), Contains("stepz"));

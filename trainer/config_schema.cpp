@@ -44,7 +44,7 @@ const std::vector<ConfigKey>& config_schema() {
       {"data", "dataset", S, "shapes", "training data", "shapes|fashion_mnist|jsonl|image_folder|synthetic"},
       {"data", "path", S, "", "dataset location: JSONL file, image folder or IDX folder (\"\" = built-in default)", nullptr},
       {"data", "val_path", S, "", "held-out JSONL / image folder; \"\" = split val_samples off the training data", nullptr},
-      {"data", "tokenizer", S, "", "tokenizer.json to use; \"\" = train a byte-level BPE on the training text", nullptr},
+      {"data", "tokenizer", S, "", "HF tokenizer.json to use (missing ChatML tokens are added); \"\" = train a byte-level BPE on the training text", nullptr},
       {"data", "vocab_size", I, "512", "vocabulary size when training the tokenizer", nullptr},
       {"data", "train_samples", I, "20000", "training samples (generated datasets) or a cap (0 = all)", nullptr},
       {"data", "val_samples", I, "500", "validation samples", nullptr},

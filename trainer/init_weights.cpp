@@ -3,6 +3,8 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
+
 #include "nn/hf.h"
 #include "trainer/run.h"
 
@@ -63,6 +65,18 @@ std::map<std::string, Tensor> lm_init_weights(const std::string& path, const LMC
   LOOM_CHECK(r.kind == Source::File, "model.lm_init = %s: %s holds no lm.* weights (not a VLM checkpoint)", path.c_str(),
              file.c_str());
   return sd;  // the LM's own names
+}
+
+int64_t grow_embedding(std::map<std::string, Tensor>& weights, const Tensor& fresh) {
+  auto it = weights.find("embed_tokens.weight");
+  if (it == weights.end()) return 0;
+  const Shape have = it->second.shape(), want = fresh.shape();  // copies: it->second is replaced below
+  if (have.size() != 2 || want.size() != 2 || have[1] != want[1] || have[0] >= want[0]) return 0;
+  std::vector<float> rows = fresh.to(Device::CPU).to_vector<float>();  // [V, D]
+  std::vector<float> src = it->second.to(Device::CPU).to_vector<float>();  // [V_src, D]
+  std::copy(src.begin(), src.end(), rows.begin());
+  it->second = Tensor::from_vector(rows, want).to(it->second.dtype());
+  return want[0] - have[0];
 }
 
 std::map<std::string, Tensor> vision_init_weights(const std::string& path, const ViTConfig& c) {

@@ -19,4 +19,12 @@ namespace loom {
 std::map<std::string, Tensor> lm_init_weights(const std::string& path, const LMConfig& c);
 std::map<std::string, Tensor> vision_init_weights(const std::string& path, const ViTConfig& c);
 
+// The LM's tokenizer may have more ids than the LM it starts from: a data.tokenizer that got
+// the ChatML tokens added (trainer/vlm_task.cpp). Then the source's embed_tokens.weight
+// [V_src, D] is widened to the model's [V, D]: rows below V_src come from the source, the
+// others keep the model's fresh initialization `fresh` (nanoVLM grows its embedding the same
+// way, with HF's resize_token_embeddings). Returns the number of rows added (0: unchanged,
+// also when the shapes differ otherwise, which load_state_dict then reports).
+int64_t grow_embedding(std::map<std::string, Tensor>& weights, const Tensor& fresh);
+
 }  // namespace loom

@@ -49,7 +49,11 @@ static double memory_mb(Device d) {
 static void init_vlm_from(VLM& m, const Config& cfg) {
   std::string lm_init = cfg.get_str("model.lm_init"), vis = cfg.get_str("model.vision_init");
   if (!lm_init.empty()) {
-    m.lm.load_state_dict(lm_init_weights(lm_init, m.lm.cfg), lm_init);
+    auto w = lm_init_weights(lm_init, m.lm.cfg);
+    if (int64_t added = grow_embedding(w, m.lm.embed_tokens))
+      std::printf("lm embedding widened to %lld ids: the %lld past %s's keep their fresh initialization\n",
+                  (long long)m.lm.cfg.vocab, (long long)added, lm_init.c_str());
+    m.lm.load_state_dict(w, lm_init);
     std::printf("initialized lm from %s\n", lm_init.c_str());
   }
   if (!vis.empty()) {

@@ -172,6 +172,23 @@ VLMData build_vlm_data(const RunContext& ctx, int image_tokens) {
     std::printf("trained a byte-level BPE tokenizer: %d ids in %.0f ms (cached in %s)\n", d.tok->vocab_size(),
                 now_ms() - t0, cache.c_str());
   }
+  if (!tp.empty()) {
+    // A tokenizer.json made for another chat format (Llama 2, Mistral and Gemma ship
+    // SentencePiece-kind files without ChatML) lacks some of these tokens: they are added as
+    // special tokens after its vocabulary, as nanoVLM does through HF's add_special_tokens,
+    // and the LM's embedding grows with them. A token only in the model vocabulary becomes a
+    // special token with its id, so that it is cut out of the text as one token.
+    std::string added;
+    for (auto& s : kSpecials)
+      if (!d.tok->has_token(s) || !d.tok->is_special(d.tok->token_id(s)))
+        added += (added.empty() ? "" : ", ") + s + (d.tok->has_token(s) ? "" : " (new id)");
+    if (!added.empty()) {
+      int before = d.tok->vocab_size();
+      d.tok = std::make_shared<Tokenizer>(d.tok->with_special_tokens(kSpecials));
+      std::printf("tokenizer %s: added the chat special tokens %s; %d -> %d ids\n", tp.c_str(), added.c_str(),
+                  before, d.tok->vocab_size());
+    }
+  }
   for (auto& s : kSpecials)
     LOOM_CHECK(d.tok->has_token(s), "%s: the tokenizer lacks the special token %s", d.tok->origin().c_str(), s.c_str());
   d.image_token = d.tok->token_id("<image>");
