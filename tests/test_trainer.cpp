@@ -80,6 +80,19 @@ TEST_CASE("a resumed run continues with bit-identical losses (CPU)", "[trainer]"
   }
   // the loss actually moved (a constant would make the comparison meaningless)
   CHECK(la.front().second != la.back().second);
+  // every step line has the elapsed time; all but the first of a process have an ETA, 0 at the end
+  std::ifstream f(a + "/metrics.jsonl");
+  std::string line;
+  int with_eta = 0;
+  double last_eta = -1;
+  while (std::getline(f, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (j.value("kind", "") != "train") continue;
+    CHECK(j["elapsed_s"].get<double>() >= 0);
+    if (j.contains("eta_s")) with_eta++, last_eta = j["eta_s"].get<double>();
+  }
+  CHECK(with_eta == 5);
+  CHECK(last_eta == 0);
 }
 
 TEST_CASE("a resume drops the metrics lines written after its checkpoint (a kill between saves)", "[trainer]") {
@@ -321,4 +334,36 @@ TEST_CASE("ViT position table: sincos init", "[trainer]") {
   }
   REQUIRE_THROWS_WITH(Config::load("vlm_sft.cfg", {"--model.pos_init=sincos", "--model.vit_dim=66", "--model.vit_heads=2"}),
                       Contains("model.vit_dim = 66: must be a multiple of 4 with model.pos_init = sincos"));
+}
+
+static bool has(const std::string& s, const std::string& t) { return s.find(t) != std::string::npos; }
+
+// Elapsed time and ETA in the log; loss.svg's panels, log-scale ticks, curves and eval points.
+TEST_CASE("run log: durations and loss.svg", "[trainer]") {
+  CHECK(fmt_duration(0.4) == "0s");
+  CHECK(fmt_duration(42) == "42s");
+  CHECK(fmt_duration(185) == "3m05s");
+  CHECK(fmt_duration(3725) == "1h02m");
+  Rng rng(uint64_t(Catch::rngSeed()) + 5);
+  std::vector<std::pair<int64_t, double>> train, val, lr, acc;
+  double l = 5.0;
+  for (int s = 1; s <= 300; s++) {
+    l *= 0.99 + 0.005 * rng.uniform();
+    train.push_back({s, l});
+    lr.push_back({s, 1e-3 * std::min(1.0, s / 50.0)});
+  }
+  val = {{150, train[149].second * 1.1}, {300, train[299].second * 1.1}};
+  acc = {{150, 0.5}, {300, 0.875}};
+  std::string svg = loss_svg("vlm_sft", train, val, lr, acc, "accuracy");
+  CHECK(has(svg, "vlm_sft: loss (log scale)"));
+  // log ticks: the losses span ~5 to ~0.3, so 0.5, 1, 2 and 5 are labelled
+  for (const char* t : {">0.5<", ">1<", ">2<", ">5<"}) CHECK(has(svg, t));
+  CHECK(has(svg, "learning rate"));
+  CHECK(has(svg, "eval accuracy"));
+  CHECK(has(svg, ">87.5%<"));
+  CHECK(has(svg, ">validation<"));
+  CHECK(has(svg, ">300<"));  // a step tick at the end
+  size_t polylines = 0;
+  for (size_t p = svg.find("<polyline"); p != std::string::npos; p = svg.find("<polyline", p + 1)) polylines++;
+  CHECK(polylines == 4);  // train, moving average, validation, learning rate
 }

@@ -65,8 +65,21 @@ class RunLog {
   FILE* metrics_ = nullptr;
   bool tty_;
   int log_every_;
-  std::vector<std::pair<int64_t, double>> train_, val_;
+  // elapsed time counts from the log's creation; the ETA from the steps of this process
+  // (a resumed run does not count the steps it did not run)
+  double t0_ms_ = 0, first_ms_ = -1;
+  int64_t first_step_ = 0;
+  std::vector<std::pair<int64_t, double>> train_, val_, lr_, acc_;
+  std::string acc_name_;  // "accuracy" (VLM) or "probe" (MIM)
 };
+
+// "42s", "3m05s", "1h02m"
+std::string fmt_duration(double seconds);
+// loss.svg from the curves: a top panel with the loss (log scale: train, its moving average,
+// validation) and a bottom panel with the learning rate and the eval accuracy or probe.
+std::string loss_svg(const std::string& title, const std::vector<std::pair<int64_t, double>>& train,
+                     const std::vector<std::pair<int64_t, double>>& val, const std::vector<std::pair<int64_t, double>>& lr,
+                     const std::vector<std::pair<int64_t, double>>& acc, const std::string& acc_name);
 
 // Checkpoints: out_dir/step_00001234/{model.safetensors, optimizer.safetensors, trainer.json};
 // written under a temporary name, fsync'ed and renamed when complete (a kill at any moment
