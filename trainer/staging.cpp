@@ -47,7 +47,8 @@ std::shared_ptr<PinnedPool::Slab> PinnedPool::acquire(size_t bytes) {
   }
   if (!got) {
     got = new Slab();
-    got->bytes = bytes + bytes / 4;  // room for the next, slightly larger batch
+    // room for the next, slightly larger batch; a multiple of kAlign (aligned_alloc's rule)
+    got->bytes = align_up(bytes + bytes / 4);
     if (device_ == Device::CUDA) {
       got->data = cuda::pinned_malloc(got->bytes);
       got->copied = cuda::event_create();
