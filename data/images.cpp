@@ -146,6 +146,8 @@ static bool jpeg_huffman_tables_ok(const unsigned char* d, size_t n, std::string
 //  - IDAT chunks of length 0 are dropped: stb copies a chunk with memcpy into its buffer,
 //    which is still NULL when the first IDAT is empty, and memcpy(NULL, p, 0) is undefined
 //    behaviour. An empty IDAT holds no data: the copy without it decodes to the same image.
+//    That includes an empty IDAT cut off inside its CRC at the end of the file (stb reads its
+//    header and copies its 0 bytes all the same).
 // Returns false with `error` set for a refused file; `out` holds the copy when one was made.
 static bool png_chunks_ok(const unsigned char* d, size_t n, std::vector<unsigned char>& out, std::string* error) {
   static const unsigned char sig[8] = {0x89, 'P', 'N', 'G', 0x0D, 0x0A, 0x1A, 0x0A};
@@ -167,8 +169,16 @@ static bool png_chunks_ok(const unsigned char* d, size_t n, std::vector<unsigned
   }
   if (!any_empty) return true;
   out.assign(d, d + 8);
-  for (p = 8; p + 12 <= n && len_at(p) + 12 <= n - p; p += 12 + len_at(p))
-    if (!empty_idat(p)) out.insert(out.end(), d + p, d + p + 12 + len_at(p));
+  for (p = 8; p + 8 <= n;) {
+    size_t whole = 12 + len_at(p);
+    if (empty_idat(p)) {  // dropped, also when the file ends inside its CRC (stb would read it)
+      p = std::min(n, p + whole);
+      continue;
+    }
+    if (whole > n - p) break;
+    out.insert(out.end(), d + p, d + p + whole);
+    p += whole;
+  }
   out.insert(out.end(), d + p, d + n);  // whatever follows the last whole chunk, as it was
   return true;
 }

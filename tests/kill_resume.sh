@@ -16,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 TRAIN=${1:-./train}
 KILLS=${2:-20}
-STEPS=${KILL_TEST_STEPS:-40}
+STEPS=${KILL_TEST_STEPS:-80}  # long enough that KILLS kills land before the end
 W=$(mktemp -d /tmp/loom_kill_resume_XXXXXX)
 trap 'rm -rf "$W"' EXIT
 ARGS=(vlm_sft.cfg --train.device=cpu --data.train_samples=400 --data.val_samples=8 --train.batch_size=2
@@ -42,7 +42,7 @@ while [ $kills -lt "$KILLS" ]; do
       if compgen -G "$run/step_*.tmp" >/dev/null; then sleep "0.00$((RANDOM % 5))"; break; fi
     done
   else
-    sleep "$((RANDOM % 3)).$((RANDOM % 1000))"
+    sleep "0.$((RANDOM % 1000))"  # start-up, data, a step or a few: anywhere in the first second
   fi
   if kill -0 $pid 2>/dev/null; then
     kill -9 $pid 2>/dev/null || true
@@ -51,8 +51,8 @@ while [ $kills -lt "$KILLS" ]; do
     compgen -G "$run/step_*.tmp" >/dev/null && ckpt_kills=$((ckpt_kills + 1))
   else
     wait $pid || { echo "kill_resume: run $attempt failed:"; tail -5 "$log"; exit 1; }
-    echo "kill_resume: run $attempt finished before the kill"
-    break
+    echo "kill_resume: run $attempt finished after only $kills kills: raise KILL_TEST_STEPS"
+    exit 1
   fi
   if grep -q "^error" "$log"; then echo "kill_resume: run $attempt failed:"; grep "^error" "$log"; exit 1; fi
   grep -q "^resumed from" "$log" && resumes=$((resumes + 1))

@@ -99,6 +99,18 @@ TEST_CASE("fuzz regressions: a PNG chunk longer than the file is refused before 
   CHECK(err.find("chunk 'IDAT' at byte 33 claims") != std::string::npos);
 }
 
+// An empty IDAT whose CRC is cut off by the end of the file (stb copied its 0 bytes to NULL
+// too): refused as a truncated PNG, no undefined behaviour on the way (the sanitizer build).
+TEST_CASE("fuzz regressions: an empty IDAT cut off inside its CRC", "[fuzz]") {
+  std::string png = slurp("tests/fuzz/image/png_empty_idat_cut_crc");
+  REQUIRE(png.size() == 44);
+  std::vector<float> out;
+  std::string err;
+  CHECK(loom::decode_image_chw(reinterpret_cast<const unsigned char*>(png.data()), png.size(), 8, 3, out, &err) ==
+        loom::ImageStatus::DecodeError);
+  CHECK(!err.empty());
+}
+
 // An empty IDAT chunk holds no data: the copy without it (what the decoder hands stb) must
 // decode to the same pixels as the file without it.
 TEST_CASE("images: a PNG with empty IDAT chunks decodes like the one without", "[fuzz]") {
