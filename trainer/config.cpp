@@ -8,6 +8,7 @@
 
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <limits>
@@ -88,7 +89,7 @@ bool parse_int(const std::string& s, int64_t* out) {
   errno = 0;
   char* end = nullptr;
   long long v = std::strtoll(s.c_str(), &end, 10);
-  if (errno != 0 || *end != '\0') return false;
+  if (errno != 0 || end != s.c_str() + s.size()) return false;  // all of it (a NUL inside is not an end)
   *out = v;
   return true;
 }
@@ -98,7 +99,7 @@ bool parse_float(const std::string& s, double* out) {
   errno = 0;
   char* end = nullptr;
   double v = std::strtod(s.c_str(), &end);
-  if (errno != 0 || *end != '\0' || !std::isfinite(v)) return false;
+  if (errno != 0 || end != s.c_str() + s.size() || !std::isfinite(v)) return false;
   *out = v;
   return true;
 }
@@ -119,6 +120,9 @@ std::string validate(const ConfigKey& k, const std::string& raw, const std::stri
   }
   if (v.find('"') != std::string::npos)
     fail(where, "value of key " + name + " contains a double quote: " + raw);
+  for (char c : v)  // a value is one line of text (dump() writes it back as one)
+    if ((unsigned char)c < 0x20 && c != '\t')
+      fail(where, "value of key " + name + " contains a control character (byte " + std::to_string(int((unsigned char)c)) + ")");
   int64_t i;
   double f;
   bool b;
@@ -241,8 +245,18 @@ Config Config::load(const std::string& path_or_name, const std::vector<std::stri
   return c;
 }
 
+// arg with bytes below 0x20 (but tab) written as \xNN, for messages that name it
+static std::string printable(const std::string& arg) {
+  std::string out;
+  char b[8];
+  for (char c : arg)
+    if ((unsigned char)c < 0x20 && c != '\t') std::snprintf(b, sizeof b, "\\x%02x", (unsigned char)c), out += b;
+    else out += c;
+  return out;
+}
+
 void Config::apply_override(const std::string& arg) {
-  std::string where = "command line override '" + arg + "'";
+  std::string where = "command line override '" + printable(arg) + "'";
   std::string s = arg;
   while (!s.empty() && s.front() == '-') s.erase(0, 1);
   size_t eq = s.find('=');
