@@ -34,12 +34,7 @@ LatentMIM::LatentMIM(const MIMConfig& c, const Init& init)
   child("pred_in", pred_in);
   mask_token = init.zeros({c.pred_dim});
   param("mask_token", mask_token);
-  pred_pos = init.normal({c.vit.num_patches(), c.pred_dim}, 0.02);
-  if (c.vit.pos_init == "sincos" && c.pred_dim % 4 == 0)  // the predictor's queries: same table, its width
-    pred_pos = Tensor::from_vector(sincos_2d(c.vit.grid(), c.pred_dim), {c.vit.num_patches(), c.pred_dim})
-                   .to(pred_pos.dtype())
-                   .to(pred_pos.device())
-                   .requires_grad_();
+  pred_pos = init_positions(init, c.vit.grid(), c.pred_dim, c.vit.pos_init);  // the predictor's queries
   param("pred_pos", pred_pos);
   for (int i = 0; i < c.pred_depth; i++) {
     pred_blocks.push_back(std::make_unique<ViTBlock>(c.pred_dim, c.pred_heads, 4 * c.pred_dim, c.vit.eps, init));

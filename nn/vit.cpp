@@ -51,19 +51,20 @@ std::vector<float> sincos_2d(int grid, int dim) {
   return t;
 }
 
+Tensor init_positions(const Init& init, int grid, int dim, const std::string& how) {
+  Tensor t = init.normal({int64_t(grid) * grid, dim}, 0.02);
+  if (how == "normal") return t;
+  LOOM_CHECK(how == "sincos", "position init must be normal or sincos, got '%s'", how.c_str());
+  return Tensor::from_vector(sincos_2d(grid, dim), {int64_t(grid) * grid, dim}).to(t.dtype()).to(t.device()).requires_grad_();
+}
+
 ViT::ViT(const ViTConfig& c, const Init& init)
     : cfg(c), patch_embed_proj(c.patch_size * c.patch_size * c.channels, c.dim, true, init), norm(c.dim, c.eps, init) {
   LOOM_CHECK(c.image_size % c.patch_size == 0, "ViT: image size %d is not divisible by patch size %d", c.image_size,
              c.patch_size);
   patch_embed_.child("proj", patch_embed_proj);
   child("patch_embed", patch_embed_);
-  pos_embed = init.normal({c.num_patches(), c.dim}, 0.02);
-  if (c.pos_init == "sincos") {
-    Tensor t = Tensor::from_vector(sincos_2d(c.grid(), c.dim), {c.num_patches(), c.dim}).to(pos_embed.dtype());
-    pos_embed = t.to(pos_embed.device()).requires_grad_();
-  } else {
-    LOOM_CHECK(c.pos_init == "normal", "ViT: pos_init must be normal or sincos, got '%s'", c.pos_init.c_str());
-  }
+  pos_embed = init_positions(init, c.grid(), c.dim, c.pos_init);
   param("pos_embed", pos_embed);
   for (int i = 0; i < c.depth; i++) {
     blocks.push_back(std::make_unique<ViTBlock>(c.dim, c.heads, c.hidden(), c.eps, init));

@@ -27,6 +27,10 @@ struct ViTConfig {
 // dim/2 columns encode the patch's row, the last dim/2 its column, each as
 // [sin(p * w_i), cos(p * w_i)] with w_i = 10000^(-i / (dim/4)), i < dim/4.
 std::vector<float> sincos_2d(int grid, int dim);
+// Position parameters [grid*grid, dim] initialised as `how` says ("normal": std 0.02;
+// "sincos": the table above). The normal draw happens either way, so the parameters made
+// after it start the same whichever is chosen. Used for the ViT's and the MIM predictor's.
+Tensor init_positions(const Init& init, int grid, int dim, const std::string& how);
 
 class ViTBlock : public Module {
  public:

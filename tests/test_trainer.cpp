@@ -334,6 +334,8 @@ TEST_CASE("ViT position table: sincos init", "[trainer]") {
   }
   REQUIRE_THROWS_WITH(Config::load("vlm_sft.cfg", {"--model.pos_init=sincos", "--model.vit_dim=66", "--model.vit_heads=2"}),
                       Contains("model.vit_dim = 66: must be a multiple of 4 with model.pos_init = sincos"));
+  REQUIRE_THROWS_WITH(Config::load("vit_mim.cfg", {"--model.pos_init=sincos", "--model.pred_dim=50", "--model.pred_heads=5"}),
+                      Contains("model.pred_dim = 50: must be a multiple of 4 with model.pos_init = sincos"));
 }
 
 static bool has(const std::string& s, const std::string& t) { return s.find(t) != std::string::npos; }

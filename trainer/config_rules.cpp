@@ -130,6 +130,9 @@ void validate_config(const Config& c) {
   bool pred_ok = r.int_range("model.pred_dim", 1, kMaxDim) & r.int_range("model.pred_heads", 1, kMaxDim);
   r.int_range("model.pred_depth", 1, 1024);
   if (mim && pred_ok) r.multiple("model.pred_dim", "model.pred_heads", "the head width is pred_dim / pred_heads");
+  if (mim && pred_ok && r.s("model.pos_init") == "sincos" && r.i("model.pred_dim") % 4 != 0)
+    r.bad("model.pred_dim", std::to_string(r.i("model.pred_dim")),
+          "must be a multiple of 4 with model.pos_init = sincos (the predictor's positions use the same table)");
   if (r.float_range("model.mask_ratio", 0, false, 1, true) && mim && grid > 0) {
     int64_t n = grid * grid, keep = int64_t(std::nearbyint(double(n) * (1.0 - r.f("model.mask_ratio"))));
     if (keep < 1 || keep >= n)

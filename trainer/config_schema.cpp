@@ -21,7 +21,7 @@ const std::vector<ConfigKey>& config_schema() {
       {"model", "vit_depth", I, "2", "ViT blocks", nullptr},
       {"model", "vit_heads", I, "4", "ViT attention heads (vit_dim must be a multiple)", nullptr},
       {"model", "vit_mlp_ratio", I, "4", "ViT MLP hidden = ratio * vit_dim", nullptr},
-      {"model", "pos_init", S, "normal", "initial ViT position embeddings (then learned): normal (std 0.02) or sincos (MAE's 2-D sine-cosine table; vit_dim % 4 == 0)", "normal|sincos"},
+      {"model", "pos_init", S, "normal", "initial ViT position embeddings (then learned): normal (std 0.02) or sincos (MAE's 2-D sine-cosine table, also for the MIM predictor; vit_dim and pred_dim % 4 == 0)", "normal|sincos"},
       {"model", "lm_vocab", I, "0", "LM vocabulary size; 0 = from the tokenizer", nullptr},
       {"model", "lm_dim", I, "96", "LM width D", nullptr},
       {"model", "lm_depth", I, "2", "LM decoder layers", nullptr},
