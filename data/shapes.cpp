@@ -200,6 +200,59 @@ std::string answer_shapes_question(const std::vector<ShapeObject>& objects, cons
   return "";
 }
 
+const std::string& shapes_caption_prompt() {
+  static const std::string p = "Describe the image.";
+  return p;
+}
+
+// Phrases in the order of their first quadrant: "a red circle in the top left", "two blue
+// squares in the top right and bottom right"; lists joined by ", " and a final " and ".
+std::string shapes_caption(const std::vector<ShapeObject>& objects) {
+  const auto& shapes = shapes_shape_names();
+  const auto& colours = shapes_colour_names();
+  const auto& quads = shapes_quadrant_names();
+  if (objects.size() > 4)
+    throw std::runtime_error("shapes: a scene holds at most 4 objects, one per quadrant; got " +
+                             std::to_string(objects.size()));
+  std::vector<ShapeObject> sorted = objects;
+  std::stable_sort(sorted.begin(), sorted.end(),
+                   [](const ShapeObject& a, const ShapeObject& b) { return a.quadrant < b.quadrant; });
+  struct Group {
+    int shape, colour;
+    std::vector<int> quadrants;
+  };
+  std::vector<Group> groups;
+  for (const ShapeObject& o : sorted) {
+    if (o.shape < 0 || o.shape >= int(shapes.size()) || o.colour < 0 || o.colour >= int(colours.size()) ||
+        o.quadrant < 0 || o.quadrant >= int(quads.size()))
+      throw std::runtime_error("shapes: caption of an object out of range (shape " + std::to_string(o.shape) +
+                               ", colour " + std::to_string(o.colour) + ", quadrant " + std::to_string(o.quadrant) + ")");
+    auto g = std::find_if(groups.begin(), groups.end(),
+                          [&](const Group& x) { return x.shape == o.shape && x.colour == o.colour; });
+    if (g == groups.end()) groups.push_back({o.shape, o.colour, {o.quadrant}});
+    else g->quadrants.push_back(o.quadrant);
+  }
+  if (groups.empty()) return "nothing";
+  auto join = [](const std::vector<std::string>& parts) {
+    std::string out;
+    for (size_t i = 0; i < parts.size(); i++) {
+      if (i > 0) out += i + 1 == parts.size() ? " and " : ", ";
+      out += parts[i];
+    }
+    return out;
+  };
+  std::vector<std::string> phrases;
+  for (const Group& g : groups) {
+    const size_t n = g.quadrants.size();
+    std::string p = (n == 1 ? std::string("a") : std::string(kCountWords[n])) + " " +
+                    colours[size_t(g.colour)] + " " + shapes[size_t(g.shape)] + (n == 1 ? "" : "s") + " in the ";
+    std::vector<std::string> where;
+    for (int q : g.quadrants) where.push_back(quads[size_t(q)]);
+    phrases.push_back(p + join(where));
+  }
+  return join(phrases);
+}
+
 std::vector<std::string> shapes_corpus() {
   std::vector<std::string> out;
   const int NS = int(shapes_shape_names().size()), NC = int(shapes_colour_names().size());
@@ -212,6 +265,13 @@ std::vector<std::string> shapes_corpus() {
   for (const std::string& a : shapes_shape_names()) out.push_back(a);
   for (const std::string& a : shapes_quadrant_names()) out.push_back(a);
   for (int k = 1; k <= 4; k++) out.push_back(kCountWords[k]);
+  out.push_back(shapes_caption_prompt());
+  for (int c = 0; c < NC; c++)  // caption phrases: "a red circle", "two red circles", ...
+    for (int s = 0; s < NS; s++)
+      for (int k = 1; k <= 4; k++)
+        out.push_back(std::string(k == 1 ? "a" : kCountWords[k]) + " " + shapes_colour_names()[size_t(c)] + " " +
+                      shapes_shape_names()[size_t(s)] + (k == 1 ? "" : "s"));
+  for (const std::string& q : shapes_quadrant_names()) out.push_back("in the " + q + " and");
   return out;
 }
 

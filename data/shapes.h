@@ -10,6 +10,12 @@
 // The scene is built around the answer, so every question has a unique referent, and each
 // answer value is equally likely within its type (the majority-answer baseline is 1/5,
 // 1/3, 1/4, 1/4). Small enough to be learned by a tiny VLM on a CPU in minutes.
+//
+// Every scene also has a caption, the whole scene in words (the stage-1 data of the
+// two-stage VLM recipe, configs/vlm_pretrain.cfg):
+//   "a red circle in the top left and two blue squares in the top right and bottom right"
+// Objects of the same colour and shape form one phrase, phrases in the order of their first
+// quadrant (top left, top right, bottom left, bottom right); see shapes_caption().
 #pragma once
 #include <cstdint>
 #include <string>
@@ -47,7 +53,12 @@ std::vector<float> render_shapes(const std::vector<ShapeObject>& objects, int im
 // when the question has no unique referent. The generator's answers must agree.
 std::string answer_shapes_question(const std::vector<ShapeObject>& objects, const std::string& question);
 
-// Text for training the tokenizer: every question and answer the generator can emit.
+// The caption of a scene (above), and the user prompt that asks for it.
+std::string shapes_caption(const std::vector<ShapeObject>& objects);
+const std::string& shapes_caption_prompt();  // "Describe the image."
+
+// Text for training the tokenizer: every question and answer the generator can emit, the
+// caption prompt and every word and phrase a caption is made of.
 std::vector<std::string> shapes_corpus();
 // The questions and answers of these samples.
 std::vector<std::string> shapes_corpus(const std::vector<VQASample>& samples);

@@ -13,6 +13,7 @@
 #include <map>
 #include <random>
 #include <set>
+#include <tuple>
 #include <string>
 #include <vector>
 
@@ -122,6 +123,84 @@ TEST_CASE("shapes: every question is answerable and the image shows the scene", 
   CHECK(answer_shapes_question(two_squares, "Where is the blue square?") == "bottom right");
   CHECK(answer_shapes_question(two_squares, "How many shapes are there?") == "two");
   CHECK_THROWS(make_shapes_dataset(1, 4, 0));
+}
+
+// Reads a caption back into its objects: words, a phrase = count colour shape(s) "in the"
+// quadrant ("and" quadrant)*; phrases joined by "," / "and". Unambiguous because quadrants
+// start with top/bottom and phrases with a/two/three/four. Fails the test on anything else.
+static std::multiset<std::tuple<int, int, int>> parse_caption(const std::string& caption) {
+  std::vector<std::string> w;
+  std::string cur;
+  for (char ch : caption + " ") {
+    if (ch == ' ' || ch == ',') {
+      if (!cur.empty()) w.push_back(cur);
+      cur.clear();
+    } else {
+      cur += ch;
+    }
+  }
+  auto idx = [](const std::vector<std::string>& v, const std::string& x) {
+    return int(std::find(v.begin(), v.end(), x) - v.begin());
+  };
+  const std::vector<std::string> counts = {"a", "two", "three", "four"};
+  std::multiset<std::tuple<int, int, int>> out;
+  size_t i = 0;
+  while (i < w.size()) {
+    if (!out.empty() && w[i] == "and") i++;  // the last join; "," was dropped with the spaces
+    REQUIRE(i + 4 < w.size());
+    const int n = idx(counts, w[i]) + 1;
+    REQUIRE(n <= 4);
+    const int colour = idx(shapes_colour_names(), w[i + 1]);
+    std::string shape = w[i + 2];
+    if (n > 1) {
+      REQUIRE(shape.back() == 's');
+      shape.pop_back();
+    }
+    const int sh = idx(shapes_shape_names(), shape);
+    REQUIRE(colour < 5);
+    REQUIRE(sh < 3);
+    REQUIRE(w[i + 3] == "in");
+    REQUIRE(w[i + 4] == "the");
+    i += 5;
+    for (int k = 0; k < n; k++) {
+      if (k > 0 && i < w.size() && w[i] == "and") i++;
+      REQUIRE(i + 1 < w.size());
+      const int q = idx(shapes_quadrant_names(), w[i] + " " + w[i + 1]);
+      REQUIRE(q < 4);
+      out.insert({sh, colour, q});
+      i += 2;
+    }
+  }
+  return out;
+}
+
+TEST_CASE("shapes: the caption names every object once, in quadrant order", "[data][shapes]") {
+  // hand-made scenes, the exact text
+  CHECK(shapes_caption({{0, 0, 0}}) == "a red circle in the top left");
+  CHECK(shapes_caption({{1, 2, 3}, {0, 0, 0}, {1, 2, 1}}) ==
+        "a red circle in the top left and two blue squares in the top right and bottom right");
+  CHECK(shapes_caption({{2, 4, 3}, {0, 1, 2}, {1, 3, 1}, {0, 0, 0}}) ==
+        "a red circle in the top left, a yellow square in the top right, a green circle in the bottom left and "
+        "a white triangle in the bottom right");
+  CHECK(shapes_caption({{2, 3, 0}, {2, 3, 1}, {2, 3, 2}, {2, 3, 3}}) ==
+        "four yellow triangles in the top left, top right, bottom left and bottom right");
+  CHECK(shapes_caption({}) == "nothing");
+  CHECK_THROWS(shapes_caption({{0, 0, 0}, {0, 0, 1}, {0, 0, 2}, {0, 0, 3}, {0, 0, 0}}));
+  CHECK_THROWS(shapes_caption({{3, 0, 0}}));
+  // every generated scene: the caption reads back into exactly its objects
+  std::set<std::string> corpus;
+  for (auto& t : shapes_corpus()) corpus.insert(t);
+  CHECK(corpus.count(shapes_caption_prompt()) == 1);
+  std::set<std::string> distinct;
+  for (const auto& s : make_shapes_dataset(3000, 8, 11)) {
+    std::string c = shapes_caption(s.objects);
+    INFO(c);
+    std::multiset<std::tuple<int, int, int>> want;
+    for (const auto& o : s.objects) want.insert({o.shape, o.colour, o.quadrant});
+    CHECK(parse_caption(c) == want);
+    distinct.insert(c);
+  }
+  CHECK(distinct.size() > 1500);  // captions carry the scene, not a template
 }
 
 TEST_CASE("shapes: shapes are told apart by their pixels", "[data][shapes]") {

@@ -40,8 +40,10 @@ const std::vector<ConfigKey>& config_schema() {
       {"model", "contrastive_weight", F, "0.1", "MIM: weight of the InfoNCE term", nullptr},
       {"model", "lm_init", S, "", "LM weights to start from: HF folder, checkpoint or run folder (newest checkpoint), or .safetensors file; \"\" = random", nullptr},
       {"model", "vision_init", S, "", "ViT weights to start from: HF SigLIP folder, checkpoint or run folder (VLM vision.* or MIM encoder.*), or .safetensors file; \"\" = random", nullptr},
+      {"model", "init", S, "", "whole VLM (vision, projector, LM) to continue from: a run folder (newest checkpoint), a checkpoint folder or its model.safetensors; the run's tokenizer comes with it (stage 2 of the two-stage recipe); \"\" = none", nullptr},
       // ---------------------------------------------------------------- data
       {"data", "dataset", S, "shapes", "training data", "shapes|fashion_mnist|jsonl|image_folder|synthetic"},
+      {"data", "task", S, "qa", "shapes data: qa = one question per image (colour, shape, count, position), caption = \"Describe the image.\" answered by the scene's caption (stage 1 of the two-stage recipe)", "qa|caption"},
       {"data", "path", S, "", "dataset location: JSONL file, image folder or IDX folder (\"\" = built-in default)", nullptr},
       {"data", "val_path", S, "", "held-out JSONL / image folder; \"\" = split val_samples off the training data", nullptr},
       {"data", "tokenizer", S, "", "HF tokenizer.json to use (missing ChatML tokens are added); \"\" = train a byte-level BPE on the training text", nullptr},

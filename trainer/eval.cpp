@@ -79,6 +79,8 @@ static void prepare_for_eval(Module& m, DType compute) {
 EvalReport run_eval(const std::string& path, const std::vector<std::string>& overrides) {
   const std::string ck = resolve_checkpoint(path, "eval");
   Config cfg = Config::parse(checkpoint_config_text(ck), ck + "/trainer.json");
+  // every weight comes from the checkpoint: the weights it started from may be gone
+  for (const char* k : {"model.init", "model.lm_init", "model.vision_init"}) cfg.set(k, "");
   for (auto& o : overrides) cfg.apply_override(o);
   validate_config(cfg);
   const TrainerState st = read_checkpoint_state(ck);

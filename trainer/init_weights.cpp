@@ -6,6 +6,8 @@
 #include <algorithm>
 
 #include "nn/hf.h"
+#include "tensor/fileio.h"
+#include "trainer/config.h"
 #include "trainer/run.h"
 
 namespace loom {
@@ -52,7 +54,55 @@ std::map<std::string, Tensor> under(const std::map<std::string, Tensor>& sd, con
   return out;
 }
 
+// model.init as a checkpoint folder, or "" for a bare .safetensors file (a checkpoint's
+// model.safetensors counts as its checkpoint).
+std::string init_checkpoint(const std::string& path) {
+  if (is_file(path)) {
+    std::string dir = parent_dir(path);
+    if (path.size() >= 18 && path.substr(path.size() - 18) == "/model.safetensors" && is_file(dir + "/trainer.json"))
+      return dir;
+    return "";
+  }
+  LOOM_CHECK(is_dir(path), "model.init = %s: no such file or folder", path.c_str());
+  LOOM_CHECK(!is_file(path + "/config.json") || is_file(path + "/trainer.json"),
+             "model.init = %s: an HF folder holds one part (an LM or a vision tower): name it in model.lm_init or "
+             "model.vision_init", path.c_str());
+  return resolve_checkpoint(path, "model.init");
+}
+
 }  // namespace
+
+std::map<std::string, Tensor> vlm_init_weights(const std::string& path) {
+  std::string ck = init_checkpoint(path);
+  std::string file = ck.empty() ? path : ck + "/model.safetensors";
+  auto sd = load_safetensors(file).tensors;
+  for (const char* part : {"vision.", "projector.", "lm."})
+    LOOM_CHECK(!under(sd, part).empty(),
+               "model.init = %s: %s holds no %s* weights: not a VLM checkpoint (a part alone goes in model.lm_init / "
+               "model.vision_init)", path.c_str(), file.c_str(), part);
+  return sd;
+}
+
+std::string vlm_init_tokenizer(const std::string& path) {
+  std::string ck = init_checkpoint(path);
+  if (ck.empty()) {
+    std::string beside = parent_dir(path) + "/tokenizer.json";
+    LOOM_CHECK(is_file(beside), "model.init = %s: a bare .safetensors file needs its tokenizer: put tokenizer.json "
+               "beside it or set data.tokenizer", path.c_str());
+    return beside;
+  }
+  Config src = Config::parse(checkpoint_config_text(ck), ck + "/trainer.json");
+  std::string given = src.get_str("data.tokenizer");
+  if (!given.empty()) {
+    LOOM_CHECK(is_file(given), "model.init = %s: its run was trained with data.tokenizer = %s, which is gone; set "
+               "data.tokenizer", path.c_str(), given.c_str());
+    return given;
+  }
+  std::string cached = parent_dir(ck) + "/tokenizer.json";
+  LOOM_CHECK(is_file(cached), "model.init = %s: its run folder lacks the tokenizer it trained (%s); set data.tokenizer",
+             path.c_str(), cached.c_str());
+  return cached;
+}
 
 std::map<std::string, Tensor> lm_init_weights(const std::string& path, const LMConfig& c) {
   Resolved r = resolve("model.lm_init", path);

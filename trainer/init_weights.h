@@ -25,6 +25,14 @@ std::map<std::string, Tensor> vision_init_weights(const std::string& path, const
 // others keep the model's fresh initialization `fresh` (nanoVLM grows its embedding the same
 // way, with HF's resize_token_embeddings). Returns the number of rows added (0: unchanged,
 // also when the shapes differ otherwise, which load_state_dict then reports).
+// model.init: a whole VLM to continue from (stage 2 of the two-stage recipe continues stage
+// 1): a run folder (newest checkpoint), a checkpoint folder, or a .safetensors file with
+// vision.*, projector.* and lm.* names. The weights, and where the tokenizer it was trained
+// with is: the source run's data.tokenizer, else the tokenizer.json its run folder cached
+// (or one beside a bare .safetensors file). Errors name model.init and the path.
+std::map<std::string, Tensor> vlm_init_weights(const std::string& path);
+std::string vlm_init_tokenizer(const std::string& path);
+
 int64_t grow_embedding(std::map<std::string, Tensor>& weights, const Tensor& fresh);
 
 }  // namespace loom

@@ -47,7 +47,11 @@ static double memory_mb(Device d) {
 // Initial weights: an HF folder, a checkpoint or run folder, or a .safetensors file
 // (trainer/init_weights.h).
 static void init_vlm_from(VLM& m, const Config& cfg) {
-  std::string lm_init = cfg.get_str("model.lm_init"), vis = cfg.get_str("model.vision_init");
+  std::string whole = cfg.get_str("model.init"), lm_init = cfg.get_str("model.lm_init"), vis = cfg.get_str("model.vision_init");
+  if (!whole.empty()) {  // config rules: then lm_init and vision_init are empty
+    m.load_state_dict(vlm_init_weights(whole), whole);
+    std::printf("initialized vision, projector and lm from %s\n", whole.c_str());
+  }
   if (!lm_init.empty()) {
     auto w = lm_init_weights(lm_init, m.lm.cfg);
     if (int64_t added = grow_embedding(w, m.lm.embed_tokens))
@@ -330,6 +334,8 @@ int chat_command(int argc, char** argv) {
   Config cfg = Config::parse(checkpoint_config_text(ck), ck + "/trainer.json");
   cfg.set("train.device", device);
   cfg.set("train.out_dir", ck + "/..");
+  for (const char* k : {"model.init", "model.lm_init", "model.vision_init"}) cfg.set(k, "");  // the checkpoint has all
+  const bool caption = cfg.get_str("data.task") == "caption";
   RunContext ctx;
   ctx.cfg = cfg;
   ctx.out_dir = ck + "/..";
@@ -347,13 +353,15 @@ int chat_command(int argc, char** argv) {
   if (image.empty()) {  // no image given: a fresh scene from the default dataset
     VQASample s = make_shapes_sample(987654321, d.image_size, 7);
     px = s.image;
-    if (prompt.empty()) prompt = s.question;
-    std::printf("(no --image: a generated scene; the expected answer is \"%s\")\n", s.answer.c_str());
+    if (prompt.empty()) prompt = caption ? shapes_caption_prompt() : s.question;
+    std::printf("(no --image: a generated scene; the expected answer is \"%s\")\n",
+                prompt == shapes_caption_prompt() ? shapes_caption(s.objects).c_str()
+                                                  : answer_shapes_question(s.objects, prompt).c_str());
   } else {
     ImageStatus stt = load_image_chw(image, d.image_size, d.channels, px, &err);
     LOOM_CHECK(stt == ImageStatus::Ok, "chat: %s: %s %s", image.c_str(), to_string(stt), err.c_str());
   }
-  if (prompt.empty()) prompt = "What colour is the circle?";
+  if (prompt.empty()) prompt = caption ? shapes_caption_prompt() : "What colour is the circle?";
   Tensor img = Tensor::from_vector(px, {1, d.channels, d.image_size, d.image_size}).to(ctx.device);
   auto ids = generate(m, img, qa_prompt(d, prompt), max_new, d.end_id, temperature, rng);
   std::printf("user: %s\nassistant: %s\n", prompt.c_str(), d.tok->decode(ids, true).c_str());

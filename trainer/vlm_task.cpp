@@ -10,6 +10,7 @@
 #include "data/fashion_mnist.h"
 #include "data/jsonl.h"
 #include "data/shapes.h"
+#include "trainer/init_weights.h"
 
 namespace loom {
 
@@ -102,10 +103,13 @@ VLMData build_vlm_data(const RunContext& ctx, int image_tokens) {
   if (ds == "shapes") {
     LOOM_CHECK(d.channels == 3, "%s: the shapes dataset is RGB: model.channels must be 3", cfg.source().c_str());
     // train = samples [0, ntrain), validation = [ntrain, ntrain + nval): disjoint by index
+    // data.task = caption: the same scenes, each with "Describe the image." and its caption
+    const bool caption = cfg.get_str("data.task") == "caption";
     for (int i = 0; i < ntrain + nval; i++) {
       VQASample s = make_shapes_sample(i, d.image_size, seed);
       d.images.push_back(std::move(s.image));
-      QA q{s.question, s.answer, s.qtype, i};
+      QA q = caption ? QA{shapes_caption_prompt(), shapes_caption(s.objects), "caption", i}
+                     : QA{s.question, s.answer, s.qtype, i};
       (i < ntrain ? train_qa : d.val).push_back(q);
     }
   } else if (ds == "fashion_mnist") {
@@ -158,13 +162,22 @@ VLMData build_vlm_data(const RunContext& ctx, int image_tokens) {
                cfg.source().c_str(), ds.c_str());
   }
 
-  // tokenizer: given, cached from an earlier run, or trained on this corpus
+  // tokenizer: given, the one model.init's run was trained with (cached here for eval,
+  // export and chat of this run), cached from an earlier run, or trained on this corpus
   std::string tp = cfg.get_str("data.tokenizer"), cache = ctx.out_dir + "/tokenizer.json";
+  const std::string init = cfg.get_str("model.init");
+  if (tp.empty() && !init.empty()) {
+    tp = vlm_init_tokenizer(init);
+    std::printf("tokenizer %s (from model.init = %s)\n", tp.c_str(), init.c_str());
+  }
   if (!tp.empty()) d.tok = std::make_shared<Tokenizer>(Tokenizer::from_file(tp));
   else if (file_exists(cache)) d.tok = std::make_shared<Tokenizer>(Tokenizer::from_file(cache));
   else {
     std::vector<std::string> corpus;
     for (auto& q : train_qa) corpus.push_back(q.question + "\n" + q.answer);
+    // captions (stage 1) train the tokenizer stage 2 continues with: give it the questions too
+    if (ds == "shapes" && cfg.get_str("data.task") == "caption")
+      for (auto& t : shapes_corpus()) corpus.push_back(t);
     corpus.push_back("user\nassistant\nsystem\n");
     double t0 = now_ms();
     d.tok = std::make_shared<Tokenizer>(Tokenizer::train(corpus, cfg.get_int("data.vocab_size"), kSpecials));
@@ -189,6 +202,7 @@ VLMData build_vlm_data(const RunContext& ctx, int image_tokens) {
                   before, d.tok->vocab_size());
     }
   }
+  if (cfg.get_str("data.tokenizer").empty() && !init.empty()) d.tok->save(cache);
   for (auto& s : kSpecials)
     LOOM_CHECK(d.tok->has_token(s), "%s: the tokenizer lacks the special token %s", d.tok->origin().c_str(), s.c_str());
   d.image_token = d.tok->token_id("<image>");
