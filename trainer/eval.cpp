@@ -39,13 +39,16 @@ EvalReport evaluate_vlm(const VLM& m, const VLMData& d, const RunContext& ctx, i
   std::map<std::string, std::pair<int, int>> by_type;  // qtype -> (correct, total)
   Rng rng(0);
   int correct = 0;
+  std::vector<std::string> misses;  // the first few wrong answers, shown with the table
   for (int i = 0; i < n; i++) {
     const QA& q = d.val[size_t(i)];
     Tensor img = Tensor::from_vector(d.images[size_t(q.image)], {1, d.channels, d.image_size, d.image_size})
                      .to(ctx.compute)
                      .to(ctx.device);
     auto ids = generate(m, img, qa_prompt(d, q.question), ctx.cfg.get_int("eval.max_new_tokens"), d.end_id, 0, rng);
-    bool ok = trim(d.tok->decode(ids, true)) == trim(q.answer);
+    const std::string got = trim(d.tok->decode(ids, true));
+    bool ok = got == trim(q.answer);
+    if (!ok && misses.size() < 3) misses.push_back("  \"" + q.question + "\" -> \"" + got + "\" (want \"" + q.answer + "\")\n");
     correct += ok;
     by_type[q.qtype].first += ok;
     by_type[q.qtype].second++;
@@ -67,6 +70,11 @@ EvalReport evaluate_vlm(const VLM& m, const VLMData& d, const RunContext& ctx, i
   std::snprintf(b, sizeof b, "  %-10s %5.1f%%             baseline %5.1f%%", "all", 100 * accuracy,
                 100 * (d.baseline.count("all") ? d.baseline.at("all") : 0));
   r.text += b;
+  if (!misses.empty()) {
+    r.text += "\nfirst wrong answers:\n";
+    for (auto& m : misses) r.text += m;
+    r.text.pop_back();
+  }
   return r;
 }
 
