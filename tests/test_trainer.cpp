@@ -277,7 +277,7 @@ TEST_CASE("parameter groups: embeddings, projector, matrices, norms with their o
     return nullptr;
   };
   // no factor set: two groups (decay for every matrix, none for 1-D), as before groups existed
-  auto d = param_groups_from(m, Config::load("vlm_sft.cfg", {"--train.lr_scale_embeddings=1"}));
+  auto d = param_groups_from(m, Config::load("vlm_sft.cfg", {"--train.lr_scale_embeddings=1", "--train.lr_scale_projector=1"}));
   REQUIRE(d.size() == 2);
   CHECK(find(d, "projector.weight")->name == "decay");
   CHECK(find(d, "lm.norm.weight")->name == "no_decay");
