@@ -65,5 +65,6 @@ const char* attention_backend_name(AttentionBackend b) {
   return b == AttentionBackend::Auto ? "auto" : b == AttentionBackend::Cudnn ? "cudnn" : "loom";
 }
 void reset_attention_choices() {}
+int attention_cudnn_dense_plans() { return 0; }
 
 }  // namespace loom::cuda

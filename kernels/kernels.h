@@ -123,7 +123,7 @@ bool deterministic_attention();
 // Which implementation runs attention_forward / attention_backward on CUDA (train.attention;
 // kernels/cuda/attention_cudnn.cu): Loom, our kernels (the default; LOOM_ATTENTION=auto|loom|cudnn
 // in the environment sets the start value); Cudnn, cuDNN's fused attention (bf16, head dims
-// multiple of 8 up to 128, compute capability 9.0+; f32 inputs run through it in bf16; an
+// multiple of 16 up to 128, compute capability 9.0+; f32 inputs run through it in bf16; an
 // unsupported case throws with the reason); Auto, per shape the faster of the two by a short
 // timed probe the first time a shape is seen (cached for the process, logged once on stderr;
 // unsupported cases and f32 stay on ours).
@@ -132,6 +132,9 @@ void set_attention_backend(AttentionBackend b);
 AttentionBackend attention_backend();
 const char* attention_backend_name(AttentionBackend b);
 void reset_attention_choices();  // forget auto's per-shape choices (tests, benchmarks)
+// cuDNN plans built for dense batches (every sequence max_seqlen long, one cu_seqlens for
+// queries and keys), which run a graph without ragged offsets or padding mask (tests)
+int attention_cudnn_dense_plans();
 }  // namespace cuda
 
 }  // namespace loom

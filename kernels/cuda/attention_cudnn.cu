@@ -15,7 +15,11 @@
  *
  * The graph (attention_cudnn_graph.cu) is the one the cuDNN frontend assembles for SDPA,
  *   in THD layout with ragged offsets, so cuDNN reads and writes our packed rows in place;
- *   a padding mask per sequence and the bottom-right causal mask.
+ *   a padding mask per sequence and the bottom-right causal mask. A dense batch (every
+ *   sequence max_seqlen long, one cu_seqlens array for queries and keys: a ViT batch, a
+ *   padded or benchmark batch) gets the plain graph instead: no offsets, no lengths, no
+ *   padding mask, causal as row >= col, B and S exact (choose_key; if cuDNN cannot plan it,
+ *   the ragged graph, logged once).
  *   bf16 only: f32 inputs under `cudnn` are rounded to bf16 around the call (temporaries from
  *   device_malloc); `auto` keeps f32 on our kernels. Head dims: multiples of 16 up to 128 (hd 40
  *   gave wrong dq rows on cuDNN 9.19).
@@ -39,8 +43,12 @@
  *     cudnn (this file)   0.093 | 0.343         0.314 | 1.866         0.089 | 0.441
  *     auto                0.093 | 0.348         0.304 | 1.880         0.088 | 0.391
  *     PyTorch CUDNN      (0.098 | 0.510)       (0.304 | 1.395)       (0.086 | 0.376)
- *   Open: the hd 128 causal backward (1.55 ms against PyTorch's 1.09; PyTorch passes dense BSHD
- *   tensors without the padding mask, this graph is ragged with it). Earlier the same day:
+ *   Then the dense graph (the benchmark's batches are dense), same GPU and versions, one run:
+ *     cudnn (dense)       0.070 | 0.280         0.277 | 1.186         0.068 | 0.257
+ *     auto                0.073 | 0.277         0.272 | 1.199         0.068 | 0.257
+ *     PyTorch CUDNN      (0.098 | 0.389)       (0.292 | 1.456)       (0.088 | 0.426)
+ *   The ragged graph's hd 128 causal backward (1.55 ms against PyTorch's 1.09) was the
+ *   padding mask and the ragged layout PyTorch does not use: dense, 0.94 ms. Earlier the same day:
  *   per-call variant packs and one workspace per plan (fwd 0.095 / 0.318 / 0.091): the cached
  *   pack and the shared workspace gave 0.093 / 0.314 / 0.089 (within run-to-run spread).
  *   hd 40 (multiple of 8, not 16) ran but left whole dq rows at 0: multiples of 16 only.
@@ -190,13 +198,30 @@ void run_prep(Plan& P, const Key& k, const int32_t* cu_q, const int32_t* cu_k, i
   LAUNCH_CHECK();
 }
 
-Key make_key(bool backward, int nseq, int max_seqlen, int H, int KV, int hd, bool causal) {
-  return Key{backward, pow2_at_least(std::max(nseq, 1), 1), pow2_at_least(max_seqlen, 64), H, KV, hd, causal};
+Key make_key(bool backward, int nseq, int max_seqlen, int H, int KV, int hd, bool causal, bool dense) {
+  if (dense) return Key{backward, nseq, max_seqlen, H, KV, hd, causal, true};
+  return Key{backward, pow2_at_least(std::max(nseq, 1), 1), pow2_at_least(max_seqlen, 64), H, KV, hd, causal, false};
+}
+
+// Every sequence max_seqlen long and one cu_seqlens for queries and keys: sequence b is rows
+// [b S, (b + 1) S) (the lengths sum to Nq and none exceeds max_seqlen), the layout a graph
+// without ragged offsets reads. Such a batch takes the dense bucket when cuDNN builds its
+// plan; otherwise (an engine that refuses it) the ragged bucket, logged once.
+bool dense_batch(const int32_t* cu_q, const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int64_t Nk) {
+  return cu_q == cu_k && Nq == Nk && Nq == int64_t(nseq) * max_seqlen;
 }
 
 // bf16 forward through the plan of k (built by the caller)
 void fwd_bf16(Plan& P, const Key& k, bf* out, float* lse, const bf* q, const bf* kk, const bf* v, const int32_t* cu_q,
               const int32_t* cu_k, int nseq, int64_t Nq, double scale, cudaStream_t s) {
+  P.scale = float(scale);
+  if (k.dense) {  // every row belongs to a sequence: no prep, no lengths, no offsets
+    std::vector<int64_t> uids{kQ, kK, kV, kO, kLse, kScale};
+    std::vector<void*> ptrs{(void*)q, (void*)kk, (void*)v, (void*)out, (void*)lse, &P.scale};
+    if (k.causal) uids.push_back(kNegInf), ptrs.push_back(&P.neg_inf);
+    execute(P, uids, ptrs, s);
+    return;
+  }
   run_prep<bf16>(P, k, cu_q, cu_k, nseq, reinterpret_cast<bf16*>(out), lse, Nq, k.H * k.hd, k.H, cu_q, nullptr,
                  nullptr, 0, 0, cu_k, s);
   P.scale = float(scale);
@@ -215,6 +240,17 @@ void fwd_bf16(Plan& P, const Key& k, bf* out, float* lse, const bf* q, const bf*
 void bwd_bf16(Plan& P, const Key& k, bf* dq, bf* dk, bf* dv, const bf* dout, const bf* q, const bf* kk, const bf* v,
               const bf* out, const float* lse, float* ws, const int32_t* cu_q, const int32_t* cu_k, int nseq,
               int64_t Nq, int64_t Nk, double scale, cudaStream_t s) {
+  if (k.dense) {
+    P.scale = float(scale);
+    float* dq_acc = ws;
+    float* delta = ws + Nq * k.H * k.hd;
+    std::vector<int64_t> uids{kQ, kK, kV, kO, kLse, kDO, kDQ, kDK, kDV, kDQAcc, kDelta, kScale, kOne};
+    std::vector<void*> ptrs{(void*)q,  (void*)kk, (void*)v,      (void*)out,   (void*)lse, (void*)dout, (void*)dq,
+                            (void*)dk, (void*)dv, (void*)dq_acc, (void*)delta, &P.scale,   &P.one};
+    if (k.causal) uids.push_back(kNegInf), ptrs.push_back(&P.neg_inf);
+    execute(P, uids, ptrs, s);
+    return;
+  }
   run_prep<bf16>(P, k, cu_q, cu_k, nseq, reinterpret_cast<bf16*>(dq), nullptr, Nq, k.H * k.hd, 0, cu_q,
                  reinterpret_cast<bf16*>(dk), reinterpret_cast<bf16*>(dv), Nk, k.KV * k.hd, cu_k, s);
   P.scale = float(scale);
@@ -362,15 +398,42 @@ bool dispatch(const Key& k, bool is_f32, int64_t Nq, int64_t Nk, const std::func
   return use;
 }
 
+// The bucket of a call: the dense one when the batch is dense and cuDNN builds its plan
+// (supported cases only, outside graph capture: a first dense shape met during capture takes
+// the ragged bucket, whose plan the capture then needs anyway), else the ragged one.
+Key choose_key(bool backward, bool is_f32, int nseq, int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, int hd,
+               bool causal, bool dense, cudaStream_t s) {
+  const Key ragged = make_key(backward, nseq, max_seqlen, H, KV, hd, causal, false);
+  if (!dense || !unsupported(is_f32, backward, Nq, Nk, H, KV, hd).empty()) return ragged;
+  const Key k = make_key(backward, nseq, max_seqlen, H, KV, hd, causal, true);
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  CUDA_CHECK(cudaStreamIsCapturing(s, &cap));
+  if (cap != cudaStreamCaptureStatusNone) {
+    const Plan* built = find_plan(k);
+    return built && built->plan ? k : ragged;
+  }
+  try {
+    Plan& P = get_plan(k);
+    if (P.plan) return k;
+    log_once(k.str() + ": " + P.error + ": the ragged graph instead");
+  } catch (const std::exception& e) {
+    log_once(k.str() + ": building the dense plan failed (" + e.what() + "): the ragged graph instead");
+  }
+  return ragged;
+}
+
 }  // namespace
+
+int attention_cudnn_dense_plans() { return dense_plans(); }
 
 template <class T>
 bool attn::cudnn_attention_forward(T* out, float* lse, const T* q, const T* k, const T* v, const int32_t* cu_q,
                              const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV,
                              int hd, bool causal, double scale, cudaStream_t s, const std::function<void()>& run_loom) {
   if (nseq <= 0 || max_seqlen <= 0 || Nq == 0 || attention_backend() == AttentionBackend::Loom) return false;
-  const Key key = make_key(false, nseq, max_seqlen, H, KV, hd, causal);
   constexpr bool f32 = std::is_same<T, float>::value;
+  const Key key = choose_key(false, f32, nseq, max_seqlen, Nq, Nk, H, KV, hd, causal,
+                             dense_batch(cu_q, cu_k, nseq, max_seqlen, Nq, Nk), s);
   return dispatch(key, f32, Nq, Nk, [&](Plan& P) {
     if constexpr (f32) {
       Bf16Copy bq(q, Nq * H * hd, s), bk(k, Nk * KV * hd, s), bv(v, Nk * KV * hd, s), bo(nullptr, Nq * H * hd, s);
@@ -389,8 +452,9 @@ bool attn::cudnn_attention_backward(T* dq, T* dk, T* dv, const T* dout, const T*
                               int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, int hd, bool causal, double scale,
                               cudaStream_t s, const std::function<void()>& run_loom) {
   if (nseq <= 0 || max_seqlen <= 0 || Nq == 0 || attention_backend() == AttentionBackend::Loom) return false;
-  const Key key = make_key(true, nseq, max_seqlen, H, KV, hd, causal);
   constexpr bool f32 = std::is_same<T, float>::value;
+  const Key key = choose_key(true, f32, nseq, max_seqlen, Nq, Nk, H, KV, hd, causal,
+                             dense_batch(cu_q, cu_k, nseq, max_seqlen, Nq, Nk), s);
   return dispatch(key, f32, Nq, Nk, [&](Plan& P) {
     if constexpr (f32) {
       const int64_t nq = Nq * H * hd, nk = Nk * KV * hd;
@@ -438,6 +502,7 @@ bool attn::cudnn_attention_backward(T*, T*, T*, const T*, const T*, const T*, co
   return no_cudnn();
 }
 void reset_attention_choices() {}
+int attention_cudnn_dense_plans() { return 0; }
 
 #endif  // LOOM_HAVE_CUDNN
 

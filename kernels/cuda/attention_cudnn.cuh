@@ -44,18 +44,22 @@ enum Uid : int64_t {
   kDO, kDQ, kDK, kDV, kDQAcc, kDelta, kVirtual = 100
 };
 
-// A plan bucket: B and S are nseq and max_seqlen rounded up to powers of two.
+// A plan bucket. Ragged (packed rows): B and S are nseq and max_seqlen rounded up to powers
+// of two. Dense (every sequence max_seqlen long, one cu_seqlens for queries and keys): B and S
+// exactly, and the graph has no offsets, no sequence lengths and no padding mask.
 struct Key {
   bool backward;
   int B, S, H, KV, hd;
   bool causal;
+  bool dense = false;
   bool operator<(const Key& o) const {
-    return std::tie(backward, B, S, H, KV, hd, causal) < std::tie(o.backward, o.B, o.S, o.H, o.KV, o.hd, o.causal);
+    return std::tie(backward, B, S, H, KV, hd, causal, dense) <
+           std::tie(o.backward, o.B, o.S, o.H, o.KV, o.hd, o.causal, o.dense);
   }
   std::string str() const {
     char b[160];
-    std::snprintf(b, sizeof b, "%s B<=%d S<=%d H%d KV%d hd%d %s", backward ? "backward" : "forward", B, S, H, KV, hd,
-                  causal ? "causal" : "full");
+    std::snprintf(b, sizeof b, "%s %s%d %s%d H%d KV%d hd%d %s", backward ? "backward" : "forward", dense ? "dense B" : "B<=",
+                  B, dense ? "S" : "S<=", S, H, KV, hd, causal ? "causal" : "full");
     return b;
   }
 };
@@ -78,6 +82,10 @@ cudnnHandle_t handle();
 // The plan of a bucket, built on first use. Throws on a cuDNN API error; a graph no engine
 // supports comes back with P.error set.
 Plan& get_plan(const Key& k);
+// The plan of a bucket if it was built, else nullptr (builds nothing: safe during capture).
+const Plan* find_plan(const Key& k);
+// How many dense buckets have a plan (tests: the dense graph was taken).
+int dense_plans();
 // Runs P with the variant pack of uids -> ptrs (device pointers, and the plan's own scalars at
 // stable addresses); the pack is rebuilt only when a pointer changed.
 void execute(Plan& P, const std::vector<int64_t>& uids, std::vector<void*> ptrs, cudaStream_t s);

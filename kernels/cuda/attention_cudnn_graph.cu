@@ -12,6 +12,9 @@
  *   and S = max_seqlen rounded up to a power of two (>= 64): the extra sequences have length 0;
  *   one plan serves every batch of a bucket (packed batches vary nseq and max_seqlen).
  *   seq_len_q / seq_len_kv [B] int32 give each sequence's Lq, Lk (the padding mask).
+ *   Dense buckets (Key::dense: every sequence max_seqlen long, as in a ViT batch or a padded
+ *   benchmark) drop the offsets, the lengths and the padding mask, B and S are exact, and the
+ *   causal mask is row >= col: the plain graph cuDNN's SDPA engines see from PyTorch.
  *   forward:  S = Q K^T (m, n overridden by seq_len_q / seq_len_kv) * scale
  *             -> padding mask (row < Lq and col < Lk, else -inf)
  *             -> causal: keep row + Lk - Lq >= col, else -inf (bottom right)
@@ -233,10 +236,13 @@ void build_graph(Plan& P, const Key& k) {
   const int64_t B = k.B, S = k.S, H = k.H, KV = k.KV, hd = k.hd;
   const cudnnDataType_t BF = CUDNN_DATA_BFLOAT16, F = CUDNN_DATA_FLOAT, I32 = CUDNN_DATA_INT32,
                         BOOL = CUDNN_DATA_BOOLEAN;
-  auto ragged = [&](int64_t uid) { return g.tensor(uid, I32, {B + 1, 1, 1, 1}, {1, 1, 1, 1}, false); };
+  // dense: the same strides without offsets (sequence b starts at row b S), no lengths
+  auto ragged = [&](int64_t uid) {
+    return k.dense ? nullptr : g.tensor(uid, I32, {B + 1, 1, 1, 1}, {1, 1, 1, 1}, false);
+  };
   D off_q = ragged(kOffQ), off_k = ragged(kOffK), off_lse = ragged(kOffLse);
-  D seq_q = g.tensor(kSeqQ, I32, {B, 1, 1, 1}, {1, 1, 1, 1}, false);
-  D seq_kv = g.tensor(kSeqKV, I32, {B, 1, 1, 1}, {1, 1, 1, 1}, false);
+  D seq_q = k.dense ? nullptr : g.tensor(kSeqQ, I32, {B, 1, 1, 1}, {1, 1, 1, 1}, false);
+  D seq_kv = k.dense ? nullptr : g.tensor(kSeqKV, I32, {B, 1, 1, 1}, {1, 1, 1, 1}, false);
   D scale = g.scalar(kScale, F), neg_inf = g.scalar(kNegInf, F);
   const Dims q_dim{B, H, S, hd}, q_str{S * H * hd, hd, H * hd, 1};
   const Dims kv_dim{B, KV, S, hd}, kv_str{S * KV * hd, hd, KV * hd, 1};
@@ -250,7 +256,7 @@ void build_graph(Plan& P, const Key& k) {
   D o = g.tensor(kO, BF, q_dim, q_str, false, false, off_q);
 
   // scores, scale, padding mask, bottom-right causal mask: shared by both directions
-  D s = g.matmul(q, kt, g.virt(F, s_dim, s_str), seq_q, seq_kv, nullptr, !k.backward);
+  D s = g.matmul(q, kt, g.virt(F, s_dim, s_str), seq_q, seq_kv, nullptr, !k.backward && !k.dense);
   s = g.pointwise(CUDNN_POINTWISE_MUL, F, s, scale, nullptr, g.virt(F, s_dim, s_str));
   auto padding_mask = [&](D x) {
     D row = g.pointwise(CUDNN_POINTWISE_GEN_INDEX, I32, x, nullptr, nullptr, g.virt(I32, s_dim, s_str), 2);
@@ -260,7 +266,13 @@ void build_graph(Plan& P, const Key& k) {
     D m = g.pointwise(CUDNN_POINTWISE_LOGICAL_AND, BOOL, rm, cm, nullptr, g.virt(BOOL, s_dim, s_str));
     return g.pointwise(CUDNN_POINTWISE_BINARY_SELECT, F, x, neg_inf, m, g.virt(F, s_dim, s_str));
   };
-  auto causal_mask = [&](D x) {  // keep row + Lk - Lq >= col
+  auto causal_mask = [&](D x) {  // keep row + Lk - Lq >= col (dense: Lq = Lk, keep row >= col)
+    if (k.dense) {
+      D row = g.pointwise(CUDNN_POINTWISE_GEN_INDEX, F, x, nullptr, nullptr, g.virt(I32, s_dim, s_str), 2);
+      D col = g.pointwise(CUDNN_POINTWISE_GEN_INDEX, F, x, nullptr, nullptr, g.virt(I32, s_dim, s_str), 3);
+      D keep = g.pointwise(CUDNN_POINTWISE_CMP_GE, BOOL, row, col, nullptr, g.virt(BOOL, s_dim, s_str));
+      return g.pointwise(CUDNN_POINTWISE_BINARY_SELECT, F, x, neg_inf, keep, g.virt(F, s_dim, s_str));
+    }
     D row = g.pointwise(CUDNN_POINTWISE_GEN_INDEX, F, x, nullptr, nullptr, g.virt(I32, s_dim, s_str), 2);
     D col = g.pointwise(CUDNN_POINTWISE_GEN_INDEX, F, x, nullptr, nullptr, g.virt(I32, s_dim, s_str), 3);
     row = g.pointwise(CUDNN_POINTWISE_ADD, I32, row, seq_kv, nullptr, g.virt(I32, s_dim, s_str), 3);
@@ -268,7 +280,7 @@ void build_graph(Plan& P, const Key& k) {
     D keep = g.pointwise(CUDNN_POINTWISE_CMP_GE, BOOL, row, col, nullptr, g.virt(BOOL, s_dim, s_str));
     return g.pointwise(CUDNN_POINTWISE_BINARY_SELECT, F, x, neg_inf, keep, g.virt(F, s_dim, s_str));
   };
-  s = padding_mask(s);
+  if (!k.dense) s = padding_mask(s);
 
   if (!k.backward) {
     if (k.causal) s = causal_mask(s);
@@ -372,6 +384,19 @@ Plan& get_plan(const Key& k) {
     slot = std::move(P);
   }
   return *slot;
+}
+
+const Plan* find_plan(const Key& k) {
+  std::lock_guard<std::mutex> lock(plans_mu());
+  auto it = plans().find(k);
+  return it == plans().end() ? nullptr : it->second.get();
+}
+
+int dense_plans() {
+  std::lock_guard<std::mutex> lock(plans_mu());
+  int n = 0;
+  for (auto& [k, P] : plans()) n += k.dense && P && P->plan;
+  return n;
 }
 
 // ptrs: device pointers, and the plan's own scalars (by value) at stable addresses

@@ -7,7 +7,8 @@
 // ragged cu_seqlens with rows outside every sequence (before the first and after the last),
 // GQA (H/KV 3 and 4) and H == KV, Lq != Lk both ways, a decode step (Lq = 1 against a KV cache),
 // causal (bottom-right) and not, head dims 64 and 128 (16, the fixtures' head dim; 32), batches
-// that share a plan bucket, f32 inputs through `cudnn`, `auto`, and the errors of `cudnn`.
+// that share a plan bucket, dense batches (the graph without ragged offsets), f32 inputs
+// through `cudnn`, `auto`, and the errors of `cudnn`.
 // Exits with code 4 (ctest: skipped) when no GPU is present.
 #include <catch2/catch.hpp>
 
@@ -100,8 +101,10 @@ std::string describe(const Case& c) {
 
 // One forward + backward through the current backend setting; T = bf16 or float (float runs
 // through cuDNN in bf16: the reference sees bf16-rounded inputs either way).
+// one_cu: queries and keys share one cu_seqlens array (self-attention as the models call it;
+// with every sequence max_seqlen long that is the dense bucket of the backend)
 template <class T>
-void run_case(const Case& c, uint32_t seed) {
+void run_case(const Case& c, uint32_t seed, bool one_cu = false) {
   std::mt19937 rng(seed);
   const int nseq = int(c.lq.size());
   std::vector<int32_t> cu_q{c.lead_q}, cu_k{c.lead_k};
@@ -124,12 +127,14 @@ void run_case(const Case& c, uint32_t seed) {
   loom::cpu::attention_forward<float>(out_ref.data(), lse_ref.data(), q.data(), k.data(), v.data(), cu_q.data(),
                                       cu_k.data(), nseq, max_seqlen, Nq, Nk, H, KV, hd, c.causal, scale, nullptr);
   Dev<T> dq_in(to_t<T>(q)), dk_in(to_t<T>(k)), dv_in(to_t<T>(v)), ddo(to_t<T>(dout));
-  Dev<int32_t> dcq(cu_q), dck(cu_k);
+  Dev<int32_t> dcq(cu_q), dck_own(cu_k);
+  REQUIRE((!one_cu || cu_q == cu_k));
+  const int32_t* cuk = one_cu ? dcq.p : dck_own.p;
   Dev<T> dout_(nq), ddq(nq), ddk(nk), ddv(nk);
   Dev<float> dlse(size_t(Nq) * H), dws(size_t(Nq) * H * (hd + 1));
   dout_.poison();
   dlse.poison();
-  cu::attention_forward<T>(dout_.p, dlse.p, dq_in.p, dk_in.p, dv_in.p, dcq.p, dck.p, nseq, max_seqlen, Nq, Nk, H,
+  cu::attention_forward<T>(dout_.p, dlse.p, dq_in.p, dk_in.p, dv_in.p, dcq.p, cuk, nseq, max_seqlen, Nq, Nk, H,
                            KV, hd, c.causal, scale, cu::default_stream());
   LOOM_CHECK_CLOSE(tol::compare(to_f(dout_.down()), out_ref, tol::kCudaBF16, "attention out"));
   LOOM_CHECK_CLOSE(tol::compare(inf_to_big(dlse.down()), inf_to_big(lse_ref), tol::kCudaF32Gemm, "attention lse"));
@@ -147,7 +152,7 @@ void run_case(const Case& c, uint32_t seed) {
     ddv.poison();
     if (run == 0) dws.poison();
     cu::attention_backward<T>(ddq.p, ddk.p, ddv.p, ddo.p, dq_in.p, dk_in.p, dv_in.p, dsaved.p, dlse_saved.p, dws.p,
-                              dcq.p, dck.p, nseq, max_seqlen, Nq, Nk, H, KV, hd, c.causal, scale,
+                              dcq.p, cuk, nseq, max_seqlen, Nq, Nk, H, KV, hd, c.causal, scale,
                               cu::default_stream());
     LOOM_CHECK_CLOSE(tol::compare(to_f(ddq.down()), dq_ref, tol::kCudaBF16, "attention dq"));
     LOOM_CHECK_CLOSE(tol::compare(to_f(ddk.down()), dk_ref, tol::kCudaBF16, "attention dk"));
@@ -194,6 +199,22 @@ TEST_CASE("cudnn attention bf16 forward/backward against the CPU reference", "[c
   BackendScope scope(cu::AttentionBackend::Cudnn);
   uint32_t seed = 900;
   for (const auto& c : cases()) run_case<bf16>(c, seed++);
+}
+
+TEST_CASE("cudnn attention: dense batches run the graph without offsets or padding mask", "[cuda][attention][cudnn]") {
+  need_gpu();
+  BackendScope scope(cu::AttentionBackend::Cudnn);
+  const int before = cu::attention_cudnn_dense_plans();
+  // every sequence max_seqlen long, one cu_seqlens: S not a power of two, GQA 2:1, causal;
+  // hd 128 bidirectional with H == KV; one sequence of hd 16 (the ViT fixtures' head dim)
+  run_case<bf16>({{96, 96, 96}, {96, 96, 96}, 0, 0, 0, 0, 4, 2, 64, true}, 990, true);
+  run_case<bf16>({{128, 128}, {128, 128}, 0, 0, 0, 0, 3, 3, 128, false}, 991, true);
+  run_case<float>({{50}, {50}, 0, 0, 0, 0, 2, 1, 16, true}, 992, true);
+  CHECK(cu::attention_cudnn_dense_plans() - before == 6);  // forward and backward of each: none fell back
+  // the same lengths with separate arrays, or one sequence shorter: the ragged graph
+  run_case<bf16>({{96, 96, 96}, {96, 96, 96}, 0, 0, 0, 0, 4, 2, 64, true}, 993);
+  run_case<bf16>({{96, 95, 96}, {96, 95, 96}, 0, 0, 0, 1, 4, 2, 64, true}, 994, true);
+  CHECK(cu::attention_cudnn_dense_plans() - before == 6);
 }
 
 TEST_CASE("cudnn attention: more queries than keys, causal (rows that see no key)", "[cuda][attention][cudnn]") {
