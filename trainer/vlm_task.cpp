@@ -181,7 +181,7 @@ VLMData build_vlm_data(const RunContext& ctx, int image_tokens) {
     corpus.push_back("user\nassistant\nsystem\n");
     double t0 = now_ms();
     d.tok = std::make_shared<Tokenizer>(Tokenizer::train(corpus, cfg.get_int("data.vocab_size"), kSpecials));
-    d.tok->save(cache);
+    if (ctx.rank == 0) d.tok->save(cache);  // every rank trains the same one; one writer
     std::printf("trained a byte-level BPE tokenizer: %d ids in %.0f ms (cached in %s)\n", d.tok->vocab_size(),
                 now_ms() - t0, cache.c_str());
   }
@@ -202,7 +202,7 @@ VLMData build_vlm_data(const RunContext& ctx, int image_tokens) {
                   before, d.tok->vocab_size());
     }
   }
-  if (cfg.get_str("data.tokenizer").empty() && !init.empty()) d.tok->save(cache);
+  if (cfg.get_str("data.tokenizer").empty() && !init.empty() && ctx.rank == 0) d.tok->save(cache);
   for (auto& s : kSpecials)
     LOOM_CHECK(d.tok->has_token(s), "%s: the tokenizer lacks the special token %s", d.tok->origin().c_str(), s.c_str());
   d.image_token = d.tok->token_id("<image>");
