@@ -54,20 +54,17 @@ std::map<std::string, Tensor> under(const std::map<std::string, Tensor>& sd, con
   return out;
 }
 
-// model.init as a checkpoint folder, or "" for a bare .safetensors file (a checkpoint's
-// model.safetensors counts as its checkpoint).
+// model.init as a checkpoint folder (resolve() as for the part keys; a checkpoint's
+// model.safetensors counts as its checkpoint), or "" for a bare .safetensors file.
 std::string init_checkpoint(const std::string& path) {
-  if (is_file(path)) {
-    std::string dir = parent_dir(path);
-    if (path.size() >= 18 && path.substr(path.size() - 18) == "/model.safetensors" && is_file(dir + "/trainer.json"))
-      return dir;
-    return "";
-  }
-  LOOM_CHECK(is_dir(path), "model.init = %s: no such file or folder", path.c_str());
-  LOOM_CHECK(!is_file(path + "/config.json") || is_file(path + "/trainer.json"),
-             "model.init = %s: an HF folder holds one part (an LM or a vision tower): name it in model.lm_init or "
-             "model.vision_init", path.c_str());
-  return resolve_checkpoint(path, "model.init");
+  const Resolved r = resolve("model.init", path);
+  LOOM_CHECK(r.kind != Source::HF, "model.init = %s: an HF folder holds one part (an LM or a vision tower): name it in "
+             "model.lm_init or model.vision_init", path.c_str());
+  if (r.kind == Source::Checkpoint) return r.path;
+  const std::string dir = parent_dir(path), name = "/model.safetensors";
+  const bool in_checkpoint = path.size() >= name.size() && path.compare(path.size() - name.size(), name.size(), name) == 0 &&
+                             is_file(dir + "/trainer.json");
+  return in_checkpoint ? dir : "";
 }
 
 }  // namespace

@@ -211,27 +211,32 @@ bool dense_batch(const int32_t* cu_q, const int32_t* cu_k, int nseq, int max_seq
   return cu_q == cu_k && Nq == Nk && Nq == int64_t(nseq) * max_seqlen;
 }
 
+// The variant-pack entries only the ragged graph has: -inf for the padding mask (the dense
+// graph uses it for the causal mask only), sequence lengths and offsets (P.meta, written by
+// the prep kernel).
+void add_ragged_entries(Plan& P, const Key& k, std::vector<int64_t>& uids, std::vector<void*>& ptrs) {
+  if (k.dense) {
+    if (k.causal) uids.push_back(kNegInf), ptrs.push_back(&P.neg_inf);
+    return;
+  }
+  int32_t* m = P.meta;
+  const int B = k.B;
+  uids.insert(uids.end(), {kNegInf, kSeqQ, kSeqKV, kOffQ, kOffK, kOffLse});
+  ptrs.insert(ptrs.end(), {&P.neg_inf, m, m + B, m + 2 * B, m + 3 * B + 1, m + 4 * B + 2});
+}
+
 // bf16 forward through the plan of k (built by the caller)
 void fwd_bf16(Plan& P, const Key& k, bf* out, float* lse, const bf* q, const bf* kk, const bf* v, const int32_t* cu_q,
               const int32_t* cu_k, int nseq, int64_t Nq, double scale, cudaStream_t s) {
+  if (!k.dense)  // a dense batch has no rows outside its sequences and no lengths to write
+    run_prep<bf16>(P, k, cu_q, cu_k, nseq, reinterpret_cast<bf16*>(out), lse, Nq, k.H * k.hd, k.H, cu_q, nullptr,
+                   nullptr, 0, 0, cu_k, s);
   P.scale = float(scale);
-  if (k.dense) {  // every row belongs to a sequence: no prep, no lengths, no offsets
-    std::vector<int64_t> uids{kQ, kK, kV, kO, kLse, kScale};
-    std::vector<void*> ptrs{(void*)q, (void*)kk, (void*)v, (void*)out, (void*)lse, &P.scale};
-    if (k.causal) uids.push_back(kNegInf), ptrs.push_back(&P.neg_inf);
-    execute(P, uids, ptrs, s);
-    return;
-  }
-  run_prep<bf16>(P, k, cu_q, cu_k, nseq, reinterpret_cast<bf16*>(out), lse, Nq, k.H * k.hd, k.H, cu_q, nullptr,
-                 nullptr, 0, 0, cu_k, s);
-  P.scale = float(scale);
-  int32_t* m = P.meta;
-  const int B = k.B;
-  execute(P, {kQ, kK, kV, kO, kLse, kScale, kNegInf, kSeqQ, kSeqKV, kOffQ, kOffK, kOffLse},
-          {(void*)q, (void*)kk, (void*)v, (void*)out, (void*)lse, &P.scale, &P.neg_inf, m, m + B, m + 2 * B,
-           m + 3 * B + 1, m + 4 * B + 2},
-          s);
-  if (k.causal && cu_q != cu_k) {
+  std::vector<int64_t> uids{kQ, kK, kV, kO, kLse, kScale};
+  std::vector<void*> ptrs{(void*)q, (void*)kk, (void*)v, (void*)out, (void*)lse, &P.scale};
+  add_ragged_entries(P, k, uids, ptrs);
+  execute(P, uids, ptrs, s);
+  if (k.causal && cu_q != cu_k) {  // never dense (one cu_seqlens)
     cudnn_fix_unseen<<<nseq, 256, 0, s>>>(out, lse, cu_q, cu_k, k.H, k.hd);
     LAUNCH_CHECK();
   }
@@ -240,30 +245,17 @@ void fwd_bf16(Plan& P, const Key& k, bf* out, float* lse, const bf* q, const bf*
 void bwd_bf16(Plan& P, const Key& k, bf* dq, bf* dk, bf* dv, const bf* dout, const bf* q, const bf* kk, const bf* v,
               const bf* out, const float* lse, float* ws, const int32_t* cu_q, const int32_t* cu_k, int nseq,
               int64_t Nq, int64_t Nk, double scale, cudaStream_t s) {
-  if (k.dense) {
-    P.scale = float(scale);
-    float* dq_acc = ws;
-    float* delta = ws + Nq * k.H * k.hd;
-    std::vector<int64_t> uids{kQ, kK, kV, kO, kLse, kDO, kDQ, kDK, kDV, kDQAcc, kDelta, kScale, kOne};
-    std::vector<void*> ptrs{(void*)q,  (void*)kk, (void*)v,      (void*)out,   (void*)lse, (void*)dout, (void*)dq,
-                            (void*)dk, (void*)dv, (void*)dq_acc, (void*)delta, &P.scale,   &P.one};
-    if (k.causal) uids.push_back(kNegInf), ptrs.push_back(&P.neg_inf);
-    execute(P, uids, ptrs, s);
-    return;
-  }
-  run_prep<bf16>(P, k, cu_q, cu_k, nseq, reinterpret_cast<bf16*>(dq), nullptr, Nq, k.H * k.hd, 0, cu_q,
-                 reinterpret_cast<bf16*>(dk), reinterpret_cast<bf16*>(dv), Nk, k.KV * k.hd, cu_k, s);
+  if (!k.dense)
+    run_prep<bf16>(P, k, cu_q, cu_k, nseq, reinterpret_cast<bf16*>(dq), nullptr, Nq, k.H * k.hd, 0, cu_q,
+                   reinterpret_cast<bf16*>(dk), reinterpret_cast<bf16*>(dv), Nk, k.KV * k.hd, cu_k, s);
   P.scale = float(scale);
-  int32_t* m = P.meta;
-  const int B = k.B;
   float* dq_acc = ws;
   float* delta = ws + Nq * k.H * k.hd;
-  execute(P,
-          {kQ, kK, kV, kO, kLse, kDO, kDQ, kDK, kDV, kDQAcc, kDelta, kScale, kNegInf, kOne, kSeqQ, kSeqKV, kOffQ,
-           kOffK, kOffLse},
-          {(void*)q, (void*)kk, (void*)v, (void*)out, (void*)lse, (void*)dout, (void*)dq, (void*)dk, (void*)dv,
-           (void*)dq_acc, (void*)delta, &P.scale, &P.neg_inf, &P.one, m, m + B, m + 2 * B, m + 3 * B + 1, m + 4 * B + 2},
-          s);
+  std::vector<int64_t> uids{kQ, kK, kV, kO, kLse, kDO, kDQ, kDK, kDV, kDQAcc, kDelta, kScale, kOne};
+  std::vector<void*> ptrs{(void*)q,  (void*)kk, (void*)v,      (void*)out,   (void*)lse, (void*)dout, (void*)dq,
+                          (void*)dk, (void*)dv, (void*)dq_acc, (void*)delta, &P.scale,   &P.one};
+  add_ragged_entries(P, k, uids, ptrs);
+  execute(P, uids, ptrs, s);
 }
 
 // f32 under `cudnn`: the same call on bf16 copies (rounded inputs, outputs widened back).
@@ -404,7 +396,10 @@ bool dispatch(const Key& k, bool is_f32, int64_t Nq, int64_t Nk, const std::func
 Key choose_key(bool backward, bool is_f32, int nseq, int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, int hd,
                bool causal, bool dense, cudaStream_t s) {
   const Key ragged = make_key(backward, nseq, max_seqlen, H, KV, hd, causal, false);
-  if (!dense || !unsupported(is_f32, backward, Nq, Nk, H, KV, hd).empty()) return ragged;
+  // only where dispatch() may run cuDNN: a supported case, and not f32 under auto (ours)
+  if (!dense || (is_f32 && attention_backend() == AttentionBackend::Auto) ||
+      !unsupported(is_f32, backward, Nq, Nk, H, KV, hd).empty())
+    return ragged;
   const Key k = make_key(backward, nseq, max_seqlen, H, KV, hd, causal, true);
   cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
   CUDA_CHECK(cudaStreamIsCapturing(s, &cap));
