@@ -349,3 +349,56 @@ TEST_CASE("config: control characters in a value are refused", "[config]") {
   }
   CHECK(loom::Config::load("vlm_sft.cfg", {"--train.out_dir=a\tb"}).get_str("train.out_dir") == "a\tb");
 }
+
+// [section.cuda] / [section.cpu]: values for one device, over the file's and under the
+// command line's; applied once the run's device is known (train_command).
+TEST_CASE("config: device sections", "[config]") {
+  std::string p = write_file("dev.cfg",
+                             "[train]\nsteps = 100\nbatch_size = 8\nlr = 1e-3\n"
+                             "[train.cuda]   # on a GPU\nsteps = 5000\nbatch_size = 64\n"
+                             "[train.cpu]\nlr = 2e-3\n"
+                             "[model.cuda]\nvit_depth = 5\n");
+  Config raw = Config::load(p);  // before the device is known: the plain sections only
+  CHECK(raw.get_int("train.steps") == 100);
+  CHECK(raw.get_int("model.vit_depth") == Config().get_int("model.vit_depth"));
+
+  Config g = Config::load(p, {"--train.batch_size=32"});
+  std::vector<std::string> applied = g.apply_device_sections("cuda");
+  CHECK(g.get_int("train.steps") == 5000);
+  CHECK(g.get_int("train.batch_size") == 32);  // the command line wins over [train.cuda]
+  CHECK(g.get_float("train.lr") == 1e-3);      // [train.cpu] is not for this run
+  CHECK(g.get_int("model.vit_depth") == 5);
+  REQUIRE(applied.size() == 2);
+  CHECK(applied[0] == "[train.cuda] steps = 5000");
+  CHECK(has(g.dump(), "# device section: [model.cuda] vit_depth = 5"));
+  // the dump is the resolved config: it reloads to the same values with no device sections
+  Config back = Config::load(write_file("dev_back.cfg", g.dump()));
+  CHECK(back.apply_device_sections("cpu").empty());
+  CHECK(back.get_int("train.steps") == 5000);
+  CHECK(back.get_float("train.lr") == 1e-3);
+
+  Config c = Config::load(p);
+  c.apply_device_sections("cpu");
+  CHECK(c.get_int("train.steps") == 100);
+  CHECK(c.get_float("train.lr") == 2e-3);
+
+  // a device value is checked by the same rules as any other, naming key and value
+  Config bad = Config::load(write_file("dev_bad.cfg", "[train]\nsteps = 10\n[train.cuda]\nsteps = 0\n"));
+  REQUIRE_THROWS_WITH(bad.apply_device_sections("cuda"), Catch::Matchers::Contains("train.steps = 0: must be >= 1"));
+
+  // errors name file, line and section
+  std::string e = error_of("[train]\nsteps = 1\n[train.tpu]\nsteps = 2\n");
+  CHECK(has(e, "bad.cfg:3"));
+  CHECK(has(e, "unknown device 'tpu' in section [train.tpu]"));
+  e = error_of("[trian.cuda]\nsteps = 2\n");
+  CHECK(has(e, "unknown section [trian.cuda]"));
+  e = error_of("[train.cuda]\nstepz = 2\n");
+  CHECK(has(e, "bad.cfg:2"));
+  CHECK(has(e, "unknown key 'stepz' in [train.cuda]; valid keys of [train]"));
+  e = error_of("[train.cuda]\nsteps = 2\nsteps = 3\n");
+  CHECK(has(e, "duplicate key 'steps' in [train.cuda] (first set at line 2)"));
+  e = error_of("[train.cuda]\ndevice = cpu\n");
+  CHECK(has(e, "cannot depend on the device"));
+  e = error_of("[train.cuda]\nsteps = many\n");
+  CHECK(has(e, "bad.cfg:2"));
+}

@@ -6,6 +6,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -61,7 +62,17 @@ std::string join(const std::vector<std::string>& v, const char* sep) {
   return out;
 }
 
-std::string valid_sections() { return "valid sections: [" + join(sections(), "], [") + "]"; }
+std::string valid_sections() {
+  return "valid sections: [" + join(sections(), "], [") + "] (each also as [section.cpu] / [section.cuda]: values for "
+         "that device only)";
+}
+
+// "train.cuda" -> {"train", "cuda"}; a plain section -> {section, ""}.
+std::pair<std::string, std::string> split_device_section(const std::string& header) {
+  size_t dot = header.rfind('.');
+  if (dot == std::string::npos) return {header, ""};
+  return {header.substr(0, dot), header.substr(dot + 1)};
+}
 
 std::string valid_keys(const std::string& section) {
   std::vector<std::string> keys;
@@ -207,7 +218,11 @@ Config Config::parse(const std::string& text, const std::string& origin) {
     if (line.front() == '[') {
       if (line.back() != ']') fail(where, "unterminated section header '" + line + "'; " + valid_sections());
       section = trim(line.substr(1, line.size() - 2));
-      if (!is_section(section)) fail(where, "unknown section [" + section + "]; " + valid_sections());
+      auto [base, dev] = split_device_section(section);
+      if (!is_section(base)) fail(where, "unknown section [" + section + "]; " + valid_sections());
+      if (!dev.empty() && dev != "cpu" && dev != "cuda")
+        fail(where, "unknown device '" + dev + "' in section [" + section + "] (a device section is [" + base +
+                        ".cpu] or [" + base + ".cuda])");
       continue;
     }
     size_t eq = line.find('=');
@@ -218,16 +233,20 @@ Config Config::parse(const std::string& text, const std::string& origin) {
     }
     std::string key = trim(line.substr(0, eq)), value = trim(line.substr(eq + 1));
     if (section.empty()) fail(where, "key '" + key + "' before any [section] header; " + valid_sections());
-    if (key.empty()) fail(where, "empty key before '=' in [" + section + "]; " + valid_keys(section));
-    const ConfigKey* k = find_config_key(section, key);
-    if (!k) fail(where, "unknown key '" + key + "' in [" + section + "]; " + valid_keys(section));
-    std::string dotted = section + "." + key;
-    auto it = seen.find(dotted);
+    auto [base, dev] = split_device_section(section);
+    if (key.empty()) fail(where, "empty key before '=' in [" + section + "]; " + valid_keys(base));
+    const ConfigKey* k = find_config_key(base, key);
+    if (!k) fail(where, "unknown key '" + key + "' in [" + section + "]; " + valid_keys(base));
+    if (!dev.empty() && base == "train" && key == "device")
+      fail(where, "train.device in [" + section + "]: the device a run uses cannot depend on the device");
+    auto it = seen.find(section + "." + key);
     if (it != seen.end())
       fail(where, "duplicate key '" + key + "' in [" + section + "] (first set at line " +
                       std::to_string(it->second) + ")");
-    seen[dotted] = lineno;
-    c.values_[dotted] = validate(*k, value, where);
+    seen[section + "." + key] = lineno;
+    std::string v = validate(*k, value, where);
+    if (dev.empty()) c.values_[base + "." + key] = v;
+    else c.device_values_.push_back({dev, base + "." + key, v});
   }
   return c;
 }
@@ -243,6 +262,22 @@ Config Config::load(const std::string& path_or_name, const std::vector<std::stri
   for (const std::string& o : overrides) c.apply_override(o);
   validate_config(c);
   return c;
+}
+
+std::vector<std::string> Config::apply_device_sections(const std::string& device) {
+  if (device != "cpu" && device != "cuda") fail("config", "apply_device_sections: device '" + device + "' (cpu, cuda)");
+  std::vector<std::string> applied;
+  for (const DeviceValue& d : device_values_) {
+    if (d.device != device) continue;
+    if (std::find(from_command_line_.begin(), from_command_line_.end(), d.dotted) != from_command_line_.end()) continue;
+    values_[d.dotted] = d.value;
+    size_t dot = d.dotted.find('.');
+    applied.push_back("[" + d.dotted.substr(0, dot) + "." + device + "] " + d.dotted.substr(dot + 1) + " = " + d.value);
+  }
+  device_values_.clear();  // applied once: the resolved config has no device sections left
+  device_applied_ = applied;
+  validate_config(*this);
+  return applied;
 }
 
 // arg with bytes below 0x20 (but tab) written as \xNN, for messages that name it
@@ -268,6 +303,7 @@ void Config::apply_override(const std::string& arg) {
   std::string section = dotted.substr(0, dot), key = dotted.substr(dot + 1);
   if (!is_section(section)) fail(where, "unknown section [" + section + "]; " + valid_sections());
   set(dotted, trim(s.substr(eq + 1)), where);
+  from_command_line_.push_back(dotted);
 }
 
 void Config::set(const std::string& dotted, const std::string& value, const std::string& where) {
@@ -328,6 +364,7 @@ std::string Config::dump() const {
   std::ostringstream out;
   out << "# resolved config (schema defaults < " << (source_.empty() ? "no file" : source_)
       << " < command-line overrides)\n";
+  for (const std::string& a : device_applied_) out << "# device section: " << a << "\n";
   std::string section;
   for (const ConfigKey& k : config_schema()) {
     if (section != k.section) {

@@ -4,6 +4,8 @@
 //   # comment                     a line comment; `#` after a value starts a comment too
 //   [train]                       a section header
 //   lr = 3e-4                     key = value (strings may be quoted: path = "a b.png")
+//   [train.cuda]                  a device section: its values replace [train]'s when the run
+//   steps = 12000                 is on that device (.cuda or .cpu); the command line still wins
 //
 //   Config c = Config::load("vlm_sft.cfg", {"--train.lr=1e-3"});
 //   int steps = c.get_int("train.steps");
@@ -58,6 +60,11 @@ class Config {
 
   // Apply one "--section.key=value" (the leading dashes are optional).
   void apply_override(const std::string& arg);
+  // The values of the file's device sections ([train.cuda], [model.cpu], ...) for a run on
+  // `device` ("cpu" or "cuda"): each replaces the file's value of its key unless the command
+  // line set that key. Validates the result (validate_config) and returns the applied
+  // "section.key = value" lines, which dump() also lists in its header.
+  std::vector<std::string> apply_device_sections(const std::string& device);
   // Set "section.key" from text in file syntax; `where` prefixes error messages.
   void set(const std::string& dotted_key, const std::string& value, const std::string& where = "set");
 
@@ -77,6 +84,11 @@ class Config {
   const ConfigKey& key_or_throw(const std::string& dotted_key, ConfigType want) const;
   std::map<std::string, std::string> values_;  // "section.key" -> value (validated, unquoted)
   std::string source_;
+  struct DeviceValue {
+    std::string device, dotted, value;
+  };
+  std::vector<DeviceValue> device_values_;  // from [section.cpu] / [section.cuda], in file order
+  std::vector<std::string> from_command_line_, device_applied_;
 };
 
 }  // namespace loom

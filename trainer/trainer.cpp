@@ -270,6 +270,11 @@ int train_command(int argc, char** argv) {
     overrides.push_back(a);
   }
   Config cfg = Config::load(path, overrides);
+  {  // the file's [section.cuda] / [section.cpu] values for the device this run uses
+    std::string dev = cfg.get_str("train.device");
+    if (dev == "auto") dev = cuda::available() ? "cuda" : "cpu";
+    cfg.apply_device_sections(dev);
+  }
   std::string trainer = cfg.get_str("train.trainer");
   LOOM_CHECK(trainer == "vlm_sft" || trainer == "vlm_pretrain" || trainer == "vit_mim",
              "%s: train.trainer '%s' (vlm_sft, vlm_pretrain, vit_mim)", cfg.source().c_str(), trainer.c_str());
