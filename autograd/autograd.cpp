@@ -247,6 +247,14 @@ Tensor checkpoint(const std::function<Tensor(const Tensor&)>& fn, const Tensor& 
   return out;
 }
 
+static Tensor g_loss_scale;
+void set_loss_scale(const Tensor& scale) {
+  LOOM_CHECK(!scale.defined() || (scale.numel() == 1 && scale.dtype() == DType::F32),
+             "set_loss_scale: expected one f32 value, got %s", scale.desc().c_str());
+  g_loss_scale = scale;
+}
+const Tensor& loss_scale() { return g_loss_scale; }
+
 void backward(const Tensor& root, const Tensor& seed) {
   LOOM_CHECK(root.requires_grad(), "backward: %s does not require grad (nothing recorded it)",
              root.desc().c_str());

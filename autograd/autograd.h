@@ -41,6 +41,12 @@ Tensor checkpoint(const std::function<Tensor(const Tensor&)>& fn, const Tensor& 
 // Runs backward from a scalar loss (seed 1) or from `seed` (same shape as `root`), then
 // clears the tape.
 void backward(const Tensor& root, const Tensor& seed = Tensor());
+// Loss scaling (fp16 training): the trainer seeds backward with its loss scale S (a device f32
+// [1], never read on the host) and sets it here, so ops that compute a gradient in their
+// forward pass (the fused linear cross-entropy) store it for dloss = S, above f16's underflow,
+// and multiply by dloss / S in backward. Undefined (the default): they store it for dloss = 1.
+void set_loss_scale(const Tensor& scale);
+const Tensor& loss_scale();
 // Drops the tape without running backward (evaluation forwards that recorded, errors).
 void clear_tape();
 size_t tape_size();

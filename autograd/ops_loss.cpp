@@ -56,18 +56,23 @@ Tensor fused_linear_cross_entropy(const Tensor& h, const Tensor& W, const Tensor
   chunk = std::max<int64_t>(1, std::min(chunk, N));
   Tensor hc = h.contiguous(), Wc = W.contiguous(), tc = targets.contiguous();
   Tensor loss = acc_empty({1}, h), dh = Tensor::empty_like(hc), dW = Tensor::empty_like(Wc);
+  // fp16 loss scaling (autograd.h): dh, dW for dloss = S, then scaled by dloss / S in backward
+  Tensor gs = loss_scale();
+  if (gs.defined() && (gs.device() != h.device() || h.dtype() == DType::F64)) gs = Tensor();  // f32 accumulators only
   {
     Tensor ws = acc_empty({chunk, V}, h);  // the only [*, V] buffer: chunk rows, never N
     dispatch_float(hc, [&](auto dev, auto zero) {
       using T = decltype(zero);
       using A = acc_t<T>;
       KERNEL(dev, fused_linear_cross_entropy)(loss.data<A>(), dh.data<T>(), dW.data<T>(), hc.data<T>(), Wc.data<T>(),
-                                              tc.data<int32_t>(), N, V, D, chunk, ws.data<A>(), stream_for(dev));
+                                              tc.data<int32_t>(), N, V, D, chunk, ws.data<A>(),
+                                              gs.defined() ? gs.data<A>() : nullptr, stream_for(dev));
     });
   }
   if (any_requires_grad({h, W}))
-    record("fused_linear_cross_entropy", {loss}, [h, W, loss, dh, dW]() {
+    record("fused_linear_cross_entropy", {loss}, [h, W, loss, dh, dW, gs]() {
       Tensor dl = grad_of(loss);
+      if (gs.defined()) dl = div(dl, gs.reshape(dl.shape()));  // on the device: S / S = 1 when seeded with S
       add_scaled_grad(h, dl, dh);
       add_scaled_grad(W, dl, dW);
     });

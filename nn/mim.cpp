@@ -66,8 +66,10 @@ Tensor LatentMIM::view_loss(const MIMView& v, Tensor* z_out) const {
   }
   Tensor p = gather_rows(pred_out.forward(pred_norm.forward(x)), v.masked);
   if (z_out) *z_out = z;
-  Tensor pa = p.dtype() == DType::BF16 ? cast(p, DType::F32) : p;
-  Tensor ta = t.dtype() == DType::BF16 ? t.to(DType::F32) : t;
+  // the loss in f32 for 16-bit activations (bf16, f16): softmax over M patches
+  const bool half = p.dtype() == DType::BF16 || p.dtype() == DType::F16;
+  Tensor pa = half ? cast(p, DType::F32) : p;
+  Tensor ta = half ? t.to(DType::F32) : t;
   return patch_disc_loss(pa, ta, cfg.tau);
 }
 
@@ -81,7 +83,7 @@ Tensor LatentMIM::forward(const std::vector<MIMView>& views) const {
     Tensor l = view_loss(v, &z);
     loss = loss.defined() ? add(loss, l) : l;
     if (cfg.contrastive) {
-      Tensor za = z.dtype() == DType::BF16 ? cast(z, DType::F32) : z;
+      Tensor za = (z.dtype() == DType::BF16 || z.dtype() == DType::F16) ? cast(z, DType::F32) : z;
       pooled.push_back(l2_normalize(mean_pool(za)));
     }
   }

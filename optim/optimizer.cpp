@@ -59,8 +59,9 @@ Optimizer::Optimizer(std::vector<ParamGroup> groups, const OptimConfig& cfg, DTy
   LOOM_CHECK(cfg.kind == "adamw" || cfg.kind == "sgd", "optimizer: unknown kind '%s' (adamw | sgd)",
              cfg.kind.c_str());
   const bool ok_dtype = device == Device::CPU ? (compute_dtype == DType::F32 || compute_dtype == DType::F64)
-                                              : (compute_dtype == DType::F32 || compute_dtype == DType::BF16);
-  LOOM_CHECK(ok_dtype, "optimizer: compute dtype %s is not supported on %s (cpu: f32, f64; cuda: f32, bf16)",
+                                              : (compute_dtype == DType::F32 || compute_dtype == DType::BF16 ||
+                                                 compute_dtype == DType::F16);
+  LOOM_CHECK(ok_dtype, "optimizer: compute dtype %s is not supported on %s (cpu: f32, f64; cuda: f32, bf16, f16)",
              dtype_name(compute_dtype), device_name(device));
   master_dtype_ = compute_dtype == DType::F64 ? DType::F64 : DType::F32;
   const bool adamw = cfg.kind == "adamw";
@@ -150,7 +151,8 @@ Tensor Optimizer::clip_grad_norm(double max_norm, const Tensor& loss) {
   }
   dispatch_float(norm_sq_, [&](auto dev, auto) {
     KERNEL(dev, step_control)(ctl_.data<float>(), norm_.data<float>(), norm_sq_.data<float>(),
-                              loss.defined() ? loss.data<float>() : nullptr, float(max_norm), stream_for(dev));
+                              loss.defined() ? loss.data<float>() : nullptr, float(max_norm),
+                              scaler_.defined() ? scaler_.data<float>() : nullptr, growth_interval_, stream_for(dev));
   });
   controlled_ = true;
   // A copy, so that the caller's handle (read later, for the log) is not overwritten by the
@@ -158,14 +160,28 @@ Tensor Optimizer::clip_grad_norm(double max_norm, const Tensor& loss) {
   return norm_.clone();
 }
 
+void Optimizer::enable_loss_scaling(double init_scale, int growth_interval) {
+  LOOM_CHECK(init_scale >= 1 && init_scale <= 16777216 && growth_interval >= 1,
+             "enable_loss_scaling: scale %g (1 .. 2^24), growth interval %d (>= 1)", init_scale, growth_interval);
+  scaler_ = Tensor::from_vector(std::vector<float>{float(init_scale), 0.f}, {2}, device_);
+  growth_interval_ = growth_interval;
+}
+
+Tensor Optimizer::loss_scale_value() const {
+  LOOM_CHECK(scaler_.defined(), "loss_scale_value: loss scaling is off (enable_loss_scaling)");
+  return scaler_.narrow(0, 0, 1);
+}
+
 void Optimizer::set_lr(double lr) { ctl_.narrow(0, 3, 1).fill_(lr); }
 
 int64_t Optimizer::steps() const { return int64_t(ctl_.narrow(0, 2, 1).item()); }
 
 void Optimizer::step() {
+  LOOM_CHECK(controlled_ || !scaler_.defined(),
+             "optimizer step: with loss scaling, clip_grad_norm must run first (it unscales the gradients)");
   if (!controlled_)  // no norm this step: scale 1, applied, t + 1
     dispatch_float(ctl_, [&](auto dev, auto) {
-      KERNEL(dev, step_control)(ctl_.data<float>(), nullptr, nullptr, nullptr, 0.0f, stream_for(dev));
+      KERNEL(dev, step_control)(ctl_.data<float>(), nullptr, nullptr, nullptr, 0.0f, nullptr, 0, stream_for(dev));
     });
   controlled_ = false;
   const float* ctl = ctl_.data<float>();
@@ -214,6 +230,7 @@ std::map<std::string, Tensor> Optimizer::state_dict() const {
     if (g.buf.defined()) sd[p + "buf"] = g.buf;
   }
   sd["step"] = Tensor::from_vector(std::vector<int64_t>{steps()}, {1});
+  if (scaler_.defined()) sd["loss_scale"] = scaler_;
   return sd;
 }
 
@@ -242,10 +259,17 @@ void Optimizer::load_state_dict(const std::map<std::string, Tensor>& sd, const s
   LOOM_CHECK(st != sd.end(), "%s: missing optimizer tensor 'step'", source.c_str());
   LOOM_CHECK(st->second.numel() == 1, "%s: optimizer tensor 'step' is %s, expected one value", source.c_str(),
              st->second.desc().c_str());
-  if (todo.size() + 1 != sd.size()) {
+  // "loss_scale" (fp16 runs): loaded when this optimizer scales, ignored otherwise (a bf16 or
+  // f32 run may continue an fp16 one); a scaling optimizer without it keeps its initial scale.
+  auto ls = sd.find("loss_scale");
+  if (ls != sd.end())
+    LOOM_CHECK(ls->second.numel() == 2 && dtype_is_float(ls->second.dtype()),
+               "%s: optimizer tensor 'loss_scale' is %s, expected f32[2] {scale, good steps}", source.c_str(),
+               ls->second.desc().c_str());
+  if (todo.size() + 1 + (ls != sd.end()) != sd.size()) {
     std::string extra;  // name the entries this optimizer has no place for
     for (auto& [k, t] : sd) {
-      bool used = k == "step";
+      bool used = k == "step" || k == "loss_scale";
       for (auto& d : todo) used |= d.second == &t;
       if (!used) extra += " '" + k + "' " + t.desc();
     }
@@ -263,6 +287,7 @@ void Optimizer::load_state_dict(const std::map<std::string, Tensor>& sd, const s
   for (auto* g : groups_)
     if (g->n && g->copy.defined()) g->copy.copy_(g->master);  // re-derive the bf16 weights
   ctl_.narrow(0, 2, 1).fill_(step);
+  if (scaler_.defined() && ls != sd.end()) scaler_.copy_(ls->second);
   controlled_ = false;
 }
 
@@ -270,8 +295,10 @@ std::string Optimizer::backend() const {
   int n = 0;
   for (auto* g : groups_) n += g->n > 0;
   return strformat("%s: one fused multi-tensor kernel per group (%s, %d groups, %s master%s); clip, skip and "
-                   "lr on the device", cfg_.kind.c_str(), device_name(device_), n, dtype_name(master_dtype_),
-                   compute_ != master_dtype_ ? (std::string(" + ") + dtype_name(compute_) + " copy").c_str() : "");
+                   "lr on the device%s", cfg_.kind.c_str(), device_name(device_), n, dtype_name(master_dtype_),
+                   compute_ != master_dtype_ ? (std::string(" + ") + dtype_name(compute_) + " copy").c_str() : "",
+                   scaler_.defined() ? strformat("; dynamic loss scaling (growth every %d steps)", growth_interval_).c_str()
+                                     : "");
 }
 
 std::vector<Tensor> Optimizer::grad_buffers() const {

@@ -4,7 +4,7 @@
 // Layout (what makes one launch per group possible): the optimizer takes the model's
 // parameter slots (Tensor*), groups them, and for each group allocates flat buffers
 //   master [n] (f32, or f64 when the model is f64), m [n], v [n] (AdamW) or buf [n] (SGD),
-//   grad [n] in the compute dtype, and, when compute != master dtype, copy [n] (bf16).
+//   grad [n] in the compute dtype, and, when compute != master dtype, copy [n] (bf16 or f16).
 // Each slot is then re-pointed to a view of the compute copy (or of master when the dtypes
 // match) with requires_grad, and its .grad to a view of the flat grad buffer, so the kernels'
 // `+=` into parameter gradients lands in the flat buffer directly. One optimizer step is then
@@ -37,7 +37,7 @@ std::vector<ParamGroup> default_groups(Module& m, double weight_decay);
 
 class Optimizer {
  public:
-  // compute_dtype: the dtype the forward runs in (F32/F64 = master dtype, or BF16 on CUDA).
+  // compute_dtype: the dtype the forward runs in (F32/F64 = master dtype, or BF16 / F16 on CUDA).
   Optimizer(std::vector<ParamGroup> groups, const OptimConfig& cfg, DType compute_dtype, Device device);
   void zero_grad();  // zeros the flat gradient buffers (one memset per group)
   // Global gradient norm and the step's control on the device (no host sync): returns the norm
@@ -56,6 +56,15 @@ class Optimizer {
   // The step control [4] f32 (kernels.inc): {gradient scale, applied 1 / skipped 0, t, lr}.
   // The EMA reads it to skip with the optimizer; a trainer copies [1] out to log skips.
   const Tensor& control() const { return ctl_; }
+
+  // Dynamic loss scaling (fp16 training, torch's GradScaler): the loss scale S lives on the
+  // device ({S, applied steps in a row}, f32 [2]); the trainer seeds backward with S
+  // (loss_scale_value()), clip_grad_norm() divides the norm and the update's gradient scale by
+  // S, and a step with non-finite gradients is skipped and halves S (not below 1), while
+  // growth_interval applied steps in a row double it. The state is saved as "loss_scale".
+  void enable_loss_scaling(double init_scale = 65536.0, int growth_interval = 2000);
+  bool loss_scaling() const { return scaler_.defined(); }
+  Tensor loss_scale_value() const;  // a view of S, f32 [1] on the device
 
   // the fp32 (or f64) master value of a parameter by its name (EMA reads it)
   Tensor master(const std::string& name) const;
@@ -79,6 +88,8 @@ class Optimizer {
   DType compute_, master_dtype_;
   Device device_;
   Tensor norm_sq_, norm_, ctl_;
+  Tensor scaler_;  // {loss scale, applied steps in a row} f32 [2], when loss scaling is on
+  int growth_interval_ = 2000;
   bool controlled_ = false;  // clip_grad_norm made this step's control
  public:
   ~Optimizer();

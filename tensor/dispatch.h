@@ -5,7 +5,7 @@
 //     KERNEL(dev, layernorm_forward)(out.data<T>(), ..., stream_for(dev));
 //   });
 //
-// The CPU backend is instantiated for float and double, CUDA for float and bf16; the
+// The CPU backend is instantiated for float and double, CUDA for float, bf16 and f16; the
 // generic lambda is only ever instantiated with those pairs, so cuda::op<double> is never
 // referenced (and a CPU-only build never references any cuda:: kernel).
 #pragma once
@@ -34,7 +34,7 @@ template <class Dev> inline Stream stream_for(Dev) {
 
 [[noreturn]] void throw_no_kernel(const char* what, const Tensor& t);
 
-// Floating activations: cpu {f32, f64}, cuda {f32, bf16}.
+// Floating activations: cpu {f32, f64}, cuda {f32, bf16, f16}.
 template <class F> void dispatch_float(const Tensor& t, F&& f) {
   if (t.device() == Device::CPU) {
     if (t.dtype() == DType::F32) return f(CpuTag{}, float{});
@@ -43,6 +43,7 @@ template <class F> void dispatch_float(const Tensor& t, F&& f) {
 #ifdef LOOM_CUDA
     if (t.dtype() == DType::F32) return f(CudaTag{}, float{});
     if (t.dtype() == DType::BF16) return f(CudaTag{}, bf16{});
+    if (t.dtype() == DType::F16) return f(CudaTag{}, f16{});
 #endif
   }
   throw_no_kernel("floating op", t);
@@ -55,6 +56,7 @@ template <class F> void dispatch_any(const Tensor& t, F&& f) {
       case DType::F32: return f(dev, float{});
       case DType::F64: return f(dev, double{});
       case DType::BF16: return f(dev, bf16{});
+      case DType::F16: return f(dev, f16{});
       case DType::I32: return f(dev, int32_t{});
       case DType::I64: return f(dev, int64_t{});
       case DType::U8: return f(dev, uint8_t{});

@@ -15,7 +15,7 @@ namespace loom {
 enum class DType : uint8_t { F32, BF16, F64, I32, I64, U8, F16 };
 enum class Device : uint8_t { CPU, CUDA };
 
-// IEEE half, storage only (safetensors F16 load/save); converted to f32 on load.
+// IEEE half bits <-> float (the f16 type of kernels/scalar.h; safetensors F16 files load as f32).
 float half_to_float(uint16_t h);
 uint16_t float_to_half(float f);
 
@@ -53,6 +53,7 @@ template <class T> constexpr DType dtype_of();
 template <> constexpr DType dtype_of<float>() { return DType::F32; }
 template <> constexpr DType dtype_of<double>() { return DType::F64; }
 template <> constexpr DType dtype_of<bf16>() { return DType::BF16; }
+template <> constexpr DType dtype_of<f16>() { return DType::F16; }
 template <> constexpr DType dtype_of<int32_t>() { return DType::I32; }
 template <> constexpr DType dtype_of<int64_t>() { return DType::I64; }
 template <> constexpr DType dtype_of<uint8_t>() { return DType::U8; }

@@ -79,44 +79,8 @@ Shape broadcast_shapes(const Shape& a, const Shape& b) {
 }
 
 // ------------------------------------------------------------------ half floats
-float half_to_float(uint16_t h) {
-  uint32_t sign = uint32_t(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-  uint32_t u;
-  if (exp == 0) {
-    if (man == 0) u = sign;
-    else {  // subnormal: renormalize
-      int e = -1;
-      do { man <<= 1; e++; } while (!(man & 0x400));
-      u = sign | uint32_t(127 - 15 - e) << 23 | (man & 0x3ff) << 13;
-    }
-  } else if (exp == 31) u = sign | 0x7f800000u | man << 13;
-  else u = sign | (exp + 112) << 23 | man << 13;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-uint16_t float_to_half(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  uint16_t sign = uint16_t((u >> 16) & 0x8000);
-  int32_t exp = int32_t((u >> 23) & 0xff) - 127 + 15;
-  uint32_t man = u & 0x7fffff;
-  if (((u >> 23) & 0xff) == 0xff) return uint16_t(sign | 0x7c00 | (man ? 0x200 : 0));
-  if (exp >= 31) return uint16_t(sign | 0x7c00);
-  if (exp <= 0) {
-    if (exp < -10) return sign;
-    man |= 0x800000;
-    uint32_t shift = uint32_t(14 - exp);
-    uint32_t half_man = man >> shift, rem = man & ((1u << shift) - 1), mid = 1u << (shift - 1);
-    if (rem > mid || (rem == mid && (half_man & 1))) half_man++;
-    return uint16_t(sign | half_man);
-  }
-  uint32_t half = uint32_t(sign) | uint32_t(exp) << 10 | man >> 13;
-  uint32_t rem = man & 0x1fff;
-  if (rem > 0x1000 || (rem == 0x1000 && (half & 1))) half++;
-  return uint16_t(half);
-}
+float half_to_float(uint16_t h) { return half_bits_to_float(h); }
+uint16_t float_to_half(float f) { return float_to_half_bits(f); }
 
 // ------------------------------------------------------------------ storage
 static std::atomic<size_t> g_cpu_bytes{0}, g_cpu_peak{0};
@@ -379,8 +343,8 @@ Tensor Tensor::expand(const Shape& shape) const {
 // Which storage types each backend's storage kernels exist for.
 template <class Dev, class T> constexpr bool storage_kernel_exists() {
   if constexpr (std::is_same_v<Dev, CpuTag>) return true;
-  else return std::is_same_v<T, float> || std::is_same_v<T, bf16> || std::is_same_v<T, int32_t> ||
-              std::is_same_v<T, int64_t>;
+  else return std::is_same_v<T, float> || std::is_same_v<T, bf16> || std::is_same_v<T, f16> ||
+              std::is_same_v<T, int32_t> || std::is_same_v<T, int64_t>;
 }
 
 Tensor Tensor::contiguous() const {
@@ -417,6 +381,7 @@ static void convert_cpu(const Tensor& dst, const Tensor& src) {
       case DType::F32: return cpu::convert(o, static_cast<const float*>(src.raw()), n, nullptr);
       case DType::F64: return cpu::convert(o, static_cast<const double*>(src.raw()), n, nullptr);
       case DType::BF16: return cpu::convert(o, static_cast<const bf16*>(src.raw()), n, nullptr);
+      case DType::F16: return cpu::convert(o, static_cast<const f16*>(src.raw()), n, nullptr);
       case DType::I32: return cpu::convert(o, static_cast<const int32_t*>(src.raw()), n, nullptr);
       case DType::I64: return cpu::convert(o, static_cast<const int64_t*>(src.raw()), n, nullptr);
       case DType::U8: return cpu::convert(o, static_cast<const uint8_t*>(src.raw()), n, nullptr);
@@ -427,6 +392,7 @@ static void convert_cpu(const Tensor& dst, const Tensor& src) {
     case DType::F32: return from(float{});
     case DType::F64: return from(double{});
     case DType::BF16: return from(bf16{});
+    case DType::F16: return from(f16{});
     case DType::I32: return from(int32_t{});
     case DType::I64: return from(int64_t{});
     default: throw_no_kernel("conversion to this dtype", dst);
@@ -444,6 +410,7 @@ static bool convert_cuda(const Tensor& dst, const Tensor& src) {
     switch (src.dtype()) {
       case DType::F32: cuda::convert(o, static_cast<const float*>(src.raw()), n, s); return true;
       case DType::BF16: cuda::convert(o, static_cast<const bf16*>(src.raw()), n, s); return true;
+      case DType::F16: cuda::convert(o, static_cast<const f16*>(src.raw()), n, s); return true;
       case DType::I32: cuda::convert(o, static_cast<const int32_t*>(src.raw()), n, s); return true;
       case DType::I64: cuda::convert(o, static_cast<const int64_t*>(src.raw()), n, s); return true;
       default: return false;
@@ -452,6 +419,7 @@ static bool convert_cuda(const Tensor& dst, const Tensor& src) {
   switch (dst.dtype()) {
     case DType::F32: return from(float{});
     case DType::BF16: return from(bf16{});
+    case DType::F16: return from(f16{});
     case DType::I32: return from(int32_t{});
     case DType::I64: return from(int64_t{});
     default: return false;

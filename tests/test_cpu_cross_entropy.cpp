@@ -97,7 +97,7 @@ TEST_CASE("cross_entropy: all-ignored batch gives 0; target >= V throws naming r
                       Catch::Contains("row 3") && Catch::Contains("target 11"));
   vector<double> W = randn(V * 4, 311), h = randn(N * 4, 312), dh(N * 4), dW(V * 4), ws(N * V);
   REQUIRE_THROWS_WITH(cpu::fused_linear_cross_entropy<double>(&loss, dh.data(), dW.data(), h.data(), W.data(),
-                                                              y.data(), N, V, 4, N, ws.data(), s0),
+                                                              y.data(), N, V, 4, N, ws.data(), nullptr, s0),
                       Catch::Contains("row 3") && Catch::Contains("target 11"));
 }
 
@@ -132,7 +132,7 @@ TEST_CASE("fused linear cross-entropy equals linear then cross_entropy, chunk by
     double loss = kNaN;
     auto dh = poisoned<double>(N * D), dW = poisoned<double>(V * D);
     cpu::fused_linear_cross_entropy<double>(&loss, dh.data(), dW.data(), h.data(), W.data(), y.data(), N, V,
-                                            D, chunk, ws.data(), s0);
+                                            D, chunk, ws.data(), nullptr, s0);
     LOOM_CHECK_CLOSE(tol::compare(&loss, &loss_ref, 1, tol::kSameMathF64, (tag + " loss").c_str()));
     LOOM_CHECK_CLOSE(tol::compare(dh, dh_ref, tol::kSameMathF64, (tag + " dh").c_str()));
     LOOM_CHECK_CLOSE(tol::compare(dW, dW_ref, tol::kSameMathF64, (tag + " dW").c_str()));
@@ -143,7 +143,7 @@ TEST_CASE("fused linear cross-entropy equals linear then cross_entropy, chunk by
   vector<double> ws(5 * V), dh(N * D), dW(V * D);
   double loss = kNaN;
   cpu::fused_linear_cross_entropy<double>(&loss, dh.data(), dW.data(), h.data(), W.data(), y.data(), N, V, D,
-                                          5, ws.data(), s0);
+                                          5, ws.data(), nullptr, s0);
   auto f = [&] { return naive_ce(naive_linear(h, W, N, V, D), y, N, V); };
   LOOM_CHECK_CLOSE(tol::compare(dh, numeric_grad(f, h), tol::kGradcheckF64, "fused dh vs central diff"));
   LOOM_CHECK_CLOSE(tol::compare(dW, numeric_grad(f, W), tol::kGradcheckF64, "fused dW vs central diff"));
@@ -153,7 +153,7 @@ TEST_CASE("fused linear cross-entropy equals linear then cross_entropy, chunk by
   auto ws32 = poisoned<float>(5 * V), dh32 = poisoned<float>(N * D), dW32 = poisoned<float>(V * D);
   float loss32 = NAN;
   cpu::fused_linear_cross_entropy<float>(&loss32, dh32.data(), dW32.data(), h32.data(), W32.data(), y.data(),
-                                         N, V, D, 5, ws32.data(), s0);
+                                         N, V, D, 5, ws32.data(), nullptr, s0);
   LOOM_CHECK_CLOSE(tol::compare(&loss32, &loss_ref, 1, tol::kCpuF32, "fused f32 loss"));
   LOOM_CHECK_CLOSE(tol::compare(dh32, dh_ref, tol::kCpuF32, "fused f32 dh"));
   LOOM_CHECK_CLOSE(tol::compare(dW32, dW_ref, tol::kCpuF32, "fused f32 dW"));
@@ -163,7 +163,7 @@ TEST_CASE("fused linear cross-entropy equals linear then cross_entropy, chunk by
   auto dh0 = poisoned<double>(N * D), dW0 = poisoned<double>(V * D);
   double loss0 = kNaN;
   cpu::fused_linear_cross_entropy<double>(&loss0, dh0.data(), dW0.data(), h.data(), W.data(), none.data(), N,
-                                          V, D, 5, ws.data(), s0);
+                                          V, D, 5, ws.data(), nullptr, s0);
   CHECK(loss0 == 0.0);
   for (double g : dh0) REQUIRE(g == 0.0);
   for (double g : dW0) REQUIRE(g == 0.0);

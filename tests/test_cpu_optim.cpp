@@ -125,22 +125,40 @@ TEST_CASE("grad_norm_squared accumulates; step_control follows clip_grad_norm_ a
 
   float ctl[4] = {NAN, NAN, 3.0f, 0.5f}, norm = NAN;
   const float norm_sq = 16.0f, loss = 2.5f, bad = INFINITY, nan_sq = NAN;
-  cpu::step_control(ctl, &norm, &norm_sq, &loss, 1.0f, s0);
+  cpu::step_control(ctl, &norm, &norm_sq, &loss, 1.0f, nullptr, 0, s0);
   CHECK(norm == 4.0f);
   CHECK(ctl[0] == 1.0f / (4.0f + 1e-6f));
   CHECK((ctl[1] == 1.0f && ctl[2] == 4.0f && ctl[3] == 0.5f));  // applied: t + 1; lr untouched
-  cpu::step_control(ctl, &norm, &norm_sq, nullptr, 10.0f, s0);
+  cpu::step_control(ctl, &norm, &norm_sq, nullptr, 10.0f, nullptr, 0, s0);
   CHECK(ctl[0] == 1.0f);  // never scales up
-  cpu::step_control(ctl, &norm, &norm_sq, nullptr, 0.0f, s0);
+  cpu::step_control(ctl, &norm, &norm_sq, nullptr, 0.0f, nullptr, 0, s0);
   CHECK(ctl[0] == 1.0f);  // max_norm <= 0: no clipping
   const float zero = 0.0f;
-  cpu::step_control(ctl, &norm, &zero, nullptr, 1.0f, s0);
+  cpu::step_control(ctl, &norm, &zero, nullptr, 1.0f, nullptr, 0, s0);
   CHECK(norm == 0.0f);
   CHECK((ctl[0] == 1.0f && ctl[2] == 7.0f));
-  cpu::step_control(ctl, &norm, &norm_sq, &bad, 1.0f, s0);  // non-finite loss: skipped, t stays
+  cpu::step_control(ctl, &norm, &norm_sq, &bad, 1.0f, nullptr, 0, s0);  // non-finite loss: skipped, t stays
   CHECK((ctl[1] == 0.0f && ctl[2] == 7.0f));
-  cpu::step_control(ctl, &norm, &nan_sq, nullptr, 1.0f, s0);  // non-finite gradients: skipped
+  cpu::step_control(ctl, &norm, &nan_sq, nullptr, 1.0f, nullptr, 0, s0);  // non-finite gradients: skipped
   CHECK((ctl[1] == 0.0f && ctl[2] == 7.0f && std::isnan(norm)));
-  cpu::step_control(ctl, nullptr, nullptr, nullptr, 1.0f, s0);  // no norm: scale 1, applied
+  cpu::step_control(ctl, nullptr, nullptr, nullptr, 1.0f, nullptr, 0, s0);  // no norm: scale 1, applied
   CHECK((ctl[0] == 1.0f && ctl[1] == 1.0f && ctl[2] == 8.0f));
+
+  // a loss scale S = 8: gradients 8x too large; norm and update scale come out unscaled
+  float ls[2] = {8.0f, 0.0f};
+  const float scaled_sq = 16.0f * 64.0f;  // the norm^2 of 8x gradients of norm 4
+  cpu::step_control(ctl, &norm, &scaled_sq, &loss, 1.0f, ls, 2, s0);
+  CHECK(norm == 4.0f);
+  CHECK(ctl[0] == (1.0f / (4.0f + 1e-6f)) / 8.0f);
+  CHECK((ctl[1] == 1.0f && ls[0] == 8.0f && ls[1] == 1.0f));
+  cpu::step_control(ctl, &norm, &scaled_sq, &loss, 0.0f, ls, 2, s0);  // the 2nd good step in a row: S doubles
+  CHECK((ctl[0] == 1.0f / 8.0f && ls[0] == 16.0f && ls[1] == 0.0f));
+  cpu::step_control(ctl, &norm, &nan_sq, &loss, 1.0f, ls, 2, s0);  // overflow: skipped, S halves
+  CHECK((ctl[1] == 0.0f && ls[0] == 8.0f && ls[1] == 0.0f));
+  float floor_ls[2] = {1.0f, 5.0f};
+  cpu::step_control(ctl, &norm, &nan_sq, &loss, 1.0f, floor_ls, 2, s0);
+  CHECK((floor_ls[0] == 1.0f && floor_ls[1] == 0.0f));  // not below 1
+  float top_ls[2] = {16777216.0f, 1.0f};
+  cpu::step_control(ctl, &norm, &norm_sq, &loss, 1.0f, top_ls, 2, s0);
+  CHECK((top_ls[0] == 16777216.0f && top_ls[1] == 0.0f));  // not above 2^24
 }

@@ -152,3 +152,30 @@ TEST_CASE("fused linear cross-entropy never holds [N, V]: peak memory", "[fused_
   CHECK(rows[0].loss == Approx(rows[2].loss).epsilon(1e-5));
   CHECK(rows[1].loss == Approx(rows[2].loss).epsilon(1e-5));
 }
+
+// fp16 loss scaling (autograd.h set_loss_scale): the op stores dh, dW for dloss = S and
+// multiplies by dloss / S in backward; seeded with S, the gradients are S times the plain
+// ones, bit for bit for a power-of-two S (f32: every step is an exact scaling).
+TEST_CASE("fused linear cross-entropy under a loss scale", "[fused_ce]") {
+  Rng rng(23);
+  Tensor h = Tensor::randn({19, 8}, rng, 1.0, DType::F32).requires_grad_();
+  Tensor W = Tensor::randn({37, 8}, rng, 0.5, DType::F32).requires_grad_();
+  Tensor t = Tensor::from_vector(targets(19, 37, rng, 0.2), {19});
+  backward(fused_linear_cross_entropy(h, W, t, 5));
+  auto dh1 = h.grad().to_vector<double>(), dW1 = W.grad().to_vector<double>();
+  h.impl()->grad.reset();
+  W.impl()->grad.reset();
+  const float S = 4096.f;
+  Tensor scale_t = Tensor::from_vector(vector<float>{S}, {1});
+  set_loss_scale(scale_t);
+  Tensor loss = fused_linear_cross_entropy(h, W, t, 5);
+  backward(loss, scale_t.reshape(loss.shape()));
+  set_loss_scale(Tensor());
+  auto dh = h.grad().to_vector<double>(), dW = W.grad().to_vector<double>();
+  for (auto& x : dh1) x *= S;
+  for (auto& x : dW1) x *= S;
+  CHECK(dh == dh1);
+  CHECK(dW == dW1);
+  CHECK_THROWS_WITH(set_loss_scale(Tensor::from_vector(vector<float>{1.f, 2.f}, {2})),
+                    Catch::Contains("set_loss_scale"));
+}

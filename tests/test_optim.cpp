@@ -490,3 +490,81 @@ TEST_CASE("optimizer preconditions throw with names", "[optim]") {
   CHECK(sd.count("group.1.master") == 1);
   CHECK(sd.count("group.0.master") == 0);
 }
+
+// Dynamic loss scaling (fp16 training; the CPU runs the same step_control in f32): with a
+// power-of-two scale S, seeding backward with S and letting clip_grad_norm unscale gives the
+// unscaled run's norm and weights bit for bit; an overflow skips the step and halves S; a run
+// of growth_interval applied steps doubles it; the scale is optimizer state.
+TEST_CASE("loss scaling: a scaled step equals the unscaled one; overflow halves, a good run doubles", "[optim]") {
+  const DType dt = DType::F32;
+  Rng rng(11);
+  Tensor x1 = rand_x<float>(rng), x2 = rand_x<float>(rng);
+  Net a(dt, 3), b(dt, 3);  // identical
+  Optimizer oa(groups_of(a), OptimConfig{}, dt, Device::CPU), ob(groups_of(b), OptimConfig{}, dt, Device::CPU);
+  oa.enable_loss_scaling(1024.0, 2);
+  CHECK(oa.loss_scaling());
+  CHECK_FALSE(ob.loss_scaling());
+  auto scale_state = [&] { return oa.state_dict().at("loss_scale").to_vector<double>(); };
+  CHECK(scale_state() == vector<double>{1024.0, 0.0});
+  int64_t applied = 0;
+  for (int step = 0; step < 3; step++) {
+    Tensor x = step % 2 ? x2 : x1;
+    oa.zero_grad();
+    ob.zero_grad();
+    Tensor la = a.loss(x);
+    backward(la, oa.loss_scale_value().reshape(la.shape()));
+    backward(b.loss(x));
+    const double max_norm = step == 0 ? 1e-3 : 0.0;  // step 0 clips, the others do not
+    Tensor na = oa.clip_grad_norm(max_norm), nb = ob.clip_grad_norm(max_norm);
+    CHECK(na.item() == nb.item());  // the norm of the loss's gradients, not of the scaled ones
+    oa.step(1e-2);
+    ob.step(1e-2);
+    applied++;
+    for (const char* name : kTrained)
+      CHECK(oa.master(name).to_vector<double>() == ob.master(name).to_vector<double>());
+  }
+  // 3 applied steps with growth every 2: doubled once, one good step counted since
+  CHECK(scale_state() == vector<double>{2048.0, 1.0});
+  CHECK(oa.steps() == applied);
+
+  // an overflow: the step is skipped (weights and step count stay), the scale halves
+  std::map<std::string, vector<double>> before;
+  for (const char* name : kTrained) before[name] = oa.master(name).to_vector<double>();
+  oa.zero_grad();
+  Tensor la = a.loss(x1);
+  backward(la, oa.loss_scale_value().reshape(la.shape()));
+  slot_of(a, kTrained[0])->grad().data<float>()[0] = INFINITY;
+  Tensor n = oa.clip_grad_norm(1.0);
+  CHECK_FALSE(std::isfinite(n.item()));
+  oa.step(1e-2);
+  for (const char* name : kTrained) CHECK(oa.master(name).to_vector<double>() == before[name]);
+  CHECK(oa.steps() == applied);
+  CHECK(scale_state() == vector<double>{1024.0, 0.0});
+
+  // the scale travels with the optimizer state; an unscaled optimizer ignores it
+  Net c(dt, 3);
+  Optimizer oc(groups_of(c), OptimConfig{}, dt, Device::CPU);
+  oc.enable_loss_scaling(65536.0, 2000);
+  oc.load_state_dict(oa.state_dict(), "test");
+  CHECK(oc.state_dict().at("loss_scale").to_vector<double>() == vector<double>{1024.0, 0.0});
+  Net e(dt, 3);
+  Optimizer oe(groups_of(e), OptimConfig{}, dt, Device::CPU);
+  CHECK_NOTHROW(oe.load_state_dict(oa.state_dict(), "test"));
+  CHECK(oe.state_dict().count("loss_scale") == 0);
+
+  // with scaling on, a step needs clip_grad_norm first (it unscales); the range is checked
+  oa.zero_grad();
+  CHECK_THROWS_WITH(oa.step(1e-2), Catch::Contains("clip_grad_norm must run first"));
+  CHECK_THROWS_WITH(oa.enable_loss_scaling(0.5, 10), Catch::Contains("enable_loss_scaling"));
+  // the floor: halving stops at 1
+  Net f(dt, 3);
+  Optimizer of(groups_of(f), OptimConfig{}, dt, Device::CPU);
+  of.enable_loss_scaling(1.0, 10);
+  of.zero_grad();
+  Tensor lf = f.loss(x1);
+  backward(lf, of.loss_scale_value().reshape(lf.shape()));
+  slot_of(f, kTrained[0])->grad().data<float>()[0] = NAN;
+  of.clip_grad_norm(1.0);
+  of.step(1e-2);
+  CHECK(of.state_dict().at("loss_scale").to_vector<double>() == vector<double>{1.0, 0.0});
+}

@@ -243,6 +243,46 @@ TEST_CASE("to(dtype) round trips", "[tensor]") {
     // a signalling-looking NaN whose payload sits only in the low bits must not become inf
     CHECK(std::isnan(float(bf16(bits_to_float(0x7f800001u)))));
   }
+  SECTION("f32 -> f16 rounds to nearest even over f16's range; the tensor conversion agrees") {
+    struct Case {
+      float in, want;
+      const char* why;
+    };
+    const float u10 = std::ldexp(1.0f, -10);  // one f16 ulp at 1.0 (10 stored mantissa bits)
+    vector<Case> cases = {
+        {1.0f, 1.0f, "exact"},
+        {1.0f + u10 / 2, 1.0f, "tie: even (1) wins"},
+        {1.0f + 3 * u10 / 2, 1.0f + 2 * u10, "tie between odd and even: up"},
+        {-(1.0f + 3 * u10 / 2), -(1.0f + 2 * u10), "sign is kept"},
+        {3.14159265f, 3.140625f, "pi to 11 bits"},
+        {65504.f, 65504.f, "the largest finite f16"},
+        {65519.f, 65504.f, "just under the overflow tie: down"},
+        {65520.f, INFINITY, "the overflow tie rounds to infinity"},
+        {std::ldexp(1.0f, -24), std::ldexp(1.0f, -24), "the smallest subnormal"},
+        {std::ldexp(1.0f, -25), 0.0f, "half the smallest subnormal: tie to even (0)"},
+        {std::ldexp(3.0f, -26), std::ldexp(1.0f, -24), "above the half: up to the smallest subnormal"},
+        {std::ldexp(1.0f, -14), std::ldexp(1.0f, -14), "the smallest normal"},
+        {INFINITY, INFINITY, "infinity stays"},
+    };
+    for (auto& c : cases) {
+      INFO(c.why << ": in " << c.in);
+      CHECK(float(loom::f16(c.in)) == c.want);
+      Tensor h = Tensor::from_vector(vector<float>{c.in}, {1}).to(DType::F16);
+      CHECK(h.dtype() == DType::F16);
+      CHECK(h.to_vector<float>()[0] == c.want);
+      CHECK(h.to(DType::F64).to_vector<double>()[0] == double(c.want));
+    }
+    CHECK(std::isnan(float(loom::f16(std::numeric_limits<float>::quiet_NaN()))));
+    // every one of the 63488 finite f16 values survives f16 -> f32 -> f16
+    for (uint32_t b = 0; b < 0x10000u; b++) {
+      if ((b & 0x7c00u) == 0x7c00u) continue;
+      loom::f16 x;
+      x.bits = uint16_t(b);
+      if (loom::f16(float(x)).bits != x.bits) FAIL("f16 bits " << b << " do not round trip");
+    }
+    CHECK(Tensor::from_vector(vector<float>{1.5f, -2.f}, {2}).to(DType::F16).to(DType::BF16).to_vector<float>() ==
+          vector<float>{1.5f, -2.f});
+  }
   SECTION("to(same dtype) is the same tensor; clone is not") {
     Tensor t = random_f64({2, 3}, 8);
     CHECK(t.to(DType::F64).same(t));

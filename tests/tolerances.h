@@ -41,6 +41,9 @@ inline constexpr Tol kCudaSumF32{1e-3, 1e-4, "f32 long sum, other order, result 
 // CUDA bf16 against the f32 reference: bf16 keeps 8 bits (3.9e-3 relative per rounding);
 // inputs and outputs are rounded once each, plus accumulation in f32.
 inline constexpr Tol kCudaBF16{2e-2, 2e-2, "bf16 storage: 2^-8 per rounding, 2-3 roundings"};
+// CUDA f16 against the f32 reference: f16 keeps 11 bits (4.9e-4 relative per rounding), the
+// same 2-3 roundings; values stay far inside its range (|x| < 65504, > 6e-5) in these tests.
+inline constexpr Tol kCudaF16{4e-3, 4e-3, "f16 storage: 2^-11 per rounding, 2-3 roundings"};
 // Image decode + bilinear resize against the same math written in the test: float weights
 // on 8-bit pixels, a handful of roundings of values in [-1, 1].
 inline constexpr Tol kImageF32{1e-5, 1e-5, "bilinear weights in f32 on 8-bit pixels"};

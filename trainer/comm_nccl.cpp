@@ -50,6 +50,7 @@ static ncclDataType_t nccl_type(DType dt) {
   switch (dt) {
     case DType::F32: return ncclFloat32;
     case DType::BF16: return ncclBfloat16;
+    case DType::F16: return ncclFloat16;
     case DType::F64: return ncclFloat64;
     case DType::I32: return ncclInt32;
     case DType::I64: return ncclInt64;

@@ -170,6 +170,8 @@ void validate_config(const Config& c) {
           "fashion_mnist images are 1x28x28: model.channels = 1 and model.image_size = 28");
   if (c.get_str("train.dtype") == "bf16" && c.get_str("train.device") == "cpu")
     r.bad("train.dtype", "bf16", "needs train.device = cuda or auto (the CPU kernels run f32/f64)");
+  if (c.get_str("train.dtype") == "fp16" && c.get_str("train.device") == "cpu")
+    r.bad("train.dtype", "fp16", "needs train.device = cuda or auto (the CPU kernels run f32/f64)");
 
   // ---------------------------------------------------------------- data
   r.path_exists("data.path", false);
@@ -231,6 +233,8 @@ void validate_config(const Config& c) {
   if (ewd != -1 && !(ewd >= 0 && ewd <= 1e3))
     r.bad("train.embeddings_weight_decay", Rules::num(ewd), "must be -1 (train.weight_decay) or in [0, 1000]");
   r.int_range("train.max_nan_skips", 1, 1 << 20);
+  r.float_range("train.loss_scale", 1, false, 16777216, false);
+  r.int_range("train.loss_scale_window", 1, 1 << 30);
   r.int_range("train.stop_at", 0, kMaxCount);
   r.int_range("train.gpus", 0, 1024);  // 0 and 1: one process
   r.float_range("train.dist_join_timeout", 0, true, 1e6, false);

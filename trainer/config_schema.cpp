@@ -63,7 +63,9 @@ const std::vector<ConfigKey>& config_schema() {
       // ---------------------------------------------------------------- train
       {"train", "trainer", S, "vlm_sft", "training recipe", "vlm_sft|vlm_pretrain|vit_mim"},
       {"train", "device", S, "auto", "auto = cuda when a GPU is present", "auto|cpu|cuda"},
-      {"train", "dtype", S, "auto", "compute dtype; auto = bf16 on cuda, f32 on cpu", "auto|f32|bf16"},
+      {"train", "dtype", S, "auto", "compute dtype; auto = bf16 on cuda, f32 on cpu; fp16 scales the loss", "auto|f32|bf16|fp16"},
+      {"train", "loss_scale", F, "65536", "fp16: the initial dynamic loss scale (halved on an overflow)", nullptr},
+      {"train", "loss_scale_window", I, "2000", "fp16: applied steps in a row before the loss scale doubles", nullptr},
       {"train", "attention", S, "loom", "CUDA attention: loom's kernels, cuDNN's fused attention (bf16), or auto = per shape bucket the faster (timed once; each new bucket of a packed run costs a plan build)", "auto|loom|cudnn"},
       {"train", "steps", I, "1000", "optimizer steps", nullptr},
       {"train", "batch_size", I, "16", "images (mim) or packed rows (vlm) per step, per device", nullptr},

@@ -196,6 +196,7 @@ int train_mim(const RunContext& ctx) {
   Optimizer opt(param_groups_from(m, cfg), oc, ctx.compute, ctx.device);
   cast_frozen(m, ctx.compute);
   EMA ema(m.target, opt, "encoder.");
+  const Tensor loss_scale = setup_loss_scaling(opt, ctx);  // fp16 only
   std::printf("optimizer %s\n", opt.backend().c_str());
 
   int64_t steps = cfg.get_int64("train.steps"), start = 0;
@@ -249,6 +250,8 @@ int train_mim(const RunContext& ctx) {
       const float* src = train.pixels.data() + size_t(idx) * px;
       if (img_dt == DType::BF16)
         for (size_t j = 0; j < px; j++) static_cast<bf16*>(img)[size_t(i) * px + j] = bf16(src[j]);
+      else if (img_dt == DType::F16)
+        for (size_t j = 0; j < px; j++) static_cast<f16*>(img)[size_t(i) * px + j] = f16(src[j]);
       else if (img_dt == DType::F64)
         for (size_t j = 0; j < px; j++) static_cast<double*>(img)[size_t(i) * px + j] = src[j];
       else
@@ -309,7 +312,7 @@ int train_mim(const RunContext& ctx) {
     }
     {
       ProfileRange r("backward");
-      backward(loss);
+      backward(loss, loss_scale.defined() ? loss_scale.reshape(loss.shape()) : Tensor());  // fp16: seed S
     }
     ProfileRange r("optimizer");
     if (loss.dtype() != DType::F32) loss = cast(loss, DType::F32);
@@ -330,7 +333,7 @@ int train_mim(const RunContext& ctx) {
 
   RunLog log(ctx, start > 0);
   NanGuard guard(cfg.get_int("train.max_nan_skips"));
-  AsyncStepLog slog(ctx, log, guard, "img/s");
+  AsyncStepLog slog(ctx, log, guard, "img/s", loss_scale);
   Prefetcher<StagedBatch> loader(make, start, steps, std::max(1, cfg.get_int("data.workers")), 4);
   int64_t eval_every = cfg.get_int64("train.eval_every"), save_every = cfg.get_int64("train.save_every");
   profile_enable(cfg.get_bool("train.profile"));

@@ -57,7 +57,11 @@ RunContext make_context(const Config& cfg, int rank, int world) {
     LOOM_CHECK(ctx.device == Device::CUDA, "%s: train.dtype = bf16 needs the CUDA device (CPU kernels run f32/f64)",
                cfg.source().c_str());
     ctx.compute = DType::BF16;
-  } else LOOM_CHECK(false, "%s: train.dtype '%s' (auto, f32, bf16)", cfg.source().c_str(), dt.c_str());
+  } else if (dt == "fp16") {
+    LOOM_CHECK(ctx.device == Device::CUDA, "%s: train.dtype = fp16 needs the CUDA device (CPU kernels run f32/f64)",
+               cfg.source().c_str());
+    ctx.compute = DType::F16;
+  } else LOOM_CHECK(false, "%s: train.dtype '%s' (auto, f32, bf16, fp16)", cfg.source().c_str(), dt.c_str());
   const std::string attn = cfg.get_str("train.attention");
   cuda::set_attention_backend(attn == "cudnn" ? cuda::AttentionBackend::Cudnn
                               : attn == "loom" ? cuda::AttentionBackend::Loom
@@ -167,6 +171,7 @@ void RunLog::step(const StepStats& s) {
             {"skipped", s.skipped}, {"elapsed_s", std::round(elapsed * 10) / 10}};
   if (eta >= 0) j["eta_s"] = std::round(eta * 10) / 10;
   if (s.reserved_mb >= 0) j["reserved_mb"] = s.reserved_mb;
+  if (s.loss_scale > 0) j["loss_scale"] = s.loss_scale;
   if (s.mfu >= 0) j["mfu"] = s.mfu;
   write_line(j.dump());
   if (!s.skipped && std::isfinite(s.loss)) train_.push_back({s.step, s.loss});
@@ -180,6 +185,7 @@ void RunLog::step(const StepStats& s) {
     n += std::snprintf(line + n, sizeof line - size_t(n), " | peak %.0f MB, reserved %.0f MB", s.mem_mb, s.reserved_mb);
   else
     n += std::snprintf(line + n, sizeof line - size_t(n), " | mem %.0f MB", s.mem_mb);
+  if (s.loss_scale > 0) n += std::snprintf(line + n, sizeof line - size_t(n), " | scale %g", s.loss_scale);
   std::snprintf(line + n, sizeof line - size_t(n), " | %s%s", times.c_str(), s.skipped ? " | SKIPPED" : "");
   bool due = s.step % log_every_ == 0 || s.step == s.total || s.step == 1 || s.skipped;
   if (tty_) {  // a progress bar that the periodic lines scroll past
@@ -320,10 +326,27 @@ std::string loss_svg(const std::string& title, const std::vector<std::pair<int64
 }
 
 // ------------------------------------------------------------------ guards and helpers
-bool NanGuard::ok(int64_t step, double loss, double grad_norm) {
+Tensor setup_loss_scaling(Optimizer& opt, const RunContext& ctx) {
+  if (ctx.compute != DType::F16) {
+    set_loss_scale(Tensor());
+    return Tensor();
+  }
+  opt.enable_loss_scaling(ctx.cfg.get_float("train.loss_scale"), ctx.cfg.get_int("train.loss_scale_window"));
+  Tensor s = opt.loss_scale_value();
+  set_loss_scale(s);
+  return s;
+}
+
+bool NanGuard::ok(int64_t step, double loss, double grad_norm, double loss_scale) {
   if (std::isfinite(loss) && std::isfinite(grad_norm)) {
     run_ = 0;
     return true;
+  }
+  if (std::isfinite(loss) && loss_scale > 1) {
+    total_++;
+    std::printf("step %lld: gradients overflow at loss scale %g: step skipped, scale halved\n", (long long)step,
+                loss_scale);
+    return false;
   }
   run_++;
   total_++;

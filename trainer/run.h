@@ -49,6 +49,7 @@ struct StepStats {
   double mfu = -1;              // < 0: not shown (CPU)
   double mem_mb = 0;             // peak allocated (device on CUDA runs, host on CPU runs)
   double reserved_mb = -1;       // held by the caching allocator (CUDA); < 0: not shown
+  double loss_scale = -1;        // fp16: the loss scale the step ran with; < 0: not shown
   bool skipped = false;
 };
 
@@ -109,12 +110,21 @@ class NanGuard {
  public:
   explicit NanGuard(int max_in_a_row) : max_(max_in_a_row) {}
   // true: apply the step; false: skip it. Throws after max_in_a_row consecutive skips.
-  bool ok(int64_t step, double loss, double grad_norm);
+  // loss_scale > 1 (fp16 dynamic loss scaling): a finite loss with non-finite gradients is an
+  // overflow of the scaled gradients, which halves the scale: reported, counted in the total,
+  // not in the run that stops training.
+  bool ok(int64_t step, double loss, double grad_norm, double loss_scale = -1);
   int64_t skipped() const { return total_; }
  private:
   int max_, run_ = 0;
   int64_t total_ = 0;
 };
+
+// fp16 (ctx.compute = F16): turns on the optimizer's dynamic loss scaling (train.loss_scale,
+// train.loss_scale_window) and hands the scale to the fused losses (autograd's set_loss_scale).
+// Returns the scale, f32 [1] on the device: the trainer seeds backward with it and logs it.
+// Undefined (and no scaling) for every other compute dtype.
+Tensor setup_loss_scaling(Optimizer& opt, const RunContext& ctx);
 
 double now_ms();
 // mkdir -p; throws when path is not a directory afterwards

@@ -3,11 +3,19 @@
 
 namespace loom {
 
-AsyncStepLog::AsyncStepLog(const RunContext& ctx, RunLog& log, NanGuard& guard, const char* items_unit)
-    : ctx_(ctx), log_(log), guard_(guard), unit_(items_unit), rb_(ctx.device, 3) {}
+AsyncStepLog::AsyncStepLog(const RunContext& ctx, RunLog& log, NanGuard& guard, const char* items_unit,
+                           const Tensor& loss_scale)
+    : ctx_(ctx), log_(log), guard_(guard), unit_(items_unit), rb_(ctx.device, loss_scale.defined() ? 4 : 3),
+      scale_(loss_scale) {}
+
+void AsyncStepLog::begin_step() {
+  rb_.begin_step();
+  if (scale_.defined()) scale_at_start_ = scale_.clone();  // 4 bytes, device to device
+}
 
 void AsyncStepLog::post(const Step& s, const Tensor& loss, const Tensor& norm, const Tensor& applied) {
-  rb_.post(s.step, {loss, norm, applied});
+  if (scale_.defined()) rb_.post(s.step, {loss, norm, applied, scale_at_start_});
+  else rb_.post(s.step, {loss, norm, applied});
   pending_.push_back(s);
 }
 
@@ -20,8 +28,9 @@ void AsyncStepLog::flush(bool all) {
     std::vector<double> v = rb_.take(&step, &ms);
     const double loss = v[0], norm = v[1];
     const bool applied = v[2] != 0.0;
+    const double scale = v.size() > 3 ? v[3] : -1.0;
     last_loss_ = loss;
-    guard_.ok(step, loss, norm);  // reports a non-finite step; stops the run after too many in a row
+    guard_.ok(step, loss, norm, scale);  // reports a non-finite step; stops the run after too many in a row
     const bool gpu = ctx_.device == Device::CUDA;
     StepStats st;
     st.step = step;
@@ -36,6 +45,7 @@ void AsyncStepLog::flush(bool all) {
     st.mfu = gpu ? s.flops / (ms / 1e3) / 989e12 : -1;
     st.mem_mb = (gpu ? double(cuda::peak_bytes_in_use()) : double(cpu_peak_bytes())) / 1048576.0;
     st.reserved_mb = gpu ? double(cuda::bytes_reserved()) / 1048576.0 : -1;
+    st.loss_scale = scale;
     st.skipped = !applied;
     log_.step(st);
   }

@@ -20,8 +20,12 @@ class AsyncStepLog {
     int64_t step = 0, total = 0;
     double lr = 0, data_ms = 0, items = 0, flops = 0;  // items: images or real tokens of the step
   };
-  AsyncStepLog(const RunContext& ctx, RunLog& log, NanGuard& guard, const char* items_unit);
-  void begin_step() { rb_.begin_step(); }
+  // loss_scale: the optimizer's loss scale (fp16, Optimizer::loss_scale_value), logged with each
+  // step; undefined when the run does not scale.
+  AsyncStepLog(const RunContext& ctx, RunLog& log, NanGuard& guard, const char* items_unit,
+               const Tensor& loss_scale = Tensor());
+  // Before the step is enqueued (copies the loss scale the step runs with, on the device).
+  void begin_step();
   // After the step is enqueued: its loss and norm (f32 device scalars) and applied flag.
   void post(const Step& s, const Tensor& loss, const Tensor& norm, const Tensor& applied);
   // Logs the posted steps whose values are needed now: all of them (`all`, before an
@@ -37,6 +41,7 @@ class AsyncStepLog {
   NanGuard& guard_;
   const char* unit_;
   StepReadback rb_;
+  Tensor scale_, scale_at_start_;  // the optimizer's scale; its value when the step began
   std::deque<Step> pending_;
   double last_loss_ = 0;
 };

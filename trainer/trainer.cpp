@@ -83,6 +83,7 @@ static int train_vlm(const RunContext& ctx) {
   OptimConfig oc = optim_config_from(cfg);
   Optimizer opt(param_groups_from(m, cfg), oc, ctx.compute, ctx.device);
   cast_frozen(m, ctx.compute);
+  const Tensor loss_scale = setup_loss_scaling(opt, ctx);  // fp16 only
   std::printf("optimizer %s\n", opt.backend().c_str());
 
   int64_t steps = cfg.get_int64("train.steps"), start = 0;
@@ -173,7 +174,7 @@ static int train_vlm(const RunContext& ctx) {
 
   RunLog log(ctx, start > 0);
   NanGuard guard(cfg.get_int("train.max_nan_skips"));
-  AsyncStepLog slog(ctx, log, guard, "tok/s");
+  AsyncStepLog slog(ctx, log, guard, "tok/s", loss_scale);
   Uploader up(ctx.device);
   if (ctx.device == Device::CUDA)
     std::printf("step: eager (a packed batch's sequence and image counts change from step to step)\n");
@@ -209,7 +210,7 @@ static int train_vlm(const RunContext& ctx) {
       Tensor scaled = f != 1.0 ? scale(loss, f) : loss;
       {
         ProfileRange r("backward");
-        backward(scaled);
+        backward(scaled, loss_scale.defined() ? loss_scale.reshape(scaled.shape()) : Tensor());  // fp16: seed S
       }
       up.step_done();
       NoGradGuard ng;
@@ -278,7 +279,12 @@ int train_command(int argc, char** argv) {
   std::string trainer = cfg.get_str("train.trainer");
   LOOM_CHECK(trainer == "vlm_sft" || trainer == "vlm_pretrain" || trainer == "vit_mim",
              "%s: train.trainer '%s' (vlm_sft, vlm_pretrain, vit_mim)", cfg.source().c_str(), trainer.c_str());
-  auto run = [&](const RunContext& ctx) { return trainer == "vit_mim" ? train_mim(ctx) : train_vlm(ctx); };
+  auto run = [&](const RunContext& ctx) {
+    struct ResetScale {  // fp16's loss scale is the run's: the fused losses stop using it after
+      ~ResetScale() { set_loss_scale(Tensor()); }
+    } reset;
+    return trainer == "vit_mim" ? train_mim(ctx) : train_vlm(ctx);
+  };
   // Several GPUs (trainer/distributed.h): a launcher when train.gpus > 1 and no launcher's
   // environment says this process is a rank; a rank when it does.
   EnvMap env = process_env();

@@ -269,6 +269,8 @@ StagedBatch stage_batch(const VLMData& d, const PackedBatch& pb, const std::shar
     const float* src = d.images[size_t(pb.images[size_t(i)])].data();
     if (dtype == DType::BF16)
       for (size_t j = 0; j < px; j++) static_cast<bf16*>(img)[size_t(i) * px + j] = bf16(src[j]);
+    else if (dtype == DType::F16)
+      for (size_t j = 0; j < px; j++) static_cast<f16*>(img)[size_t(i) * px + j] = f16(src[j]);
     else if (dtype == DType::F64)
       for (size_t j = 0; j < px; j++) static_cast<double*>(img)[size_t(i) * px + j] = src[j];
     else

@@ -106,7 +106,7 @@ void cross_entropy_backward(T* dlogits, const acc_t<T>* dloss, const T* logits, 
 template <class T>
 void fused_linear_cross_entropy(acc_t<T>* loss, T* dh, T* dW, const T* h, const T* W,
                                 const int32_t* targets, int64_t N, int V, int D, int64_t chunk,
-                                acc_t<T>* workspace, Stream) {
+                                acc_t<T>* workspace, const acc_t<T>* grad_scale, Stream) {
   using A = acc_t<T>;
   static_assert(std::is_same<T, A>::value, "the CPU reference computes in T = acc_t<T>");
   if (V <= 0 || D <= 0 || chunk <= 0)
@@ -115,6 +115,7 @@ void fused_linear_cross_entropy(acc_t<T>* loss, T* dh, T* dW, const T* h, const 
                                 std::to_string(chunk));
   const int64_t count = count_valid_targets("fused_linear_cross_entropy", targets, N, V);
   const A inv_count = count > 0 ? A(1) / A(count) : A(0);  // ignored rows and count 0 give 0
+  const A grad_mul = grad_scale ? inv_count * grad_scale[0] : inv_count;  // dlogits for dloss = *grad_scale
 
   Eigen::Map<const RowMat<T>> Wm(W, V, D);
   Eigen::Map<RowMat<T>> dWm(dW, V, D);
@@ -145,7 +146,7 @@ void fused_linear_cross_entropy(acc_t<T>* loss, T* dh, T* dW, const T* h, const 
         }
         const A lse = row_logsumexp(x, V);
         partial[b] += lse - x[y];
-        row_softmax_grad(x, x, lse, y, inv_count, V);  // elementwise, so in place is safe
+        row_softmax_grad(x, x, lse, y, grad_mul, V);  // elementwise, so in place is safe
       }
     }
     for (int b = 0; b < kBlocks; b++) sum += partial[b];
@@ -163,7 +164,7 @@ void fused_linear_cross_entropy(acc_t<T>* loss, T* dh, T* dW, const T* h, const 
                                           const int32_t*, int64_t, int, Stream);                  \
   template void fused_linear_cross_entropy<T>(acc_t<T>*, T*, T*, const T*, const T*,               \
                                               const int32_t*, int64_t, int, int, int64_t,          \
-                                              acc_t<T>*, Stream);
+                                              acc_t<T>*, const acc_t<T>*, Stream);
 LOOM_INSTANTIATE(float)
 LOOM_INSTANTIATE(double)
 #undef LOOM_INSTANTIATE

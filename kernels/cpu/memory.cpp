@@ -38,6 +38,19 @@ template <> inline float cast<float, bf16>(bf16 x) { return float(x); }
 template <> inline double cast<double, bf16>(bf16 x) { return double(float(x)); }
 template <> inline int32_t cast<int32_t, bf16>(bf16 x) { return int32_t(float(x)); }
 template <> inline int64_t cast<int64_t, bf16>(bf16 x) { return int64_t(float(x)); }
+// f16 likewise, through float (and bf16 <-> f16 through float too)
+template <> inline f16 cast<f16, f16>(f16 x) { return x; }
+template <> inline f16 cast<f16, float>(float x) { return f16(x); }
+template <> inline f16 cast<f16, double>(double x) { return f16(float(x)); }
+template <> inline f16 cast<f16, int32_t>(int32_t x) { return f16(float(x)); }
+template <> inline f16 cast<f16, int64_t>(int64_t x) { return f16(float(x)); }
+template <> inline f16 cast<f16, uint8_t>(uint8_t x) { return f16(float(x)); }
+template <> inline f16 cast<f16, bf16>(bf16 x) { return f16(float(x)); }
+template <> inline bf16 cast<bf16, f16>(f16 x) { return bf16(float(x)); }
+template <> inline float cast<float, f16>(f16 x) { return float(x); }
+template <> inline double cast<double, f16>(f16 x) { return double(float(x)); }
+template <> inline int32_t cast<int32_t, f16>(f16 x) { return int32_t(float(x)); }
+template <> inline int64_t cast<int64_t, f16>(f16 x) { return int64_t(float(x)); }
 
 void check_layout(const Layout& l, const char* op) {
   if (l.ndim < 0 || l.ndim > Layout::kMaxDims)
@@ -214,6 +227,7 @@ template <class T> void sum_all(acc_t<T>* out, const T* in, int64_t n, Stream) {
 LOOM_FILL(float)
 LOOM_FILL(double)
 LOOM_FILL(bf16)
+LOOM_FILL(f16)
 LOOM_FILL(int32_t)
 LOOM_FILL(int64_t)
 #undef LOOM_FILL
@@ -223,11 +237,13 @@ LOOM_FILL(int64_t)
   LOOM_CONVERT(float, From)     \
   LOOM_CONVERT(double, From)    \
   LOOM_CONVERT(bf16, From)      \
+  LOOM_CONVERT(f16, From)       \
   LOOM_CONVERT(int32_t, From)   \
   LOOM_CONVERT(int64_t, From)
 LOOM_CONVERT_FROM(float)
 LOOM_CONVERT_FROM(double)
 LOOM_CONVERT_FROM(bf16)
+LOOM_CONVERT_FROM(f16)
 LOOM_CONVERT_FROM(int32_t)
 LOOM_CONVERT_FROM(int64_t)
 LOOM_CONVERT_FROM(uint8_t)
@@ -238,6 +254,7 @@ LOOM_CONVERT_FROM(uint8_t)
 LOOM_COPY(float)
 LOOM_COPY(double)
 LOOM_COPY(bf16)
+LOOM_COPY(f16)
 LOOM_COPY(int32_t)
 LOOM_COPY(int64_t)
 LOOM_COPY(uint8_t)

@@ -23,7 +23,9 @@
 //   target  = target + (1 - decay)(source - target)   (= decay target + (1 - decay) source)
 // Clipping: norm_sq += sum grad^2 per flat buffer; norm = sqrt(norm_sq),
 //   scale = min(1, max_norm / (norm + 1e-6))   (torch.nn.utils.clip_grad_norm_)
-// Step control: apply = norm and loss finite; t += apply (step_control).
+// Step control: apply = norm and loss finite; t += apply (step_control). With a loss scale S
+//   the gradients are S times too large: norm /= S, the update's gradient scale /= S; a
+//   skipped step halves S, growth_interval applied steps in a row double it (torch's GradScaler).
 //
 // Every update is elementwise (OpenMP over elements). The norm's sum is cut into a fixed
 // number of blocks added in order, so it does not depend on the thread count.
@@ -110,12 +112,23 @@ void grad_norm_squared(float* out, const G* grad, int64_t n, Stream) {
   out[0] += float(sum);
 }
 
-void step_control(float* ctl, float* norm, const float* norm_sq, const float* loss, float max_norm, Stream) {
-  const float total = norm_sq ? std::sqrt(*norm_sq) : 0.0f;
+void step_control(float* ctl, float* norm, const float* norm_sq, const float* loss, float max_norm,
+                  float* loss_scale, int growth_interval, Stream) {
+  const float S = loss_scale ? loss_scale[0] : 1.0f;
+  const float total = norm_sq ? std::sqrt(*norm_sq) / S : 0.0f;
   if (norm) *norm = total;
-  ctl[0] = (norm_sq && max_norm > 0) ? std::min(1.0f, max_norm / (total + 1e-6f)) : 1.0f;
+  ctl[0] = ((norm_sq && max_norm > 0) ? std::min(1.0f, max_norm / (total + 1e-6f)) : 1.0f) / S;
   ctl[1] = std::isfinite(total) && (!loss || std::isfinite(*loss)) ? 1.0f : 0.0f;
   ctl[2] += ctl[1];
+  if (loss_scale) {
+    if (ctl[1] == 0.0f) {
+      loss_scale[0] = std::max(1.0f, S * 0.5f);
+      loss_scale[1] = 0.0f;
+    } else if (++loss_scale[1] >= float(growth_interval)) {
+      loss_scale[0] = std::min(16777216.0f, S * 2.0f);
+      loss_scale[1] = 0.0f;
+    }
+  }
 }
 
 #define LOOM_INSTANTIATE(M, G)                                                                  \

@@ -214,5 +214,6 @@ template <class T> void softmax_backward(T* dinp, const T* dout, const T* out, i
   template void softmax_backward<T>(T*, const T*, const T*, int64_t, int, Stream);
 LOOM_ACT(float)
 LOOM_ACT(bf16)
+LOOM_ACT(f16)
 
 }  // namespace loom::cuda

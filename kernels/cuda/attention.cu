@@ -271,11 +271,16 @@ template void attention_forward<float>(float*, float*, const float*, const float
                                        const int32_t*, int, int, int64_t, int64_t, int, int, int, bool, double, Stream);
 template void attention_forward<bf16>(bf16*, float*, const bf16*, const bf16*, const bf16*, const int32_t*,
                                       const int32_t*, int, int, int64_t, int64_t, int, int, int, bool, double, Stream);
+template void attention_forward<f16>(f16*, float*, const f16*, const f16*, const f16*, const int32_t*,
+                                      const int32_t*, int, int, int64_t, int64_t, int, int, int, bool, double, Stream);
 template void attention_backward<float>(float*, float*, float*, const float*, const float*, const float*,
                                         const float*, const float*, const float*, float*, const int32_t*,
                                         const int32_t*, int, int, int64_t, int64_t, int, int, int, bool, double, Stream);
 template void attention_backward<bf16>(bf16*, bf16*, bf16*, const bf16*, const bf16*, const bf16*, const bf16*,
                                        const bf16*, const float*, float*, const int32_t*, const int32_t*, int, int,
+                                       int64_t, int64_t, int, int, int, bool, double, Stream);
+template void attention_backward<f16>(f16*, f16*, f16*, const f16*, const f16*, const f16*, const f16*,
+                                       const f16*, const float*, float*, const int32_t*, const int32_t*, int, int,
                                        int64_t, int64_t, int, int, int, bool, double, Stream);
 
 }  // namespace loom::cuda

@@ -417,6 +417,16 @@ Key choose_key(bool backward, bool is_f32, int nseq, int max_seqlen, int64_t Nq,
   return ragged;
 }
 
+// f16: this backend builds bf16 graphs only; f16 attention runs on our kernels (under `cudnn`
+// a clear error).
+bool f16_on_loom() {
+  if (attention_backend() == AttentionBackend::Cudnn)
+    throw std::invalid_argument("attention: train.attention = cudnn, but the cuDNN backend runs bf16 (and f32 through "
+                                "bf16 copies), not f16: use auto or loom with train.dtype = fp16");
+  log_once("auto: f16 attention runs on loom's kernels (the cuDNN backend builds bf16 graphs)");
+  return false;
+}
+
 }  // namespace
 
 int attention_cudnn_dense_plans() { return dense_plans(); }
@@ -426,6 +436,7 @@ bool attn::cudnn_attention_forward(T* out, float* lse, const T* q, const T* k, c
                              const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV,
                              int hd, bool causal, double scale, cudaStream_t s, const std::function<void()>& run_loom) {
   if (nseq <= 0 || max_seqlen <= 0 || Nq == 0 || attention_backend() == AttentionBackend::Loom) return false;
+  if constexpr (std::is_same<T, f16>::value) return f16_on_loom();
   constexpr bool f32 = std::is_same<T, float>::value;
   const Key key = choose_key(false, f32, nseq, max_seqlen, Nq, Nk, H, KV, hd, causal,
                              dense_batch(cu_q, cu_k, nseq, max_seqlen, Nq, Nk), s);
@@ -447,6 +458,7 @@ bool attn::cudnn_attention_backward(T* dq, T* dk, T* dv, const T* dout, const T*
                               int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, int hd, bool causal, double scale,
                               cudaStream_t s, const std::function<void()>& run_loom) {
   if (nseq <= 0 || max_seqlen <= 0 || Nq == 0 || attention_backend() == AttentionBackend::Loom) return false;
+  if constexpr (std::is_same<T, f16>::value) return f16_on_loom();
   constexpr bool f32 = std::is_same<T, float>::value;
   const Key key = choose_key(true, f32, nseq, max_seqlen, Nq, Nk, H, KV, hd, causal,
                              dense_batch(cu_q, cu_k, nseq, max_seqlen, Nq, Nk), s);
@@ -507,12 +519,19 @@ template bool attn::cudnn_attention_forward<float>(float*, float*, const float*,
 template bool attn::cudnn_attention_forward<bf16>(bf16*, float*, const bf16*, const bf16*, const bf16*, const int32_t*,
                                             const int32_t*, int, int, int64_t, int64_t, int, int, int, bool, double,
                                             cudaStream_t, const std::function<void()>&);
+template bool attn::cudnn_attention_forward<f16>(f16*, float*, const f16*, const f16*, const f16*, const int32_t*,
+                                            const int32_t*, int, int, int64_t, int64_t, int, int, int, bool, double,
+                                            cudaStream_t, const std::function<void()>&);
 template bool attn::cudnn_attention_backward<float>(float*, float*, float*, const float*, const float*, const float*,
                                               const float*, const float*, const float*, float*, const int32_t*,
                                               const int32_t*, int, int, int64_t, int64_t, int, int, int, bool, double,
                                               cudaStream_t, const std::function<void()>&);
 template bool attn::cudnn_attention_backward<bf16>(bf16*, bf16*, bf16*, const bf16*, const bf16*, const bf16*, const bf16*,
                                              const bf16*, const float*, float*, const int32_t*, const int32_t*, int,
+                                             int, int64_t, int64_t, int, int, int, bool, double, cudaStream_t,
+                                             const std::function<void()>&);
+template bool attn::cudnn_attention_backward<f16>(f16*, f16*, f16*, const f16*, const f16*, const f16*, const f16*,
+                                             const f16*, const float*, float*, const int32_t*, const int32_t*, int,
                                              int, int64_t, int64_t, int, int, int, bool, double, cudaStream_t,
                                              const std::function<void()>&);
 

@@ -259,10 +259,15 @@ template void fwd_v1<float>(float*, float*, const float*, const float*, const fl
                             const int32_t*, int, int64_t, int, int, int, bool, float, cudaStream_t);
 template void fwd_v1<bf16>(bf16*, float*, const bf16*, const bf16*, const bf16*, const int32_t*,
                            const int32_t*, int, int64_t, int, int, int, bool, float, cudaStream_t);
+template void fwd_v1<f16>(f16*, float*, const f16*, const f16*, const f16*, const int32_t*,
+                           const int32_t*, int, int64_t, int, int, int, bool, float, cudaStream_t);
 template void bwd_v1<float>(float*, float*, float*, const float*, const float*, const float*, const float*,
                             const float*, const float*, const int32_t*, const int32_t*, int, int64_t, int64_t,
                             int, int, int, bool, float, cudaStream_t);
 template void bwd_v1<bf16>(bf16*, bf16*, bf16*, const bf16*, const bf16*, const bf16*, const bf16*,
+                           const float*, const float*, const int32_t*, const int32_t*, int, int64_t, int64_t,
+                           int, int, int, bool, float, cudaStream_t);
+template void bwd_v1<f16>(f16*, f16*, f16*, const f16*, const f16*, const f16*, const f16*,
                            const float*, const float*, const int32_t*, const int32_t*, int, int64_t, int64_t,
                            int, int, int, bool, float, cudaStream_t);
 

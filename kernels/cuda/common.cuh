@@ -5,6 +5,7 @@
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -36,18 +37,21 @@ namespace loom::cuda {
 // after every <<<>>>: catches bad launch configurations at the launch site
 #define LAUNCH_CHECK() CUDA_CHECK(cudaGetLastError())
 
-// bf16 is layout-compatible with __nv_bfloat16
+// bf16 is layout-compatible with __nv_bfloat16, f16 with __half
 template <class T> struct device_type { using type = T; };
 template <> struct device_type<bf16> { using type = __nv_bfloat16; };
+template <> struct device_type<f16> { using type = __half; };
 template <class T> using dev_t = typename device_type<T>::type;
 template <class T> inline dev_t<T>* dptr(T* p) { return reinterpret_cast<dev_t<T>*>(p); }
 template <class T> inline const dev_t<T>* dptr(const T* p) { return reinterpret_cast<const dev_t<T>*>(p); }
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 template <class T> __device__ __forceinline__ T from_float(float x);
 template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -58,6 +58,7 @@ constexpr float kLn2 = 0.6931471805599453f;
 template <class T> constexpr cudaDataType cuda_type();
 template <> constexpr cudaDataType cuda_type<float>() { return CUDA_R_32F; }
 template <> constexpr cudaDataType cuda_type<bf16>() { return CUDA_R_16BF; }
+template <> constexpr cudaDataType cuda_type<f16>() { return CUDA_R_16F; }
 
 // Row-major batched C[M,N] = alpha op(A) op(B) + beta C, leading dims and batch strides in
 // elements, fp32 accumulation (cuBLAS is column-major: computes C^T = op(B)^T op(A)^T).
@@ -295,7 +296,9 @@ void infonce_loss(acc_t<T>* loss, T* da, T* db, const T* a, const T* b, int B, i
 
 template void patch_disc_loss<float>(float*, float*, const float*, const float*, int, int, int, double, float*, Stream);
 template void patch_disc_loss<bf16>(float*, bf16*, const bf16*, const bf16*, int, int, int, double, float*, Stream);
+template void patch_disc_loss<f16>(float*, f16*, const f16*, const f16*, int, int, int, double, float*, Stream);
 template void infonce_loss<float>(float*, float*, float*, const float*, const float*, int, int, double, float*, Stream);
 template void infonce_loss<bf16>(float*, bf16*, bf16*, const bf16*, const bf16*, int, int, double, float*, Stream);
+template void infonce_loss<f16>(float*, f16*, f16*, const f16*, const f16*, int, int, double, float*, Stream);
 
 }  // namespace loom::cuda

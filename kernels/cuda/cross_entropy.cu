@@ -8,7 +8,7 @@
  *   lse_r      = log sum_j exp(x_rj)                 (fp32, max-subtracted, one online pass)
  *   loss       = sum_r (lse_r - x_{r,y_r}) / count    (0 when count == 0)
  *   dx_rj      = dloss * (exp(x_rj - lse_r) - [j == y_r]) / count     (ignored rows: 0)
- * Fused linear + CE (dloss = 1; the autograd op scales afterwards):
+ * Fused linear + CE (dloss = *grad_scale, 1 when null; the autograd op scales afterwards):
  *   for each chunk of c rows:   logits[c,V] = h_c W^T           (GEMM, fp32 out, workspace)
  *                               dlogits     = softmax - onehot, / count   (in place)
  *                               dh_c [c,D]  = dlogits W          (GEMM, =)
@@ -178,7 +178,7 @@ __global__ void ce_backward_rows(T* __restrict__ dlogits, const float* __restric
 template <class TOut>
 __global__ void lce_rows(float* __restrict__ ws, float* __restrict__ row_loss,
                          const int32_t* __restrict__ targets, const float* __restrict__ count,
-                         int V) {
+                         const float* __restrict__ grad_scale, int V) {
   constexpr int kItems = 4;  // elements per thread per tile
   float* x = ws + int64_t(blockIdx.x) * V;
   const int t = targets[blockIdx.x];
@@ -190,7 +190,7 @@ __global__ void lce_rows(float* __restrict__ ws, float* __restrict__ row_loss,
     row_loss[blockIdx.x] = t < 0 ? 0.f : (t < V ? lse - x[t] : NAN);
   __syncthreads();  // x[t] is read before any thread overwrites it
   const float cnt = *count;
-  const float scale = (t >= 0 && cnt > 0.f) ? 1.f / cnt : 0.f;
+  const float scale = (t >= 0 && cnt > 0.f) ? (grad_scale ? *grad_scale : 1.f) / cnt : 0.f;
   const float lse2 = lse * kLog2e;
   TOut* dx = reinterpret_cast<TOut*>(x);
   const int tile = blockDim.x * kItems;
@@ -221,6 +221,7 @@ __global__ void scaled_sum(float* __restrict__ loss, const float* __restrict__ r
 template <class T> constexpr cudaDataType cuda_type();
 template <> constexpr cudaDataType cuda_type<float>() { return CUDA_R_32F; }
 template <> constexpr cudaDataType cuda_type<bf16>() { return CUDA_R_16BF; }
+template <> constexpr cudaDataType cuda_type<f16>() { return CUDA_R_16F; }
 
 // Row-major C[M,N] = alpha op(A) op(B) + beta C with leading dims in elements (row strides),
 // fp32 accumulation. cuBLAS is column-major: a row-major X is the column-major X^T, so this
@@ -274,7 +275,7 @@ void cross_entropy_backward(T* dlogits, const acc_t<T>* dloss, const T* logits, 
 template <class T>
 void fused_linear_cross_entropy(acc_t<T>* loss, T* dh, T* dW, const T* h, const T* W,
                                 const int32_t* targets, int64_t N, int V, int D, int64_t chunk,
-                                acc_t<T>* workspace, Stream s) {
+                                acc_t<T>* workspace, const acc_t<T>* grad_scale, Stream s) {
   check_rows("fused_linear_cross_entropy", N, V);
   if (D <= 0 || chunk <= 0)
     throw std::invalid_argument("fused_linear_cross_entropy: expected D > 0 and chunk > 0, got D=" +
@@ -295,7 +296,7 @@ void fused_linear_cross_entropy(acc_t<T>* loss, T* dh, T* dW, const T* h, const 
     const int c = int(std::min<int64_t>(chunk, N - r0));
     // logits[c,V] = h_c[c,D] W[V,D]^T
     gemm_rm(s, c, V, D, h + r0 * D, tT, D, false, W, tT, D, true, workspace, CUDA_R_32F, V, 1.f, 0.f);
-    lce_rows<dev_t<T>><<<c, kRowThreads, 0, s>>>(workspace, row_loss + r0, targets + r0, count, V);
+    lce_rows<dev_t<T>><<<c, kRowThreads, 0, s>>>(workspace, row_loss + r0, targets + r0, count, grad_scale, V);
     LAUNCH_CHECK();
     // dh_c[c,D] = dlogits[c,V] W[V,D]
     gemm_rm(s, c, D, V, workspace, tT, ld_dl, false, W, tT, D, false, dh + r0 * D, tT, D, 1.f, 0.f);
@@ -310,9 +311,12 @@ void fused_linear_cross_entropy(acc_t<T>* loss, T* dh, T* dW, const T* h, const 
 
 template void cross_entropy_forward<float>(float*, float*, const float*, const int32_t*, int64_t, int, Stream);
 template void cross_entropy_forward<bf16>(float*, float*, const bf16*, const int32_t*, int64_t, int, Stream);
+template void cross_entropy_forward<f16>(float*, float*, const f16*, const int32_t*, int64_t, int, Stream);
 template void cross_entropy_backward<float>(float*, const float*, const float*, const float*, const int32_t*, int64_t, int, Stream);
 template void cross_entropy_backward<bf16>(bf16*, const float*, const bf16*, const float*, const int32_t*, int64_t, int, Stream);
-template void fused_linear_cross_entropy<float>(float*, float*, float*, const float*, const float*, const int32_t*, int64_t, int, int, int64_t, float*, Stream);
-template void fused_linear_cross_entropy<bf16>(float*, bf16*, bf16*, const bf16*, const bf16*, const int32_t*, int64_t, int, int, int64_t, float*, Stream);
+template void cross_entropy_backward<f16>(f16*, const float*, const f16*, const float*, const int32_t*, int64_t, int, Stream);
+template void fused_linear_cross_entropy<float>(float*, float*, float*, const float*, const float*, const int32_t*, int64_t, int, int, int64_t, float*, const float*, Stream);
+template void fused_linear_cross_entropy<bf16>(float*, bf16*, bf16*, const bf16*, const bf16*, const int32_t*, int64_t, int, int, int64_t, float*, const float*, Stream);
+template void fused_linear_cross_entropy<f16>(float*, f16*, f16*, const f16*, const f16*, const int32_t*, int64_t, int, int, int64_t, float*, const float*, Stream);
 
 }  // namespace loom::cuda

@@ -447,5 +447,6 @@ template <class T> void argmax_rows(int32_t* out, const T* inp, int64_t N, int C
   template void argmax_rows<T>(int32_t*, const T*, int64_t, int, Stream);
 LOOM_INDEXING(float)
 LOOM_INDEXING(bf16)
+LOOM_INDEXING(f16)
 
 }  // namespace loom::cuda

@@ -91,7 +91,7 @@ Plan& get_plan(const PlanKey& k) {
   auto it = cache.find(k);
   if (it != cache.end()) return it->second;
   Plan p;
-  cudaDataType_t t = k.dtype == 0 ? CUDA_R_32F : CUDA_R_16BF;
+  cudaDataType_t t = k.dtype == 0 ? CUDA_R_32F : k.dtype == 1 ? CUDA_R_16BF : CUDA_R_16F;
   CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   cublasOperation_t opA = k.tb ? CUBLAS_OP_T : CUBLAS_OP_N;  // Lt's A is our B
   cublasOperation_t opB = k.ta ? CUBLAS_OP_T : CUBLAS_OP_N;  // Lt's B is our A
@@ -174,7 +174,7 @@ bool lt_matmul(T* C, const T* A, const T* B, const T* bias, int M, int N, int K,
                cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT, const void* aux = nullptr) {
   PlanKey k;
   std::memset(&k, 0, sizeof k);  // padding bytes take part in the hash and compare
-  k.dtype = std::is_same_v<T, float> ? 0 : 1;
+  k.dtype = std::is_same_v<T, float> ? 0 : std::is_same_v<T, bf16> ? 1 : 2;
   k.M = M; k.N = N; k.K = K; k.ta = ta; k.tb = tb; k.batch = batch;
   k.sa = batch > 1 ? sa : 0; k.sb = batch > 1 ? sb : 0; k.sc = batch > 1 ? sc : 0;
   if (epilogue == CUBLASLT_EPILOGUE_DEFAULT && bias) epilogue = CUBLASLT_EPILOGUE_BIAS;
@@ -334,5 +334,6 @@ void linear_dgelu_backward(T* dpre, T* dbias, const T* dout, const T* weight, co
   template void linear_dgelu_backward<T>(T*, T*, const T*, const T*, const T*, int64_t, int, int, Stream);
 LOOM_MATMUL(float)
 LOOM_MATMUL(bf16)
+LOOM_MATMUL(f16)
 
 }  // namespace loom::cuda

@@ -4,8 +4,8 @@
  * Reference: kernels/cpu/memory.cpp (same declarations, kernels/kernels.inc).
  *
  * Shapes (elements): n flat length; Layout = shape + strides (elements) of up to 8 dims.
- *   fill          out[n] = value                       (float, bf16, int32, int64)
- *   convert       out[n] = To(in[n])                   (every pair over f32, bf16, i32, i64; f64<->f32)
+ *   fill          out[n] = value                       (float, bf16, f16, int32, int64)
+ *   convert       out[n] = To(in[n])                   (every pair over f32, bf16, f16, i32, i64; f64<->f32)
  *   copy_strided  out[in.shape] (contiguous) = in read through in.stride
  *   binary        out[la.shape] = a (strides la) op b (strides lb), 0-strides broadcast
  *   unary         out[n] = f(in[n])
@@ -13,7 +13,7 @@
  *   axpy_dev      y[n] += (*alpha_dev) x               (alpha on the device: no host sync)
  *   reduce_sum_to out[kept dims] = sum over dims where out_bcast.stride == 0 (and shape > 1)
  *   sum_all       out[1] = sum(in[n]) in float
- * All outputs are `=` except axpy_dev (`+=`). Arithmetic is in float (bf16 is storage only).
+ * All outputs are `=` except axpy_dev (`+=`). Arithmetic is in float (bf16 and f16 are storage only).
  *
  * Napkin bytes: every kernel here is one read of each input and one write of the output;
  *   they are bandwidth-bound and run at whatever the access pattern allows. Contiguous
@@ -43,11 +43,13 @@ inline int grid_for(int64_t n) {
   return int(b < 1 ? 1 : (b > 4096 ? 4096 : b));
 }
 
-// Device-side conversion between storage types; bf16 goes through float.
+// Device-side conversion between storage types; bf16 and f16 go through float.
 template <class To, class From>
 __device__ __forceinline__ To cast_to(From x) {
   if constexpr (std::is_same_v<From, __nv_bfloat16>) return cast_to<To>(__bfloat162float(x));
+  else if constexpr (std::is_same_v<From, __half>) return cast_to<To>(__half2float(x));
   else if constexpr (std::is_same_v<To, __nv_bfloat16>) return __float2bfloat16(float(x));
+  else if constexpr (std::is_same_v<To, __half>) return __float2half_rn(float(x));
   else return static_cast<To>(x);
 }
 
@@ -205,6 +207,7 @@ __global__ void sum_final(float* __restrict__ out, const float* __restrict__ par
 
 template <class T> T host_value(double v) {
   if constexpr (std::is_same_v<T, bf16>) return bf16(float(v));
+  else if constexpr (std::is_same_v<T, f16>) return f16(float(v));
   else return static_cast<T>(v);
 }
 
@@ -305,14 +308,17 @@ template <class T> void sum_all(acc_t<T>* out, const T* in, int64_t n, Stream s)
   template void copy_strided<T>(T*, const T*, Layout, Stream);
 LOOM_FILL(float)
 LOOM_FILL(bf16)
+LOOM_FILL(f16)
 LOOM_FILL(int32_t)
 LOOM_FILL(int64_t)
 
 #define LOOM_CONVERT(To, From) template void convert<To, From>(To*, const From*, int64_t, Stream);
 #define LOOM_CONVERT_FROM(From) \
-  LOOM_CONVERT(float, From) LOOM_CONVERT(bf16, From) LOOM_CONVERT(int32_t, From) LOOM_CONVERT(int64_t, From)
+  LOOM_CONVERT(float, From) LOOM_CONVERT(bf16, From) LOOM_CONVERT(f16, From) LOOM_CONVERT(int32_t, From) \
+  LOOM_CONVERT(int64_t, From)
 LOOM_CONVERT_FROM(float)
 LOOM_CONVERT_FROM(bf16)
+LOOM_CONVERT_FROM(f16)
 LOOM_CONVERT_FROM(int32_t)
 LOOM_CONVERT_FROM(int64_t)
 LOOM_CONVERT(double, float)
@@ -327,5 +333,6 @@ LOOM_CONVERT(float, double)
   template void sum_all<T>(acc_t<T>*, const T*, int64_t, Stream);
 LOOM_MEM(float)
 LOOM_MEM(bf16)
+LOOM_MEM(f16)
 
 }  // namespace loom::cuda

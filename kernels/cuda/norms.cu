@@ -550,5 +550,6 @@ void rmsnorm_backward(T* dinp, T* dweight, const T* dout, const T* inp, const T*
                                             double, Stream);
 LOOM_NORMS(float)
 LOOM_NORMS(bf16)
+LOOM_NORMS(f16)
 
 }  // namespace loom::cuda

@@ -11,8 +11,9 @@
  *   sgd    g = grad * scale;  buf = mu buf + g;  master -= lr (buf + wd master);  copy = G(master)
  *   ema    target = decay target + (1-decay) source;  copy = G(target)
  *   grad_norm_squared  out[0] += sum(grad^2)   (two deterministic passes, no float atomics)
- *   step_control  norm = sqrt(norm_sq), scale = min(1, max_norm / (norm + 1e-6)),
- *                 apply = isfinite(norm) && isfinite(loss), t += apply
+ *   step_control  norm = sqrt(norm_sq) / S, scale = min(1, max_norm / (norm + 1e-6)) / S,
+ *                 apply = isfinite(norm) && isfinite(loss), t += apply; S is the loss scale
+ *                 (1 without one; fp16: halved on a skipped step, doubled after a good run)
  * Everything a step decides is read on the device from ctl (nullable: scale 1, apply, t and
  * lr from the host), so clipping, skipping a non-finite step and the learning-rate schedule
  * never wait on the host, and a captured step replays with the values of its own step. With
@@ -168,12 +169,23 @@ __global__ void sumsq_finish(float* __restrict__ out, const float* __restrict__ 
   if (threadIdx.x == 0) out[0] += acc;
 }
 
-__global__ void step_control_kernel(float* ctl, float* norm, const float* norm_sq, const float* loss, float max_norm) {
-  float nrm = norm_sq ? sqrtf(*norm_sq) : 0.f;
+__global__ void step_control_kernel(float* ctl, float* norm, const float* norm_sq, const float* loss, float max_norm,
+                                    float* loss_scale, int growth_interval) {
+  const float S = loss_scale ? loss_scale[0] : 1.f;
+  float nrm = norm_sq ? sqrtf(*norm_sq) / S : 0.f;
   if (norm) *norm = nrm;
-  ctl[0] = (norm_sq && max_norm > 0.f) ? fminf(1.f, max_norm / (nrm + 1e-6f)) : 1.f;
+  ctl[0] = ((norm_sq && max_norm > 0.f) ? fminf(1.f, max_norm / (nrm + 1e-6f)) : 1.f) / S;
   ctl[1] = (isfinite(nrm) && (!loss || isfinite(*loss))) ? 1.f : 0.f;
   ctl[2] += ctl[1];
+  if (loss_scale) {  // dynamic loss scaling: halve on a skipped step, double after a good run
+    if (ctl[1] == 0.f) {
+      loss_scale[0] = fmaxf(1.f, S * 0.5f);
+      loss_scale[1] = 0.f;
+    } else if ((loss_scale[1] += 1.f) >= float(growth_interval)) {
+      loss_scale[0] = fminf(16777216.f, S * 2.f);
+      loss_scale[1] = 0.f;
+    }
+  }
 }
 
 int elementwise_grid(int64_t work) {
@@ -235,8 +247,9 @@ template <class G> void grad_norm_squared(float* out, const G* grad, int64_t n, 
   device_free(partial);  // stream-ordered reuse
 }
 
-void step_control(float* ctl, float* norm, const float* norm_sq, const float* loss, float max_norm, Stream s) {
-  step_control_kernel<<<1, 1, 0, s>>>(ctl, norm, norm_sq, loss, max_norm);
+void step_control(float* ctl, float* norm, const float* norm_sq, const float* loss, float max_norm,
+                  float* loss_scale, int growth_interval, Stream s) {
+  step_control_kernel<<<1, 1, 0, s>>>(ctl, norm, norm_sq, loss, max_norm, loss_scale, growth_interval);
   LAUNCH_CHECK();
 }
 
@@ -249,5 +262,6 @@ void step_control(float* ctl, float* norm, const float* norm_sq, const float* lo
   template void grad_norm_squared<G>(float*, const G*, int64_t, Stream);
 LOOM_OPTIM(float)
 LOOM_OPTIM(bf16)
+LOOM_OPTIM(f16)
 
 }  // namespace loom::cuda

@@ -80,5 +80,6 @@ void rope_backward(T* dinp, const T* dout, const int32_t* pos, int64_t N, int H,
   template void rope_backward<T>(T*, const T*, const int32_t*, int64_t, int, int, double, Stream);
 LOOM_ROPE(float)
 LOOM_ROPE(bf16)
+LOOM_ROPE(f16)
 
 }  // namespace loom::cuda

@@ -3,8 +3,8 @@
 // tolerance of a type, and the exit with code 4 (ctest: skipped) when no GPU is present.
 //
 // Each test runs a CUDA kernel against its loom::cpu reference, forward and backward, in f32
-// and bf16. bf16 runs take inputs rounded to bf16 and compare with the f32 reference on those
-// same rounded inputs.
+// bf16 and f16. 16-bit runs take inputs rounded to their type and compare with the f32
+// reference on those same rounded inputs.
 #pragma once
 #include <cmath>
 #include <cstdio>
@@ -21,6 +21,7 @@
 namespace {
 
 using loom::bf16;
+using loom::f16;
 using loom::Layout;
 namespace cu = loom::cuda;
 namespace cpu = loom::cpu;
@@ -34,9 +35,10 @@ inline void need_gpu() {
 }
 loom::Stream S() { return cu::default_stream(); }
 
-template <class T> constexpr bool kBF = std::is_same_v<T, bf16>;
 template <class T> tol::Tol tol_of(bool gemm = false) {
-  return kBF<T> ? tol::kCudaBF16 : gemm ? tol::kCudaF32Gemm : tol::kCudaF32;
+  if constexpr (std::is_same_v<T, bf16>) return tol::kCudaBF16;
+  else if constexpr (std::is_same_v<T, f16>) return tol::kCudaF16;
+  else return gemm ? tol::kCudaF32Gemm : tol::kCudaF32;
 }
 
 inline std::vector<float> rnd(size_t n, uint64_t seed, float lo = -1.f, float hi = 1.f) {

@@ -8,7 +8,7 @@
 
 #include "tests/cuda/cuda_kernel_test_util.h"
 
-TEMPLATE_TEST_CASE("activations: gelu, silu, swiglu forward and backward", "[activations]", float, bf16) {
+TEMPLATE_TEST_CASE("activations: gelu, silu, swiglu forward and backward", "[activations]", float, bf16, f16) {
   need_gpu();
   using T = TestType;
   const auto t = tol_of<T>();
@@ -47,7 +47,7 @@ TEMPLATE_TEST_CASE("activations: gelu, silu, swiglu forward and backward", "[act
   }
 }
 
-TEMPLATE_TEST_CASE("activations: softmax forward and backward", "[activations]", float, bf16) {
+TEMPLATE_TEST_CASE("activations: softmax forward and backward", "[activations]", float, bf16, f16) {
   need_gpu();
   using T = TestType;
   const auto t = tol_of<T>();

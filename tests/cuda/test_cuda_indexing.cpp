@@ -9,7 +9,7 @@
 
 #include "tests/cuda/cuda_kernel_test_util.h"
 
-TEMPLATE_TEST_CASE("indexing: embedding forward and deterministic backward", "[indexing]", float, bf16) {
+TEMPLATE_TEST_CASE("indexing: embedding forward and deterministic backward", "[indexing]", float, bf16, f16) {
   need_gpu();
   using T = TestType;
   const auto t = tol_of<T>();
@@ -44,7 +44,7 @@ TEMPLATE_TEST_CASE("indexing: embedding forward and deterministic backward", "[i
   }
 }
 
-TEMPLATE_TEST_CASE("indexing: gather, scatter, zero rows; patchify; pixel shuffle; mean pool", "[indexing]", float, bf16) {
+TEMPLATE_TEST_CASE("indexing: gather, scatter, zero rows; patchify; pixel shuffle; mean pool", "[indexing]", float, bf16, f16) {
   need_gpu();
   using T = TestType;
   const auto t = tol_of<T>();
@@ -129,7 +129,7 @@ TEMPLATE_TEST_CASE("indexing: gather, scatter, zero rows; patchify; pixel shuffl
   }
 }
 
-TEMPLATE_TEST_CASE("indexing: l2norm forward/backward, argmax", "[indexing]", float, bf16) {
+TEMPLATE_TEST_CASE("indexing: l2norm forward/backward, argmax", "[indexing]", float, bf16, f16) {
   need_gpu();
   using T = TestType;
   const auto t = tol_of<T>();

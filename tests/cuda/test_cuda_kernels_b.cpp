@@ -23,6 +23,7 @@
 #include "tests/tolerances.h"
 
 using loom::bf16;
+using loom::f16;
 namespace tol = loom::tol;
 namespace cu = loom::cuda;
 
@@ -89,9 +90,15 @@ std::vector<float> inf_to_big(std::vector<float> v) {
   return v;
 }
 
-template <class T> tol::Tol out_tol() { return std::is_same<T, float>::value ? tol::kCudaF32 : tol::kCudaBF16; }
-template <class T> tol::Tol gemm_tol() { return std::is_same<T, float>::value ? tol::kCudaF32Gemm : tol::kCudaBF16; }
-template <class T> const char* tname() { return std::is_same<T, float>::value ? "f32" : "bf16"; }
+template <class T> tol::Tol out_tol() {
+  return std::is_same<T, float>::value ? tol::kCudaF32 : std::is_same<T, f16>::value ? tol::kCudaF16 : tol::kCudaBF16;
+}
+template <class T> tol::Tol gemm_tol() {
+  return std::is_same<T, float>::value ? tol::kCudaF32Gemm : std::is_same<T, f16>::value ? tol::kCudaF16 : tol::kCudaBF16;
+}
+template <class T> const char* tname() {
+  return std::is_same<T, float>::value ? "f32" : std::is_same<T, f16>::value ? "f16" : "bf16";
+}
 
 // ---------------------------------------------------------------------------- attention
 struct AttnCase {
@@ -248,8 +255,10 @@ void run_ce(int64_t N, int V, double p_ignore, uint32_t seed) {
   LOOM_CHECK_CLOSE(tol::compare(to_f(ddx.down()), dx_ref, out_tol<T>(), "ce dlogits"));
 }
 
+// grad_scale > 0: the kernel computes dh, dW for dloss = grad_scale (fp16 loss scaling), which
+// are compared with grad_scale x the reference.
 template <class T>
-void run_lce(int64_t N, int V, int D, int64_t chunk, double p_ignore, uint32_t seed) {
+void run_lce(int64_t N, int V, int D, int64_t chunk, double p_ignore, uint32_t seed, float grad_scale = 0) {
   std::mt19937 rng(seed);
   auto h = randn(size_t(N) * D, rng), W = randn(size_t(V) * D, rng, 0.2f);
   auto hs = seen<T>(h), Ws = seen<T>(W);
@@ -257,7 +266,7 @@ void run_lce(int64_t N, int V, int D, int64_t chunk, double p_ignore, uint32_t s
   float loss_ref = 0;
   std::vector<float> dh_ref(size_t(N) * D), dW_ref(size_t(V) * D), ws(size_t(std::min(chunk, N)) * V);
   loom::cpu::fused_linear_cross_entropy<float>(&loss_ref, dh_ref.data(), dW_ref.data(), hs.data(), Ws.data(),
-                                               tg.data(), N, V, D, chunk, ws.data(), nullptr);
+                                               tg.data(), N, V, D, chunk, ws.data(), nullptr, nullptr);
   Dev<T> dh_in(to_t<T>(h)), dW_in(to_t<T>(W)), ddh(size_t(N) * D), ddW(size_t(V) * D);
   Dev<int32_t> dt(tg);
   Dev<float> dl(1), dws(size_t(std::min(chunk, N)) * V);
@@ -265,10 +274,15 @@ void run_lce(int64_t N, int V, int D, int64_t chunk, double p_ignore, uint32_t s
   ddh.poison();
   ddW.poison();
   dws.poison();
+  Dev<float> dgs(std::vector<float>{grad_scale});
   cu::fused_linear_cross_entropy<T>(dl.p, ddh.p, ddW.p, dh_in.p, dW_in.p, dt.p, N, V, D, chunk, dws.p,
-                                    cu::default_stream());
+                                    grad_scale > 0 ? dgs.p : nullptr, cu::default_stream());
+  if (grad_scale > 0) {
+    for (auto& x : dh_ref) x *= grad_scale;
+    for (auto& x : dW_ref) x *= grad_scale;
+  }
   INFO(std::string(tname<T>()) + " N=" + std::to_string(N) + " V=" + std::to_string(V) + " D=" +
-       std::to_string(D) + " chunk=" + std::to_string(chunk));
+       std::to_string(D) + " chunk=" + std::to_string(chunk) + " grad_scale=" + std::to_string(grad_scale));
   LOOM_CHECK_CLOSE(tol::compare(dl.down(), std::vector<float>{loss_ref}, tol::kCudaF32Gemm, "lce loss"));
   LOOM_CHECK_CLOSE(tol::compare(to_f(ddh.down()), dh_ref, gemm_tol<T>(), "lce dh"));
   LOOM_CHECK_CLOSE(tol::compare(to_f(ddW.down()), dW_ref, gemm_tol<T>(), "lce dW"));
@@ -334,7 +348,10 @@ TEST_CASE("attention forward/backward f32 (v1) against the CPU reference", "[cud
   need_gpu();
   const bool was = cu::deterministic_attention();
   uint32_t seed = 100;
-  for (const auto& c : attn_cases()) run_attention<float>(c, seed++, true);  // v1: one path, deterministic
+  for (const auto& c : attn_cases()) {  // v1: one path, deterministic; f16 runs the same kernel
+    run_attention<float>(c, seed, true);
+    run_attention<f16>(c, seed++, true);
+  }
   cu::set_deterministic_attention(was);
 }
 
@@ -373,6 +390,7 @@ TEST_CASE("cross_entropy forward/backward against the CPU reference", "[cuda][lo
   run_ce<bf16>(37, 1500, 0.2, 2);
   run_ce<float>(1, 17, 0.0, 3);      // N = 1, V < 32
   run_ce<bf16>(1, 17, 0.0, 4);
+  run_ce<f16>(37, 1500, 0.2, 6);
   run_ce<float>(5, 33, 1.0, 5);      // every row ignored: loss 0, gradient 0
 }
 
@@ -383,6 +401,9 @@ TEST_CASE("fused_linear_cross_entropy against the CPU reference", "[cuda][losses
   run_lce<float>(70, 1100, 64, 128, 0.1, 13);  // chunk > N, V > 1024
   run_lce<bf16>(70, 1100, 64, 128, 0.1, 14);
   run_lce<bf16>(1, 50, 16, 1, 0.0, 15);        // N = 1
+  run_lce<f16>(23, 301, 40, 5, 0.25, 17);
+  run_lce<f16>(70, 1100, 64, 128, 0.1, 18, 1024.f);  // fp16 loss scaling: gradients for dloss = 1024
+  run_lce<float>(23, 301, 40, 5, 0.25, 19, 8.f);
   run_lce<float>(9, 64, 24, 4, 1.0, 16);       // every target ignored
 }
 
@@ -394,6 +415,7 @@ TEST_CASE("patch_disc_loss against the CPU reference", "[cuda][contrastive]") {
   run_patch<bf16>(2, 37, 130, 24);
   run_patch<float>(1, 150, 96, 25);  // the workload's M, B = 1
   run_patch<bf16>(1, 150, 96, 26);
+  run_patch<f16>(2, 37, 130, 27);
 }
 
 TEST_CASE("infonce_loss against the CPU reference", "[cuda][contrastive]") {
@@ -402,5 +424,6 @@ TEST_CASE("infonce_loss against the CPU reference", "[cuda][contrastive]") {
   run_infonce<bf16>(5, 33, 32);
   run_infonce<float>(40, 64, 33);
   run_infonce<bf16>(40, 64, 34);
+  run_infonce<f16>(40, 64, 36);
   run_infonce<float>(1, 8, 35);  // B = 1
 }

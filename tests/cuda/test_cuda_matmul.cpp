@@ -8,7 +8,7 @@
 
 #include "tests/cuda/cuda_kernel_test_util.h"
 
-TEMPLATE_TEST_CASE("matmul: gemm over shapes, transposes, batches, beta", "[matmul]", float, bf16) {
+TEMPLATE_TEST_CASE("matmul: gemm over shapes, transposes, batches, beta", "[matmul]", float, bf16, f16) {
   need_gpu();
   using T = TestType;
   struct Case { int M, N, K, batch; double alpha, beta; };
@@ -31,7 +31,7 @@ TEMPLATE_TEST_CASE("matmul: gemm over shapes, transposes, batches, beta", "[matm
   }
 }
 
-TEMPLATE_TEST_CASE("matmul: linear forward and backward", "[matmul]", float, bf16) {
+TEMPLATE_TEST_CASE("matmul: linear forward and backward", "[matmul]", float, bf16, f16) {
   need_gpu();
   using T = TestType;
   struct Case { int64_t N; int I, O; };
@@ -58,7 +58,7 @@ TEMPLATE_TEST_CASE("matmul: linear forward and backward", "[matmul]", float, bf1
   }
 }
 
-TEMPLATE_TEST_CASE("matmul: linear + GELU in the GEMM epilogue, forward and backward", "[matmul]", float, bf16) {
+TEMPLATE_TEST_CASE("matmul: linear + GELU in the GEMM epilogue, forward and backward", "[matmul]", float, bf16, f16) {
   need_gpu();
   using T = TestType;
   struct Case { int64_t N; int I, O; };

@@ -1,5 +1,5 @@
 // test_cuda_memory.cpp: kernels/cuda/memory.cu (fill, copy_strided, convert, binary, unary, axpby,
-// reductions) against the loom::cpu reference, f32 and bf16 (tests/cuda/cuda_kernel_test_util.h).
+// reductions) against the loom::cpu reference, f32, bf16 and f16 (tests/cuda/cuda_kernel_test_util.h).
 // Skipped without a GPU.
 //   bash tools/gpu-kernels.sh tests/cuda/test_cuda_memory.cpp
 #include <catch2/catch.hpp>
@@ -9,7 +9,7 @@
 
 #include "tests/cuda/cuda_kernel_test_util.h"
 
-TEMPLATE_TEST_CASE("memory: fill, copy_strided, convert", "[memory]", float, bf16, int32_t, int64_t) {
+TEMPLATE_TEST_CASE("memory: fill, copy_strided, convert", "[memory]", float, bf16, f16, int32_t, int64_t) {
   need_gpu();
   using T = TestType;
   DBuf<T> out(1001);
@@ -34,6 +34,9 @@ TEMPLATE_TEST_CASE("memory: fill, copy_strided, convert", "[memory]", float, bf1
   DBuf<bf16> b16(105);
   cu::convert(b16.p, in.p, 105, S());
   CHECK(b16.get() == hf);  // small integers are exact in bf16
+  DBuf<f16> h16(105);
+  cu::convert(h16.p, in.p, 105, S());
+  CHECK(h16.get() == hf);  // and in f16
   DBuf<int32_t> i32(105);
   cu::convert(i32.p, in.p, 105, S());
   CHECK(i32.get() == hf);
@@ -42,7 +45,7 @@ TEMPLATE_TEST_CASE("memory: fill, copy_strided, convert", "[memory]", float, bf1
   CHECK(i64.get() == hf);
 }
 
-TEST_CASE("memory: convert float<->double and float->bf16 rounding", "[memory]") {
+TEST_CASE("memory: convert float<->double and float->bf16 / f16 rounding", "[memory]") {
   need_gpu();
   auto h = rnd(777, 3, -100, 100);
   DBuf<float> f(h);
@@ -58,9 +61,17 @@ TEST_CASE("memory: convert float<->double and float->bf16 rounding", "[memory]")
   DBuf<bf16> b(777);
   cu::convert(b.p, f.p, 777, S());
   CHECK(b.get() == rounded<bf16>(h));  // device rounding = host round-to-nearest-even
+  // f16: the same, over its whole range: subnormals, the largest finite value, overflow to inf
+  std::vector<float> hh = rnd(777, 4, -70000, 70000);
+  hh[0] = 6.0e-8f, hh[1] = -3.0e-6f, hh[2] = 65504.f, hh[3] = 65520.f, hh[4] = 1e-9f, hh[5] = 0.1f;
+  DBuf<float> fh(hh);
+  DBuf<f16> hb(777);
+  cu::convert(hb.p, fh.p, 777, S());
+  CHECK(hb.get() == rounded<f16>(hh));
+  CHECK(std::isinf(hb.get()[3]));  // 65520 rounds up past 65504
 }
 
-TEMPLATE_TEST_CASE("memory: binary, unary, axpby, axpy_dev, reduce_sum_to, sum_all", "[memory]", float, bf16) {
+TEMPLATE_TEST_CASE("memory: binary, unary, axpby, axpy_dev, reduce_sum_to, sum_all", "[memory]", float, bf16, f16) {
   need_gpu();
   using T = TestType;
   const auto t = tol_of<T>();

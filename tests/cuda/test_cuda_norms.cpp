@@ -9,7 +9,7 @@
 
 #include "tests/cuda/cuda_kernel_test_util.h"
 
-TEMPLATE_TEST_CASE("norms: layernorm / rmsnorm (+residual) forward and backward", "[norms]", float, bf16) {
+TEMPLATE_TEST_CASE("norms: layernorm / rmsnorm (+residual) forward and backward", "[norms]", float, bf16, f16) {
   need_gpu();
   using T = TestType;
   const auto t = tol_of<T>();

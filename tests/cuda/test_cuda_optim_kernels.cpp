@@ -9,7 +9,7 @@
 
 #include "tests/cuda/cuda_kernel_test_util.h"
 
-TEMPLATE_TEST_CASE("optim: adamw, sgd, ema with f32 and bf16 gradients/copies", "[optim]", float, bf16) {
+TEMPLATE_TEST_CASE("optim: adamw, sgd, ema with f32 and bf16 gradients/copies", "[optim]", float, bf16, f16) {
   need_gpu();
   using G = TestType;
   for (int64_t n : {1, 1001, 4096}) {
@@ -61,7 +61,7 @@ TEMPLATE_TEST_CASE("optim: adamw, sgd, ema with f32 and bf16 gradients/copies", 
   }
 }
 
-TEMPLATE_TEST_CASE("optim: grad norm (+=, deterministic) and step control", "[optim]", float, bf16) {
+TEMPLATE_TEST_CASE("optim: grad norm (+=, deterministic) and step control", "[optim]", float, bf16, f16) {
   need_gpu();
   using G = TestType;
   for (int64_t n : {1, 777, 1000003}) {
@@ -83,9 +83,9 @@ TEMPLATE_TEST_CASE("optim: grad norm (+=, deterministic) and step control", "[op
     for (float loss : {1.5f, INFINITY}) {
       DBuf<float> ctl(std::vector<float>{0.f, 0.f, 5.f, 0.1f}), norm(1), ns(std::vector<float>{nsq}),
           dl(std::vector<float>{loss});
-      cu::step_control(ctl.p, norm.p, ns.p, dl.p, 1.0f, S());
+      cu::step_control(ctl.p, norm.p, ns.p, dl.p, 1.0f, nullptr, 0, S());
       float rc[4] = {0.f, 0.f, 5.f, 0.1f}, rn = 0;
-      cpu::step_control(rc, &rn, &nsq, &loss, 1.0f, nullptr);
+      cpu::step_control(rc, &rn, &nsq, &loss, 1.0f, nullptr, 0, nullptr);
       auto c = ctl.get();
       INFO("norm_sq " << nsq << " loss " << loss);
       CHECK(c[1] == rc[1]);

@@ -8,7 +8,7 @@
 
 #include "tests/cuda/cuda_kernel_test_util.h"
 
-TEMPLATE_TEST_CASE("rope: forward and backward against the f64 reference", "[rope]", float, bf16) {
+TEMPLATE_TEST_CASE("rope: forward and backward against the f64 reference", "[rope]", float, bf16, f16) {
   need_gpu();
   using T = TestType;
   // The CUDA kernel forms the angle in double; the CPU f32 path rounds it in float like the
