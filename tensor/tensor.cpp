@@ -238,6 +238,7 @@ template <class T> T* Tensor::data() const {
 template float* Tensor::data<float>() const;
 template double* Tensor::data<double>() const;
 template bf16* Tensor::data<bf16>() const;
+template f16* Tensor::data<f16>() const;
 template int32_t* Tensor::data<int32_t>() const;
 template int64_t* Tensor::data<int64_t>() const;
 template uint8_t* Tensor::data<uint8_t>() const;
