@@ -4,27 +4,32 @@
  * handles declared in common.cuh.
  *
  * Caching allocator
- *   A request is rounded up to a size class:
- *     < 1 MiB   -> multiple of 512 B      (activations of small models, statistics, scalars)
- *     >= 1 MiB  -> multiple of 2 MiB, and of 1/16 of the power of two below the size past
- *                  32 MiB (weights, activations, optimizer states: at most ~6% rounding)
- *   Each class keeps a free list. device_free() never calls cudaFree: the block goes back to
- *   its free list and a later request reuses it, so a steady-state training step does no
- *   cudaMalloc and no cudaFree (both synchronize the device). A large request takes the
- *   smallest cached block that fits it with at most 1/8 (or 2 MiB) to spare (best fit), so
- *   shapes that vary a little between steps do not grow the cache step after step.
- *   Reuse is stream-ordered: every loom kernel runs on default_stream(), so a block freed
- *   after a launch and handed out again is only touched by later work in the same stream.
- *   When cudaMalloc runs out of memory, the cached blocks are released (after a device
- *   synchronize) and the request is tried once more.
- *   Statistics: bytes_in_use() counts the rounded sizes of live blocks; peak_bytes_in_use()
- *   their maximum since reset_peak_bytes().
+ *   Small requests (< 1 MiB: statistics, scalars, activations of small models) are rounded up
+ *   to a multiple of 512 B and kept in one free list per size (best fit, no slack).
+ *   Large requests (>= 1 MiB) are rounded up to 512 B and carved out of segments, as PyTorch's
+ *   caching allocator does: a segment is one cudaMalloc (20 MiB for requests under 10 MiB, so
+ *   that several share it; else the request rounded up to 2 MiB), split into blocks kept in
+ *   address order. A request takes the smallest free block that holds it (best fit over every
+ *   segment) and splits off the rest when at least 1 MiB is left; a freed block merges with
+ *   free neighbours of its segment. So a batch whose shapes change from step to step (a packed
+ *   VLM batch: sequence, image and token counts) reuses the same bytes in new cuts instead of
+ *   adding a block per new size to the cache.
+ *   device_free() never calls cudaFree: a steady-state training step does no cudaMalloc and
+ *   no cudaFree (both synchronize the device). Reuse is stream-ordered: every loom kernel runs
+ *   on default_stream(), so a block freed after a launch and handed out again is only touched
+ *   by later work in the same stream. When cudaMalloc runs out of memory, the cached small
+ *   blocks and the wholly free segments are released (after a device synchronize) and the
+ *   request is tried once more.
+ *   Statistics: bytes_in_use() counts the sizes of live blocks (as rounded and cut: a block
+ *   handed out whole with under 1 MiB to spare counts whole); bytes_reserved() adds the cached
+ *   free bytes, i.e. everything taken from the driver; peaks since reset_peak_bytes().
  *
  * Graph pool: while a training step is captured into a CUDA graph (graph_pool_begin/end), the
- *   allocations come from a second set of free lists, and every block handed out then stays
- *   the graph pool's for good (freed later, it returns there): a graph writes its addresses at
- *   every replay, so they must never be given to other code. release_cached() (synchronizes)
- *   gives the unused blocks of the ordinary lists back to the driver before a capture, so the
+ *   allocations come from a second set of free lists and segments, and every block handed out
+ *   then stays the graph pool's for good (freed later, it returns there; a graph segment is
+ *   only ever cut for the pool): a graph writes its addresses at every replay, so they must
+ *   never be given to other code. release_cached() (synchronizes) gives the unused small
+ *   blocks and free segments of the ordinary pool back to the driver before a capture, so the
  *   eager warm-up steps' cache and the graph's pool are not both reserved.
  *
  * Stream: default_stream() is one stream created on first use with default flags, so it
@@ -38,6 +43,7 @@
 #include <cstdio>
 #include <map>
 #include <mutex>
+#include <set>
 #include <unordered_map>
 #include <vector>
 
@@ -70,29 +76,46 @@ int device_count() {
 
 namespace {
 
-constexpr size_t kSmallLimit = size_t(1) << 20;   // 1 MiB
-constexpr size_t kSmallRound = 512;
-constexpr size_t kLargeRound = size_t(2) << 20;   // 2 MiB
+constexpr size_t kSmallLimit = size_t(1) << 20;     // 1 MiB: below, size-class lists
+constexpr size_t kRound = 512;                       // every block is a multiple of 512 B
+constexpr size_t kSegmentRound = size_t(2) << 20;    // segments: multiples of 2 MiB
+constexpr size_t kSharedSegment = size_t(20) << 20;  // the segment of requests under 10 MiB
+constexpr size_t kMinSplit = size_t(1) << 20;        // split off a remainder of at least 1 MiB
 
-size_t round_size(size_t bytes) {
-  if (bytes == 0) bytes = 1;
-  size_t r = kSmallRound;
-  if (bytes >= kSmallLimit) {  // 2 MiB steps, coarser above 32 MiB: 1/16 of the power of two below
-    size_t p = size_t(1) << (63 - __builtin_clzll(bytes));
-    r = std::max(kLargeRound, p / 16);
+size_t round_up(size_t n, size_t r) { return (n + r - 1) / r * r; }
+size_t round_size(size_t bytes) { return round_up(bytes == 0 ? 1 : bytes, kRound); }
+
+// A large block: a piece of one segment, linked to its neighbours in address order.
+struct Block {
+  char* ptr = nullptr;
+  size_t size = 0;
+  bool free = false;
+  bool graph = false;  // in a segment of the graph pool
+  Block* prev = nullptr;  // nullptr: the first block of its segment (ptr is the cudaMalloc'd one)
+  Block* next = nullptr;
+};
+struct BySize {  // best fit: smallest size first, then lowest address
+  bool operator()(const Block* a, const Block* b) const {
+    return a->size != b->size ? a->size < b->size : a->ptr < b->ptr;
   }
-  return (bytes + r - 1) / r * r;
-}
+};
 
 struct Allocator {
   std::mutex mu;
-  std::map<size_t, std::vector<void*>> free_lists;   // size class -> cached blocks
-  std::unordered_map<void*, size_t> live;            // block -> size class
+  std::map<size_t, std::vector<void*>> free_lists;   // small: size class -> cached blocks
+  std::unordered_map<void*, size_t> live;            // small: block -> size class
+  std::set<Block*, BySize> free_blocks, graph_free_blocks;  // large: the free blocks of each pool
+  std::unordered_map<void*, Block*> live_large;      // large: pointer -> its block
   // the graph pool (graph_pool_begin): its blocks are served and returned apart
   bool pool_mode = false;
   std::unordered_map<void*, bool> graph_owned;
   std::map<size_t, std::vector<void*>> graph_free;
   size_t in_use = 0, peak = 0, cached = 0, peak_reserved = 0;
+
+  void note_peaks() {
+    if (in_use > peak) peak = in_use;
+    if (in_use + cached > peak_reserved) peak_reserved = in_use + cached;
+  }
 
   void release_cache() {  // caller holds mu
     CUDA_CHECK(cudaDeviceSynchronize());
@@ -102,52 +125,138 @@ struct Allocator {
         cached -= kv.first;
       }
     free_lists.clear();  // the graph pool's blocks stay: a graph may still use them
+    for (auto it = free_blocks.begin(); it != free_blocks.end();) {
+      Block* b = *it;
+      if (b->prev || b->next) {  // part of a segment still in use
+        ++it;
+        continue;
+      }
+      CUDA_CHECK(cudaFree(b->ptr));
+      cached -= b->size;
+      it = free_blocks.erase(it);
+      delete b;
+    }
+  }
+
+  void* cuda_malloc_or_throw(size_t sz, size_t asked) {  // caller holds mu
+    void* p = nullptr;
+    cudaError_t e = cudaMalloc(&p, sz);
+    if (e == cudaErrorMemoryAllocation && cached > 0) {
+      cudaGetLastError();
+      release_cache();
+      e = cudaMalloc(&p, sz);
+    }
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      char buf[256];
+      std::snprintf(buf, sizeof buf, "device_malloc(%zu bytes) failed: %s (in use %zu bytes, peak %zu, cached %zu)",
+                    asked, cudaGetErrorString(e), in_use, peak, cached);
+      throw std::runtime_error(buf);
+    }
+    return p;
+  }
+
+  void* alloc_small(size_t sz, size_t asked) {  // caller holds mu
+    auto& lists = pool_mode ? graph_free : free_lists;
+    void* p = nullptr;
+    auto it = lists.find(sz);
+    if (it != lists.end() && !it->second.empty()) {
+      p = it->second.back();
+      it->second.pop_back();
+      cached -= sz;
+    } else {
+      p = cuda_malloc_or_throw(sz, asked);
+    }
+    live[p] = sz;
+    if (pool_mode) graph_owned[p] = true;
+    in_use += sz;
+    note_peaks();
+    return p;
+  }
+
+  void* alloc_large(size_t sz, size_t asked) {  // caller holds mu
+    auto& pool = pool_mode ? graph_free_blocks : free_blocks;
+    Block key;
+    key.size = sz;
+    auto it = pool.lower_bound(&key);  // the smallest free block of at least sz (ptr nullptr sorts first)
+    Block* b = nullptr;
+    if (it != pool.end()) {
+      b = *it;
+      pool.erase(it);
+      cached -= b->size;
+    } else {
+      size_t seg = sz < kSharedSegment / 2 ? kSharedSegment : round_up(sz, kSegmentRound);
+      void* p = nullptr;
+      try {
+        p = cuda_malloc_or_throw(seg, asked);
+      } catch (const std::runtime_error&) {
+        if (seg == round_up(sz, kSegmentRound)) throw;
+        seg = round_up(sz, kSegmentRound);  // no room for a shared segment: just this request
+        p = cuda_malloc_or_throw(seg, asked);
+      }
+      b = new Block;
+      b->ptr = static_cast<char*>(p);
+      b->size = seg;
+      b->graph = pool_mode;
+    }
+    if (b->size - sz >= kMinSplit) {  // cut: the rest stays free in the same segment
+      Block* rest = new Block;
+      rest->ptr = b->ptr + sz;
+      rest->size = b->size - sz;
+      rest->free = true;
+      rest->graph = b->graph;
+      rest->prev = b;
+      rest->next = b->next;
+      if (b->next) b->next->prev = rest;
+      b->next = rest;
+      b->size = sz;
+      pool.insert(rest);
+      cached += rest->size;
+    }
+    b->free = false;
+    live_large[b->ptr] = b;
+    in_use += b->size;
+    note_peaks();
+    return b->ptr;
   }
 
   void* alloc(size_t bytes) {
     size_t sz = round_size(bytes);
     std::lock_guard<std::mutex> lock(mu);
-    void* p = nullptr;
-    auto& lists = pool_mode ? graph_free : free_lists;
-    // Best fit: the smallest cached block that holds the request, if it wastes at most an
-    // eighth (and 2 MiB past the class size for large blocks). Batches whose shapes change a
-    // little from step to step (a VLM batch's image count) then reuse blocks instead of
-    // adding new ones to the cache.
-    auto it = lists.lower_bound(sz);
-    while (it != lists.end() && it->second.empty()) ++it;
-    const size_t slack = sz < kSmallLimit ? 0 : std::max(sz / 8, kLargeRound);
-    if (it != lists.end() && it->first <= sz + slack) {
-      p = it->second.back();
-      it->second.pop_back();
-      sz = it->first;  // the block keeps its size
-      cached -= sz;
-    } else {
-      cudaError_t e = cudaMalloc(&p, sz);
-      if (e == cudaErrorMemoryAllocation && cached > 0) {
-        cudaGetLastError();
-        release_cache();
-        e = cudaMalloc(&p, sz);
-      }
-      if (e != cudaSuccess) {
-        cudaGetLastError();
-        char buf[256];
-        std::snprintf(buf, sizeof buf,
-                      "device_malloc(%zu bytes) failed: %s (in use %zu bytes, peak %zu)", bytes,
-                      cudaGetErrorString(e), in_use, peak);
-        throw std::runtime_error(buf);
-      }
-    }
-    live[p] = sz;
-    if (pool_mode) graph_owned[p] = true;
-    in_use += sz;
-    if (in_use > peak) peak = in_use;
-    if (in_use + cached > peak_reserved) peak_reserved = in_use + cached;
-    return p;
+    return sz < kSmallLimit ? alloc_small(sz, bytes) : alloc_large(sz, bytes);
   }
 
   void free(void* p) {
     if (!p) return;
     std::lock_guard<std::mutex> lock(mu);
+    auto lit = live_large.find(p);
+    if (lit != live_large.end()) {
+      Block* b = lit->second;
+      live_large.erase(lit);
+      in_use -= b->size;
+      cached += b->size;
+      auto& pool = b->graph ? graph_free_blocks : free_blocks;
+      b->free = true;
+      if (b->next && b->next->free) {  // absorb the free block after it
+        Block* n = b->next;
+        pool.erase(n);
+        b->size += n->size;
+        b->next = n->next;
+        if (n->next) n->next->prev = b;
+        delete n;
+      }
+      if (b->prev && b->prev->free) {  // and be absorbed by the free block before it
+        Block* q = b->prev;
+        pool.erase(q);
+        q->size += b->size;
+        q->next = b->next;
+        if (b->next) b->next->prev = q;
+        delete b;
+        b = q;
+      }
+      pool.insert(b);
+      return;
+    }
     auto it = live.find(p);
     if (it == live.end()) throw std::runtime_error("device_free: pointer was not allocated by device_malloc");
     size_t sz = it->second;

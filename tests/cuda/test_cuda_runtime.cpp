@@ -18,8 +18,8 @@ TEST_CASE("runtime: caching allocator reuses blocks and counts bytes", "[runtime
   cu::device_free(a);
   void* b = cu::device_malloc(900);  // same class: the cached block comes back
   CHECK(b == a);
-  void* big = cu::device_malloc((3 << 20) + 5);  // 2 MiB classes above 1 MiB
-  CHECK(cu::bytes_in_use() == base + 1024 + (4 << 20));
+  void* big = cu::device_malloc((3 << 20) + 5);  // large blocks are multiples of 512 B too
+  CHECK(cu::bytes_in_use() == base + 1024 + (3 << 20) + 512);
   CHECK(cu::peak_bytes_in_use() >= cu::bytes_in_use());
   cu::device_free(big);
   cu::device_free(b);
@@ -46,4 +46,61 @@ TEST_CASE("runtime: caching allocator reuses blocks and counts bytes", "[runtime
   cu::device_free(d);
   cu::device_free(d2);
   cu::pinned_free(pin);
+}
+
+// Large blocks are cut from segments and merged again when freed (runtime.cu's header): the
+// pieces of one 20 MiB segment are adjacent, a freed run of neighbours serves a larger request
+// from the same bytes, and a run of varying sizes does not grow the cache past its peak need.
+TEST_CASE("runtime: large blocks split from segments and coalesce", "[runtime]") {
+  need_gpu();
+  const size_t MiB = size_t(1) << 20;
+  cu::release_cached();  // a clean start: no free segment from earlier tests
+  const size_t reserved0 = cu::bytes_reserved();
+  char* a = static_cast<char*>(cu::device_malloc(4 * MiB));
+  char* b = static_cast<char*>(cu::device_malloc(4 * MiB));
+  char* c = static_cast<char*>(cu::device_malloc(4 * MiB));
+  CHECK(cu::bytes_reserved() == reserved0 + 20 * MiB);  // one shared segment for all three
+  CHECK(b == a + 4 * MiB);
+  CHECK(c == b + 4 * MiB);
+  cu::device_free(b);
+  cu::device_free(a);  // merges with b
+  const size_t used = cu::bytes_in_use();
+  char* d = static_cast<char*>(cu::device_malloc(7 * MiB + MiB / 2));  // fits the merged 8 MiB at a
+  CHECK(d == a);
+  CHECK(cu::bytes_in_use() == used + 8 * MiB);  // a remainder under 1 MiB is not cut off
+  CHECK(cu::bytes_reserved() == reserved0 + 20 * MiB);
+  char* e = static_cast<char*>(cu::device_malloc(8 * MiB + 512));  // the segment's free tail (8 MiB) is too small
+  CHECK(cu::bytes_reserved() == reserved0 + 40 * MiB);
+  // the data written through the pieces is each piece's own
+  std::vector<float> h(size_t(7 * MiB) / 4);  // 7 of d's 7.5 MiB
+  for (size_t i = 0; i < h.size(); i++) h[i] = float(i % 977);
+  cu::memcpy_h2d(d, h.data(), 7 * MiB, S());
+  cu::memset_zero(c, 4 * MiB, S());
+  std::vector<float> back(h.size());
+  cu::memcpy_d2h(back.data(), d, 7 * MiB, S());
+  CHECK(back == h);
+  for (void* p : {static_cast<void*>(c), static_cast<void*>(d), static_cast<void*>(e)}) cu::device_free(p);
+  cu::release_cached();  // wholly free segments go back to the driver
+  CHECK(cu::bytes_reserved() == reserved0);
+
+  // varying sizes, as a packed batch's activations from step to step: the cache stays within
+  // a few segments of the largest live total
+  std::mt19937 rng(3);
+  size_t peak_live = 0;
+  for (int step = 0; step < 200; step++) {
+    std::vector<void*> live;
+    size_t total = 0;
+    for (int t = 0; t < 12; t++) {
+      size_t n = MiB + size_t(rng() % (40 * MiB));
+      live.push_back(cu::device_malloc(n));
+      total += n;
+    }
+    peak_live = std::max(peak_live, total);
+    for (void* p : live) cu::device_free(p);
+  }
+  INFO("reserved " << (cu::bytes_reserved() - reserved0) / MiB << " MiB for at most " << peak_live / MiB
+                   << " MiB live");
+  CHECK(cu::bytes_reserved() - reserved0 <= peak_live + 12 * 22 * MiB);
+  cu::release_cached();
+  CHECK(cu::bytes_reserved() == reserved0);
 }
