@@ -57,6 +57,11 @@ std::vector<Tensor> linear_many(const Tensor& x, const std::vector<Tensor>& weig
 // in the epilogue of fc2's input-gradient GEMM; only x and the pre-activation are saved (the
 // activation is recomputed in backward: one elementwise pass instead of N*H kept).
 Tensor mlp_gelu(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2);
+// The Llama MLP down(silu(gate(x)) * up(x)): x [..., C], w_gate and w_up [I, C], w_down
+// [C2, I] (no biases) -> [..., C2]. Saves x, gate(x) and up(x) but not their product: the
+// backward recomputes it (one elementwise pass) for w_down's gradient, so a layer keeps N*I
+// fewer elements between forward and backward than swiglu + linear would.
+Tensor mlp_swiglu(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down);
 // a [..., M, K] @ b [..., K, N] (b may be 2-D and shared); transposes read a^T / b^T.
 Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans_b = false);
 Tensor layernorm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps);

@@ -176,6 +176,69 @@ Tensor mlp_gelu(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tenso
   return out;
 }
 
+Tensor mlp_swiglu(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down) {
+  check_same("mlp_swiglu", {x, w_gate, w_up, w_down});
+  LOOM_CHECK(w_gate.dim() == 2 && w_up.shape() == w_gate.shape() && w_down.dim() == 2 && x.dim() >= 1 &&
+                 x.size(-1) == w_gate.size(1) && w_down.size(1) == w_gate.size(0),
+             "mlp_swiglu: x %s, gate %s, up %s, down %s do not chain", x.desc().c_str(), w_gate.desc().c_str(),
+             w_up.desc().c_str(), w_down.desc().c_str());
+  const int C = int(w_gate.size(1)), I = int(w_gate.size(0)), C2 = int(w_down.size(0));
+  Tensor xc = x.contiguous(), wgc = w_gate.contiguous(), wuc = w_up.contiguous(), wdc = w_down.contiguous();
+  const int64_t N = xc.numel() / C;
+  Tensor g = Tensor::empty({N, I}, x.dtype(), x.device()), u = Tensor::empty({N, I}, x.dtype(), x.device());
+  Shape os = x.shape();
+  os.back() = C2;
+  Tensor out = Tensor::empty(os, x.dtype(), x.device());
+  dispatch_float(xc, [&](auto dev, auto zero) {
+    using T = decltype(zero);
+    KERNEL(dev, linear_forward)(g.data<T>(), xc.data<T>(), wgc.data<T>(), (const T*)nullptr, N, C, I, stream_for(dev));
+    KERNEL(dev, linear_forward)(u.data<T>(), xc.data<T>(), wuc.data<T>(), (const T*)nullptr, N, C, I, stream_for(dev));
+    Tensor h = Tensor::empty({N, I}, x.dtype(), x.device());  // freed when the forward returns
+    KERNEL(dev, swiglu_forward)(h.data<T>(), g.data<T>(), u.data<T>(), N * I, stream_for(dev));
+    KERNEL(dev, linear_forward)(out.data<T>(), h.data<T>(), wdc.data<T>(), (const T*)nullptr, N, I, C2, stream_for(dev));
+  });
+  if (any_requires_grad({x, w_gate, w_up, w_down}))
+    record("linear", {out}, [x, xc, w_gate, wgc, w_up, wuc, w_down, wdc, out, g, u, N, C, I, C2]() {
+      Tensor go = grad_of(out).contiguous();
+      Tensor dwg = grad_buffer(w_gate), dwu = grad_buffer(w_up), dwd = grad_buffer(w_down);
+      LOOM_CHECK((!dwg.defined() || w_gate.is_contiguous()) && (!dwu.defined() || w_up.is_contiguous()) &&
+                     (!dwd.defined() || w_down.is_contiguous()),
+                 "mlp_swiglu: gradient of a strided weight");
+      Tensor dx = x.requires_grad() ? Tensor::empty(x.shape(), x.dtype(), x.device()) : Tensor();
+      Tensor dh = Tensor::empty({N, I}, go.dtype(), go.device());
+      dispatch_float(go, [&](auto dev, auto zero) {
+        using T = decltype(zero);
+        if (dwd.defined()) {  // down's weight needs the product: recomputed from gate and up
+          Tensor h = Tensor::empty({N, I}, go.dtype(), go.device());
+          KERNEL(dev, swiglu_forward)(h.data<T>(), g.data<T>(), u.data<T>(), N * I, stream_for(dev));
+          KERNEL(dev, linear_backward)((T*)nullptr, dwd.data<T>(), (T*)nullptr, go.data<T>(), h.data<T>(), wdc.data<T>(),
+                                       N, I, C2, stream_for(dev));
+        }
+        // dh = go W_down; (dgate, dup) = swiglu'(dh) written over gate's and up's own shapes
+        KERNEL(dev, linear_backward)(dh.data<T>(), (T*)nullptr, (T*)nullptr, go.data<T>(), (const T*)nullptr,
+                                     wdc.data<T>(), N, I, C2, stream_for(dev));
+        Tensor dg = Tensor::empty({N, I}, go.dtype(), go.device()), du = Tensor::empty({N, I}, go.dtype(), go.device());
+        KERNEL(dev, swiglu_backward)(dg.data<T>(), du.data<T>(), dh.data<T>(), g.data<T>(), u.data<T>(), N * I,
+                                     stream_for(dev));
+        // dx = dgate W_gate + dup W_up (the second GEMM adds, beta 1); dW += d^T x
+        if (dx.defined()) {
+          KERNEL(dev, gemm)(dx.data<T>(), dg.data<T>(), wgc.data<T>(), int(N), C, I, false, false, 1.0, 0.0, 1, 0, 0, 0,
+                            stream_for(dev));
+          KERNEL(dev, gemm)(dx.data<T>(), du.data<T>(), wuc.data<T>(), int(N), C, I, false, false, 1.0, 1.0, 1, 0, 0, 0,
+                            stream_for(dev));
+        }
+        if (dwg.defined())
+          KERNEL(dev, linear_backward)((T*)nullptr, dwg.data<T>(), (T*)nullptr, dg.data<T>(), xc.data<T>(), wgc.data<T>(),
+                                       N, C, I, stream_for(dev));
+        if (dwu.defined())
+          KERNEL(dev, linear_backward)((T*)nullptr, dwu.data<T>(), (T*)nullptr, du.data<T>(), xc.data<T>(), wuc.data<T>(),
+                                       N, C, I, stream_for(dev));
+      });
+      if (dx.defined()) accumulate_grad(x, dx, true);
+    });
+  return out;
+}
+
 // C = op(A) @ op(B) over matching leading (batch) dims; B may be 2-D (shared).
 static Tensor matmul_raw(const Tensor& a, const Tensor& b, bool ta, bool tb) {
   int64_t M = ta ? a.size(-1) : a.size(-2), K = ta ? a.size(-2) : a.size(-1);

@@ -37,8 +37,8 @@ Tensor LMBlock::forward(const Tensor& x, const Tensor& pos, const SeqInfo& seq) 
   // r = x + o_proj(a) and its RMSNorm in one pass
   std::vector<Tensor> r = add_rmsnorm(x, o_proj.forward(reshape(a, {N, cfg.heads * hd})),
                                       post_attention_layernorm.weight, post_attention_layernorm.eps);
-  std::vector<Tensor> gu = linear_many(r[1], {gate_proj.weight, up_proj.weight});
-  return add(r[0], down_proj.forward(swiglu(gu[0], gu[1])));
+  // the MLP: its backward recomputes silu(gate) * up instead of keeping it (mlp_swiglu)
+  return add(r[0], mlp_swiglu(r[1], gate_proj.weight, up_proj.weight, down_proj.weight));
 }
 
 Tensor LMBlock::forward_cached(const Tensor& x, const Tensor& pos, Tensor& k_cache, Tensor& v_cache,

@@ -187,6 +187,23 @@ TEST_CASE("gradcheck: linear and matmul", "[gradcheck]") {
     auto b = linear(gelu(linear(x, w1, b1)), w2, b2).to_vector<double>();
     for (size_t i = 0; i < a.size(); i++) CHECK(std::abs(a[i] - b[i]) <= 1e-12 * (1 + std::abs(b[i])));
   }
+  // mlp_swiglu = linear(swiglu(linear(x), linear(x))), the product recomputed in backward
+  check("mlp_swiglu [5,6] -> 9 -> 4", [](auto& in) { return mlp_swiglu(in[0], in[1], in[2], in[3]); },
+        {P({5, 6}), P({9, 6}, 2.0), P({9, 6}), P({4, 9})});
+  check("mlp_swiglu 3-D input", [](auto& in) { return mlp_swiglu(in[0], in[1], in[2], in[3]); },
+        {P({2, 3, 5}), P({7, 5}), P({7, 5}), P({3, 7})});
+  {  // the same function and gradients as the unfused ops
+    Tensor x = P({6, 5}), wg = P({8, 5}), wu = P({8, 5}), wd = P({3, 8});
+    Tensor x2 = P({6, 5}), wg2 = P({8, 5}), wu2 = P({8, 5}), wd2 = P({3, 8});
+    for (auto [d, s] : {std::pair<Tensor, Tensor>{x2, x}, {wg2, wg}, {wu2, wu}, {wd2, wd}}) d.copy_(s);
+    backward(sum(mlp_swiglu(x, wg, wu, wd)));
+    backward(sum(linear(swiglu(linear(x2, wg2), linear(x2, wu2)), wd2)));
+    for (auto [a, b] : {std::pair<Tensor, Tensor>{x, x2}, {wg, wg2}, {wu, wu2}, {wd, wd2}}) {
+      auto ga = a.grad().to_vector<double>(), gb = b.grad().to_vector<double>();
+      for (size_t i = 0; i < ga.size(); i++) CHECK(std::abs(ga[i] - gb[i]) <= 1e-12 * (1 + std::abs(gb[i])));
+    }
+    CHECK_THROWS_WITH(mlp_swiglu(x, wg, wu, P({3, 7})), Catch::Contains("do not chain"));
+  }
   // gradient checkpointing: the same gradients, for the input and for parameters inside fn
   {
     Tensor w = P({6, 6}), b = P({6});
