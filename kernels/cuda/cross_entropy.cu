@@ -46,7 +46,8 @@
  * Versions: v1 only (the row kernels are memory-bound; the time is in the GEMMs).
  *   Measured on H200 (bench/bench_losses.cpp, N 16384 V 49152 D 576 bf16, median of 20):
  *     chunk 4096: 7.09 ms (392 TFLOP/s), peak extra memory 0.82 GB (dh, dW, workspace)
- *     chunk 2048: 7.26 ms, 0.45 GB (the measured alternative: 2% slower for 45% less memory)
+ *     chunk 2048: 7.26 ms, 0.45 GB (2% slower for 45% less memory: the LM's default since
+ *     2026-11-23, because the workspace lives at the activations' peak; nn/lm.h loss_chunk)
  *     PyTorch materialized linear + cross_entropy, same run: 13.92 ms, 9.1 GB
  *   bf16 dlogits for the backward GEMMs (chosen): the fp32 alternative would need fp32 copies
  *   of W and h for cuBLAS (no mixed f32 x bf16 GEMM) and run at the fp32 SIMT rate.
