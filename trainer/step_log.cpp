@@ -6,11 +6,15 @@ namespace loom {
 AsyncStepLog::AsyncStepLog(const RunContext& ctx, RunLog& log, NanGuard& guard, const char* items_unit,
                            const Tensor& loss_scale)
     : ctx_(ctx), log_(log), guard_(guard), unit_(items_unit), rb_(ctx.device, loss_scale.defined() ? 4 : 3),
-      scale_(loss_scale) {}
+      scale_(loss_scale) {
+  if (scale_.defined()) scale_at_start_ = Tensor::empty(scale_.shape(), scale_.dtype(), scale_.device());
+}
 
 void AsyncStepLog::begin_step() {
   rb_.begin_step();
-  if (scale_.defined()) scale_at_start_ = scale_.clone();  // 4 bytes, device to device
+  // 4 bytes, device to device, into one buffer: the previous step's readback of it was
+  // enqueued before this copy on the same stream
+  if (scale_.defined()) scale_at_start_.copy_(scale_);
 }
 
 void AsyncStepLog::post(const Step& s, const Tensor& loss, const Tensor& norm, const Tensor& applied) {

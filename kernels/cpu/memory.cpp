@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "kernels/kernels.h"
 
@@ -27,30 +28,14 @@ namespace {
 constexpr int64_t kParallelMin = 32768;  // below this many elements threads cost more than they save
 
 // Scalar conversion that knows about bf16 (which only converts to and from float).
-template <class To, class From> inline To cast(From x) { return static_cast<To>(x); }
-template <> inline bf16 cast<bf16, bf16>(bf16 x) { return x; }
-template <> inline bf16 cast<bf16, float>(float x) { return bf16(x); }
-template <> inline bf16 cast<bf16, double>(double x) { return bf16(float(x)); }
-template <> inline bf16 cast<bf16, int32_t>(int32_t x) { return bf16(float(x)); }
-template <> inline bf16 cast<bf16, int64_t>(int64_t x) { return bf16(float(x)); }
-template <> inline bf16 cast<bf16, uint8_t>(uint8_t x) { return bf16(float(x)); }
-template <> inline float cast<float, bf16>(bf16 x) { return float(x); }
-template <> inline double cast<double, bf16>(bf16 x) { return double(float(x)); }
-template <> inline int32_t cast<int32_t, bf16>(bf16 x) { return int32_t(float(x)); }
-template <> inline int64_t cast<int64_t, bf16>(bf16 x) { return int64_t(float(x)); }
-// f16 likewise, through float (and bf16 <-> f16 through float too)
-template <> inline f16 cast<f16, f16>(f16 x) { return x; }
-template <> inline f16 cast<f16, float>(float x) { return f16(x); }
-template <> inline f16 cast<f16, double>(double x) { return f16(float(x)); }
-template <> inline f16 cast<f16, int32_t>(int32_t x) { return f16(float(x)); }
-template <> inline f16 cast<f16, int64_t>(int64_t x) { return f16(float(x)); }
-template <> inline f16 cast<f16, uint8_t>(uint8_t x) { return f16(float(x)); }
-template <> inline f16 cast<f16, bf16>(bf16 x) { return f16(float(x)); }
-template <> inline bf16 cast<bf16, f16>(f16 x) { return bf16(float(x)); }
-template <> inline float cast<float, f16>(f16 x) { return float(x); }
-template <> inline double cast<double, f16>(f16 x) { return double(float(x)); }
-template <> inline int32_t cast<int32_t, f16>(f16 x) { return int32_t(float(x)); }
-template <> inline int64_t cast<int64_t, f16>(f16 x) { return int64_t(float(x)); }
+// Storage conversion; the 16-bit float types (bf16, f16) go through float both ways.
+template <class T> constexpr bool kHalf = std::is_same_v<T, bf16> || std::is_same_v<T, f16>;
+template <class To, class From> inline To cast(From x) {
+  if constexpr (std::is_same_v<To, From>) return x;
+  else if constexpr (kHalf<From>) return cast<To>(float(x));
+  else if constexpr (kHalf<To>) return To(float(x));
+  else return static_cast<To>(x);
+}
 
 void check_layout(const Layout& l, const char* op) {
   if (l.ndim < 0 || l.ndim > Layout::kMaxDims)

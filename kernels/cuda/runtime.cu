@@ -112,6 +112,15 @@ struct Allocator {
   std::map<size_t, std::vector<void*>> graph_free;
   size_t in_use = 0, peak = 0, cached = 0, peak_reserved = 0;
 
+  // a takes over the block after it in its segment (out of every free set already)
+  static void absorb_next(Block* a) {
+    Block* n = a->next;
+    a->size += n->size;
+    a->next = n->next;
+    if (n->next) n->next->prev = a;
+    delete n;
+  }
+
   void note_peaks() {
     if (in_use > peak) peak = in_use;
     if (in_use + cached > peak_reserved) peak_reserved = in_use + cached;
@@ -238,21 +247,13 @@ struct Allocator {
       auto& pool = b->graph ? graph_free_blocks : free_blocks;
       b->free = true;
       if (b->next && b->next->free) {  // absorb the free block after it
-        Block* n = b->next;
-        pool.erase(n);
-        b->size += n->size;
-        b->next = n->next;
-        if (n->next) n->next->prev = b;
-        delete n;
+        pool.erase(b->next);
+        absorb_next(b);
       }
       if (b->prev && b->prev->free) {  // and be absorbed by the free block before it
-        Block* q = b->prev;
-        pool.erase(q);
-        q->size += b->size;
-        q->next = b->next;
-        if (b->next) b->next->prev = q;
-        delete b;
-        b = q;
+        b = b->prev;
+        pool.erase(b);
+        absorb_next(b);
       }
       pool.insert(b);
       return;
