@@ -13,9 +13,18 @@
 //
 // Eigen::Map views the row-major buffers without copying; `.noalias()` tells Eigen the
 // destination does not overlap the operands, so the product is written straight into it
-// instead of through a temporary. Eigen's GEMM is blocked for the cache and, built with
-// OpenMP, splits one large product across threads by itself.
+// instead of through a temporary. Eigen's GEMM is blocked for the cache.
+//
+// Threads: we split each product ourselves, one slab of C per OpenMP thread (rows of C when
+// C is tall, columns when it is wide), and let Eigen run single-threaded inside a slab.
+// Eigen's own OpenMP split is tuned for large square products; on the skinny ones of a
+// small model (2048 tokens x 96 features x 256) it gave no speedup on 2 cores, and its
+// spinning worker slowed the serial code between products (2026-11-23, 2-core KVM guest:
+// a vlm_sft.cfg step 176 ms with Eigen's split, see `split_product`).
 #include <Eigen/Core>
+#include <omp.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -33,14 +42,50 @@ template <class T> using MapRow = Eigen::Map<Eigen::Matrix<T, 1, Eigen::Dynamic>
 
 // C = alpha opA opB + beta C for one batch item. beta == 0 assigns, so whatever C held
 // (NaN garbage from an uninitialized buffer) never reaches the result: 0 * NaN is NaN.
-template <class T, class OpA, class OpB>
-void gemm_one(MapMat<T>& C, const OpA& opA, const OpB& opB, T alpha, T beta) {
+template <class T, class Dst, class OpA, class OpB>
+void gemm_one(Dst&& C, const OpA& opA, const OpB& opB, T alpha, T beta) {
   if (beta == T(0)) {
     C.noalias() = alpha * (opA * opB);
   } else {
     if (beta != T(1)) C *= beta;
     C.noalias() += alpha * (opA * opB);
   }
+}
+
+// Below this many multiply-adds a product runs on one thread: a parallel region costs a few
+// microseconds, about what 2 cores gain on 64^3.
+constexpr int64_t kSplitMin = int64_t(1) << 18;
+
+// C = alpha opA opB + beta C, C [M,N], split into one slab per thread: row slabs (C's rows
+// with opA's rows) when M >= N, else column slabs (C's columns with opB's columns). Each
+// slab is an independent Eigen product, so the result does not depend on the thread count
+// beyond Eigen's own blocking. Inside a parallel region (batched gemm) it runs serially.
+template <class T, class OpA, class OpB>
+void split_product(MapMat<T> C, const OpA& opA, const OpB& opB, T alpha, T beta) {
+  const int64_t M = C.rows(), N = C.cols(), K = opA.cols();
+  const int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  if (threads == 1 || M * N * K < kSplitMin) {
+    gemm_one(C, opA, opB, alpha, beta);
+    return;
+  }
+  const bool by_rows = M >= N;
+  const int64_t len = by_rows ? M : N;
+  const int parts = int(std::min<int64_t>(threads, std::max<int64_t>(1, len / 16)));
+#pragma omp parallel for num_threads(parts) schedule(static, 1)
+  for (int t = 0; t < parts; t++) {
+    const int64_t lo = len * t / parts, n = len * (t + 1) / parts - lo;
+    if (by_rows) gemm_one(C.middleRows(lo, n), opA.middleRows(lo, n), opB, alpha, beta);
+    else gemm_one(C.middleCols(lo, n), opA, opB.middleCols(lo, n), alpha, beta);
+  }
+}
+
+// Eigen's own threads off once: every split is ours (see the header).
+void eigen_single_threaded() {
+  static const bool once = [] {
+    Eigen::setNbThreads(1);
+    return true;
+  }();
+  (void)once;
 }
 
 }  // namespace
@@ -59,40 +104,37 @@ void gemm(T* C, const T* A, const T* B, int M, int N, int K, bool transA, bool t
   const int b_rows = transB ? N : K, b_cols = transB ? K : N;
   // Several batch items: one thread per item (each GEMM then runs single-threaded; Eigen does
   // not nest its own threads inside a parallel region). One item: Eigen threads inside it.
+  eigen_single_threaded();
   const bool by_batch = batch > 1 && int64_t(batch) * M * N * K > 32768;
 #pragma omp parallel for if (by_batch)
   for (int b = 0; b < batch; b++) {
     CMapMat<T> a(A + b * strideA, a_rows, a_cols);
     CMapMat<T> bm(B + b * strideB, b_rows, b_cols);
     MapMat<T> c(C + b * strideC, M, N);
-    if (!transA && !transB) gemm_one(c, a, bm, al, be);
-    else if (transA && !transB) gemm_one(c, a.transpose(), bm, al, be);
-    else if (!transA && transB) gemm_one(c, a, bm.transpose(), al, be);
-    else gemm_one(c, a.transpose(), bm.transpose(), al, be);
+    if (!transA && !transB) split_product(c, a, bm, al, be);
+    else if (transA && !transB) split_product(c, a.transpose(), bm, al, be);
+    else if (!transA && transB) split_product(c, a, bm.transpose(), al, be);
+    else split_product(c, a.transpose(), bm.transpose(), al, be);
   }
 }
 
 template <class T>
 void linear_forward(T* out, const T* inp, const T* weight, const T* bias, int64_t N, int I,
                     int O, Stream) {
+  eigen_single_threaded();
   CMapMat<T> x(inp, N, I), w(weight, O, I);
   MapMat<T> y(out, N, O);
-  y.noalias() = x * w.transpose();
+  split_product(y, x, w.transpose(), T(1), T(0));
   if (bias) y.rowwise() += CMapRow<T>(bias, O);
 }
 
 template <class T>
 void linear_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* inp,
                      const T* weight, int64_t N, int I, int O, Stream) {
+  eigen_single_threaded();
   CMapMat<T> dy(dout, N, O);
-  if (dinp) {
-    MapMat<T> dx(dinp, N, I);
-    dx.noalias() = dy * CMapMat<T>(weight, O, I);
-  }
-  if (dweight) {
-    MapMat<T> dw(dweight, O, I);
-    dw.noalias() += dy.transpose() * CMapMat<T>(inp, N, I);
-  }
+  if (dinp) split_product(MapMat<T>(dinp, N, I), dy, CMapMat<T>(weight, O, I), T(1), T(0));
+  if (dweight) split_product(MapMat<T>(dweight, O, I), dy.transpose(), CMapMat<T>(inp, N, I), T(1), T(1));
   if (dbias) {
     MapRow<T> db(dbias, O);
     db += dy.colwise().sum();
