@@ -193,6 +193,12 @@ TEST_CASE("eval on a finished VLM run reproduces its end-of-training accuracy ta
     if (auto at = l.find("/"); at != std::string::npos && l.find("(") != std::string::npos)
       total += std::stoi(l.substr(at + 1));
   CHECK(total == 4);
+  // a run trained in bf16 or fp16 on a GPU: on the CPU it is evaluated in f32, the same table
+  for (const char* dt : {"--train.dtype=bf16", "--train.dtype=fp16"}) {
+    INFO(dt);
+    EvalReport r16 = run_eval(run, {"--train.device=cpu", dt});
+    CHECK(r16.text == run_eval(run, {"--train.device=cpu"}).text);
+  }
   // the run folder is only read
   CHECK(slurp(run + "/config.cfg") == config_before);
   CHECK(call(eval_command, {run, "--train.device=cpu", "--eval.samples=2"}) == 0);

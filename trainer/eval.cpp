@@ -92,6 +92,13 @@ EvalReport run_eval(const std::string& path, const std::vector<std::string>& ove
   for (auto& o : overrides) cfg.apply_override(o);
   validate_config(cfg);
   const TrainerState st = read_checkpoint_state(ck);
+  // A run trained in bf16 / fp16 on a GPU is evaluated in f32 where it lands on the CPU (whose
+  // kernels run f32 / f64): the weights are the f32 masters either way.
+  const std::string dev = cfg.get_str("train.device"), dt = cfg.get_str("train.dtype");
+  if ((dt == "bf16" || dt == "fp16") && (dev == "cpu" || (dev == "auto" && !cuda::available()))) {
+    std::printf("# train.dtype = %s needs a GPU: evaluating in f32 on the CPU\n", dt.c_str());
+    cfg.set("train.dtype", "f32");
+  }
   RunContext ctx = make_context(cfg);
   ctx.out_dir = parent_dir(ck);  // the run folder, where the run cached its tokenizer
   const std::string trainer = cfg.get_str("train.trainer");
