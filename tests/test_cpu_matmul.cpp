@@ -2,6 +2,7 @@
 // / backward) against naive formulas and central differences in double (the method:
 // tests/cpu_kernel_test_util.h).
 #include <catch2/catch.hpp>
+#include <omp.h>
 
 #include "kernels/kernels.h"
 #include "tests/tolerances.h"
@@ -146,4 +147,46 @@ TEST_CASE("linear: float against double, forward and backward", "[matmul]") {
   LOOM_CHECK_CLOSE(tol::compare(dxf, dx, tol::kCpuF32, "dinp f32"));
   LOOM_CHECK_CLOSE(tol::compare(dwf, dw, tol::kCpuF32, "dweight f32"));
   LOOM_CHECK_CLOSE(tol::compare(dbf, db, tol::kCpuF32, "dbias f32"));
+}
+
+// Products above the split threshold (kernels/cpu/matmul.cpp: 2^18 multiply-adds) run as one
+// slab per thread: row slabs when C is tall, column slabs when it is wide. Both, every
+// transpose and beta, against the naive product, on 1 and on 3 threads (3 does not divide the
+// sizes, so the slabs are uneven); C starts as NaN where beta = 0.
+TEST_CASE("gemm and linear above the split threshold: row and column slabs, any thread count", "[matmul]") {
+  struct Shape { int M, N, K; };
+  const int threads_before = omp_get_max_threads();
+  for (int threads : {1, 3}) {
+    omp_set_num_threads(threads);
+    for (Shape sh : {Shape{301, 40, 70}, Shape{37, 290, 65}}) {  // tall, wide; M*N*K > 2^18
+      const int M = sh.M, N = sh.N, K = sh.K;
+      for (int tA = 0; tA < 2; tA++)
+        for (int tB = 0; tB < 2; tB++)
+          for (double beta : {0.0, 1.0, 0.5}) {
+            INFO("threads=" << threads << " M=" << M << " N=" << N << " K=" << K << " tA=" << tA << " tB=" << tB
+                            << " beta=" << beta);
+            vector<double> A = uniform(int64_t(M) * K), B = uniform(int64_t(K) * N);
+            vector<double> C = beta == 0 ? vector<double>(sz(int64_t(M) * N), kNaN) : uniform(int64_t(M) * N);
+            vector<double> ref = naive_gemm(A, B, C, M, N, K, tA, tB, -0.9, beta, 1, 0, 0, 0);
+            cpu::gemm(C.data(), A.data(), B.data(), M, N, K, tA, tB, -0.9, beta, 1, 0, 0, 0, s0);
+            LOOM_CHECK_CLOSE(tol::compare(C, ref, tol::kSameMathF64, "split gemm"));
+          }
+      // linear: out = x W^T + b; dx = dy W; dW += dy^T x (C = dW [O, I] with K = rows)
+      const int rows = M, I = K, O = N;
+      vector<double> x = uniform(int64_t(rows) * I), w = uniform(int64_t(O) * I), b = uniform(O);
+      vector<double> out(sz(int64_t(rows) * O), kNaN), dy = uniform(int64_t(rows) * O);
+      vector<double> dx(sz(int64_t(rows) * I), kNaN), dw = uniform(int64_t(O) * I), dw0 = dw;
+      cpu::linear_forward(out.data(), x.data(), w.data(), b.data(), rows, I, O, s0);
+      vector<double> out_ref = naive_gemm(x, w, vector<double>(out.size(), 0.0), rows, O, I, false, true, 1, 0, 1, 0, 0, 0);
+      for (int r = 0; r < rows; r++)
+        for (int o = 0; o < O; o++) out_ref[sz(int64_t(r) * O + o)] += b[sz(o)];
+      LOOM_CHECK_CLOSE(tol::compare(out, out_ref, tol::kSameMathF64, "split linear forward"));
+      cpu::linear_backward(dx.data(), dw.data(), (double*)nullptr, dy.data(), x.data(), w.data(), rows, I, O, s0);
+      LOOM_CHECK_CLOSE(tol::compare(dx, naive_gemm(dy, w, dx, rows, I, O, false, false, 1, 0, 1, 0, 0, 0),
+                                    tol::kSameMathF64, "split linear dx"));
+      LOOM_CHECK_CLOSE(tol::compare(dw, naive_gemm(dy, x, dw0, O, I, rows, true, false, 1, 1, 1, 0, 0, 0),
+                                    tol::kSameMathF64, "split linear dweight"));
+    }
+  }
+  omp_set_num_threads(threads_before);
 }

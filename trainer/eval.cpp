@@ -90,8 +90,6 @@ EvalReport run_eval(const std::string& path, const std::vector<std::string>& ove
   // every weight comes from the checkpoint: the weights it started from may be gone
   for (const char* k : {"model.init", "model.lm_init", "model.vision_init"}) cfg.set(k, "");
   for (auto& o : overrides) cfg.apply_override(o);
-  validate_config(cfg);
-  const TrainerState st = read_checkpoint_state(ck);
   // A run trained in bf16 / fp16 on a GPU is evaluated in f32 where it lands on the CPU (whose
   // kernels run f32 / f64): the weights are the f32 masters either way.
   const std::string dev = cfg.get_str("train.device"), dt = cfg.get_str("train.dtype");
@@ -99,6 +97,8 @@ EvalReport run_eval(const std::string& path, const std::vector<std::string>& ove
     std::printf("# train.dtype = %s needs a GPU: evaluating in f32 on the CPU\n", dt.c_str());
     cfg.set("train.dtype", "f32");
   }
+  validate_config(cfg);
+  const TrainerState st = read_checkpoint_state(ck);
   RunContext ctx = make_context(cfg);
   ctx.out_dir = parent_dir(ck);  // the run folder, where the run cached its tokenizer
   const std::string trainer = cfg.get_str("train.trainer");
