@@ -16,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 TRAIN=${1:-./train}
 KILLS=${2:-20}
-STEPS=${KILL_TEST_STEPS:-80}  # long enough that KILLS kills land before the end
+STEPS=${KILL_TEST_STEPS:-400}  # long enough that KILLS kills land before the end (80 was too few once a CPU step took 0.1 s)
 W=$(mktemp -d /tmp/loom_kill_resume_XXXXXX)
 trap 'rm -rf "$W"' EXIT
 ARGS=(vlm_sft.cfg --train.device=cpu --data.train_samples=400 --data.val_samples=8 --train.batch_size=2

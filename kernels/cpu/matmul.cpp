@@ -20,7 +20,8 @@
 // Eigen's own OpenMP split is tuned for large square products; on the skinny ones of a
 // small model (2048 tokens x 96 features x 256) it gave no speedup on 2 cores, and its
 // spinning worker slowed the serial code between products (2026-11-23, 2-core KVM guest:
-// a vlm_sft.cfg step 176 ms with Eigen's split, see `split_product`).
+// a vlm_sft.cfg step 176 ms with Eigen's split, 105-125 ms with `split_product` below and
+// libgomp's spin count lowered by trainer/main.cpp).
 #include <Eigen/Core>
 #include <omp.h>
 
@@ -58,8 +59,9 @@ constexpr int64_t kSplitMin = int64_t(1) << 18;
 
 // C = alpha opA opB + beta C, C [M,N], split into one slab per thread: row slabs (C's rows
 // with opA's rows) when M >= N, else column slabs (C's columns with opB's columns). Each
-// slab is an independent Eigen product, so the result does not depend on the thread count
-// beyond Eigen's own blocking. Inside a parallel region (batched gemm) it runs serially.
+// element of C comes from one Eigen product over the whole K, so thread counts change only
+// how Eigen blocks a slab (the summation order, within f32 rounding). Inside a parallel region
+// (the batched gemm) it runs serially.
 template <class T, class OpA, class OpB>
 void split_product(MapMat<T> C, const OpA& opA, const OpB& opB, T alpha, T beta) {
   const int64_t M = C.rows(), N = C.cols(), K = opA.cols();
