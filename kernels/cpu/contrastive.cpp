@@ -23,7 +23,8 @@
 // workspace [B*B + 4*B]: L then dL in place [B, B], rowlse [B], collse [B]; the CPU version
 // leaves the last 2*B unused (the CUDA version keeps per-row partial losses there).
 //
-// Products are Eigen GEMMs; the per-sample loop of patch discrimination runs in parallel and
+// Products are Eigen GEMMs (InfoNCE's through matmul.cpp's gemm, which splits them over the
+// threads); the per-sample loop of patch discrimination runs in parallel and
 // its per-sample losses are added in sample order (same result for any thread count).
 #include <Eigen/Core>
 #include <algorithm>
@@ -128,20 +129,19 @@ void patch_disc_loss(acc_t<T>* loss, T* dpred, const T* pred, const T* target, i
 
 template <class T>
 void infonce_loss(acc_t<T>* loss, T* da, T* db, const T* a, const T* b, int B, int D, double tau,
-                  acc_t<T>* workspace, Stream) {
+                  acc_t<T>* workspace, Stream s) {
   using A = acc_t<T>;
   static_assert(std::is_same<T, A>::value, "the CPU reference computes in T = acc_t<T>");
   check_positive("infonce_loss", "tau", tau);
   if (B <= 0 || D <= 0)
     throw std::invalid_argument("infonce_loss: expected a, b of shape [B, D] with B, D > 0, got [" +
                                 std::to_string(B) + ", " + std::to_string(D) + "]");
-  Eigen::Map<const RowMat<T>> Am(a, B, D), Bm(b, B, D);
   Eigen::Map<RowMat<A>> L(workspace, B, B);
   A* row_lse = workspace + int64_t(B) * B;  // [B]
   A* col_lse = row_lse + B;                 // [B]
   const A inv_tau = A(1) / A(tau);
 
-  L.noalias() = Am * Bm.transpose();  // L_ij = a_i . b_j / tau
+  gemm(workspace, a, b, B, B, D, false, true, 1.0, 0.0, 1, 0, 0, 0, s);  // L_ij = a_i . b_j / tau
   L *= inv_tau;
 
   // log-sum-exp of every row (a_i against all b) and every column (b_j against all a)
@@ -167,9 +167,8 @@ void infonce_loss(acc_t<T>* loss, T* da, T* db, const T* a, const T* b, int B, i
     for (int j = 0; j < B; j++)
       L(i, j) = (std::exp(L(i, j) - row_lse[i]) + std::exp(L(i, j) - col_lse[j]) - A(2) * A(i == j)) * g;
 
-  Eigen::Map<RowMat<T>> dA(da, B, D), dB(db, B, D);
-  dA.noalias() = inv_tau * (L * Bm);              // da = dL b / tau
-  dB.noalias() = inv_tau * (L.transpose() * Am);  // db = dL^T a / tau
+  gemm(da, workspace, b, B, D, B, false, false, double(inv_tau), 0.0, 1, 0, 0, 0, s);  // da = dL b / tau
+  gemm(db, workspace, a, B, D, B, true, false, double(inv_tau), 0.0, 1, 0, 0, 0, s);   // db = dL^T a / tau
 }
 
 #define LOOM_INSTANTIATE(T)                                                                      \

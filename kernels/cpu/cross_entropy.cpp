@@ -13,7 +13,7 @@
 //   dx_nv  = dloss/count * (softmax(x_n)_v - [v == y_n])   (=; ignored rows get 0)
 //
 // Fused linear + cross-entropy: logits = h W^T, one chunk of rows at a time:
-//   x_c     = h_c W^T                      into the workspace (Eigen GEMM)
+//   x_c     = h_c W^T                      into the workspace (matmul.cpp's gemm, threads split)
 //   loss   += sum over valid rows of (lse - x_y)
 //   dx_c    = (softmax(x_c) - onehot) / count              written over x_c in place
 //   dh_c    = dx_c W                       (=)
@@ -23,7 +23,6 @@
 //
 // The per-row work (log-sum-exp over V) runs in parallel; the sums over rows are added in a
 // fixed order, so the loss is the same for any thread count.
-#include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
@@ -34,8 +33,6 @@
 
 namespace loom::cpu {
 namespace {
-
-template <class T> using RowMat = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
 // Number of rows whose target counts; throws on a target >= V (naming the row and the value).
 int64_t count_valid_targets(const char* op, const int32_t* targets, int64_t N, int V) {
@@ -106,7 +103,7 @@ void cross_entropy_backward(T* dlogits, const acc_t<T>* dloss, const T* logits, 
 template <class T>
 void fused_linear_cross_entropy(acc_t<T>* loss, T* dh, T* dW, const T* h, const T* W,
                                 const int32_t* targets, int64_t N, int V, int D, int64_t chunk,
-                                acc_t<T>* workspace, const acc_t<T>* grad_scale, Stream) {
+                                acc_t<T>* workspace, const acc_t<T>* grad_scale, Stream s) {
   using A = acc_t<T>;
   static_assert(std::is_same<T, A>::value, "the CPU reference computes in T = acc_t<T>");
   if (V <= 0 || D <= 0 || chunk <= 0)
@@ -117,18 +114,14 @@ void fused_linear_cross_entropy(acc_t<T>* loss, T* dh, T* dW, const T* h, const 
   const A inv_count = count > 0 ? A(1) / A(count) : A(0);  // ignored rows and count 0 give 0
   const A grad_mul = grad_scale ? inv_count * grad_scale[0] : inv_count;  // dlogits for dloss = *grad_scale
 
-  Eigen::Map<const RowMat<T>> Wm(W, V, D);
-  Eigen::Map<RowMat<T>> dWm(dW, V, D);
-  dWm.setZero();
+  std::fill(dW, dW + int64_t(V) * D, T(0));
   A sum = 0;
 
   for (int64_t r0 = 0; r0 < N; r0 += chunk) {
-    const int64_t rows = std::min(chunk, N - r0);
-    Eigen::Map<const RowMat<T>> h_c(h + r0 * D, rows, D);
-    Eigen::Map<RowMat<T>> dh_c(dh + r0 * D, rows, D);
-    Eigen::Map<RowMat<A>> x_c(workspace, rows, V);  // logits, then dlogits in place
-
-    x_c.noalias() = h_c * Wm.transpose();  // x_c = h_c W^T   [rows, V]
+    const int rows = int(std::min(chunk, N - r0));
+    const T* h_c = h + r0 * D;
+    A* x_c = workspace;  // [rows, V]: logits, then dlogits in place
+    gemm(x_c, h_c, W, rows, V, D, false, true, 1.0, 0.0, 1, 0, 0, 0, s);  // x_c = h_c W^T
 
     // Loss of each row, then its gradient over the same row of the workspace. The rows are
     // cut into a fixed number of blocks whose partial sums are added in order: the loss does
@@ -151,8 +144,8 @@ void fused_linear_cross_entropy(acc_t<T>* loss, T* dh, T* dW, const T* h, const 
     }
     for (int b = 0; b < kBlocks; b++) sum += partial[b];
 
-    dh_c.noalias() = x_c * Wm;                 // dh_c = dx_c W        [rows, D]
-    dWm.noalias() += x_c.transpose() * h_c;    // dW  += dx_c^T h_c    [V, D]
+    gemm(dh + r0 * D, x_c, W, rows, D, V, false, false, 1.0, 0.0, 1, 0, 0, 0, s);  // dh_c = dx_c W    [rows, D]
+    gemm(dW, x_c, h_c, V, D, rows, true, false, 1.0, 1.0, 1, 0, 0, 0, s);          // dW  += dx_c^T h_c [V, D]
   }
   loss[0] = sum * inv_count;
 }

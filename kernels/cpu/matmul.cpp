@@ -104,8 +104,8 @@ void gemm(T* C, const T* A, const T* B, int M, int N, int K, bool transA, bool t
   // Stored shapes: A is [M,K] or, transposed, [K,M]; B is [K,N] or [N,K].
   const int a_rows = transA ? K : M, a_cols = transA ? M : K;
   const int b_rows = transB ? N : K, b_cols = transB ? K : N;
-  // Several batch items: one thread per item (each GEMM then runs single-threaded; Eigen does
-  // not nest its own threads inside a parallel region). One item: Eigen threads inside it.
+  // Several batch items: one thread per item (each product then runs on that thread alone).
+  // One item: split_product cuts it into one slab per thread.
   eigen_single_threaded();
   const bool by_batch = batch > 1 && int64_t(batch) * M * N * K > 32768;
 #pragma omp parallel for if (by_batch)
