@@ -165,7 +165,7 @@ void forward_loom(T* out, acc_t<T>* lse, const T* q, const T* k, const T* v,
       auto kk = reinterpret_cast<const bf*>(k);
       auto vv = reinterpret_cast<const bf*>(v);
       if (fwd_sm90_available(hd) && nseq < 65535) {  // writes the rows outside every sequence itself
-        fwd_sm90(o, lse, qq, kk, vv, cu_q, cu_k, nseq, max_seqlen, Nq, H, KV, hd, causal, scale_log2, s);
+        fwd_sm90(o, lse, qq, kk, vv, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, hd, causal, scale_log2, s);
         return;
       }
       fwd_v2(o, lse, qq, kk, vv, cu_q, cu_k, nseq, max_seqlen, H, KV, hd, causal, scale_log2, s);

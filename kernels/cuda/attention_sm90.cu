@@ -54,122 +54,10 @@
 #include <cstdint>
 #include <cstdlib>
 
-#include "kernels/cuda/attention_tiles.cuh"
+#include "kernels/cuda/wgmma.cuh"
 
 namespace loom::cuda::attn {
 namespace {
-
-// ------------------------------------------------------------------------ wgmma primitives
-// Element offset of (row r, 16-byte chunk c) in an R-row tile stored as 64-column halves with
-// the 128-byte swizzle (chunk c & 7 of row r lands at chunk (c & 7) ^ (r & 7)).
-template <int R>
-__device__ __forceinline__ int sw128(int r, int c) {
-  return (c >> 3) * (R * 64) + r * 64 + (((c & 7) ^ (r & 7)) << 3);
-}
-// Rows [0, R) of a global [*, HD] matrix (row stride `stride`) into an sw128 tile; rows >=
-// nvalid zero-filled.
-template <int HD, int R, int NT>
-__device__ __forceinline__ void load_tile_sw128(bf* s, const bf* src, int64_t stride, int nvalid) {
-  constexpr int NC = HD / 8;
-  for (int idx = threadIdx.x; idx < R * NC; idx += NT) {
-    const int r = idx / NC, c = idx % NC;
-    const bool ok = r < nvalid;
-    cp_async16(s + sw128<R>(r, c), ok ? src + r * stride + c * 8 : src, ok);
-  }
-}
-// Shared-memory matrix descriptor, 128-byte swizzle, 8-row groups 1024 bytes apart.
-__device__ __forceinline__ uint64_t sdesc(const bf* p, uint32_t lbo_bytes) {
-  const uint64_t a = smem_addr(p);
-  return ((a & 0x3FFFF) >> 4) | (uint64_t((lbo_bytes >> 4) & 0x3FFF) << 16) | (uint64_t(1024 >> 4) << 32) |
-         (1ull << 62);
-}
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-// cp.async writes are generic-proxy writes; wgmma reads through the async proxy.
-__device__ __forceinline__ void fence_smem_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// Ties accumulator registers to this point, so the compiler reads them only after the wait
-// (the wgmma asm "writes" them at issue, the hardware writes them before the wait returns).
-template <int N>
-__device__ __forceinline__ void fence_regs(float (&d)[N][4]) {
-#pragma unroll
-  for (int i = 0; i < N; i++)
-#pragma unroll
-    for (int e = 0; e < 4; e++) asm volatile("" : "+f"(d[i][e])::"memory");
-}
-
-// D[64 x N] (+)= A[64 x 16] B[16 x N]. wgmma_ss: A and B from shared memory; accumulate 0
-// overwrites D. wgmma_rs: A from registers in mma.sync's A-fragment layout (warp w of the
-// warpgroup holds rows 16w..16w+15). TB = 0: B is K-major ([N][K] rows), 1: MN-major.
-// N = 8 x the first extent of d (64 or 128).
-template <int TB>
-__device__ __forceinline__ void wgmma_ss(float (&d)[8][4], uint64_t da, uint64_t db, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "%32, %33, p, 1, 1, 0, %35;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-      : "l"(da), "l"(db), "r"(accumulate), "n"(TB));
-}
-template <int TB>
-__device__ __forceinline__ void wgmma_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "{%32, %33, %34, %35}, %36, p, 1, 1, %37;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(TB), "r"(1));
-}
-template <int TB>
-__device__ __forceinline__ void wgmma_ss(float (&d)[16][4], uint64_t da, uint64_t db, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "%64, %65, p, 1, 1, 0, %67;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
-        "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
-        "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
-        "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
-        "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-      : "l"(da), "l"(db), "r"(accumulate), "n"(TB));
-}
-template <int TB>
-__device__ __forceinline__ void wgmma_rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t db) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %70, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "{%64, %65, %66, %67}, %68, p, 1, 1, %69;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
-        "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
-        "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
-        "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
-        "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(TB), "r"(1));
-}
 
 // ------------------------------------------------------------------------ the kernel
 template <int HD, int NWG, int BC>
@@ -268,13 +156,13 @@ attn_fwd_sm90(bf* __restrict__ out, float* __restrict__ lse, const bf* __restric
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float m_new = fmaxf(mrow[r], mx * scale_log2);
         const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row that saw nothing yet
-        const float corr = exp2f(mrow[r] - m_use);
+        const float corr = exp2_ftz(mrow[r] - m_use);
         mrow[r] = m_new;
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < BC / 8; nt++) {
-          s[nt][2 * r] = exp2f(fmaf(s[nt][2 * r], scale_log2, -m_use));
-          s[nt][2 * r + 1] = exp2f(fmaf(s[nt][2 * r + 1], scale_log2, -m_use));
+          s[nt][2 * r] = exp2_ftz(fmaf(s[nt][2 * r], scale_log2, -m_use));
+          s[nt][2 * r + 1] = exp2_ftz(fmaf(s[nt][2 * r + 1], scale_log2, -m_use));
           sum += s[nt][2 * r] + s[nt][2 * r + 1];
         }
         lrow[r] = lrow[r] * corr + sum;
@@ -370,10 +258,16 @@ bool fwd_sm90_available(int hd) {
 }
 
 void fwd_sm90(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const int32_t* cu_q,
-              const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int H, int KV, int hd, bool causal,
-              float scale_log2, cudaStream_t s) {
-  // 3 warpgroups x 128-key tiles, except hd 64 without the causal mask: 2 x 64 (the header's
-  // version table has the configurations measured).
+              const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, int hd,
+              bool causal, float scale_log2, cudaStream_t s) {
+  // The warp-specialized kernel (attention_sm90_ws.cu) unless LOOM_ATTN_SM90=1 asks for this
+  // one: 3 warpgroups x 128-key tiles, except hd 64 without the causal mask: 2 x 64 (the
+  // header's version table has the configurations measured).
+  const char* e = std::getenv("LOOM_ATTN_SM90");  // read at every call: tests switch it
+  if (!(e && e[0] == '1' && e[1] == 0) && fwd_sm90_ws_supported(q, k, v)) {
+    fwd_sm90_ws(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, hd, causal, scale_log2, s);
+    return;
+  }
   if (hd == 128)
     launch<128, 3, 128>(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, H, KV, causal, scale_log2, s);
   else if (causal)

@@ -14,6 +14,17 @@ namespace loom::cuda::attn {
 using bf = __nv_bfloat16;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
+// 2^x on the SFU with denormal results flushed to 0 (ex2.approx.ftz). exp2f is the same MUFU.EX2
+// wrapped in a compare and two multiplies that keep results below 2^-126 as denormals: three
+// more instructions per score for values a softmax adds to a sum of at least 1. The
+// warp-specialized forward's profile (H100) counted 765 instructions per thread per key tile
+// of which 198 were these fix-ups. Used by the wgmma forwards; the mma.sync kernels keep exp2f
+// (with this one ptxas spilled a few registers in two of their instantiations).
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return uint32_t(__cvta_generic_to_shared(p));
 }
@@ -136,14 +147,20 @@ bool cudnn_attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, co
                               int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, int hd, bool causal, double scale,
                               cudaStream_t s, const std::function<void()>& run_loom);
 
-// Host entry points of attention_sm90.cu (the wgmma forward). available: built for sm_90a
+// Host entry points of attention_sm90.cu (the wgmma forwards). available: built for sm_90a
 // (LOOM_SM90A), running on a compute-capability 9.0 device, hd 64 or 128, and not turned off
-// with LOOM_ATTN_SM90=0.
+// with LOOM_ATTN_SM90=0. fwd_sm90 runs the warp-specialized kernel (attention_sm90_ws.cu,
+// fwd_sm90_ws) unless LOOM_ATTN_SM90=1 selects the lock-step one.
 bool fwd_sm90_available(int hd);
 // Writes every row of out and lse (rows outside every sequence: 0 and +inf). nseq, max_seqlen > 0.
 void fwd_sm90(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const int32_t* cu_q,
-              const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int H, int KV, int hd, bool causal,
-              float scale_log2, cudaStream_t s);
+              const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, int hd,
+              bool causal, float scale_log2, cudaStream_t s);
+// attention_sm90_ws.cu (its TMA loads need 16-byte aligned q, k, v)
+bool fwd_sm90_ws_supported(const void* q, const void* k, const void* v);
+void fwd_sm90_ws(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const int32_t* cu_q,
+                 const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, int hd,
+                 bool causal, float scale_log2, cudaStream_t s);
 
 // ---- single-pass backward (attention_bwd_single.cu, attn_bwd_v2_atomic_dq)
 // Stores four 8x8 bf16 matrices transposed: register r[i] holds matrix i in the mma C layout

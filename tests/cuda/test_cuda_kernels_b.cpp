@@ -218,6 +218,11 @@ const std::vector<AttnCase>& attn_cases() {
       // Lq != Lk across tiles, causal: shift 190 and -60 (the first 60 queries see nothing)
       {{100, 260}, {290, 200}, 1, 1, 4, 2, 128, true},
       {{100, 260}, {290, 200}, 0, 2, 4, 4, 64, true},
+      // long sequences: the warp-specialized forward's K/V ring (2 buffers at hd 128, 3 at
+      // hd 64) wraps several times; a chunk of 150 queries at the end of 1000 keys
+      {{900, 40}, {900, 40}, 0, 1, 2, 1, 128, false},
+      {{1100, 7}, {1100, 7}, 1, 0, 3, 1, 64, true},
+      {{150, 9}, {1000, 9}, 0, 0, 2, 2, 128, true},
   };
   return cases;
 }
@@ -355,14 +360,16 @@ TEST_CASE("attention forward/backward f32 (v1) against the CPU reference", "[cud
   cu::set_deterministic_attention(was);
 }
 
-// On an H100/H200 build for sm_90a the bf16 forward at hd 64/128 is the wgmma kernel
-// (attention_sm90.cu); the case below runs everything again with it turned off, so the
-// mma.sync forward (v2) stays tested on the machine that has both.
+// On an H100/H200 build for sm_90a the bf16 forward at hd 64/128 is the warp-specialized wgmma
+// kernel (attention_sm90_ws.cu); the case below runs everything again with the lock-step wgmma
+// kernel (attention_sm90.cu, LOOM_ATTN_SM90=1) and with both turned off, so the mma.sync
+// forward (v2) stays tested on the machine that has all three.
 TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU reference", "[cuda][attention]") {
   need_gpu();
   const char* before = std::getenv("LOOM_ATTN_SM90");
   const std::string saved = before ? before : "";
-  SECTION("the default forward (wgmma on sm_90a)") {}
+  SECTION("the default forward (warp-specialized wgmma on sm_90a)") {}
+  SECTION("the lock-step wgmma forward (LOOM_ATTN_SM90=1)") { setenv("LOOM_ATTN_SM90", "1", 1); }
   SECTION("the mma.sync forward (LOOM_ATTN_SM90=0)") { setenv("LOOM_ATTN_SM90", "0", 1); }
   const bool was = cu::deterministic_attention();
   uint32_t seed = 200;

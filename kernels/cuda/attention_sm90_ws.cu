@@ -1,0 +1,390 @@
+/*
+ * attention_sm90_ws.cu: the flash-attention forward on Hopper with warp specialization: a
+ * producer warpgroup loads, two consumer warpgroups compute, and the consumers take turns on
+ * the tensor cores so that one's softmax runs while the other's products do. Same contract,
+ * masks and results as attn_fwd_sm90 (attention_sm90.cu: read it first, it has the wgmma
+ * layouts, descriptors and the online softmax this file reuses unchanged).
+ *
+ * What attention_sm90.cu leaves on the table: every warpgroup of its block loads the next K/V
+ * tile and then meets the others at a block-wide barrier, so all of them issue their products
+ * at the same moment and then all of them compute exp2 at the same moment: the tensor cores
+ * idle during the softmax (at hd 128 a 128 x 128 tile is ~2k cycles of products and ~1k of
+ * exp2 on the SFU), and the softmax of a tile waits for its own products.
+ *
+ * Block: 3 warpgroups, 128 query rows of one head and one sequence, BC-key tiles.
+ *   warpgroup 0, the producer: drops to 56 registers (setmaxnreg) and streams Q once, then
+ *     K and V tiles into a ring of STAGES buffers with cp.async (zero-filling rows past the
+ *     sequence, as before); each buffer has a "full" mbarrier that completes when the copies
+ *     of all 128 producer threads have landed (cp.async.mbarrier.arrive.noinc), and an "empty"
+ *     mbarrier the consumers arrive on when their products no longer read it.
+ *   warpgroups 1 and 2, the consumers: raise to 224 registers, 64 query rows each. Slot k of a
+ *     consumer issues, as one batch, S_k = Q K_k^T and O += P_{k-1} V_{k-1} (P of the previous
+ *     tile, kept in registers as wgmma's A operand), then waits for S_k only, runs the masked
+ *     online softmax on it while P V is still in flight, waits for P V, rescales O and
+ *     releases buffer k-1 (n key tiles: n + 1 slots, the last only P V).
+ *   Turns: before issuing a batch a consumer waits at its named barrier; after issuing it
+ *     arrives at the other's. Consumer 1 starts by arriving at consumer 0's barrier, so the
+ *     batches alternate 0, 1, 0, 1, ... and each softmax overlaps the other warpgroup's
+ *     products (FlashAttention-3's "ping-pong" schedule). Each consumer waits its turn n + 1
+ *     times; consumer 1 skips its arrival after its last batch, so every sync has its arrive.
+ *   Causal: a consumer's tiles wholly above its diagonal are a suffix of the block's tiles; it
+ *     still waits for them, takes its turns and releases them (no products), which keeps the
+ *     barrier phases of both consumers and the producer in step.
+ * Shared memory at hd 128, BC 128, 2 stages: Q 32 KB + K 64 KB + V 64 KB (+ barriers).
+ * Registers per consumer thread at hd 128: O 64 + S 64 + P 32 (bf16 pairs) + softmax state.
+ *
+ * Versions (H200, bf16, forward TFLOP/s, bench/bench_attention.cpp, the three SPEC shapes
+ * B8 H12 T1024 D64 full | B8 H16 T2048 D128 causal | B4 H9 T2048 D64 causal): see the table
+ * in attention.cu's header and docs/kernels/attention.md.
+ *
+ * Test: tests/cuda/test_cuda_kernels_b.cpp ("attention ...": the default forward on an
+ *   H100/H200 is this kernel; LOOM_ATTN_SM90=1 runs the lock-step one, =0 the mma.sync v2).
+ */
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+
+#include "kernels/cuda/wgmma.cuh"
+
+namespace loom::cuda::attn {
+namespace {
+
+constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // 128 x 56 + 256 x 224 <= 65536
+
+template <int HD, int BC, int STAGES>
+struct WsSmem {
+  static constexpr int BR = 128;
+  static constexpr int q_elems = BR * HD, kv_elems = BC * HD;
+  static constexpr int bytes = (q_elems + 2 * STAGES * kv_elems) * 2 + (1 + 4 * STAGES) * 8 + 1024;
+};
+
+template <int HD, int BC, int STAGES, bool PP>
+__global__ void __launch_bounds__(384, 1)
+attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __restrict__ q,
+                 const bf* __restrict__ k, const bf* __restrict__ v, const __grid_constant__ CUtensorMap tm_q,
+                 const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
+                 const int32_t* __restrict__ cu_q, const int32_t* __restrict__ cu_k, int64_t Nq, int H, int KV,
+                 bool causal, float scale_log2) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int BR = 128, NT = 384;
+  if (blockIdx.z == gridDim.z - 1) {  // rows outside every sequence: out = 0, lse = +inf
+    const int nseq = gridDim.z - 1, h = blockIdx.y;
+    const int64_t lo = cu_q[0], hi = cu_q[nseq], n_out = lo + (Nq - hi);
+    constexpr int NC = HD / 8;
+    for (int64_t i = int64_t(blockIdx.x) * NT + threadIdx.x; i < n_out * NC; i += int64_t(gridDim.x) * NT) {
+      const int64_t j = i / NC, row = j < lo ? j : hi + (j - lo);
+      const int c = int(i % NC);
+      *reinterpret_cast<uint4*>(out + (row * H + h) * HD + c * 8) = make_uint4(0u, 0u, 0u, 0u);
+      if (c == 0) lse[row * H + h] = INFINITY;
+    }
+    return;
+  }
+  extern __shared__ unsigned char smem_raw[];
+  using L = WsSmem<HD, BC, STAGES>;
+  bf* sQ = reinterpret_cast<bf*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  bf* sK = sQ + L::q_elems;              // [STAGES][BC * HD]
+  bf* sV = sK + STAGES * L::kv_elems;    // [STAGES][BC * HD]
+  uint64_t* bar_q = reinterpret_cast<uint64_t*>(sV + STAGES * L::kv_elems);
+  uint64_t* full_k = bar_q + 1;          // [STAGES]
+  uint64_t* full_v = full_k + STAGES;    // [STAGES]
+  uint64_t* empty_k = full_v + STAGES;   // [STAGES]
+  uint64_t* empty_v = empty_k + STAGES;  // [STAGES]
+
+  const int seq = blockIdx.z, h = blockIdx.y, kvh = h / (H / KV);
+  const int q0 = cu_q[seq], Lq = cu_q[seq + 1] - q0, k0 = cu_k[seq], Lk = cu_k[seq + 1] - k0;
+  const int qs = (gridDim.x - 1 - blockIdx.x) * BR;  // longest (causal) tiles start first
+  if (qs >= Lq) return;
+  const int nq = min(BR, Lq - qs), shift = Lk - Lq;
+  const int64_t qstride = int64_t(H) * HD, kvstride = int64_t(KV) * HD;
+  const int kend = causal ? min(Lk, qs + nq + shift) : Lk;  // keys the block's last row sees
+  const int ntiles = kend > 0 ? (kend + BC - 1) / BC : 0;
+  if (threadIdx.x == 0) {
+    mbar_init(bar_q, 1);
+    for (int s = 0; s < STAGES; s++) {
+      mbar_init(&full_k[s], 1);
+      mbar_init(&full_v[s], 1);
+      mbar_init(&empty_k[s], 256);
+      mbar_init(&empty_v[s], 256);
+    }
+  }
+  __syncthreads();
+  const int wg = threadIdx.x / 128;
+
+  if (wg == 0) {  // ---------------------------------------------------------------- producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+    const bool leader = threadIdx.x == 0;
+    constexpr uint32_t kTileBytes = BC * HD * 2;
+    if (leader) {  // Q: rows past the sequence load its neighbours' rows (never stored) or zeros
+      mbar_expect_tx(bar_q, BR * HD * 2);
+#pragma unroll
+      for (int half = 0; half < HD / 64; half++) tma_load_3d(sQ + half * BR * 64, &tm_q, half * 64, h, q0 + qs, bar_q);
+    }
+    for (int j = 0; j < ntiles; j++) {
+      const int st = j % STAGES, kb = j * BC, nvalid = min(BC, Lk - kb);
+      const uint32_t prev = ((j / STAGES) - 1) & 1;  // the phase in which both consumers freed j - STAGES
+#pragma unroll
+      for (int which = 0; which < 2; which++) {  // K, then V
+        uint64_t* full = which == 0 ? &full_k[st] : &full_v[st];
+        bf* dst = (which == 0 ? sK : sV) + st * L::kv_elems;
+        if (j >= STAGES) mbar_wait(which == 0 ? &empty_k[st] : &empty_v[st], prev);
+        if (nvalid == BC) {  // a whole tile: one thread hands it to the TMA unit
+          if (leader) {
+            mbar_expect_tx(full, kTileBytes);
+#pragma unroll
+            for (int half = 0; half < HD / 64; half++)
+              tma_load_3d(dst + half * BC * 64, which == 0 ? &tm_k : &tm_v, half * 64, kvh, k0 + kb, full);
+          }
+        } else {  // the sequence's last, partial tile: zero-filled rows (a masked key's V row
+                  // must be 0, not a neighbour's value that could be inf) through cp.async
+          const bf* src = (which == 0 ? k : v) + (int64_t(k0) + kb) * kvstride + kvh * HD;
+          load_tile_sw128<HD, BC, 128>(dst, src, kvstride, nvalid);
+          cp_async_commit();
+          cp_async_wait<0>();
+          fence_smem_async();  // these generic-proxy writes, before wgmma reads them
+          named_sync(3, 128);
+          if (leader) mbar_arrive(full);
+        }
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------------------ consumers
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+  const int c = wg - 1, wr = c * 64;  // consumer index, its first row in the block's tile
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+  const int row0 = qs + wr + warp * 16 + g;  // this thread's rows: row0 (c0, c1), row0 + 8 (c2, c3)
+  const int wlast = min(qs + wr + 63, Lq - 1);
+  // tiles this consumer computes: a prefix of the block's (the rest lie above its diagonal)
+  int nmine = 0;
+  if (qs + wr < Lq) nmine = !causal ? ntiles : wlast + shift < 0 ? 0 : min(ntiles, (wlast + shift) / BC + 1);
+  const int my_bar = 1 + c, other_bar = 2 - c;
+  if (PP && c == 1 && ntiles > 0) named_arrive(1, 256);  // consumer 0 goes first
+
+  float o[HD / 8][4] = {};
+  float s[BC / 8][4];
+  uint32_t pa[BC / 16][4];
+  float mrow[2] = {-INFINITY, -INFINITY}, lrow[2] = {0.f, 0.f};
+  float corr[2], sum[2];
+
+  // The pieces of a slot. Every branch below that issues products also waits for them: the
+  // compiler serializes wgmma whose groups stay in flight across divergent code.
+  auto issue_s = [&](int st) {  // S = Q K^T of the tile in buffer st
+    const bf* cK = sK + st * L::kv_elems;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++)
+      wgmma_ss<0>(s, sdesc(sQ + (kk / 4) * BR * 64 + wr * 64 + (kk % 4) * 16, 0),
+                  sdesc(cK + (kk / 4) * BC * 64 + (kk % 4) * 16, 0), kk > 0);
+    wg_commit();
+  };
+  auto issue_pv = [&](int st) {  // O += P V, P of the previous tile, V read transposed
+    const bf* cV = sV + st * L::kv_elems;
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; kk++) wgmma_rs<1>(o, pa[kk], sdesc(cV + kk * 16 * 64, BC * 128));
+    wg_commit();
+  };
+  // masked online softmax of S in the log2 domain (as in attention_sm90.cu), except that O's
+  // rescale by corr waits in rescale_pack until the products that add to O are done
+  auto softmax = [&](int kslot) {
+    const int kb = kslot * BC;
+    const bool need_mask = kb + BC > Lk || (causal && kb + BC - 1 > qs + wr + shift);
+    if (need_mask) {
+#pragma unroll
+      for (int nt = 0; nt < BC / 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const int col = kb + nt * 8 + 2 * t + (e & 1), row = row0 + (e >> 1) * 8;
+          if (col >= Lk || (causal && col > row + shift)) s[nt][e] = -INFINITY;
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < BC / 8; nt++) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(mrow[r], mx * scale_log2);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row that saw nothing yet
+      corr[r] = exp2_ftz(mrow[r] - m_use);
+      mrow[r] = m_new;
+      sum[r] = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < BC / 8; nt++) {
+        s[nt][2 * r] = exp2_ftz(fmaf(s[nt][2 * r], scale_log2, -m_use));
+        s[nt][2 * r + 1] = exp2_ftz(fmaf(s[nt][2 * r + 1], scale_log2, -m_use));
+        sum[r] += s[nt][2 * r] + s[nt][2 * r + 1];
+      }
+    }
+  };
+  auto rescale_pack = [&] {
+    lrow[0] = lrow[0] * corr[0] + sum[0];
+    lrow[1] = lrow[1] * corr[1] + sum[1];
+    // once a row's maximum settles its corr is exactly 1: a warp whose 16 rows all kept their
+    // maximum skips the HD / 4 multiplies (most key tiles of a long row)
+    if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
+#pragma unroll
+      for (int r = 0; r < 2; r++)
+#pragma unroll
+        for (int dt = 0; dt < HD / 8; dt++) {
+          o[dt][2 * r] *= corr[r];
+          o[dt][2 * r + 1] *= corr[r];
+        }
+    }
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; kk++) c_to_a(pa[kk], s, kk);
+  };
+
+  mbar_wait(bar_q, 0);
+  for (int kslot = 0; kslot <= ntiles && ntiles > 0; kslot++) {
+    const int st = kslot % STAGES, pst = (kslot + STAGES - 1) % STAGES;
+    if (kslot < ntiles) mbar_wait(&full_k[st], (kslot / STAGES) & 1);
+    if (kslot >= 1) mbar_wait(&full_v[pst], ((kslot - 1) / STAGES) & 1);
+    const bool hand_over = PP && !(c == 1 && kslot == ntiles);
+
+    if (PP) named_sync(my_bar, 256);  // my turn on the tensor cores
+    if (kslot >= 1 && kslot < nmine) {  // the steady state: S of this tile, P V of the last
+      wg_fence();
+      issue_s(st);
+      issue_pv(pst);
+      if (hand_over) named_arrive(other_bar, 256);
+      wg_wait<1>();  // S (the older group) is done, P V may still run
+      fence_regs(s);
+      mbar_arrive(&empty_k[st]);
+      softmax(kslot);
+      wg_wait<0>();
+      fence_regs(o);
+      fence_regs_u(pa);  // the products read pa until here
+      rescale_pack();
+    } else if (kslot == 0 && nmine > 0) {  // the first tile: S only
+      wg_fence();
+      issue_s(st);
+      if (hand_over) named_arrive(other_bar, 256);
+      wg_wait<0>();
+      fence_regs(s);
+      mbar_arrive(&empty_k[st]);
+      softmax(kslot);
+      rescale_pack();
+    } else if (kslot == nmine && nmine > 0) {  // after this consumer's last tile: P V only
+      wg_fence();
+      issue_pv(pst);
+      if (hand_over) named_arrive(other_bar, 256);
+      wg_wait<0>();
+      fence_regs(o);
+      fence_regs_u(pa);
+      if (kslot < ntiles) mbar_arrive(&empty_k[st]);
+    } else {  // a tile above this consumer's diagonal: only the turn and the release
+      if (hand_over) named_arrive(other_bar, 256);
+      if (kslot < ntiles) mbar_arrive(&empty_k[st]);
+    }
+    if (kslot >= 1) mbar_arrive(&empty_v[pst]);  // V of tile kslot - 1 is free for the producer
+  }
+
+  // epilogue: O / l, lse; each warp stages its 16 rows in its own rows of sQ (their products
+  // are done), then 16-byte stores
+  float inv[2];
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    float l = lrow[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    inv[r] = l > 0.f ? 1.f / l : 0.f;
+    const int row = row0 + 8 * r;
+    if (t == 0 && row < Lq) lse[(int64_t(q0) + row) * H + h] = l > 0.f ? (mrow[r] + log2f(l)) * kLn2 : INFINITY;
+  }
+  const int r0 = wr + warp * 16;
+#pragma unroll
+  for (int dt = 0; dt < HD / 8; dt++)
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      const int row = r0 + g + 8 * r;
+      *reinterpret_cast<uint32_t*>(sQ + sw128<BR>(row, dt) + 2 * t) =
+          pack_bf16(o[dt][2 * r] * inv[r], o[dt][2 * r + 1] * inv[r]);
+    }
+  __syncwarp();
+  constexpr int NCH = HD / 8;
+  bf* obase = out + (int64_t(q0) + qs) * qstride + h * HD;
+  for (int idx = lane; idx < 16 * NCH; idx += 32) {
+    const int r = idx / NCH, ch = idx % NCH;
+    if (r0 + r < nq)
+      *reinterpret_cast<uint4*>(obase + int64_t(r0 + r) * qstride + ch * 8) =
+          *reinterpret_cast<const uint4*>(sQ + sw128<BR>(r0 + r, ch));
+  }
+#endif
+}
+
+// A TMA descriptor of a [rows, heads, HD] bf16 tensor (row-major, as attention takes q, k
+// and v) read in boxes of 64 head-dim columns x one head x box_rows rows, 128-byte swizzle:
+// each box lands as one 64-column half of an sw128 tile.
+CUtensorMap make_map(const bf* base, int64_t rows, int heads, int hd, int box_rows) {
+  using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                              const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  static Encode encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q));
+    if (!fn || q != cudaDriverEntryPointSuccess)
+      fail("CUDA driver", "cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)", "symbol not found", __FILE__,
+           __LINE__);
+    return reinterpret_cast<Encode>(fn);
+  }();
+  CUtensorMap m;
+  const cuuint64_t dims[3] = {cuuint64_t(hd), cuuint64_t(heads), cuuint64_t(rows)};
+  const cuuint64_t strides[2] = {cuuint64_t(hd) * 2, cuuint64_t(heads) * hd * 2};  // bytes, dims 1 and 2
+  const cuuint32_t box[3] = {64, 1, cuuint32_t(box_rows)}, step[3] = {1, 1, 1};
+  const CUresult r = encode(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf*>(base), dims, strides, box, step,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    char msg[128];
+    std::snprintf(msg, sizeof msg, "error %d for a [%lld, %d, %d] bf16 tensor", int(r), (long long)rows, heads, hd);
+    fail("CUDA driver", "cuTensorMapEncodeTiled", msg, __FILE__, __LINE__);
+  }
+  return m;
+}
+
+template <int HD, int BC, int STAGES, bool PP>
+void launch_ws(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const int32_t* cu_q,
+               const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, bool causal,
+               float scale_log2, cudaStream_t s) {
+  constexpr int smem = WsSmem<HD, BC, STAGES>::bytes;
+  static const bool once = [] {
+    CUDA_CHECK(cudaFuncSetAttribute(attn_fwd_sm90_ws<HD, BC, STAGES, PP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    smem));
+    return true;
+  }();
+  (void)once;
+  const CUtensorMap tq = make_map(q, Nq, H, HD, 128), tk = make_map(k, Nk, KV, HD, BC), tv = make_map(v, Nk, KV, HD, BC);
+  dim3 grid(ceil_div(max_seqlen, 128), H, nseq + 1);  // z = nseq: the rows outside every sequence
+  attn_fwd_sm90_ws<HD, BC, STAGES, PP><<<grid, 384, smem, s>>>(out, lse, q, k, v, tq, tk, tv, cu_q, cu_k, Nq, H, KV,
+                                                              causal, scale_log2);
+  LAUNCH_CHECK();
+}
+
+}  // namespace
+
+bool fwd_sm90_ws_supported(const void* q, const void* k, const void* v) {
+  // TMA needs 16-byte aligned base addresses (row strides are multiples of 128 bytes here)
+  return ((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(k) | reinterpret_cast<uintptr_t>(v)) & 15) == 0;
+}
+
+void fwd_sm90_ws(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const int32_t* cu_q,
+                 const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, int hd,
+                 bool causal, float scale_log2, cudaStream_t s) {
+  const char* e = std::getenv("LOOM_ATTN_WS");
+  const int variant = e ? std::atoi(e) : 0;
+#define LOOM_WS_ARGS out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, causal, scale_log2, s
+  if (hd == 128) {
+    if (variant == 1) launch_ws<128, 128, 2, true>(LOOM_WS_ARGS);
+    else if (variant == 2) launch_ws<128, 128, 3, false>(LOOM_WS_ARGS);
+    else launch_ws<128, 128, 3, true>(LOOM_WS_ARGS);
+  } else {
+    if (variant == 1) launch_ws<64, 128, 3, true>(LOOM_WS_ARGS);
+    else if (variant == 2) launch_ws<64, 128, 5, false>(LOOM_WS_ARGS);
+    else launch_ws<64, 128, 5, true>(LOOM_WS_ARGS);
+  }
+#undef LOOM_WS_ARGS
+}
+
+}  // namespace loom::cuda::attn
