@@ -151,7 +151,10 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
 
   // ------------------------------------------------------------------------------ consumers
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
-  const int c = wg - 1, wr = c * 64;  // consumer index, its first row in the block's tile
+  // consumer index and its first row in the block's tile; read from lane 0 so that the compiler
+  // knows it is the same in the whole warp and keeps what derives from it (the shared-memory
+  // descriptors below) in uniform registers instead of converting them for every wgmma
+  const int c = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0) - 1, wr = c * 64;
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   const int row0 = qs + wr + warp * 16 + g;  // this thread's rows: row0 (c0, c1), row0 + 8 (c2, c3)
   const int wlast = min(qs + wr + 63, Lq - 1);
@@ -169,18 +172,22 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
 
   // The pieces of a slot. Every branch below that issues products also waits for them: the
   // compiler serializes wgmma whose groups stay in flight across divergent code.
+  // Descriptors: built once; a descriptor's low 14 bits are the address / 16, so moving the
+  // start by B bytes (within shared memory, no carry out of the field) adds B / 16.
+  const uint64_t qd0 = sdesc(sQ + wr * 64, 0), kd0 = sdesc(sK, 0), vd0 = sdesc(sV, BC * 128);
+  constexpr uint64_t kStage = uint64_t(L::kv_elems) * 2 / 16;
   auto issue_s = [&](int st) {  // S = Q K^T of the tile in buffer st
-    const bf* cK = sK + st * L::kv_elems;
+    const uint64_t kd = kd0 + st * kStage;
 #pragma unroll
-    for (int kk = 0; kk < HD / 16; kk++)
-      wgmma_ss<0>(s, sdesc(sQ + (kk / 4) * BR * 64 + wr * 64 + (kk % 4) * 16, 0),
-                  sdesc(cK + (kk / 4) * BC * 64 + (kk % 4) * 16, 0), kk > 0);
+    for (int kk = 0; kk < HD / 16; kk++)  // k-step kk: column half kk / 4, 32 bytes per step inside it
+      wgmma_ss<0>(s, qd0 + ((kk / 4) * BR * 128 + (kk % 4) * 32) / 16, kd + ((kk / 4) * BC * 128 + (kk % 4) * 32) / 16,
+                  kk > 0);
     wg_commit();
   };
   auto issue_pv = [&](int st) {  // O += P V, P of the previous tile, V read transposed
-    const bf* cV = sV + st * L::kv_elems;
+    const uint64_t vd = vd0 + st * kStage;
 #pragma unroll
-    for (int kk = 0; kk < BC / 16; kk++) wgmma_rs<1>(o, pa[kk], sdesc(cV + kk * 16 * 64, BC * 128));
+    for (int kk = 0; kk < BC / 16; kk++) wgmma_rs<1>(o, pa[kk], vd + kk * 16 * 128 / 16);  // 16 key rows
     wg_commit();
   };
   // masked online softmax of S in the log2 domain (as in attention_sm90.cu), except that O's
@@ -236,10 +243,13 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
   };
 
   mbar_wait(bar_q, 0);
+  // st, ph: buffer and phase parity of tile kslot (kslot % STAGES, (kslot / STAGES) & 1);
+  // pst, pph: those of tile kslot - 1
+  int st = 0, pst = STAGES - 1;
+  uint32_t ph = 0, pph = 1;
   for (int kslot = 0; kslot <= ntiles && ntiles > 0; kslot++) {
-    const int st = kslot % STAGES, pst = (kslot + STAGES - 1) % STAGES;
-    if (kslot < ntiles) mbar_wait(&full_k[st], (kslot / STAGES) & 1);
-    if (kslot >= 1) mbar_wait(&full_v[pst], ((kslot - 1) / STAGES) & 1);
+    if (kslot < ntiles) mbar_wait(&full_k[st], ph);
+    if (kslot >= 1) mbar_wait(&full_v[pst], pph);
     const bool hand_over = PP && !(c == 1 && kslot == ntiles);
 
     if (PP) named_sync(my_bar, 256);  // my turn on the tensor cores
@@ -278,6 +288,9 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
       if (kslot < ntiles) mbar_arrive(&empty_k[st]);
     }
     if (kslot >= 1) mbar_arrive(&empty_v[pst]);  // V of tile kslot - 1 is free for the producer
+    pst = st;
+    pph = ph;
+    if (++st == STAGES) st = 0, ph ^= 1;
   }
 
   // epilogue: O / l, lse; each warp stages its 16 rows in its own rows of sQ (their products
