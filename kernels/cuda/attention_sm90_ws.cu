@@ -49,38 +49,42 @@
 namespace loom::cuda::attn {
 namespace {
 
-constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // 128 x 56 + 256 x 224 <= 65536
+// Registers per thread after setmaxnreg, by consumer count: the block's 64K registers split
+// between 128 producer threads and NC x 128 consumer threads.
+template <int NC> struct WsRegs;
+template <> struct WsRegs<2> { static constexpr int producer = 56, consumer = 224; };  // 7168 + 57344
+template <> struct WsRegs<3> { static constexpr int producer = 24, consumer = 160; };  // 3072 + 61440
 
-template <int HD, int BC, int STAGES>
+template <int HD, int BC, int STAGES, int NC>
 struct WsSmem {
-  static constexpr int BR = 128;
+  static constexpr int BR = 64 * NC;
   static constexpr int q_elems = BR * HD, kv_elems = BC * HD;
   static constexpr int bytes = (q_elems + 2 * STAGES * kv_elems) * 2 + (1 + 4 * STAGES) * 8 + 1024;
 };
 
-template <int HD, int BC, int STAGES, bool PP>
-__global__ void __launch_bounds__(384, 1)
+template <int HD, int BC, int STAGES, bool PP, int NC>
+__global__ void __launch_bounds__(128 * (NC + 1), 1)
 attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __restrict__ q,
                  const bf* __restrict__ k, const bf* __restrict__ v, const __grid_constant__ CUtensorMap tm_q,
                  const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                  const int32_t* __restrict__ cu_q, const int32_t* __restrict__ cu_k, int64_t Nq, int H, int KV,
                  bool causal, float scale_log2) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int BR = 128, NT = 384;
+  constexpr int BR = 64 * NC, NT = 128 * (NC + 1);
   if (blockIdx.z == gridDim.z - 1) {  // rows outside every sequence: out = 0, lse = +inf
     const int nseq = gridDim.z - 1, h = blockIdx.y;
     const int64_t lo = cu_q[0], hi = cu_q[nseq], n_out = lo + (Nq - hi);
-    constexpr int NC = HD / 8;
-    for (int64_t i = int64_t(blockIdx.x) * NT + threadIdx.x; i < n_out * NC; i += int64_t(gridDim.x) * NT) {
-      const int64_t j = i / NC, row = j < lo ? j : hi + (j - lo);
-      const int c = int(i % NC);
+    constexpr int NCH = HD / 8;  // 16-byte chunks per row
+    for (int64_t i = int64_t(blockIdx.x) * NT + threadIdx.x; i < n_out * NCH; i += int64_t(gridDim.x) * NT) {
+      const int64_t j = i / NCH, row = j < lo ? j : hi + (j - lo);
+      const int c = int(i % NCH);
       *reinterpret_cast<uint4*>(out + (row * H + h) * HD + c * 8) = make_uint4(0u, 0u, 0u, 0u);
       if (c == 0) lse[row * H + h] = INFINITY;
     }
     return;
   }
   extern __shared__ unsigned char smem_raw[];
-  using L = WsSmem<HD, BC, STAGES>;
+  using L = WsSmem<HD, BC, STAGES, NC>;
   bf* sQ = reinterpret_cast<bf*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   bf* sK = sQ + L::q_elems;              // [STAGES][BC * HD]
   bf* sV = sK + STAGES * L::kv_elems;    // [STAGES][BC * HD]
@@ -103,15 +107,15 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
     for (int s = 0; s < STAGES; s++) {
       mbar_init(&full_k[s], 1);
       mbar_init(&full_v[s], 1);
-      mbar_init(&empty_k[s], 256);
-      mbar_init(&empty_v[s], 256);
+      mbar_init(&empty_k[s], 128 * NC);
+      mbar_init(&empty_v[s], 128 * NC);
     }
   }
   __syncthreads();
   const int wg = threadIdx.x / 128;
 
   if (wg == 0) {  // ---------------------------------------------------------------- producer
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WsRegs<NC>::producer));
     const bool leader = threadIdx.x == 0;
     constexpr uint32_t kTileBytes = BC * HD * 2;
     if (leader) {  // Q: rows past the sequence load its neighbours' rows (never stored) or zeros
@@ -141,7 +145,7 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
           cp_async_commit();
           cp_async_wait<0>();
           fence_smem_async();  // these generic-proxy writes, before wgmma reads them
-          named_sync(3, 128);
+          named_sync(15, 128);  // the producer warpgroup's own barrier
           if (leader) mbar_arrive(full);
         }
       }
@@ -150,7 +154,7 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
   }
 
   // ------------------------------------------------------------------------------ consumers
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(WsRegs<NC>::consumer));
   // consumer index and its first row in the block's tile; read from lane 0 so that the compiler
   // knows it is the same in the whole warp and keeps what derives from it (the shared-memory
   // descriptors below) in uniform registers instead of converting them for every wgmma
@@ -161,8 +165,10 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
   // tiles this consumer computes: a prefix of the block's (the rest lie above its diagonal)
   int nmine = 0;
   if (qs + wr < Lq) nmine = !causal ? ntiles : wlast + shift < 0 ? 0 : min(ntiles, (wlast + shift) / BC + 1);
-  const int my_bar = 1 + c, other_bar = 2 - c;
-  if (PP && c == 1 && ntiles > 0) named_arrive(1, 256);  // consumer 0 goes first
+  // turns go round the consumers 0, 1, .., NC - 1, 0, ...: each waits at its own barrier and
+  // hands over at the next one's; the last starts by handing the first turn to consumer 0
+  const int my_bar = 1 + c, other_bar = 1 + (c + 1) % NC;
+  if (PP && c == NC - 1 && ntiles > 0) named_arrive(1, 256);
 
   float o[HD / 8][4] = {};
   float s[BC / 8][4];
@@ -250,7 +256,7 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
   for (int kslot = 0; kslot <= ntiles && ntiles > 0; kslot++) {
     if (kslot < ntiles) mbar_wait(&full_k[st], ph);
     if (kslot >= 1) mbar_wait(&full_v[pst], pph);
-    const bool hand_over = PP && !(c == 1 && kslot == ntiles);
+    const bool hand_over = PP && !(c == NC - 1 && kslot == ntiles);
 
     if (PP) named_sync(my_bar, 256);  // my turn on the tensor cores
     if (kslot >= 1 && kslot < nmine) {  // the steady state: S of this tile, P V of the last
@@ -357,20 +363,20 @@ CUtensorMap make_map(const bf* base, int64_t rows, int heads, int hd, int box_ro
   return m;
 }
 
-template <int HD, int BC, int STAGES, bool PP>
+template <int HD, int BC, int STAGES, bool PP, int NC>
 void launch_ws(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const int32_t* cu_q,
                const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, bool causal,
                float scale_log2, cudaStream_t s) {
-  constexpr int smem = WsSmem<HD, BC, STAGES>::bytes;
+  constexpr int smem = WsSmem<HD, BC, STAGES, NC>::bytes;
   static const bool once = [] {
-    CUDA_CHECK(cudaFuncSetAttribute(attn_fwd_sm90_ws<HD, BC, STAGES, PP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    CUDA_CHECK(cudaFuncSetAttribute(attn_fwd_sm90_ws<HD, BC, STAGES, PP, NC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     smem));
     return true;
   }();
   (void)once;
-  const CUtensorMap tq = make_map(q, Nq, H, HD, 128), tk = make_map(k, Nk, KV, HD, BC), tv = make_map(v, Nk, KV, HD, BC);
-  dim3 grid(ceil_div(max_seqlen, 128), H, nseq + 1);  // z = nseq: the rows outside every sequence
-  attn_fwd_sm90_ws<HD, BC, STAGES, PP><<<grid, 384, smem, s>>>(out, lse, q, k, v, tq, tk, tv, cu_q, cu_k, Nq, H, KV,
+  const CUtensorMap tq = make_map(q, Nq, H, HD, 64 * NC), tk = make_map(k, Nk, KV, HD, BC), tv = make_map(v, Nk, KV, HD, BC);
+  dim3 grid(ceil_div(max_seqlen, 64 * NC), H, nseq + 1);  // z = nseq: the rows outside every sequence
+  attn_fwd_sm90_ws<HD, BC, STAGES, PP, NC><<<grid, 128 * (NC + 1), smem, s>>>(out, lse, q, k, v, tq, tk, tv, cu_q, cu_k, Nq, H, KV,
                                                               causal, scale_log2);
   LAUNCH_CHECK();
 }
@@ -389,13 +395,12 @@ void fwd_sm90_ws(bf* out, float* lse, const bf* q, const bf* k, const bf* v, con
   const int variant = e ? std::atoi(e) : 0;
 #define LOOM_WS_ARGS out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, causal, scale_log2, s
   if (hd == 128) {
-    if (variant == 1) launch_ws<128, 128, 2, true>(LOOM_WS_ARGS);
-    else if (variant == 2) launch_ws<128, 128, 3, false>(LOOM_WS_ARGS);
-    else launch_ws<128, 128, 3, true>(LOOM_WS_ARGS);
+    if (variant == 1) launch_ws<128, 128, 2, true, 2>(LOOM_WS_ARGS);
+    else launch_ws<128, 128, 3, true, 2>(LOOM_WS_ARGS);
   } else {
-    if (variant == 1) launch_ws<64, 128, 3, true>(LOOM_WS_ARGS);
-    else if (variant == 2) launch_ws<64, 128, 5, false>(LOOM_WS_ARGS);
-    else launch_ws<64, 128, 5, true>(LOOM_WS_ARGS);
+    if (variant == 1) launch_ws<64, 128, 5, true, 2>(LOOM_WS_ARGS);
+    else if (variant == 2) launch_ws<64, 64, 6, true, 3>(LOOM_WS_ARGS);
+    else launch_ws<64, 128, 4, true, 3>(LOOM_WS_ARGS);
   }
 #undef LOOM_WS_ARGS
 }
