@@ -10,8 +10,11 @@
  *   4. attention_fwd.cu               v2_mma_tiles forward (FlashAttention-2 on mma.sync)
  *   5. attention_bwd.cu               v2 backward, two passes (dq; dk, dv): deterministic
  *   6. attention_bwd_single.cu        v2 backward, one pass with fp32-atomic dq: the default
- *   7. attention_sm90.cu              the Hopper forward: the same tiles on wgmma
- *   8. attention_cudnn.cu             a second backend: cuDNN's fused attention, chosen per shape
+ *   7. attention_sm90.cu              the Hopper forward: the same tiles on wgmma (lock-step)
+ *      wgmma.cuh                      its primitives: descriptors, wgmma, mbarriers, TMA
+ *   8. attention_sm90_ws.cu           the Hopper forward warp-specialized: TMA producer,
+ *                                     consumers taking turns on the tensor cores (the default)
+ *   9. attention_cudnn.cu             a second backend: cuDNN's fused attention, chosen per shape
  *      attention_cudnn_graph.cu       its SDPA graph, built with cuDNN's backend descriptor API
  * How each version came to be (dated measurements, commits): docs/kernels/attention.md.
  *
@@ -37,7 +40,8 @@
  * Workspace (backward): dq_acc [Nq, H, hd] fp32, then delta [Nq, H] fp32.
  *
  * Which kernel runs (forward_loom / backward_loom below):
- *   forward   bf16, hd 64/128 on sm_90a       attention_sm90.cu (wgmma)
+ *   forward   bf16, hd 64/128 on sm_90a       attention_sm90_ws.cu (wgmma, warp-specialized;
+ *                                             LOOM_ATTN_SM90=1: attention_sm90.cu, =0: v2)
  *             bf16, hd 16/32/64/128           attention_fwd.cu  (v2, any sm_80+)
  *             f32, or another hd              attention_v1.cu
  *   backward  bf16, hd 64/128                 attention_bwd_single.cu, unless
@@ -54,6 +58,10 @@
  *   v2_mma_tiles      FlashAttention-2 tiles on mma.sync: forward 213 | 226 | 145 TFLOP/s.
  *   sm90 forward      wgmma from shared memory: forward 246 | 320 | 185 TFLOP/s
  *                     (PyTorch 2.11 SDPA FLASH_ATTENTION, same run: 234 | 254 | 138).
+ *   sm90 warp-specialized forward (H100, 2026-11-23): 306 | 462 | 253 TFLOP/s, 0.084 |
+ *                     0.298 | 0.076 ms, against the lock-step kernel's 0.100 | 0.427 | 0.104
+ *                     and cuDNN's 0.065 | 0.262 | 0.067 in the same call (0.78 | 0.88 | 0.88x);
+ *                     its header has the steps and what each gained.
  *   backward, single pass (default): fwd+bwd 0.494 | 2.124 | 0.398 ms
  *                     (FLASH_ATTENTION, same run: 0.512 | 2.243 | 0.516);
  *   backward, two passes (deterministic): fwd+bwd 0.573 | 2.632 | 0.552 ms.

@@ -43,10 +43,13 @@
  *     2 warpgroups x 64 keys, 2 blocks per SM         233 | 290 | 166
  *     2 warpgroups x 128-key tiles                    216 | 284 | 165
  *   PyTorch 2.11 FLASH_ATTENTION (earlier call)      224 | 277 | 145
- *   Kept: 3 x 128 except hd 64 full (2 x 64). Not done yet: overlapping one tile's softmax with
- *   the next tile's Q K^T inside a warpgroup (needs a second S in registers: 3 x 128 at hd 128
- *   already uses 168 registers x 384 threads, the whole register file), and a producer warp
- *   with mbarriers instead of the block-wide barrier that keeps the warpgroups in step.
+ *   Kept: 3 x 128 except hd 64 full (2 x 64). Its exp2s use ex2.approx.ftz since 2026-11-23
+ *   (hd 64 full 0.108 -> 0.101 ms on an H100, the others unchanged: this kernel waits at its
+ *   block-wide barrier more than it computes).
+ *   The producer warp with mbarriers, the softmax of one warpgroup overlapping another's
+ *   products, and TMA loads are attention_sm90_ws.cu, the default forward on sm_90a since
+ *   2026-11-23 (1.2-1.4x this kernel); this one runs with LOOM_ATTN_SM90=1, and stays as the
+ *   plainer of the two wgmma forwards and the one tested beside it.
  *
  * Test: tests/cuda/test_cuda_kernels_b.cpp ("attention ...", every bf16 case with hd 64/128
  *   runs this kernel on an H100/H200, and the v2 kernel with LOOM_ATTN_SM90=0).

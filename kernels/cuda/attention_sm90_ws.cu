@@ -1,48 +1,82 @@
 /*
  * attention_sm90_ws.cu: the flash-attention forward on Hopper with warp specialization: a
- * producer warpgroup loads, two consumer warpgroups compute, and the consumers take turns on
- * the tensor cores so that one's softmax runs while the other's products do. Same contract,
+ * producer warpgroup loads, NC consumer warpgroups compute, and the consumers take turns on
+ * the tensor cores so that one's softmax runs while another's products do. Same contract,
  * masks and results as attn_fwd_sm90 (attention_sm90.cu: read it first, it has the wgmma
- * layouts, descriptors and the online softmax this file reuses unchanged).
+ * layouts, descriptors and the online softmax this file reuses).
  *
  * What attention_sm90.cu leaves on the table: every warpgroup of its block loads the next K/V
  * tile and then meets the others at a block-wide barrier, so all of them issue their products
  * at the same moment and then all of them compute exp2 at the same moment: the tensor cores
- * idle during the softmax (at hd 128 a 128 x 128 tile is ~2k cycles of products and ~1k of
- * exp2 on the SFU), and the softmax of a tile waits for its own products.
+ * idle during the softmax (at hd 128 a 64 x 128 tile is ~1k cycles of products and as many of
+ * softmax instructions), and a third of its instructions are the loads' address arithmetic.
  *
- * Block: 3 warpgroups, 128 query rows of one head and one sequence, BC-key tiles.
- *   warpgroup 0, the producer: drops to 56 registers (setmaxnreg) and streams Q once, then
- *     K and V tiles into a ring of STAGES buffers with cp.async (zero-filling rows past the
- *     sequence, as before); each buffer has a "full" mbarrier that completes when the copies
- *     of all 128 producer threads have landed (cp.async.mbarrier.arrive.noinc), and an "empty"
- *     mbarrier the consumers arrive on when their products no longer read it.
- *   warpgroups 1 and 2, the consumers: raise to 224 registers, 64 query rows each. Slot k of a
- *     consumer issues, as one batch, S_k = Q K_k^T and O += P_{k-1} V_{k-1} (P of the previous
- *     tile, kept in registers as wgmma's A operand), then waits for S_k only, runs the masked
- *     online softmax on it while P V is still in flight, waits for P V, rescales O and
- *     releases buffer k-1 (n key tiles: n + 1 slots, the last only P V).
+ * Block: NC + 1 warpgroups, 64 NC query rows of one head and one sequence, BC-key tiles.
+ *   warpgroup 0, the producer: gives registers back (setmaxnreg) and has one thread hand whole
+ *     tiles to the TMA unit: Q once, then K and V into rings of STAGES buffers, each tile as
+ *     HD / 64 boxes of [BC rows][64 columns] that land in the 128-byte swizzle wgmma reads
+ *     (tensor maps over [rows, heads, HD], built on the host per call). Each buffer has a "full"
+ *     mbarrier (its phase completes when the TMA bytes have arrived: expect_tx) and an "empty"
+ *     one the consumers arrive on when their products no longer read it; K and V have separate
+ *     rings, since K is free after S and V only after P V. The sequence's last, partial tile
+ *     goes through cp.async with zero-filled rows instead (a masked key's V row must be 0: P is
+ *     0 there, but 0 x inf in a neighbour's row would be NaN), and the producer warpgroup
+ *     arrives for it after its own wait.
+ *   the consumers: raise their registers, 64 query rows each. Slot k of a consumer issues, as
+ *     one batch, S_k = Q K_k^T and O += P_{k-1} V_{k-1} (P of the previous tile kept in
+ *     registers as wgmma's A operand), waits for S_k, frees K_k, runs the masked online
+ *     softmax, waits for P V, frees V_{k-1}, rescales O (skipped by a warp whose 16 row maxima
+ *     all stayed) and packs P_k. n key tiles: n + 1 slots, the first only S, the last only P V.
  *   Turns: before issuing a batch a consumer waits at its named barrier; after issuing it
- *     arrives at the other's. Consumer 1 starts by arriving at consumer 0's barrier, so the
- *     batches alternate 0, 1, 0, 1, ... and each softmax overlaps the other warpgroup's
- *     products (FlashAttention-3's "ping-pong" schedule). Each consumer waits its turn n + 1
- *     times; consumer 1 skips its arrival after its last batch, so every sync has its arrive.
+ *     arrives at the next consumer's. The last consumer starts by arriving at consumer 0's, so
+ *     the batches go round 0, 1, .., NC - 1, 0, ... and each softmax overlaps the other
+ *     consumers' products (FlashAttention-3's "ping-pong" schedule). Each consumer waits its
+ *     turn n + 1 times; the last skips its final arrival, so every sync has its arrive.
  *   Causal: a consumer's tiles wholly above its diagonal are a suffix of the block's tiles; it
- *     still waits for them, takes its turns and releases them (no products), which keeps the
- *     barrier phases of both consumers and the producer in step.
- * Shared memory at hd 128, BC 128, 2 stages: Q 32 KB + K 64 KB + V 64 KB (+ barriers).
- * Registers per consumer thread at hd 128: O 64 + S 64 + P 32 (bf16 pairs) + softmax state.
+ *     still waits for them, takes its turns and frees them (no products), which keeps the
+ *     barrier phases of all consumers and the producer in step.
+ * Configurations: hd 128: NC 2, BC 128, 3 buffers (Q 32 KB + K 96 KB + V 96 KB), consumers
+ *   at 224 registers (O 64 + S 64 + P 32 + state); hd 64: NC 3, BC 128, 4 buffers, consumers
+ *   at 160 (a softmax as long as at hd 128 against half the products: a third consumer hides
+ *   more of it).
  *
- * Versions (H200, bf16, forward TFLOP/s, bench/bench_attention.cpp, the three SPEC shapes
- * B8 H12 T1024 D64 full | B8 H16 T2048 D128 causal | B4 H9 T2048 D64 causal): see the table
- * in attention.cu's header and docs/kernels/attention.md.
+ * Versions (H100 SXM, bf16, forward ms on the three SPEC shapes B8 H12 T1024 D64 full |
+ * B8 H16 T2048 D128 causal | B4 H9 T2048 D64 causal; every row beside attention_sm90.cu
+ * (lock-step) and cuDNN's fused attention in the same call, bench/bench_attention.cpp, 2026-11-23):
+ *   lock-step (attention_sm90.cu)                          0.108 | 0.429 | 0.108
+ *   1. producer warpgroup with cp.async, 2 consumers,
+ *      ping-pong, exp2f                                    0.156 | 0.521 | 0.145
+ *      (no faster without the turns; ncu: 28% more instructions than lock-step, a third of
+ *      them the producer's address arithmetic, with two consumer warps per scheduler to hide
+ *      latency instead of three)
+ *   2. TMA producer (one thread)                            0.143 | 0.452 | 0.135
+ *      without the turns                                    0.148 | 0.484 | 0.139
+ *      more buffers (3 at hd 128, 5 at hd 64)               no change: not load-bound
+ *   3. ex2.approx.ftz instead of exp2f (its compare and
+ *      two multiplies per score were 198 of 765 consumer
+ *      instructions per tile); O's rescale skipped by warps
+ *      whose maxima stayed                                  0.097 | 0.331 | 0.089
+ *      (lock-step with ex2.approx.ftz: 0.101 | 0.427 | 0.107)
+ *   4. descriptors built once in uniform registers,
+ *      advanced by byte offsets / 16 (they were 158 of the
+ *      remaining ~570 instructions per tile)                0.091 | 0.303 | 0.085
+ *   5. three consumers at hd 64 (192 rows, 160 registers)   0.084 | 0.298 | 0.076
+ *      cuDNN, same call                                     0.065 | 0.262 | 0.067
+ *      three consumers at hd 128 with 64-key tiles          -     | 0.296 | -     (kept 2 x 128)
+ *      three consumers at hd 64 with 64-key tiles           0.094 | -     | 0.085
+ *   Not achieved: the softmax of a tile overlapping its own warpgroup's P V. The source waits
+ *   for S, runs the softmax, then waits for P V, but ptxas schedules the P V wait (which has
+ *   no register operands) before the exp2s in every form tried (the mask in its own copy of
+ *   the slot, S's first k-step write-only, the exp2s written to separate registers, a wait
+ *   predicated on the row sums, which made ptxas serialize the products instead), so each
+ *   consumer's softmax overlaps only the other consumers' products.
  *
  * Test: tests/cuda/test_cuda_kernels_b.cpp ("attention ...": the default forward on an
- *   H100/H200 is this kernel; LOOM_ATTN_SM90=1 runs the lock-step one, =0 the mma.sync v2).
+ *   H100/H200 is this kernel; LOOM_ATTN_SM90=1 runs the lock-step one, =0 the mma.sync v2);
+ *   three cases there have sequences long enough to wrap the buffer rings several times.
  */
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 
 #include "kernels/cuda/wgmma.cuh"
 
@@ -62,7 +96,7 @@ struct WsSmem {
   static constexpr int bytes = (q_elems + 2 * STAGES * kv_elems) * 2 + (1 + 4 * STAGES) * 8 + 1024;
 };
 
-template <int HD, int BC, int STAGES, bool PP, int NC>
+template <int HD, int BC, int STAGES, int NC>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
 attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __restrict__ q,
                  const bf* __restrict__ k, const bf* __restrict__ v, const __grid_constant__ CUtensorMap tm_q,
@@ -168,7 +202,7 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
   // turns go round the consumers 0, 1, .., NC - 1, 0, ...: each waits at its own barrier and
   // hands over at the next one's; the last starts by handing the first turn to consumer 0
   const int my_bar = 1 + c, other_bar = 1 + (c + 1) % NC;
-  if (PP && c == NC - 1 && ntiles > 0) named_arrive(1, 256);
+  if (c == NC - 1 && ntiles > 0) named_arrive(1, 256);
 
   float o[HD / 8][4] = {};
   float s[BC / 8][4];
@@ -256,9 +290,9 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
   for (int kslot = 0; kslot <= ntiles && ntiles > 0; kslot++) {
     if (kslot < ntiles) mbar_wait(&full_k[st], ph);
     if (kslot >= 1) mbar_wait(&full_v[pst], pph);
-    const bool hand_over = PP && !(c == NC - 1 && kslot == ntiles);
+    const bool hand_over = !(c == NC - 1 && kslot == ntiles);
 
-    if (PP) named_sync(my_bar, 256);  // my turn on the tensor cores
+    named_sync(my_bar, 256);  // my turn on the tensor cores
     if (kslot >= 1 && kslot < nmine) {  // the steady state: S of this tile, P V of the last
       wg_fence();
       issue_s(st);
@@ -363,20 +397,20 @@ CUtensorMap make_map(const bf* base, int64_t rows, int heads, int hd, int box_ro
   return m;
 }
 
-template <int HD, int BC, int STAGES, bool PP, int NC>
+template <int HD, int BC, int STAGES, int NC>
 void launch_ws(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const int32_t* cu_q,
                const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, bool causal,
                float scale_log2, cudaStream_t s) {
   constexpr int smem = WsSmem<HD, BC, STAGES, NC>::bytes;
   static const bool once = [] {
-    CUDA_CHECK(cudaFuncSetAttribute(attn_fwd_sm90_ws<HD, BC, STAGES, PP, NC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    CUDA_CHECK(cudaFuncSetAttribute(attn_fwd_sm90_ws<HD, BC, STAGES, NC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     smem));
     return true;
   }();
   (void)once;
   const CUtensorMap tq = make_map(q, Nq, H, HD, 64 * NC), tk = make_map(k, Nk, KV, HD, BC), tv = make_map(v, Nk, KV, HD, BC);
   dim3 grid(ceil_div(max_seqlen, 64 * NC), H, nseq + 1);  // z = nseq: the rows outside every sequence
-  attn_fwd_sm90_ws<HD, BC, STAGES, PP, NC><<<grid, 128 * (NC + 1), smem, s>>>(out, lse, q, k, v, tq, tk, tv, cu_q, cu_k, Nq, H, KV,
+  attn_fwd_sm90_ws<HD, BC, STAGES, NC><<<grid, 128 * (NC + 1), smem, s>>>(out, lse, q, k, v, tq, tk, tv, cu_q, cu_k, Nq, H, KV,
                                                               causal, scale_log2);
   LAUNCH_CHECK();
 }
@@ -391,18 +425,13 @@ bool fwd_sm90_ws_supported(const void* q, const void* k, const void* v) {
 void fwd_sm90_ws(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const int32_t* cu_q,
                  const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, int hd,
                  bool causal, float scale_log2, cudaStream_t s) {
-  const char* e = std::getenv("LOOM_ATTN_WS");
-  const int variant = e ? std::atoi(e) : 0;
-#define LOOM_WS_ARGS out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, causal, scale_log2, s
-  if (hd == 128) {
-    if (variant == 1) launch_ws<128, 128, 2, true, 2>(LOOM_WS_ARGS);
-    else launch_ws<128, 128, 3, true, 2>(LOOM_WS_ARGS);
-  } else {
-    if (variant == 1) launch_ws<64, 128, 5, true, 2>(LOOM_WS_ARGS);
-    else if (variant == 2) launch_ws<64, 64, 6, true, 3>(LOOM_WS_ARGS);
-    else launch_ws<64, 128, 4, true, 3>(LOOM_WS_ARGS);
-  }
-#undef LOOM_WS_ARGS
+  // hd 128: two consumers, 128-key tiles, 3 buffers; hd 64: three consumers (its softmax is
+  // as long as at hd 128 against half the products, and a third warpgroup hides more of it),
+  // 4 buffers. The header's table has the alternatives measured.
+  if (hd == 128)
+    launch_ws<128, 128, 3, 2>(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, causal, scale_log2, s);
+  else
+    launch_ws<64, 128, 4, 3>(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, causal, scale_log2, s);
 }
 
 }  // namespace loom::cuda::attn
