@@ -7,6 +7,9 @@
 #   bash tools/dp-check.sh scale      bench_mim / bench_vlm_sft, same per-GPU batch: 1 vs 2 GPUs
 #   bash tools/dp-check.sh nodes      two torchrun launchers (--nnodes=2, one GPU each) over sockets
 #   bash tools/dp-check.sh fault      kill -9 of rank 1 mid-run; rank 0 must stop in < 60 s; resume
+#   bash tools/dp-check.sh auto       vlm_sft.cfg as shipped (train.device = auto) on 2 GPUs, bf16 and
+#                                     fp16, 60 steps: each rank on its own GPU (the ranks once all
+#                                     took GPU 0 when the device was auto)
 # Several at once: bash tools/dp-check.sh build equal scale. Exit status: number of failures.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -116,6 +119,12 @@ for what in "$@"; do
       run fault_resume bench_mim.cfg --train.steps=3000 --train.stop_at=120 --train.batch_size=64 --train.save_every=20 --train.log_every=20 \
         --train.out_dir=$D --train.resume=latest --train.gpus=2 && note "fault: resumed with --train.gpus=2: $(grep -h 'resumed from' "$OUT/fault_resume.log")"
       grep -h "step   120" "$OUT/fault_resume.log" | head -1 | tee -a "$OUT/summary.txt" ;;
+    auto)
+      for dt in bf16 fp16; do
+        rm -rf runs/dp_auto_$dt
+        run auto_$dt vlm_sft.cfg --train.dtype=$dt --train.gpus=2 --train.steps=60 --train.out_dir=runs/dp_auto_$dt &&
+          note "vlm_sft.cfg (device auto) $dt on 2 GPUs: $(grep -hE '^data parallel: [0-9]' "$OUT/auto_$dt.log" | head -1 | cut -c1-90); $(grep -hE '^  all' "$OUT/auto_$dt.log" | tail -1)"
+      done ;;
     *) echo "unknown: $what"; exit 2 ;;
   esac
 done

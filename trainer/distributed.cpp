@@ -280,6 +280,11 @@ DistEnv select_rank_device(const EnvMap& env, const std::string& out_dir) {
     if (size_t(d.local_rank) < ids.size()) pick = ids[size_t(d.local_rank)];
   }
   setenv("CUDA_VISIBLE_DEVICES", pick.c_str(), 1);
+  // CUDA reads the variable when it initializes: a process that initialized it before this
+  // point still sees every GPU and would share GPU 0 with the other ranks
+  const int seen = cuda::device_count();
+  LOOM_CHECK(seen == 1, "rank %d: CUDA sees %d GPUs after CUDA_VISIBLE_DEVICES=%s: it was initialized before the "
+             "rank chose its GPU, and every rank would run on the same one", d.rank, seen, pick.c_str());
 #endif
   if (d.rank != 0 && !out_dir.empty()) {
     std::string p = out_dir + "/rank_" + std::to_string(d.rank) + ".log";

@@ -271,9 +271,19 @@ int train_command(int argc, char** argv) {
     overrides.push_back(a);
   }
   Config cfg = Config::load(path, overrides);
+  EnvMap env = process_env();
+  DistEnv de = parse_dist_env(env);
   {  // the file's [section.cuda] / [section.cpu] values for the device this run uses
     std::string dev = cfg.get_str("train.device");
-    if (dev == "auto") dev = cuda::available() ? "cuda" : "cpu";
+    if (dev == "auto") {
+      // A rank chooses its GPU by setting CUDA_VISIBLE_DEVICES (select_rank_device), which
+      // CUDA reads once, when it initializes: a rank (or a launcher of ranks) asks a child
+      // process instead, so that CUDA is not initialized here. Asking CUDA itself made every
+      // rank of `--train.gpus=2` with device = auto see both GPUs and take GPU 0 (NCCL:
+      // "Duplicate GPU detected").
+      const bool ranks = de.distributed() || cfg.get_int("train.gpus") > 1;
+      dev = (ranks ? probe_gpu_count() > 0 : cuda::available()) ? "cuda" : "cpu";
+    }
     cfg.apply_device_sections(dev);
   }
   std::string trainer = cfg.get_str("train.trainer");
@@ -287,8 +297,6 @@ int train_command(int argc, char** argv) {
   };
   // Several GPUs (trainer/distributed.h): a launcher when train.gpus > 1 and no launcher's
   // environment says this process is a rank; a rank when it does.
-  EnvMap env = process_env();
-  DistEnv de = parse_dist_env(env);
   const int gpus = cfg.get_int("train.gpus");
   LOOM_CHECK(gpus >= 0, "%s: train.gpus = %d", cfg.source().c_str(), gpus);
   if (!de.distributed() && gpus > 1) {
