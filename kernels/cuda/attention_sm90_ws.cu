@@ -68,8 +68,9 @@
  *   for S, runs the softmax, then waits for P V, but ptxas schedules the P V wait (which has
  *   no register operands) before the exp2s in every form tried (the mask in its own copy of
  *   the slot, S's first k-step write-only, the exp2s written to separate registers, a wait
- *   predicated on the row sums, which made ptxas serialize the products instead), so each
- *   consumer's softmax overlaps only the other consumers' products.
+ *   predicated on the row sums or inside an opaque one-trip loop, both of which made ptxas
+ *   serialize the products instead, a second wgmma.fence so that S and P V are separate
+ *   stages), so each consumer's softmax overlaps only the other consumers' products.
  *
  * Test: tests/cuda/test_cuda_kernels_b.cpp ("attention ...": the default forward on an
  *   H100/H200 is this kernel; LOOM_ATTN_SM90=1 runs the lock-step one, =0 the mma.sync v2);
