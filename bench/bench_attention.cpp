@@ -10,8 +10,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <stdexcept>
+#include <string>
 #include <random>
 #include <vector>
 
@@ -60,7 +62,30 @@ int main() {
     return 4;
   }
   struct Shape { int B, H, T, D; bool causal; };
-  const Shape shapes[] = {{8, 12, 1024, 64, false}, {8, 16, 2048, 128, true}, {4, 9, 2048, 64, true}};
+  std::vector<Shape> shapes = {{8, 12, 1024, 64, false}, {8, 16, 2048, 128, true}, {4, 9, 2048, 64, true}};
+  // LOOM_BENCH_ATTN_SHAPES="B,H,T,D,causal;...": other shapes (forward only, our kernels), e.g.
+  // to find the sequence length from which one forward kernel beats another
+  const char* env_shapes = std::getenv("LOOM_BENCH_ATTN_SHAPES");
+  const bool fwd_only = env_shapes != nullptr;
+  if (env_shapes) {
+    shapes.clear();
+    std::string all = env_shapes;
+    size_t a = 0;
+    while (a < all.size()) {
+      size_t b = all.find(';', a);
+      if (b == std::string::npos) b = all.size();
+      Shape sh{};
+      int c = 0;
+      if (std::sscanf(all.substr(a, b - a).c_str(), "%d,%d,%d,%d,%d", &sh.B, &sh.H, &sh.T, &sh.D, &c) == 5) {
+        sh.causal = c != 0;
+        shapes.push_back(sh);
+      } else {
+        std::fprintf(stderr, "LOOM_BENCH_ATTN_SHAPES: '%s' is not B,H,T,D,causal\n", all.substr(a, b - a).c_str());
+        return 2;
+      }
+      a = b + 1;
+    }
+  }
   std::mt19937 rng(0);
   for (const Shape& s : shapes) {
     const int64_t N = int64_t(s.B) * s.T;
@@ -89,6 +114,17 @@ int main() {
     const double f = 4.0 * s.B * s.H * double(s.T) * s.T * s.D * (s.causal ? 0.5 : 1.0);
     const bool was = cu::deterministic_attention();
     cu::set_deterministic_attention(false);
+    char shape[96];
+    std::snprintf(shape, sizeof shape, "B%d H%d T%d D%d causal=%s", s.B, s.H, s.T, s.D, s.causal ? "True" : "False");
+    if (fwd_only) {
+      const float ms = median_ms(fwd);
+      std::printf("{\"impl\":\"loom\",\"kernel\":\"attention_fwd\",\"ms\":%.4f,\"tflops\":%.1f,\"shape\":\"%s\"}\n", ms,
+                  f / ms / 1e9, shape);
+      for (void* p : {(void*)q, (void*)k, (void*)v, (void*)go, (void*)out, (void*)dq, (void*)dk, (void*)dv,
+                      (void*)lse, (void*)ws, (void*)cu_d})
+        cu::device_free(p);
+      continue;
+    }
     const float ms_f = median_ms(fwd), ms_fb = median_ms(fb);
     cu::set_deterministic_attention(true);
     const float ms_fbd = median_ms(fb);
@@ -111,8 +147,6 @@ int main() {
     const float ms_fc = with(cu::AttentionBackend::Cudnn, fwd), ms_fbc = with(cu::AttentionBackend::Cudnn, fb);
     const float ms_fa = with(cu::AttentionBackend::Auto, fwd), ms_fba = with(cu::AttentionBackend::Auto, fb);
     cu::set_deterministic_attention(was);
-    char shape[96];
-    std::snprintf(shape, sizeof shape, "B%d H%d T%d D%d causal=%s", s.B, s.H, s.T, s.D, s.causal ? "True" : "False");
     std::printf("{\"impl\":\"loom\",\"kernel\":\"attention_fwd\",\"ms\":%.4f,\"tflops\":%.1f,\"shape\":\"%s\"}\n",
                 ms_f, f / ms_f / 1e9, shape);
     std::printf("{\"impl\":\"loom\",\"kernel\":\"attention_fwd_bwd\",\"ms\":%.4f,\"tflops\":%.1f,\"shape\":\"%s\"}\n",

@@ -40,8 +40,10 @@
  * Workspace (backward): dq_acc [Nq, H, hd] fp32, then delta [Nq, H] fp32.
  *
  * Which kernel runs (forward_loom / backward_loom below):
- *   forward   bf16, hd 64/128 on sm_90a       attention_sm90_ws.cu (wgmma, warp-specialized;
- *                                             LOOM_ATTN_SM90=1: attention_sm90.cu, =0: v2)
+ *   forward   bf16, hd 64/128 on sm_90a       attention_sm90_ws.cu (wgmma, warp-specialized) when
+ *                                             the longest sequence has >= 512 tokens, else
+ *                                             attention_sm90.cu (LOOM_ATTN_SM90=1: always the
+ *                                             latter, =0: v2; LOOM_ATTN_WS_MIN: the threshold)
  *             bf16, hd 16/32/64/128           attention_fwd.cu  (v2, any sm_80+)
  *             f32, or another hd              attention_v1.cu
  *   backward  bf16, hd 64/128                 attention_bwd_single.cu, unless

@@ -361,14 +361,20 @@ TEST_CASE("attention forward/backward f32 (v1) against the CPU reference", "[cud
 }
 
 // On an H100/H200 build for sm_90a the bf16 forward at hd 64/128 is the warp-specialized wgmma
-// kernel (attention_sm90_ws.cu); the case below runs everything again with the lock-step wgmma
-// kernel (attention_sm90.cu, LOOM_ATTN_SM90=1) and with both turned off, so the mma.sync
-// forward (v2) stays tested on the machine that has all three.
+// kernel (attention_sm90_ws.cu) from 512 tokens and the lock-step one (attention_sm90.cu)
+// below; the case below runs everything again with the warp-specialized kernel on every shape
+// (LOOM_ATTN_WS_MIN=0), with the lock-step one (LOOM_ATTN_SM90=1) and with both turned off, so
+// the mma.sync forward (v2) stays tested on the machine that has all three.
 TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU reference", "[cuda][attention]") {
   need_gpu();
   const char* before = std::getenv("LOOM_ATTN_SM90");
   const std::string saved = before ? before : "";
-  SECTION("the default forward (warp-specialized wgmma on sm_90a)") {}
+  const char* before_min = std::getenv("LOOM_ATTN_WS_MIN");
+  const std::string saved_min = before_min ? before_min : "";
+  SECTION("the default forward (on sm_90a: warp-specialized from 512 tokens, lock-step below)") {}
+  SECTION("the warp-specialized wgmma forward on every shape (LOOM_ATTN_WS_MIN=0)") {
+    setenv("LOOM_ATTN_WS_MIN", "0", 1);
+  }
   SECTION("the lock-step wgmma forward (LOOM_ATTN_SM90=1)") { setenv("LOOM_ATTN_SM90", "1", 1); }
   SECTION("the mma.sync forward (LOOM_ATTN_SM90=0)") { setenv("LOOM_ATTN_SM90", "0", 1); }
   const bool was = cu::deterministic_attention();
@@ -381,6 +387,8 @@ TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU ref
   cu::set_deterministic_attention(was);
   if (before) setenv("LOOM_ATTN_SM90", saved.c_str(), 1);
   else unsetenv("LOOM_ATTN_SM90");
+  if (before_min) setenv("LOOM_ATTN_WS_MIN", saved_min.c_str(), 1);
+  else unsetenv("LOOM_ATTN_WS_MIN");
 }
 
 TEST_CASE("attention: invalid head configuration throws with the sizes", "[cuda][attention]") {
