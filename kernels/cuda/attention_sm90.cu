@@ -275,7 +275,7 @@ void fwd_sm90(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const 
   // leaves idle; measured: bench_mim.cfg 30.6 ms/step with it, 29.6-29.8 with this kernel.
   const char* m = std::getenv("LOOM_ATTN_WS_MIN");
   const int ws_min = m ? std::atoi(m) : kWsMinSeqlen;
-  if (!(e && e[0] == '1' && e[1] == 0) && max_seqlen >= ws_min && fwd_sm90_ws_supported(q, k, v)) {
+  if (!(e && e[0] == '1' && e[1] == 0) && max_seqlen >= ws_min && Nk > 0 && fwd_sm90_ws_supported(q, k, v)) {
     fwd_sm90_ws(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, hd, causal, scale_log2, s);
     return;
   }

@@ -166,7 +166,7 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
     }
     for (int j = 0; j < ntiles; j++) {
       const int st = j % STAGES, kb = j * BC, nvalid = min(BC, Lk - kb);
-      const uint32_t prev = ((j / STAGES) - 1) & 1;  // the phase in which both consumers freed j - STAGES
+      const uint32_t prev = ((j / STAGES) - 1) & 1;  // the phase in which every consumer freed j - STAGES
 #pragma unroll
       for (int which = 0; which < 2; which++) {  // K, then V
         uint64_t* full = which == 0 ? &full_k[st] : &full_v[st];
