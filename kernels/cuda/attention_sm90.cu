@@ -70,18 +70,8 @@ attn_fwd_sm90(bf* __restrict__ out, float* __restrict__ lse, const bf* __restric
               const int32_t* __restrict__ cu_k, int64_t Nq, int H, int KV, bool causal, float scale_log2) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int BR = 64 * NWG, NT = NWG * 128;
-  if (blockIdx.z == gridDim.z - 1) {
-    // the last z-slice: rows outside every sequence, [0, cu_q[0]) and [cu_q[nseq], Nq), get
-    // out = 0 and lse = +inf for head blockIdx.y (no separate launch; usually no rows at all)
-    const int nseq = gridDim.z - 1, h = blockIdx.y;
-    const int64_t lo = cu_q[0], hi = cu_q[nseq], n_out = lo + (Nq - hi);
-    constexpr int NC = HD / 8;
-    for (int64_t i = int64_t(blockIdx.x) * NT + threadIdx.x; i < n_out * NC; i += int64_t(gridDim.x) * NT) {
-      const int64_t j = i / NC, row = j < lo ? j : hi + (j - lo);
-      const int c = int(i % NC);
-      *reinterpret_cast<uint4*>(out + (row * H + h) * HD + c * 8) = make_uint4(0u, 0u, 0u, 0u);
-      if (c == 0) lse[row * H + h] = INFINITY;
-    }
+  if (blockIdx.z == gridDim.z - 1) {  // the last z-slice: rows outside every sequence (wgmma.cuh)
+    zero_rows_outside<HD, NT>(out, lse, cu_q, Nq, H);
     return;
   }
   extern __shared__ unsigned char smem_raw[];
@@ -135,44 +125,20 @@ attn_fwd_sm90(bf* __restrict__ out, float* __restrict__ lse, const bf* __restric
         wgmma_ss<0>(s, sdesc(sQ + (kk / 4) * BR * 64 + wr * 64 + (kk % 4) * 16, 0),
                     sdesc(cK + (kk / 4) * BC * 64 + (kk % 4) * 16, 0), kk > 0);
       wg_commit();
-      wg_wait0();
+      wg_wait<0>();
       fence_regs(s);
 
       const bool need_mask = kb + BC > Lk || (causal && kb + BC - 1 > qs + wr + shift);
       const int row0 = qs + wr + warp * 16 + g;  // rows row0 (c0, c1) and row0 + 8 (c2, c3)
-      if (need_mask) {
-#pragma unroll
-        for (int nt = 0; nt < BC / 8; nt++)
-#pragma unroll
-          for (int e = 0; e < 4; e++) {
-            const int col = kb + nt * 8 + 2 * t + (e & 1), row = row0 + (e >> 1) * 8;
-            if (col >= Lk || (causal && col > row + shift)) s[nt][e] = -INFINITY;
-          }
-      }
-      // online softmax in the log2 domain, as in v2; the quad t = 0..3 shares a row
+      float corr[2], sum[2];
+      online_softmax_tile<BC>(s, need_mask, kb, Lk, causal, row0, shift, t, scale_log2, mrow, corr, sum);
 #pragma unroll
       for (int r = 0; r < 2; r++) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int nt = 0; nt < BC / 8; nt++) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(mrow[r], mx * scale_log2);
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row that saw nothing yet
-        const float corr = exp2_ftz(mrow[r] - m_use);
-        mrow[r] = m_new;
-        float sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < BC / 8; nt++) {
-          s[nt][2 * r] = exp2_ftz(fmaf(s[nt][2 * r], scale_log2, -m_use));
-          s[nt][2 * r + 1] = exp2_ftz(fmaf(s[nt][2 * r + 1], scale_log2, -m_use));
-          sum += s[nt][2 * r] + s[nt][2 * r + 1];
-        }
-        lrow[r] = lrow[r] * corr + sum;
+        lrow[r] = lrow[r] * corr[r] + sum[r];
 #pragma unroll
         for (int dt = 0; dt < HD / 8; dt++) {
-          o[dt][2 * r] *= corr;
-          o[dt][2 * r + 1] *= corr;
+          o[dt][2 * r] *= corr[r];
+          o[dt][2 * r + 1] *= corr[r];
         }
       }
       uint32_t pa[BC / 16][4];
@@ -184,42 +150,16 @@ attn_fwd_sm90(bf* __restrict__ out, float* __restrict__ lse, const bf* __restric
       for (int kk = 0; kk < BC / 16; kk++)  // O += P V, V read transposed (MN-major)
         wgmma_rs<1>(o, pa[kk], sdesc(cV + kk * 16 * 64, BC * 128));
       wg_commit();
-      wg_wait0();
+      wg_wait<0>();
       fence_regs(o);
     }
     __syncthreads();  // everyone is done with buffer j&1 before it is refilled
   }
   cp_async_wait<0>();
 
-  // epilogue: O / l, lse; the warp stages its 16 rows in its own rows of sQ, then 16-byte stores
-  float inv[2];
-#pragma unroll
-  for (int r = 0; r < 2; r++) {
-    float l = lrow[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    inv[r] = l > 0.f ? 1.f / l : 0.f;
-    const int row = qs + wr + warp * 16 + g + 8 * r;
-    if (t == 0 && row < Lq) lse[(int64_t(q0) + row) * H + h] = l > 0.f ? (mrow[r] + log2f(l)) * kLn2 : INFINITY;
-  }
-  const int r0 = wr + warp * 16;
-#pragma unroll
-  for (int dt = 0; dt < HD / 8; dt++)
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-      const int row = r0 + g + 8 * r;
-      *reinterpret_cast<uint32_t*>(sQ + sw128<BR>(row, dt) + 2 * t) =
-          pack_bf16(o[dt][2 * r] * inv[r], o[dt][2 * r + 1] * inv[r]);
-    }
-  __syncwarp();
-  constexpr int NC = HD / 8;
-  bf* obase = out + (int64_t(q0) + qs) * qstride + h * HD;
-  for (int idx = lane; idx < 16 * NC; idx += 32) {
-    const int r = idx / NC, c = idx % NC;
-    if (r0 + r < nq)
-      *reinterpret_cast<uint4*>(obase + int64_t(r0 + r) * qstride + c * 8) =
-          *reinterpret_cast<const uint4*>(sQ + sw128<BR>(r0 + r, c));
-  }
+  // epilogue: O / l, lse (wgmma.cuh)
+  store_out_rows<HD, BR>(out + (int64_t(q0) + qs) * qstride + h * HD, lse + int64_t(q0) * H + h, sQ, o, mrow, lrow,
+                         wr, qs, nq, Lq, qstride, H);
 #endif
 }
 

@@ -3,7 +3,8 @@
  * producer warpgroup loads, NC consumer warpgroups compute, and the consumers take turns on
  * the tensor cores so that one's softmax runs while another's products do. Same contract,
  * masks and results as attn_fwd_sm90 (attention_sm90.cu: read it first, it has the wgmma
- * layouts, descriptors and the online softmax this file reuses).
+ * layouts and descriptors; the online softmax tile, the epilogue and the rows outside every
+ * sequence are wgmma.cuh's, shared by both).
  *
  * What attention_sm90.cu leaves on the table: every warpgroup of its block loads the next K/V
  * tile and then meets the others at a block-wide barrier, so all of them issue their products
@@ -112,16 +113,8 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
                  bool causal, float scale_log2) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int BR = 64 * NC, NT = 128 * (NC + 1);
-  if (blockIdx.z == gridDim.z - 1) {  // rows outside every sequence: out = 0, lse = +inf
-    const int nseq = gridDim.z - 1, h = blockIdx.y;
-    const int64_t lo = cu_q[0], hi = cu_q[nseq], n_out = lo + (Nq - hi);
-    constexpr int NCH = HD / 8;  // 16-byte chunks per row
-    for (int64_t i = int64_t(blockIdx.x) * NT + threadIdx.x; i < n_out * NCH; i += int64_t(gridDim.x) * NT) {
-      const int64_t j = i / NCH, row = j < lo ? j : hi + (j - lo);
-      const int c = int(i % NCH);
-      *reinterpret_cast<uint4*>(out + (row * H + h) * HD + c * 8) = make_uint4(0u, 0u, 0u, 0u);
-      if (c == 0) lse[row * H + h] = INFINITY;
-    }
+  if (blockIdx.z == gridDim.z - 1) {  // the last z-slice: rows outside every sequence (wgmma.cuh)
+    zero_rows_outside<HD, NT>(out, lse, cu_q, Nq, H);
     return;
   }
   extern __shared__ unsigned char smem_raw[];
@@ -237,39 +230,12 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
     for (int kk = 0; kk < BC / 16; kk++) wgmma_rs<1>(o, pa[kk], vd + kk * 16 * 128 / 16);  // 16 key rows
     wg_commit();
   };
-  // masked online softmax of S in the log2 domain (as in attention_sm90.cu), except that O's
-  // rescale by corr waits in rescale_pack until the products that add to O are done
+  // the masked online softmax of wgmma.cuh; O's rescale by corr waits in rescale_pack until
+  // the products that add to O are done
   auto softmax = [&](int kslot) {
     const int kb = kslot * BC;
     const bool need_mask = kb + BC > Lk || (causal && kb + BC - 1 > qs + wr + shift);
-    if (need_mask) {
-#pragma unroll
-      for (int nt = 0; nt < BC / 8; nt++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-          const int col = kb + nt * 8 + 2 * t + (e & 1), row = row0 + (e >> 1) * 8;
-          if (col >= Lk || (causal && col > row + shift)) s[nt][e] = -INFINITY;
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int nt = 0; nt < BC / 8; nt++) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(mrow[r], mx * scale_log2);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row that saw nothing yet
-      corr[r] = exp2_ftz(mrow[r] - m_use);
-      mrow[r] = m_new;
-      sum[r] = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < BC / 8; nt++) {
-        s[nt][2 * r] = exp2_ftz(fmaf(s[nt][2 * r], scale_log2, -m_use));
-        s[nt][2 * r + 1] = exp2_ftz(fmaf(s[nt][2 * r + 1], scale_log2, -m_use));
-        sum[r] += s[nt][2 * r] + s[nt][2 * r + 1];
-      }
-    }
+    online_softmax_tile<BC>(s, need_mask, kb, Lk, causal, row0, shift, t, scale_log2, mrow, corr, sum);
   };
   auto rescale_pack = [&] {
     lrow[0] = lrow[0] * corr[0] + sum[0];
@@ -311,7 +277,7 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
       softmax(kslot);
       wg_wait<0>();
       fence_regs(o);
-      fence_regs_u(pa);  // the products read pa until here
+      fence_regs(pa);  // the products read pa until here
       rescale_pack();
     } else if (kslot == 0 && nmine > 0) {  // the first tile: S only
       wg_fence();
@@ -328,7 +294,7 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
       if (hand_over) named_arrive(other_bar, 256);
       wg_wait<0>();
       fence_regs(o);
-      fence_regs_u(pa);
+      fence_regs(pa);
       if (kslot < ntiles) mbar_arrive(&empty_k[st]);
     } else {  // a tile above this consumer's diagonal: only the turn and the release
       if (hand_over) named_arrive(other_bar, 256);
@@ -340,36 +306,9 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
     if (++st == STAGES) st = 0, ph ^= 1;
   }
 
-  // epilogue: O / l, lse; each warp stages its 16 rows in its own rows of sQ (their products
-  // are done), then 16-byte stores
-  float inv[2];
-#pragma unroll
-  for (int r = 0; r < 2; r++) {
-    float l = lrow[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    inv[r] = l > 0.f ? 1.f / l : 0.f;
-    const int row = row0 + 8 * r;
-    if (t == 0 && row < Lq) lse[(int64_t(q0) + row) * H + h] = l > 0.f ? (mrow[r] + log2f(l)) * kLn2 : INFINITY;
-  }
-  const int r0 = wr + warp * 16;
-#pragma unroll
-  for (int dt = 0; dt < HD / 8; dt++)
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-      const int row = r0 + g + 8 * r;
-      *reinterpret_cast<uint32_t*>(sQ + sw128<BR>(row, dt) + 2 * t) =
-          pack_bf16(o[dt][2 * r] * inv[r], o[dt][2 * r + 1] * inv[r]);
-    }
-  __syncwarp();
-  constexpr int NCH = HD / 8;
-  bf* obase = out + (int64_t(q0) + qs) * qstride + h * HD;
-  for (int idx = lane; idx < 16 * NCH; idx += 32) {
-    const int r = idx / NCH, ch = idx % NCH;
-    if (r0 + r < nq)
-      *reinterpret_cast<uint4*>(obase + int64_t(r0 + r) * qstride + ch * 8) =
-          *reinterpret_cast<const uint4*>(sQ + sw128<BR>(r0 + r, ch));
-  }
+  // epilogue: O / l, lse (wgmma.cuh)
+  store_out_rows<HD, BR>(out + (int64_t(q0) + qs) * qstride + h * HD, lse + int64_t(q0) * H + h, sQ, o, mrow, lrow,
+                         wr, qs, nq, Lq, qstride, H);
 #endif
 }
 

@@ -1,13 +1,15 @@
 // wgmma.cuh: the Hopper (sm_90a) primitives of the wgmma attention forwards (attention_sm90.cu,
 // the lock-step kernel; attention_sm90_ws.cu, the warp-specialized one): 128-byte-swizzled
 // shared tiles and their matrix descriptors, wgmma issue / commit / wait for m64n64k16 and
-// m64n128k16 (bf16 in, fp32 accumulate), mbarriers, and the named barriers that order
-// warpgroups. Compiled only into sm_90a code (the callers guard their bodies with
+// m64n128k16 (bf16 in, fp32 accumulate), mbarriers, the named barriers that order
+// warpgroups, TMA loads, and the tile pieces both forwards share (rows outside every sequence,
+// one key tile of the online softmax, the output epilogue). Compiled only into sm_90a code (the callers guard their bodies with
 // __CUDA_ARCH_FEAT_SM90_ALL).
 #pragma once
 #include <cuda.h>  // CUtensorMap (the TMA descriptor type; no driver library is linked)
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/cuda/attention_tiles.cuh"
 
@@ -39,17 +41,26 @@ __device__ __forceinline__ uint64_t sdesc(const bf* p, uint32_t lbo_bytes) {
 }
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Waits until at most N of this warpgroup's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
 // cp.async writes are generic-proxy writes; wgmma reads through the async proxy.
 __device__ __forceinline__ void fence_smem_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// Ties accumulator registers to this point, so the compiler reads them only after the wait
-// (the wgmma asm "writes" them at issue, the hardware writes them before the wait returns).
-template <int N>
-__device__ __forceinline__ void fence_regs(float (&d)[N][4]) {
+// Ties registers a wgmma uses asynchronously to this point. Accumulators (float): the compiler
+// reads them only after the wait (the wgmma asm "writes" them at issue, the hardware before the
+// wait returns). A fragments (uint32_t): the compiler keeps them, and does not reuse their
+// registers, until after the wait.
+template <class T, int N>
+__device__ __forceinline__ void fence_regs(T (&d)[N][4]) {
 #pragma unroll
   for (int i = 0; i < N; i++)
 #pragma unroll
-    for (int e = 0; e < 4; e++) asm volatile("" : "+f"(d[i][e])::"memory");
+    for (int e = 0; e < 4; e++) {
+      if constexpr (std::is_same<T, float>::value) asm volatile("" : "+f"(d[i][e])::"memory");
+      else asm volatile("" : "+r"(d[i][e])::"memory");
+    }
 }
 
 // D[64 x N] (+)= A[64 x 16] B[16 x N]. wgmma_ss: A and B from shared memory; accumulate 0
@@ -135,11 +146,6 @@ __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_addr(bar)) : "memory");
 }
-// One arrival when every cp.async this thread issued so far has landed (the barrier's count
-// includes this thread: noinc).
-__device__ __forceinline__ void mbar_arrive_cp_async(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-}
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   uint32_t done = 0;
   while (!done)
@@ -173,18 +179,105 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
-// Ties A-fragment registers that a wgmma reads asynchronously to this point, so that the
-// compiler keeps them (and does not reuse their registers) until after the wait.
-template <int N>
-__device__ __forceinline__ void fence_regs_u(uint32_t (&a)[N][4]) {
-#pragma unroll
-  for (int i = 0; i < N; i++)
-#pragma unroll
-    for (int e = 0; e < 4; e++) asm volatile("" : "+r"(a[i][e])::"memory");
+
+// ------------------------------------------------------------------------ forward tile pieces
+// What both wgmma forwards do the same way. A warpgroup's 64 x N accumulator has mma.sync's C
+// layout per warp: thread (g = lane / 4, t = lane % 4) of warp w holds rows 16w + g (c0, c1)
+// and 16w + g + 8 (c2, c3), columns 8n + 2t and + 1 of n-tile n.
+
+// The grid's last z-slice: rows outside every sequence, [0, cu_q[0]) and [cu_q[nseq], Nq), get
+// out = 0 and lse = +inf for head blockIdx.y (no separate launch; usually no rows at all).
+// NT: threads per block.
+template <int HD, int NT>
+__device__ __forceinline__ void zero_rows_outside(bf* out, float* lse, const int32_t* cu_q, int64_t Nq, int H) {
+  const int nseq = gridDim.z - 1, h = blockIdx.y;
+  const int64_t lo = cu_q[0], hi = cu_q[nseq], n_out = lo + (Nq - hi);
+  constexpr int NCH = HD / 8;  // 16-byte chunks per row
+  for (int64_t i = int64_t(blockIdx.x) * NT + threadIdx.x; i < n_out * NCH; i += int64_t(gridDim.x) * NT) {
+    const int64_t j = i / NCH, row = j < lo ? j : hi + (j - lo);
+    const int c = int(i % NCH);
+    *reinterpret_cast<uint4*>(out + (row * H + h) * HD + c * 8) = make_uint4(0u, 0u, 0u, 0u);
+    if (c == 0) lse[row * H + h] = INFINITY;
+  }
 }
-template <int N>
-__device__ __forceinline__ void wg_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+
+// One key tile of the online softmax, in the log2 domain (attention.cu's header): S (64 x BC,
+// keys kb..) is masked where masked (keys past Lk; causal: key > row + shift; row0 is this
+// thread's first row in the sequence) and becomes exp2(S scale - m) in place; mrow becomes the
+// new running maximum, corr the factor for what was accumulated before and sum this tile's
+// row sums (each thread's part; the quad t = 0..3 shares a row). The caller rescales O and l.
+template <int BC>
+__device__ __forceinline__ void online_softmax_tile(float (&s)[BC / 8][4], bool masked, int kb, int Lk, bool causal,
+                                                    int row0, int shift, int t, float scale_log2, float (&mrow)[2],
+                                                    float (&corr)[2], float (&sum)[2]) {
+  if (masked) {
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; nt++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int col = kb + nt * 8 + 2 * t + (e & 1), row = row0 + (e >> 1) * 8;
+        if (col >= Lk || (causal && col > row + shift)) s[nt][e] = -INFINITY;
+      }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; nt++) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(mrow[r], mx * scale_log2);
+    const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row that saw nothing yet
+    corr[r] = exp2_ftz(mrow[r] - m_use);
+    mrow[r] = m_new;
+    sum[r] = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < BC / 8; nt++) {
+      s[nt][2 * r] = exp2_ftz(fmaf(s[nt][2 * r], scale_log2, -m_use));
+      s[nt][2 * r + 1] = exp2_ftz(fmaf(s[nt][2 * r + 1], scale_log2, -m_use));
+      sum[r] += s[nt][2 * r] + s[nt][2 * r + 1];
+    }
+  }
+}
+
+// The end of a warpgroup's rows: out = O / l and lse = (m + log2 l) ln 2 (+inf for a row that
+// saw no key), for the rows that lie in the sequence. Each warp stages its 16 rows in its own
+// rows of the block's sw128 Q tile sQ (BR rows; the warpgroup's products that read them are
+// done), then stores them 16 bytes per lane. wr: the warpgroup's first row in the block's tile,
+// qs: the tile's first row in the sequence, nq: the tile's rows in the sequence, obase: out at
+// the tile's first row and this head.
+template <int HD, int BR>
+__device__ __forceinline__ void store_out_rows(bf* obase, float* lse_seq, bf* sQ, const float (&o)[HD / 8][4],
+                                               const float (&mrow)[2], const float (&lrow)[2], int wr, int qs,
+                                               int nq, int Lq, int64_t qstride, int H) {
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+  float inv[2];
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    float l = lrow[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    inv[r] = l > 0.f ? 1.f / l : 0.f;
+    const int row = qs + wr + warp * 16 + g + 8 * r;
+    if (t == 0 && row < Lq) lse_seq[int64_t(row) * H] = l > 0.f ? (mrow[r] + log2f(l)) * kLn2 : INFINITY;
+  }
+  const int r0 = wr + warp * 16;
+#pragma unroll
+  for (int dt = 0; dt < HD / 8; dt++)
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      const int row = r0 + g + 8 * r;
+      *reinterpret_cast<uint32_t*>(sQ + sw128<BR>(row, dt) + 2 * t) =
+          pack_bf16(o[dt][2 * r] * inv[r], o[dt][2 * r + 1] * inv[r]);
+    }
+  __syncwarp();
+  constexpr int NCH = HD / 8;
+  for (int idx = lane; idx < 16 * NCH; idx += 32) {
+    const int r = idx / NCH, ch = idx % NCH;
+    if (r0 + r < nq)
+      *reinterpret_cast<uint4*>(obase + int64_t(r0 + r) * qstride + ch * 8) =
+          *reinterpret_cast<const uint4*>(sQ + sw128<BR>(r0 + r, ch));
+  }
 }
 
 }  // namespace
