@@ -48,6 +48,16 @@ struct Layout {
 enum class BinaryOp : uint8_t { Add, Sub, Mul, Div };
 enum class UnaryOp : uint8_t { Neg, Exp, Log, Sqrt, Square, Abs };
 
+// One tensor of a multi-tensor EMA update (ema_update_many): target = decay * target +
+// (1 - decay) * source over n elements; copy (nullable) gets the new target in the copy's type.
+template <class M, class G>
+struct EmaTensor {
+  M* target;
+  G* copy;
+  const M* source;
+  int64_t n;
+};
+
 // AdamW hyper-parameters for one parameter group; bias corrections come from `step` (1-based).
 struct AdamWHyper {
   float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.0f;

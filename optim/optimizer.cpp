@@ -364,6 +364,36 @@ EMA::EMA(Module& target, const Optimizer& opt, const std::string& source_prefix)
 }
 
 void EMA::update(double decay) {
+  // One multi-tensor update when every target is of one dtype on one device (the usual case:
+  // 149 tensors of a ViT-B in two launches instead of 149); one launch per tensor otherwise.
+  bool uniform = !pairs_.empty();
+  for (size_t i = 0; i < pairs_.size(); i++) {
+    const Tensor& tm = pairs_[i].first;
+    const Tensor& slot = *target_slots_[i];
+    LOOM_CHECK(slot.numel() == tm.numel() && (slot.same(tm) || slot.dtype() != tm.dtype()),
+               "EMA: target slot %zu was replaced (%s) after the EMA was built", i, slot.desc().c_str());
+    const Tensor& by = slot.same(tm) ? tm : slot;
+    const Tensor& by0 = target_slots_[0]->same(pairs_[0].first) ? pairs_[0].first : *target_slots_[0];
+    uniform = uniform && by.dtype() == by0.dtype() && by.device() == by0.device() &&
+              slot.same(tm) == target_slots_[0]->same(pairs_[0].first);
+  }
+  if (uniform) {
+    const Tensor& by0 = target_slots_[0]->same(pairs_[0].first) ? pairs_[0].first : *target_slots_[0];
+    dispatch_float(by0, [&](auto dev, auto zero) {
+      using G = decltype(zero);
+      using M = acc_t<G>;
+      std::vector<EmaTensor<M, G>> list;
+      list.reserve(pairs_.size());
+      for (size_t i = 0; i < pairs_.size(); i++) {
+        const Tensor& tm = pairs_[i].first;
+        const Tensor& slot = *target_slots_[i];
+        list.push_back({tm.data<M>(), slot.same(tm) ? nullptr : slot.data<G>(), pairs_[i].second.data<M>(), tm.numel()});
+      }
+      KERNEL(dev, ema_update_many)(list.data(), int(list.size()), ctl_.defined() ? ctl_.data<float>() : nullptr,
+                                   decay, stream_for(dev));
+    });
+    return;
+  }
   for (size_t i = 0; i < pairs_.size(); i++) {
     const Tensor& tm = pairs_[i].first;
     const Tensor& src = pairs_[i].second;

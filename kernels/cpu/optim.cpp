@@ -89,6 +89,15 @@ void sgd_update(M* master, G* copy, M* buf, const G* grad, const float* ctl, int
 }
 
 template <class M, class G>
+void ema_update(M* target, G* copy, const M* source, const float* ctl, int64_t n, double decay, Stream);
+
+template <class M, class G>
+void ema_update_many(const EmaTensor<M, G>* tensors, int count, const float* ctl, double decay, Stream s) {
+  for (int i = 0; i < count; i++)
+    ema_update(tensors[i].target, tensors[i].copy, tensors[i].source, ctl, tensors[i].n, decay, s);
+}
+
+template <class M, class G>
 void ema_update(M* target, G* copy, const M* source, const float* ctl, int64_t n, double decay, Stream) {
   if (ctl && ctl[1] == 0.0f) return;  // the optimizer skipped this step: so does the EMA
   const M w = M(1.0 - decay);
@@ -136,7 +145,8 @@ void step_control(float* ctl, float* norm, const float* norm_sq, const float* lo
                                    Stream);                                                     \
   template void sgd_update<M, G>(M*, G*, M*, const G*, const float*, int64_t, float, float,     \
                                  float, Stream);                                                \
-  template void ema_update<M, G>(M*, G*, const M*, const float*, int64_t, double, Stream);
+  template void ema_update<M, G>(M*, G*, const M*, const float*, int64_t, double, Stream);          \
+  template void ema_update_many<M, G>(const EmaTensor<M, G>*, int, const float*, double, Stream);
 LOOM_INSTANTIATE(float, float)
 LOOM_INSTANTIATE(double, double)
 #undef LOOM_INSTANTIATE

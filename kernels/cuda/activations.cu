@@ -66,8 +66,6 @@ struct SwigluB {  // inputs: dout, gate, up -> dgate, dup
   }
 };
 
-template <class DT, int VEC>
-struct alignas(sizeof(DT) * VEC) Pack { DT v[VEC]; };
 
 // NIN inputs, NOUT outputs. Vector part: elements [0, nvec*VEC); the tail is scalar.
 template <class DT, int VEC, int NIN, int NOUT, class F>

@@ -41,7 +41,7 @@
  *
  * Which kernel runs (forward_loom / backward_loom below):
  *   forward   bf16, hd 64/128 on sm_90a       attention_sm90_ws.cu (wgmma, warp-specialized) when
- *                                             the longest sequence has >= 512 tokens, else
+ *                                             the longest sequence has >= 768 (hd 64) / 256 (hd 128) tokens, else
  *                                             attention_sm90.cu (LOOM_ATTN_SM90=1: always the
  *                                             latter, =0: v2; LOOM_ATTN_WS_MIN: the threshold)
  *             bf16, hd 16/32/64/128           attention_fwd.cu  (v2, any sm_80+)

@@ -182,8 +182,13 @@ void launch(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const in
 
 }  // namespace
 
-// The shortest longest-sequence (max_seqlen) for which the warp-specialized forward runs.
-constexpr int kWsMinSeqlen = 512;
+// The shortest longest-sequence (max_seqlen) for which the warp-specialized forward runs, by
+// head dim. Swept on an H100 (2026-11-24, one call, forward ms warp-specialized / lock-step):
+// hd 64 B8 H12 T256 0.0216 / 0.0178, T512 0.0383 / 0.0366, T768 0.0530 / 0.0708, T1024
+// 0.0882 / 0.1024; hd 128 causal B8 H16 T256 0.0250 / 0.0279, T512 0.0520 / 0.0560, T1024
+// 0.1121 / 0.1501; MIM shapes B128 H12 hd 64 T196 0.1803 / 0.1322, T49 0.0732 / 0.0390.
+constexpr int kWsMinSeqlenHd64 = 768;
+constexpr int kWsMinSeqlenHd128 = 256;
 
 bool fwd_sm90_available(int hd) {
 #if LOOM_SM90A
@@ -214,7 +219,7 @@ void fwd_sm90(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const 
   // producer, which a sequence of 49 or 196 tokens (the MIM encoder and predictor) mostly
   // leaves idle; measured: bench_mim.cfg 30.6 ms/step with it, 29.6-29.8 with this kernel.
   const char* m = std::getenv("LOOM_ATTN_WS_MIN");
-  const int ws_min = m ? std::atoi(m) : kWsMinSeqlen;
+  const int ws_min = m ? std::atoi(m) : hd == 128 ? kWsMinSeqlenHd128 : kWsMinSeqlenHd64;
   if (!(e && e[0] == '1' && e[1] == 0) && max_seqlen >= ws_min && Nk > 0 && fwd_sm90_ws_supported(q, k, v)) {
     fwd_sm90_ws(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, hd, causal, scale_log2, s);
     return;

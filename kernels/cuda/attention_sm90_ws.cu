@@ -73,8 +73,8 @@
  *   serialize the products instead, a second wgmma.fence so that S and P V are separate
  *   stages), so each consumer's softmax overlaps only the other consumers' products.
  *
- * When it runs: on sm_90a for batches whose longest sequence has at least 512 tokens
- *   (attention_sm90.cu's fwd_sm90 decides). Short sequences leave most of its 128 / 192-row
+ * When it runs: on sm_90a for batches whose longest sequence has at least 768 tokens at hd 64
+ *   or 256 at hd 128 (attention_sm90.cu's fwd_sm90 decides; its comment has the sweep). Short sequences leave most of its 128 / 192-row
  *   blocks idle: with it on every shape bench_mim.cfg (ViT-B, sequences of 49 and 196 tokens)
  *   took 30.6 ms/step against 29.6-29.8 with the lock-step kernel (H100, same call), while the
  *   packed VLM step (LM rows up to 2048) was the same either way (74.4-74.8 ms).

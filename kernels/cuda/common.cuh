@@ -62,6 +62,13 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// VEC elements moved as one aligned access (16 bytes for VEC = 16 / sizeof(DT)).
+template <class DT, int VEC>
+struct alignas(sizeof(DT) * VEC) Pack {
+  DT v[VEC];
+};
+inline bool aligned(const void* p, size_t a) { return (reinterpret_cast<uintptr_t>(p) % a) == 0; }
+
 inline int ceil_div(long long a, long long b) { return int((a + b - 1) / b); }
 
 // Shared handles (created once per process, on first use).

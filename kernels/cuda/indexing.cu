@@ -195,6 +195,31 @@ __global__ void patchify_kernel(DT* __restrict__ dst, const DT* __restrict__ src
   }
 }
 
+// patchify forward through shared memory: one block per (image b, patch row pi). The p image
+// rows of the patch row are p * W contiguous elements in each channel plane, and the Wp
+// patches they form are Wp * F contiguous elements of the output, so both sides move as
+// contiguous runs: every channel's run is read into shared memory, then the output run is
+// written in order (the per-element kernel above reads across the channel planes).
+template <class DT>
+__global__ void patchify_rows_kernel(DT* __restrict__ out, const DT* __restrict__ img, int Ch, int H, int W, int p) {
+  extern __shared__ unsigned char patch_smem[];
+  DT* sm = reinterpret_cast<DT*>(patch_smem);  // [Ch][p][W]
+  const int Wp = W / p, Hp = H / p, F = p * p * Ch;
+  const int pi = blockIdx.x % Hp, b = blockIdx.x / Hp;
+  const int run = p * W;
+  for (int c = 0; c < Ch; c++) {
+    const DT* src = img + ((int64_t(b) * Ch + c) * H + int64_t(pi) * p) * W;
+    for (int k = threadIdx.x; k < run; k += blockDim.x) sm[c * run + k] = src[k];
+  }
+  __syncthreads();
+  DT* dst = out + (int64_t(b) * Hp + pi) * Wp * F;
+  for (int o = threadIdx.x; o < Wp * F; o += blockDim.x) {
+    const int pj = o / F, f = o - pj * F;
+    const int c = f % Ch, uv = f / Ch, u = uv / p, v = uv - u * p;
+    dst[o] = sm[c * run + u * W + pj * p + v];
+  }
+}
+
 // pixel shuffle: i indexes the shuffled layout; BACKWARD writes the grid layout.
 template <class DT, bool BACKWARD>
 __global__ void pixel_shuffle_kernel(DT* __restrict__ dst, const DT* __restrict__ src, int B, int G, int D, int s) {
@@ -374,7 +399,11 @@ template <class T> void patchify(T* out, const T* img, int B, int Ch, int H, int
   check_patch(H, W, p);
   int64_t n = int64_t(B) * Ch * H * W;
   if (n <= 0) return;
-  patchify_kernel<dev_t<T>, false><<<grid_for(n), 256, 0, s>>>(dptr(out), dptr(img), B, Ch, H, W, p);
+  const size_t smem = sizeof(T) * size_t(Ch) * p * W;
+  if (smem <= 48 * 1024 && int64_t(B) * (H / p) < (int64_t(1) << 31))
+    patchify_rows_kernel<dev_t<T>><<<unsigned(int64_t(B) * (H / p)), 256, smem, s>>>(dptr(out), dptr(img), Ch, H, W, p);
+  else
+    patchify_kernel<dev_t<T>, false><<<grid_for(n), 256, 0, s>>>(dptr(out), dptr(img), B, Ch, H, W, p);
   LAUNCH_CHECK();
 }
 template <class T> void patchify_backward(T* dimg, const T* dout, int B, int Ch, int H, int W, int p, Stream s) {

@@ -42,8 +42,6 @@ namespace loom::cuda {
 
 namespace {
 
-template <class DT, int VEC>
-struct alignas(sizeof(DT) * VEC) Pack { DT v[VEC]; };
 
 struct AdamConst {
   float lr, b1, b2, eps, wd, inv_bc1, inv_bc2;
@@ -134,6 +132,43 @@ __global__ void ema_kernel(float* __restrict__ target, GT* __restrict__ copy, co
   }
 }
 
+// Multi-tensor EMA: up to kEmaMaxTensors tensors per launch, passed by value in the kernel's
+// parameters (under the 4 KB limit, so a captured graph holds them and no table lives in
+// device memory). Tensor i owns blocks [first[i], first[i+1]); each block updates one
+// kEmaSlice-element slice of its tensor.
+constexpr int kEmaMaxTensors = 96;
+constexpr int kEmaSlice = 4096;
+template <class GT>
+struct EmaLaunch {
+  int count;
+  int first[kEmaMaxTensors + 1];
+  float* target[kEmaMaxTensors];
+  GT* copy[kEmaMaxTensors];
+  const float* source[kEmaMaxTensors];
+  int64_t n[kEmaMaxTensors];
+};
+
+template <class GT>
+__global__ void ema_many_kernel(const __grid_constant__ EmaLaunch<GT> L, const float* __restrict__ ctl, float decay) {
+  if (ctl && ctl[1] == 0.f) return;
+  int lo = 0, hi = L.count - 1;  // the tensor whose block range holds blockIdx.x
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (L.first[mid] <= int(blockIdx.x)) lo = mid;
+    else hi = mid - 1;
+  }
+  const int64_t begin = int64_t(int(blockIdx.x) - L.first[lo]) * kEmaSlice;
+  const int64_t end = min(L.n[lo], begin + kEmaSlice);
+  float* __restrict__ t = L.target[lo];
+  const float* __restrict__ src = L.source[lo];
+  GT* __restrict__ cp = L.copy[lo];
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    const float v = decay * t[i] + (1.f - decay) * src[i];
+    t[i] = v;
+    if (cp) cp[i] = from_float<GT>(v);
+  }
+}
+
 __device__ float block_sum(float v) {
   __shared__ float part[32];
   v = warp_sum(v);
@@ -191,7 +226,6 @@ __global__ void step_control_kernel(float* ctl, float* norm, const float* norm_s
 int elementwise_grid(int64_t work) {
   return int(std::min<int64_t>(std::max<int64_t>(1, (work + 255) / 256), 2048));
 }
-bool aligned(const void* p, size_t a) { return (reinterpret_cast<uintptr_t>(p) % a) == 0; }
 
 }  // namespace
 
@@ -233,6 +267,39 @@ void ema_update(M* target, G* copy, const M* source, const float* ctl, int64_t n
   LAUNCH_CHECK();
 }
 
+template <class M, class G>
+void ema_update_many(const EmaTensor<M, G>* tensors, int count, const float* ctl, double decay, Stream s) {
+  EmaLaunch<dev_t<G>> L;
+  L.count = 0;
+  int blocks = 0;
+  auto flush = [&] {
+    if (L.count == 0) return;
+    L.first[L.count] = blocks;
+    ema_many_kernel<dev_t<G>><<<blocks, 256, 0, s>>>(L, ctl, float(decay));
+    LAUNCH_CHECK();
+    L.count = 0;
+    blocks = 0;
+  };
+  for (int i = 0; i < count; i++) {
+    const EmaTensor<M, G>& e = tensors[i];
+    if (e.n <= 0) continue;
+    const int64_t nb = (e.n + kEmaSlice - 1) / kEmaSlice;
+    if (nb > (1 << 30)) {  // one tensor past the grid: its own launches
+      ema_update(e.target, e.copy, e.source, ctl, e.n, decay, s);
+      continue;
+    }
+    if (L.count == kEmaMaxTensors || int64_t(blocks) + nb > (int64_t(1) << 30)) flush();
+    L.first[L.count] = blocks;
+    L.target[L.count] = e.target;
+    L.copy[L.count] = dptr(e.copy);
+    L.source[L.count] = e.source;
+    L.n[L.count] = e.n;
+    L.count++;
+    blocks += int(nb);
+  }
+  flush();
+}
+
 template <class G> void grad_norm_squared(float* out, const G* grad, int64_t n, Stream s) {
   if (n <= 0) return;
   // the number of partials depends only on n: the same summation order every run
@@ -259,6 +326,7 @@ void step_control(float* ctl, float* norm, const float* norm_sq, const float* lo
   template void sgd_update<float, G>(float*, G*, float*, const G*, const float*, int64_t, float, float, float,  \
                                      Stream);                                                                  \
   template void ema_update<float, G>(float*, G*, const float*, const float*, int64_t, double, Stream);                       \
+  template void ema_update_many<float, G>(const EmaTensor<float, G>*, int, const float*, double, Stream);                  \
   template void grad_norm_squared<G>(float*, const G*, int64_t, Stream);
 LOOM_OPTIM(float)
 LOOM_OPTIM(bf16)

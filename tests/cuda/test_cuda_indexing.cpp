@@ -102,6 +102,17 @@ TEMPLATE_TEST_CASE("indexing: gather, scatter, zero rows; patchify; pixel shuffl
     CHECK(back.get() == himg);
     REQUIRE_THROWS(cu::patchify(out.p, img.p, B, Ch, H, W, 5, S()));
   }
+  {  // rows too wide for the shared-memory kernel (3 x 16 x 1024 elements): the per-element one
+    const int B = 2, Ch = 3, H = 32, W = 1024, p = 16;
+    const int64_t n = int64_t(B) * Ch * H * W;
+    auto himg = rounded<T>(rnd(n, 85));
+    DBuf<T> img(himg), out(n);
+    std::vector<float> r(n);
+    cpu::patchify(r.data(), himg.data(), B, Ch, H, W, p, nullptr);
+    out.poison();
+    cu::patchify(out.p, img.p, B, Ch, H, W, p, S());
+    CHECK_CLOSE(out.get(), r, t, "patchify, wide rows");
+  }
   for (int s : {2, 3}) {
     const int B = 2, G = 6, D = 5;
     const int64_t n = int64_t(B) * G * G * D;

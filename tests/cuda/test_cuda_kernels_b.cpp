@@ -361,7 +361,7 @@ TEST_CASE("attention forward/backward f32 (v1) against the CPU reference", "[cud
 }
 
 // On an H100/H200 build for sm_90a the bf16 forward at hd 64/128 is the warp-specialized wgmma
-// kernel (attention_sm90_ws.cu) from 512 tokens and the lock-step one (attention_sm90.cu)
+// kernel (attention_sm90_ws.cu) from 768 tokens (hd 64) / 256 (hd 128) and the lock-step one (attention_sm90.cu)
 // below; the case below runs everything again with the warp-specialized kernel on every shape
 // (LOOM_ATTN_WS_MIN=0), with the lock-step one (LOOM_ATTN_SM90=1) and with both turned off, so
 // the mma.sync forward (v2) stays tested on the machine that has all three.
@@ -371,7 +371,7 @@ TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU ref
   const std::string saved = before ? before : "";
   const char* before_min = std::getenv("LOOM_ATTN_WS_MIN");
   const std::string saved_min = before_min ? before_min : "";
-  SECTION("the default forward (on sm_90a: warp-specialized from 512 tokens, lock-step below)") {}
+  SECTION("the default forward (on sm_90a: warp-specialized from 768 / 256 tokens, lock-step below)") {}
   SECTION("the warp-specialized wgmma forward on every shape (LOOM_ATTN_WS_MIN=0)") {
     setenv("LOOM_ATTN_WS_MIN", "0", 1);
   }
@@ -420,6 +420,12 @@ TEST_CASE("fused_linear_cross_entropy against the CPU reference", "[cuda][losses
   run_lce<f16>(70, 1100, 64, 128, 0.1, 18, 1024.f);  // fp16 loss scaling: gradients for dloss = 1024
   run_lce<float>(23, 301, 40, 5, 0.25, 19, 8.f);
   run_lce<float>(9, 64, 24, 4, 1.0, 16);       // every target ignored
+  // the register-resident row kernel (V % 4 == 0, V <= 49152): SmolLM2's vocabulary exactly,
+  // a row that leaves the last float4 slots of some threads empty, and fp32 in place
+  run_lce<bf16>(6, 49152, 16, 4, 0.2, 20);
+  run_lce<f16>(5, 4100, 16, 2, 0.1, 21);
+  run_lce<float>(7, 8192, 16, 3, 0.2, 22);
+  run_lce<bf16>(3, 49156, 16, 2, 0.0, 23);     // one float4 past the register path: two-pass kernel
 }
 
 TEST_CASE("patch_disc_loss against the CPU reference", "[cuda][contrastive]") {

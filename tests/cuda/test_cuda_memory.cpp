@@ -96,6 +96,29 @@ TEMPLATE_TEST_CASE("memory: binary, unary, axpby, axpy_dev, reduce_sum_to, sum_a
     cu::binary(out.p, a.p, la, c.p, la, loom::BinaryOp::Mul, S());
     CHECK_CLOSE(out.get(), ref, t, "binary contiguous");
   }
+  {  // the periodic path (16-byte accesses, one modulo each): a table broadcast over the leading
+     // dims on either side ([6, 7, 16] op [7, 16], as a position table added to every image),
+     // and both contiguous with n a multiple of 8
+    Layout lf = make_layout({6, 7, 16});
+    Layout lt = make_layout({6, 7, 16}, {0, 16, 1});
+    auto hf = rounded<T>(rnd(672, 8)), ht = rounded<T>(rnd(112, 9, 0.5f, 2.f));
+    DBuf<T> f(hf), tb(ht), o(672);
+    for (auto op : {loom::BinaryOp::Add, loom::BinaryOp::Sub, loom::BinaryOp::Mul, loom::BinaryOp::Div}) {
+      std::vector<float> ref(672);
+      cpu::binary(ref.data(), hf.data(), lf, ht.data(), lt, op, nullptr);
+      o.poison();
+      cu::binary(o.p, f.p, lf, tb.p, lt, op, S());
+      CHECK_CLOSE(o.get(), ref, t, "binary periodic b");
+      cpu::binary(ref.data(), ht.data(), lt, hf.data(), lf, op, nullptr);
+      o.poison();
+      cu::binary(o.p, tb.p, lt, f.p, lf, op, S());
+      CHECK_CLOSE(o.get(), ref, t, "binary periodic a");
+      cpu::binary(ref.data(), hf.data(), lf, hf.data(), lf, op, nullptr);
+      o.poison();
+      cu::binary(o.p, f.p, lf, f.p, lf, op, S());
+      CHECK_CLOSE(o.get(), ref, t, "binary contiguous, 16-byte accesses");
+    }
+  }
   auto hp = rounded<T>(rnd(660, 7, 0.1f, 3.f));
   DBuf<T> pos(hp);
   for (auto op : {loom::UnaryOp::Neg, loom::UnaryOp::Exp, loom::UnaryOp::Log, loom::UnaryOp::Sqrt,
@@ -116,6 +139,21 @@ TEMPLATE_TEST_CASE("memory: binary, unary, axpby, axpy_dev, reduce_sum_to, sum_a
     out.poison();
     cu::axpby(out.p, a.p, 2.5, (const T*)nullptr, 0.0, 660, S());
     CHECK_CLOSE(out.get(), ref, t, "axpby b=null");
+    // 16-byte path (n a multiple of 8, aligned), in place (out = a) as the gradient sums use it,
+    // and the scalar path for an operand one element off its alignment
+    auto hx = rounded<T>(rnd(672, 10)), hy = rounded<T>(rnd(673, 11));
+    std::vector<float> r672(672), r671(671);
+    cpu::axpby(r672.data(), hx.data(), 1.0, hy.data(), 1.0, 672, nullptr);
+    cpu::axpby(r671.data(), hx.data(), 0.5, hy.data() + 1, 2.0, 671, nullptr);
+    DBuf<T> x(hx), y(hy), o(672);
+    cu::axpby(x.p, x.p, 1.0, y.p, 1.0, 672, S());
+    CHECK_CLOSE(x.get(), r672, t, "axpby in place, 16-byte accesses");
+    DBuf<T> x2(hx);
+    o.poison();
+    cu::axpby(o.p, x2.p, 0.5, y.p + 1, 2.0, 671, S());
+    std::vector<float> got = o.get();
+    got.resize(671);
+    CHECK_CLOSE(got, r671, t, "axpby, unaligned operand");
   }
   {
     std::vector<float> y = hp, alpha = {-0.37f};

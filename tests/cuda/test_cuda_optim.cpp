@@ -260,3 +260,47 @@ TEST_CASE("CUDA EMA of the f32 masters into f32 and bf16 targets", "[cuda][optim
     }
   }
 }
+
+// The multi-tensor kernel directly: more tensors than one launch takes (96), tensors of
+// several 4096-element slices beside one-element ones, bf16 copies poisoned beforehand, and a
+// skipped step (ctl[1] == 0) that must leave every target and copy as it was.
+TEST_CASE("CUDA ema_update_many: many tensors, several slices each, skipped steps", "[cuda][optim]") {
+  need_gpu();
+  Rng rng(9);
+  const int count = 130;
+  vector<Tensor> tgt, src, cpy;
+  vector<vector<double>> want;
+  vector<EmaTensor<float, bf16>> list;
+  for (int i = 0; i < count; i++) {
+    const int64_t n = i % 7 == 0 ? 9000 + i : 1 + (i * 37) % 500;
+    vector<double> t(static_cast<size_t>(n)), s(static_cast<size_t>(n));
+    for (auto& e : t) e = rng.normal();
+    for (auto& e : s) e = rng.normal();
+    tgt.push_back(Tensor::from_vector(t, {n}).to(DType::F32).to(Device::CUDA));
+    src.push_back(Tensor::from_vector(s, {n}).to(DType::F32).to(Device::CUDA));
+    cpy.push_back(Tensor::empty({n}, DType::BF16, Device::CUDA));
+    cpy.back().fill_(NAN);
+    // the reference from the f32-rounded inputs
+    auto tr = tgt.back().to_vector<double>(), sr = src.back().to_vector<double>();
+    for (size_t k = 0; k < tr.size(); k++) tr[k] = 0.9 * tr[k] + 0.1 * sr[k];
+    want.push_back(tr);
+    list.push_back({tgt.back().data<float>(), cpy.back().data<bf16>(), src.back().data<float>(), n});
+  }
+  Tensor ctl = Tensor::from_vector(vector<double>{1, 1, 0, 1}, {4}).to(DType::F32).to(Device::CUDA);  // applied
+  cuda::ema_update_many<float, bf16>(list.data(), count, ctl.data<float>(), 0.9, cuda::default_stream());
+  for (int i = 0; i < count; i++) {
+    INFO("tensor " << i << " of " << tgt[i].numel());
+    LOOM_CHECK_CLOSE(tol::compare(tgt[i].to_vector<double>(), want[i], tol::kCudaF32, "ema target"));
+    LOOM_CHECK_CLOSE(tol::compare(cpy[i].to_vector<double>(), want[i], tol::kCudaBF16, "ema bf16 copy"));
+  }
+  Tensor skip = Tensor::from_vector(vector<double>{1, 0, 0, 1}, {4}).to(DType::F32).to(Device::CUDA);
+  vector<vector<double>> before;
+  for (auto& t : tgt) before.push_back(t.to_vector<double>());
+  for (auto& c : cpy) c.fill_(7.0);
+  // ctl[1] == 0: the optimizer skipped this step
+  cuda::ema_update_many<float, bf16>(list.data(), count, skip.data<float>(), 0.5, cuda::default_stream());
+  for (int i = 0; i < count; i++) {
+    CHECK(tgt[i].to_vector<double>() == before[i]);
+    CHECK(cpy[i].to_vector<double>() == vector<double>(before[i].size(), 7.0));
+  }
+}
