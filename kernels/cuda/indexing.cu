@@ -30,7 +30,10 @@
  *   sort 16 B per token).
  * Launch shape: grid-stride, 256 threads, one thread per output element (gathers read
  *   coalesced along C); warp per row for l2norm/argmax; warp per id run for embedding bwd.
- * Versions: embedding backward v2_chunked_runs (above); the others v1 only.
+ * Versions: embedding backward v2_chunked_runs (above); patchify forward v2 through shared
+ *   memory (one block per patch row: the p image rows of every channel are contiguous runs in,
+ *   the row's patches one contiguous run out; 148 -> 103 us for 128 images of 224 px, H100);
+ *   the others v1 only.
  * Test: tests/cuda/test_cuda_indexing.cpp [indexing]:
  *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_indexing.cpp
  */

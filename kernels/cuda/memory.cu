@@ -27,7 +27,10 @@
  *   reductions; one 256-thread block per output element otherwise (long reductions to a few
  *   outputs, e.g. a bias-gradient-shaped sum over all rows).
  *   sum_all: two deterministic passes (<= 1024 block partials, then one block), no atomics.
- * Versions: v1 only (plain grid-stride); these are not on a hot path of training.
+ * Versions: v1 plain grid-stride; v2 (2026-11-24) 16-byte accesses for contiguous binary ops,
+ *   a table broadcast over leading dims and axpby, after a CUPTI trace of the SPEC steps found
+ *   them on the hot path (residual adds, position embeddings, gradient sums): the MIM step's
+ *   binary ops 1.47 -> 0.65 ms, the VLM's 1.16 -> 0.68 ms (H100).
  * Test: tests/cuda/test_cuda_memory.cpp [memory]:
  *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_memory.cpp
  */

@@ -10,6 +10,7 @@
  *          copy = G(master)                             (master, m, v updated in place, copy =)
  *   sgd    g = grad * scale;  buf = mu buf + g;  master -= lr (buf + wd master);  copy = G(master)
  *   ema    target = decay target + (1-decay) source;  copy = G(target)
+ *          (ema_update_many: the same for many tensors, up to 96 per launch)
  *   grad_norm_squared  out[0] += sum(grad^2)   (two deterministic passes, no float atomics)
  *   step_control  norm = sqrt(norm_sq) / S, scale = min(1, max_norm / (norm + 1e-6)) / S,
  *                 apply = isfinite(norm) && isfinite(loss), t += apply; S is the loss scale
@@ -30,6 +31,8 @@
  *   adamw 134.5M fp32 params 0.946 ms = 3.98 TB/s (PyTorch fused 1.189 ms, foreach 3.16 ms);
  *   with bf16 grad + bf16 copy 0.966 ms. grad_norm_squared over 134.5M bf16: 0.070 ms with
  *   16-byte loads (0.211 ms with scalar loads and 1 element per thread per step).
+ *   EMA v2 multi-tensor (2026-11-24, H100, CUPTI trace of the SPEC MIM step, 149 target
+ *   tensors, 86M parameters): one launch per tensor 0.69 ms -> two launches 0.44 ms.
  * Test: tests/cuda/test_cuda_optim_kernels.cpp [optim]:
  *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_optim_kernels.cpp
  */
