@@ -18,8 +18,12 @@
  *   loop below.
  * Launch shape: one thread per (token, i) pair, looping over the H heads (the sincos is
  *   computed once per pair, not per head); 256 threads, grid-stride.
- * Versions: v1 only; not timed (napkin for the example above: 38 MB moved, ~13 us at
- *   3 TB/s), no alternatives measured.
+ * Versions: v1 one pair per thread, 2-byte accesses: 16 us a call in the SPEC VLM step
+ *   (CUPTI trace, H100, 2026-11-24; napkin for the example above: 38 MB moved, ~13 us at
+ *   3 TB/s, and the k calls, 3 heads, move a third of that); v2 two neighbouring pairs per
+ *   thread with 2-element accesses (hd / 2 even), the default: in the same trace both rope
+ *   kernels left the step's top 25 (each under 0.9 ms a step, from 0.97 and 0.92 ms); the
+ *   VLM step 71.9 / 71.9 -> 71.8 / 71.6 ms (H100, same call, two rounds: within its noise).
  * Test: tests/cuda/test_cuda_rope.cpp [rope]:
  *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_rope.cpp
  */
@@ -54,11 +58,53 @@ __global__ void rope_kernel(DT* __restrict__ out, const DT* __restrict__ inp, co
   }
 }
 
+// The same with two neighbouring pairs (i, i + 1) per thread, moved as one 2-element access
+// each (hd / 2 even, pointers aligned to two elements): half the load/store instructions of
+// the kernel above, whose 2-byte accesses kept it at about half the bandwidth.
+template <class DT, bool BACKWARD>
+__global__ void rope2_kernel(DT* __restrict__ out, const DT* __restrict__ inp, const int32_t* __restrict__ pos,
+                             int64_t N, int H, int hd, double log_theta) {
+  const int half = hd / 2, pairs = half / 2;
+  for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < N * pairs;
+       t += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t n = t / pairs;
+    const int i = 2 * int(t - n * pairs);
+    float sn[2], cs[2];
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+      double sd, cd;
+      sincos(double(pos[n]) * exp(-log_theta * (2.0 * (i + k)) / hd), &sd, &cd);
+      sn[k] = BACKWARD ? -float(sd) : float(sd);
+      cs[k] = float(cd);
+    }
+    for (int h = 0; h < H; h++) {
+      const int64_t base = (n * H + h) * hd + i;
+      Pack<DT, 2> a = *reinterpret_cast<const Pack<DT, 2>*>(inp + base);
+      Pack<DT, 2> b = *reinterpret_cast<const Pack<DT, 2>*>(inp + base + half);
+      Pack<DT, 2> oa, ob;
+#pragma unroll
+      for (int k = 0; k < 2; k++) {
+        const float x0 = to_float(a.v[k]), x1 = to_float(b.v[k]);
+        oa.v[k] = from_float<DT>(x0 * cs[k] - x1 * sn[k]);
+        ob.v[k] = from_float<DT>(x1 * cs[k] + x0 * sn[k]);
+      }
+      *reinterpret_cast<Pack<DT, 2>*>(out + base) = oa;
+      *reinterpret_cast<Pack<DT, 2>*>(out + base + half) = ob;
+    }
+  }
+}
+
 template <class T, bool BACKWARD>
 void launch(T* out, const T* inp, const int32_t* pos, int64_t N, int H, int hd, double theta, Stream s) {
   if (hd % 2) throw std::runtime_error("rope: head dim must be even, got " + std::to_string(hd));
   int64_t n = N * (hd / 2);
   if (n <= 0 || H <= 0) return;
+  if ((hd / 2) % 2 == 0 && aligned(out, 2 * sizeof(T)) && aligned(inp, 2 * sizeof(T))) {
+    const int g = int(std::min<int64_t>((n / 2 + 255) / 256, 8192));
+    rope2_kernel<dev_t<T>, BACKWARD><<<g, 256, 0, s>>>(dptr(out), dptr(inp), pos, N, H, hd, std::log(theta));
+    LAUNCH_CHECK();
+    return;
+  }
   int g = int(std::min<int64_t>((n + 255) / 256, 8192));
   rope_kernel<dev_t<T>, BACKWARD><<<g, 256, 0, s>>>(dptr(out), dptr(inp), pos, N, H, hd, std::log(theta));
   LAUNCH_CHECK();
