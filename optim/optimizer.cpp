@@ -364,51 +364,33 @@ EMA::EMA(Module& target, const Optimizer& opt, const std::string& source_prefix)
 }
 
 void EMA::update(double decay) {
-  // One multi-tensor update when every target is of one dtype on one device (the usual case:
-  // 149 tensors of a ViT-B in two launches instead of 149); one launch per tensor otherwise.
-  bool uniform = !pairs_.empty();
-  for (size_t i = 0; i < pairs_.size(); i++) {
+  // Dispatch on the copy's dtype G (bf16 on CUDA) or on the master itself; M = acc_t<G>.
+  // Targets come in runs of one dtype and device, each run one ema_update_many call: a model
+  // trained in one dtype is one run (a ViT-B's 149 tensors in two launches instead of 149).
+  auto by_of = [&](size_t i) -> const Tensor& {
     const Tensor& tm = pairs_[i].first;
     const Tensor& slot = *target_slots_[i];
     LOOM_CHECK(slot.numel() == tm.numel() && (slot.same(tm) || slot.dtype() != tm.dtype()),
                "EMA: target slot %zu was replaced (%s) after the EMA was built", i, slot.desc().c_str());
-    const Tensor& by = slot.same(tm) ? tm : slot;
-    const Tensor& by0 = target_slots_[0]->same(pairs_[0].first) ? pairs_[0].first : *target_slots_[0];
-    uniform = uniform && by.dtype() == by0.dtype() && by.device() == by0.device() &&
-              slot.same(tm) == target_slots_[0]->same(pairs_[0].first);
-  }
-  if (uniform) {
-    const Tensor& by0 = target_slots_[0]->same(pairs_[0].first) ? pairs_[0].first : *target_slots_[0];
-    dispatch_float(by0, [&](auto dev, auto zero) {
-      using G = decltype(zero);
-      using M = acc_t<G>;
-      std::vector<EmaTensor<M, G>> list;
-      list.reserve(pairs_.size());
-      for (size_t i = 0; i < pairs_.size(); i++) {
-        const Tensor& tm = pairs_[i].first;
-        const Tensor& slot = *target_slots_[i];
-        list.push_back({tm.data<M>(), slot.same(tm) ? nullptr : slot.data<G>(), pairs_[i].second.data<M>(), tm.numel()});
-      }
-      KERNEL(dev, ema_update_many)(list.data(), int(list.size()), ctl_.defined() ? ctl_.data<float>() : nullptr,
-                                   decay, stream_for(dev));
-    });
-    return;
-  }
-  for (size_t i = 0; i < pairs_.size(); i++) {
-    const Tensor& tm = pairs_[i].first;
-    const Tensor& src = pairs_[i].second;
-    const Tensor& slot = *target_slots_[i];
-    LOOM_CHECK(slot.numel() == tm.numel() && (slot.same(tm) || slot.dtype() != tm.dtype()),
-               "EMA: target slot %zu was replaced (%s) after the EMA was built", i, slot.desc().c_str());
-    // Dispatch on the copy's dtype G (bf16 on CUDA) or on the master itself; M = acc_t<G>.
-    const Tensor& by = slot.same(tm) ? tm : slot;
+    return slot.same(tm) ? tm : slot;
+  };
+  const float* ctl = ctl_.defined() ? ctl_.data<float>() : nullptr;
+  for (size_t i = 0; i < pairs_.size();) {
+    const Tensor& by = by_of(i);
+    size_t end = i + 1;
+    while (end < pairs_.size() && by_of(end).dtype() == by.dtype() && by_of(end).device() == by.device()) end++;
     dispatch_float(by, [&](auto dev, auto zero) {
       using G = decltype(zero);
       using M = acc_t<G>;
-      G* copy = slot.same(tm) ? nullptr : slot.data<G>();
-      KERNEL(dev, ema_update)(tm.data<M>(), copy, src.data<M>(), ctl_.defined() ? ctl_.data<float>() : nullptr,
-                              tm.numel(), decay, stream_for(dev));
+      std::vector<EmaTensor<M, G>> run;
+      for (size_t k = i; k < end; k++) {
+        const Tensor& tm = pairs_[k].first;
+        const Tensor& slot = *target_slots_[k];
+        run.push_back({tm.data<M>(), slot.same(tm) ? nullptr : slot.data<G>(), pairs_[k].second.data<M>(), tm.numel()});
+      }
+      KERNEL(dev, ema_update_many)(run.data(), int(run.size()), ctl, decay, stream_for(dev));
     });
+    i = end;
   }
 }
 

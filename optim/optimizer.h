@@ -108,7 +108,7 @@ double lr_at(int64_t step, int64_t total, int64_t warmup, double lr, double min_
 class EMA {
  public:
   EMA(Module& target, const Optimizer& opt, const std::string& source_prefix);
-  void update(double decay);  // one ema_update_many call (per-tensor launches for mixed dtypes)
+  void update(double decay);  // one ema_update_many call per run of targets of one dtype
  private:
   Tensor ctl_;  // the optimizer's step control: skipped steps skip the EMA too
   std::vector<std::pair<Tensor, Tensor>> pairs_;  // (target master, source master)

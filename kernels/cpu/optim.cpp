@@ -89,15 +89,6 @@ void sgd_update(M* master, G* copy, M* buf, const G* grad, const float* ctl, int
 }
 
 template <class M, class G>
-void ema_update(M* target, G* copy, const M* source, const float* ctl, int64_t n, double decay, Stream);
-
-template <class M, class G>
-void ema_update_many(const EmaTensor<M, G>* tensors, int count, const float* ctl, double decay, Stream s) {
-  for (int i = 0; i < count; i++)
-    ema_update(tensors[i].target, tensors[i].copy, tensors[i].source, ctl, tensors[i].n, decay, s);
-}
-
-template <class M, class G>
 void ema_update(M* target, G* copy, const M* source, const float* ctl, int64_t n, double decay, Stream) {
   if (ctl && ctl[1] == 0.0f) return;  // the optimizer skipped this step: so does the EMA
   const M w = M(1.0 - decay);
@@ -106,6 +97,12 @@ void ema_update(M* target, G* copy, const M* source, const float* ctl, int64_t n
     target[i] += w * (source[i] - target[i]);
     if (copy) copy[i] = G(target[i]);
   }
+}
+
+template <class M, class G>
+void ema_update_many(const EmaTensor<M, G>* tensors, int count, const float* ctl, double decay, Stream s) {
+  for (int i = 0; i < count; i++)
+    ema_update(tensors[i].target, tensors[i].copy, tensors[i].source, ctl, tensors[i].n, decay, s);
 }
 
 template <class G>

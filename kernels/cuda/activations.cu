@@ -66,7 +66,6 @@ struct SwigluB {  // inputs: dout, gate, up -> dgate, dup
   }
 };
 
-
 // NIN inputs, NOUT outputs. Vector part: elements [0, nvec*VEC); the tail is scalar.
 template <class DT, int VEC, int NIN, int NOUT, class F>
 __global__ void pointwise(DT* o0, DT* o1, const DT* i0, const DT* i1, const DT* i2, int64_t n, F f) {

@@ -220,15 +220,15 @@ __global__ void lce_rows(float* __restrict__ ws, float* __restrict__ row_loss,
 // thread loading kVec float4s (V <= 2048 kVec, V % 4 == 0) before anything is written, so the
 // fp32 logits are read from DRAM once instead of twice (the two-pass kernel above reads them
 // for the max/sum and again for the gradient; a 196 KB row does not stay in L2 between the
-// passes). The max and the sum of exponentials are exact two-step reductions over the
-// registers. Writes: bf16 packed 4 at a time (8 bytes) into the first half of the row, or
-// fp32 float4 in place; a barrier separates every read of the row from the first write.
+// passes). Each thread reduces its registers to (max, sum of exp(x - max)), which
+// block_maxsum combines exactly across the block. Writes: bf16 packed 4 at a time (8 bytes)
+// into the first half of the row, or fp32 float4 in place; block_maxsum's barriers separate
+// every read of the row from the first write.
 constexpr int kRegThreads = 512;
 template <class TOut, int kVec>
 __global__ void __launch_bounds__(kRegThreads, 1)
 lce_rows_reg(float* __restrict__ ws, float* __restrict__ row_loss, const int32_t* __restrict__ targets,
              const float* __restrict__ count, const float* __restrict__ grad_scale, int V) {
-  __shared__ float red[kRegThreads / 32];
   float* x = ws + int64_t(blockIdx.x) * V;
   const int t = targets[blockIdx.x];
   const int nv = V / 4;  // float4s in the row
@@ -239,30 +239,18 @@ lce_rows_reg(float* __restrict__ ws, float* __restrict__ row_loss, const int32_t
     v[i] = q < nv ? reinterpret_cast<const float4*>(x)[q] : make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
   }
   const float xt = (threadIdx.x == 0 && t >= 0 && t < V) ? x[t] : 0.f;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  // row max
-  float m = -INFINITY;
+  MaxSum ms{-INFINITY, 0.f};  // this thread's values: max, then the sum of exp(x - max)
 #pragma unroll
-  for (int i = 0; i < kVec; i++) m = fmaxf(m, fmaxf(fmaxf(v[i].x, v[i].y), fmaxf(v[i].z, v[i].w)));
-  m = warp_max(m);
-  if (lane == 0) red[warp] = m;
-  __syncthreads();  // also: every read of the row above happened before any write below
-  m = lane < kRegThreads / 32 ? red[lane] : -INFINITY;
-  m = warp_max(m);
-  __syncthreads();  // red is reused for the sum
-  // sum of exp(x - max), in base 2
-  const float m2 = m * kLog2e;
-  float sum = 0.f;
+  for (int i = 0; i < kVec; i++) ms.m = fmaxf(ms.m, fmaxf(fmaxf(v[i].x, v[i].y), fmaxf(v[i].z, v[i].w)));
+  if (ms.m > -INFINITY) {
+    const float m2 = ms.m * kLog2e;
 #pragma unroll
-  for (int i = 0; i < kVec; i++)
-    sum += exp2f(v[i].x * kLog2e - m2) + exp2f(v[i].y * kLog2e - m2) + exp2f(v[i].z * kLog2e - m2) +
-           exp2f(v[i].w * kLog2e - m2);
-  sum = warp_sum(sum);
-  if (lane == 0) red[warp] = sum;
-  __syncthreads();
-  sum = lane < kRegThreads / 32 ? red[lane] : 0.f;
-  sum = warp_sum(sum);
-  const float lse = m + log2f(sum) * kLn2;
+    for (int i = 0; i < kVec; i++)
+      ms.s += exp2f(v[i].x * kLog2e - m2) + exp2f(v[i].y * kLog2e - m2) + exp2f(v[i].z * kLog2e - m2) +
+              exp2f(v[i].w * kLog2e - m2);
+  }
+  ms = block_maxsum(ms);  // its barriers: every read of the row above precedes any write below
+  const float lse = ms.m + log2f(ms.s) * kLn2;
   if (threadIdx.x == 0) row_loss[blockIdx.x] = t < 0 ? 0.f : (t < V ? lse - xt : NAN);
   const float cnt = *count;
   const float scale = (t >= 0 && cnt > 0.f) ? (grad_scale ? *grad_scale : 1.f) / cnt : 0.f;

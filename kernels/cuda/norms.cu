@@ -64,7 +64,6 @@ namespace {
 
 constexpr int kChunks = 4;  // vectors per thread
 
-
 template <class DT, int VEC>
 __device__ __forceinline__ void load_vec(float (&f)[VEC], const DT* p) {
   Pack<DT, VEC> k = *reinterpret_cast<const Pack<DT, VEC>*>(p);

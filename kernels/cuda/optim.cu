@@ -45,7 +45,6 @@ namespace loom::cuda {
 
 namespace {
 
-
 struct AdamConst {
   float lr, b1, b2, eps, wd, inv_bc1, inv_bc2;
 };

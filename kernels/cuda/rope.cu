@@ -35,6 +35,16 @@ namespace loom::cuda {
 
 namespace {
 
+// cos and sin of pair i at position pos, formed in double (see Precision); sin negated in the
+// backward (the rotation by -angle).
+template <bool BACKWARD>
+__device__ __forceinline__ void rope_cos_sin(float& cs, float& sn, int32_t pos, int i, int hd, double log_theta) {
+  double sd, cd;
+  sincos(double(pos) * exp(-log_theta * (2.0 * i) / hd), &sd, &cd);
+  cs = float(cd);
+  sn = BACKWARD ? -float(sd) : float(sd);
+}
+
 template <class DT, bool BACKWARD>
 __global__ void rope_kernel(DT* __restrict__ out, const DT* __restrict__ inp, const int32_t* __restrict__ pos,
                             int64_t N, int H, int hd, double log_theta) {
@@ -43,12 +53,8 @@ __global__ void rope_kernel(DT* __restrict__ out, const DT* __restrict__ inp, co
        t += int64_t(gridDim.x) * blockDim.x) {
     int64_t n = t / half;
     int i = int(t - n * half);
-    double inv_freq = exp(-log_theta * (2.0 * i) / hd);
-    double ang = double(pos[n]) * inv_freq;
-    double sd, cd;
-    sincos(ang, &sd, &cd);
-    float sn = float(sd), cs = float(cd);
-    if (BACKWARD) sn = -sn;
+    float cs, sn;
+    rope_cos_sin<BACKWARD>(cs, sn, pos[n], i, hd, log_theta);
     for (int h = 0; h < H; h++) {
       int64_t base = (n * H + h) * hd;
       float x0 = to_float(inp[base + i]), x1 = to_float(inp[base + i + half]);
@@ -69,14 +75,9 @@ __global__ void rope2_kernel(DT* __restrict__ out, const DT* __restrict__ inp, c
        t += int64_t(gridDim.x) * blockDim.x) {
     const int64_t n = t / pairs;
     const int i = 2 * int(t - n * pairs);
-    float sn[2], cs[2];
-#pragma unroll
-    for (int k = 0; k < 2; k++) {
-      double sd, cd;
-      sincos(double(pos[n]) * exp(-log_theta * (2.0 * (i + k)) / hd), &sd, &cd);
-      sn[k] = BACKWARD ? -float(sd) : float(sd);
-      cs[k] = float(cd);
-    }
+    float cs[2], sn[2];
+    rope_cos_sin<BACKWARD>(cs[0], sn[0], pos[n], i, hd, log_theta);
+    rope_cos_sin<BACKWARD>(cs[1], sn[1], pos[n], i + 1, hd, log_theta);
     for (int h = 0; h < H; h++) {
       const int64_t base = (n * H + h) * hd + i;
       Pack<DT, 2> a = *reinterpret_cast<const Pack<DT, 2>*>(inp + base);

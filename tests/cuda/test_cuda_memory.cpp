@@ -75,50 +75,36 @@ TEMPLATE_TEST_CASE("memory: binary, unary, axpby, axpy_dev, reduce_sum_to, sum_a
   need_gpu();
   using T = TestType;
   const auto t = tol_of<T>();
-  // binary with broadcast: a [4, 33, 5] + b [33, 1] broadcast
+  // every op on one pair of operands against the CPU reference, output poisoned
+  auto check_binary = [&](const std::vector<float>& ha, const DBuf<T>& a, Layout la, const std::vector<float>& hb,
+                          const DBuf<T>& b, Layout lb, const char* what) {
+    const int64_t n = la.numel();
+    DBuf<T> out(n);
+    for (auto op : {loom::BinaryOp::Add, loom::BinaryOp::Sub, loom::BinaryOp::Mul, loom::BinaryOp::Div}) {
+      std::vector<float> ref(static_cast<size_t>(n));
+      cpu::binary(ref.data(), ha.data(), la, hb.data(), lb, op, nullptr);
+      out.poison();
+      cu::binary(out.p, a.p, la, b.p, lb, op, S());
+      CHECK_CLOSE(out.get(), ref, t, what);
+    }
+  };
+  // broadcast inside: a [4, 33, 5] + b [33, 1] (the per-dim index path)
   Layout la = make_layout({4, 33, 5});
   Layout lb = make_layout({4, 33, 5}, {0, 1, 0});
-  auto ha = rounded<T>(rnd(660, 4)), hb = rounded<T>(rnd(33, 5, 0.5f, 2.f));
-  DBuf<T> a(ha), b(hb), out(660);
-  for (auto op : {loom::BinaryOp::Add, loom::BinaryOp::Sub, loom::BinaryOp::Mul, loom::BinaryOp::Div}) {
-    std::vector<float> ref(660);
-    cpu::binary(ref.data(), ha.data(), la, hb.data(), lb, op, nullptr);
-    out.poison();
-    cu::binary(out.p, a.p, la, b.p, lb, op, S());
-    CHECK_CLOSE(out.get(), ref, t, "binary broadcast");
-  }
-  {  // contiguous fast path
-    auto hc = rounded<T>(rnd(660, 6));
-    DBuf<T> c(hc);
-    std::vector<float> ref(660);
-    cpu::binary(ref.data(), ha.data(), la, hc.data(), la, loom::BinaryOp::Mul, nullptr);
-    out.poison();
-    cu::binary(out.p, a.p, la, c.p, la, loom::BinaryOp::Mul, S());
-    CHECK_CLOSE(out.get(), ref, t, "binary contiguous");
-  }
-  {  // the periodic path (16-byte accesses, one modulo each): a table broadcast over the leading
-     // dims on either side ([6, 7, 16] op [7, 16], as a position table added to every image),
-     // and both contiguous with n a multiple of 8
-    Layout lf = make_layout({6, 7, 16});
-    Layout lt = make_layout({6, 7, 16}, {0, 16, 1});
-    auto hf = rounded<T>(rnd(672, 8)), ht = rounded<T>(rnd(112, 9, 0.5f, 2.f));
-    DBuf<T> f(hf), tb(ht), o(672);
-    for (auto op : {loom::BinaryOp::Add, loom::BinaryOp::Sub, loom::BinaryOp::Mul, loom::BinaryOp::Div}) {
-      std::vector<float> ref(672);
-      cpu::binary(ref.data(), hf.data(), lf, ht.data(), lt, op, nullptr);
-      o.poison();
-      cu::binary(o.p, f.p, lf, tb.p, lt, op, S());
-      CHECK_CLOSE(o.get(), ref, t, "binary periodic b");
-      cpu::binary(ref.data(), ht.data(), lt, hf.data(), lf, op, nullptr);
-      o.poison();
-      cu::binary(o.p, tb.p, lt, f.p, lf, op, S());
-      CHECK_CLOSE(o.get(), ref, t, "binary periodic a");
-      cpu::binary(ref.data(), hf.data(), lf, hf.data(), lf, op, nullptr);
-      o.poison();
-      cu::binary(o.p, f.p, lf, f.p, lf, op, S());
-      CHECK_CLOSE(o.get(), ref, t, "binary contiguous, 16-byte accesses");
-    }
-  }
+  auto ha = rounded<T>(rnd(660, 4)), hb = rounded<T>(rnd(33, 5, 0.5f, 2.f)), hc = rounded<T>(rnd(660, 6));
+  DBuf<T> a(ha), b(hb), c(hc), out(660);
+  check_binary(ha, a, la, hb, b, lb, "binary broadcast");
+  check_binary(ha, a, la, hc, c, la, "binary contiguous");  // n 660: 16-byte path for f32 only
+  // the periodic path (16-byte accesses, one modulo each): a table broadcast over the leading
+  // dims on either side ([6, 7, 16] op [7, 16], as a position table added to every image),
+  // and both contiguous with n a multiple of 8
+  Layout lf = make_layout({6, 7, 16});
+  Layout lt = make_layout({6, 7, 16}, {0, 16, 1});
+  auto hf = rounded<T>(rnd(672, 8)), ht = rounded<T>(rnd(112, 9, 0.5f, 2.f));
+  DBuf<T> f(hf), tb(ht);
+  check_binary(hf, f, lf, ht, tb, lt, "binary periodic b");
+  check_binary(ht, tb, lt, hf, f, lf, "binary periodic a");
+  check_binary(hf, f, lf, hf, f, lf, "binary contiguous, 16-byte accesses");
   auto hp = rounded<T>(rnd(660, 7, 0.1f, 3.f));
   DBuf<T> pos(hp);
   for (auto op : {loom::UnaryOp::Neg, loom::UnaryOp::Exp, loom::UnaryOp::Log, loom::UnaryOp::Sqrt,
