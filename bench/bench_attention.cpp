@@ -63,8 +63,8 @@ int main() {
   }
   struct Shape { int B, H, T, D; bool causal; };
   std::vector<Shape> shapes = {{8, 12, 1024, 64, false}, {8, 16, 2048, 128, true}, {4, 9, 2048, 64, true}};
-  // LOOM_BENCH_ATTN_SHAPES="B,H,T,D,causal;...": other shapes (forward only, our kernels), e.g.
-  // to find the sequence length from which one forward kernel beats another
+  // LOOM_BENCH_ATTN_SHAPES="B,H,T,D,causal;...": other shapes (our kernels only: forward and
+  // forward+backward), e.g. to find the sequence length from which one kernel beats another
   const char* env_shapes = std::getenv("LOOM_BENCH_ATTN_SHAPES");
   const bool fwd_only = env_shapes != nullptr;
   if (env_shapes) {
@@ -117,9 +117,11 @@ int main() {
     char shape[96];
     std::snprintf(shape, sizeof shape, "B%d H%d T%d D%d causal=%s", s.B, s.H, s.T, s.D, s.causal ? "True" : "False");
     if (fwd_only) {
-      const float ms = median_ms(fwd);
+      const float ms = median_ms(fwd), ms_fb2 = median_ms(fb);
       std::printf("{\"impl\":\"loom\",\"kernel\":\"attention_fwd\",\"ms\":%.4f,\"tflops\":%.1f,\"shape\":\"%s\"}\n", ms,
                   f / ms / 1e9, shape);
+      std::printf("{\"impl\":\"loom\",\"kernel\":\"attention_fwd_bwd\",\"ms\":%.4f,\"tflops\":%.1f,\"shape\":\"%s\"}\n",
+                  ms_fb2, 3.5 * f / ms_fb2 / 1e9, shape);
       for (void* p : {(void*)q, (void*)k, (void*)v, (void*)go, (void*)out, (void*)dq, (void*)dk, (void*)dv,
                       (void*)lse, (void*)ws, (void*)cu_d})
         cu::device_free(p);

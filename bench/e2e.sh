@@ -26,6 +26,7 @@ PY
   rm -rf "$dir"/step_*
 }
 run mim bench_mim.cfg
+run mim_loom_attention bench_mim.cfg --train.attention=loom
 run mim_eager bench_mim.cfg --train.cuda_graph=false
 run mim_ckpt bench_mim.cfg --train.grad_checkpointing=true
 run mim_contrastive bench_mim.cfg --model.contrastive=true

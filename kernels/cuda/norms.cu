@@ -55,6 +55,8 @@
  *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_norms.cpp
  */
 #include <algorithm>
+#include <mutex>
+#include <unordered_map>
 
 #include "kernels/cuda/common.cuh"
 
@@ -222,18 +224,20 @@ struct BwdArgs {
 
 // v2_row_in_registers, backward. TPR == 32: 8 warps per block, each warp loops over rows
 // blockIdx*8 + warp, += gridDim*8; TPR > 32: the block loops over rows blockIdx, += gridDim.
-template <class DT, int VEC, int TPR, bool RMS>
+// CH: the vectors a thread holds (kChunks, or fewer when the row needs fewer: every held
+// vector costs 4 VEC registers, and the warp-per-row kernel's occupancy is register-bound).
+template <class DT, int VEC, int TPR, bool RMS, int CH = kChunks>
 __global__ void __launch_bounds__(TPR == 32 ? 256 : TPR)
 norm_bwd(BwdArgs a) {
   __shared__ float2 sh[32];
   constexpr int kGroups = TPR == 32 ? 8 : 1;
-  constexpr int kCap = TPR * kChunks * VEC;
+  constexpr int kCap = TPR * CH * VEC;
   const int t = TPR == 32 ? (threadIdx.x & 31) : threadIdx.x;
   const int grp = TPR == 32 ? threadIdx.x >> 5 : 0;
   const int C = a.C, nv = C / VEC;
-  float dw[kChunks][VEC], db[kChunks][VEC];
+  float dw[CH][VEC], db[CH][VEC];
 #pragma unroll
-  for (int k = 0; k < kChunks; k++)
+  for (int k = 0; k < CH; k++)
 #pragma unroll
     for (int i = 0; i < VEC; i++) dw[k][i] = db[k][i] = 0.f;
 
@@ -241,10 +245,10 @@ norm_bwd(BwdArgs a) {
     const DT* dout = static_cast<const DT*>(a.dout) + row * C;
     const DT* inp = static_cast<const DT*>(a.inp) + row * C;
     const float mean = RMS ? 0.f : a.mean[row], rstd = a.rstd[row];
-    float g[kChunks][VEC], xh[kChunks][VEC];
+    float g[CH][VEC], xh[CH][VEC];
     float sg = 0.f, sgx = 0.f;
 #pragma unroll
-    for (int k = 0; k < kChunks; k++) {
+    for (int k = 0; k < CH; k++) {
       int vi = k * TPR + t;
       if (vi < nv) {
         float d[VEC], w[VEC];
@@ -266,7 +270,7 @@ norm_bwd(BwdArgs a) {
     const float mg = RMS ? 0.f : s.x / C, mgx = s.y / C;
     DT* dinp = static_cast<DT*>(a.dinp) + row * C;
 #pragma unroll
-    for (int k = 0; k < kChunks; k++) {
+    for (int k = 0; k < CH; k++) {
       int vi = k * TPR + t;
       if (vi < nv) {
         float o[VEC];
@@ -286,7 +290,7 @@ norm_bwd(BwdArgs a) {
     for (int gi = 0; gi < kGroups; gi++) {
       if (grp == gi) {
 #pragma unroll
-        for (int k = 0; k < kChunks; k++) {
+        for (int k = 0; k < CH; k++) {
           int vi = k * TPR + t;
           if (vi < nv)
 #pragma unroll
@@ -305,7 +309,7 @@ norm_bwd(BwdArgs a) {
     }
   } else {
 #pragma unroll
-    for (int k = 0; k < kChunks; k++) {
+    for (int k = 0; k < CH; k++) {
       int vi = k * TPR + t;
       if (vi < nv) {
         store_vec<float, VEC>(pw + vi * VEC, dw[k]);
@@ -430,31 +434,29 @@ int resident_grid(K kernel, int threads) {
   return std::max(1, b) * sm_count();
 }
 
+// The backward kernel for a vector width, threads per row and (warp per row, full vectors)
+// vectors per thread; *threads gets its block size.
+using BwdKernel = void (*)(BwdArgs);
 template <class DT, bool RMS>
-int bwd_grid(int vec, int tpr) {
-  static int g[2][4] = {};  // [vec == 1][tpr 32, 128, 1024, generic]
-  int vi = vec == 1, ti = tpr == 32 ? 0 : tpr == 128 ? 1 : tpr == 1024 ? 2 : 3;
-  int& r = g[vi][ti];
-  if (r) return r;
+BwdKernel bwd_kernel(int vec, int tpr, int ch, int* threads) {
   constexpr int V = 16 / int(sizeof(DT));
-  if (ti == 3) r = resident_grid(norm_bwd_generic<DT, RMS>, 256);
-  else if (vi && ti == 0) r = resident_grid(norm_bwd<DT, 1, 32, RMS>, 256);
-  else if (vi && ti == 1) r = resident_grid(norm_bwd<DT, 1, 128, RMS>, 128);
-  else if (vi) r = resident_grid(norm_bwd<DT, 1, 1024, RMS>, 1024);
-  else if (ti == 0) r = resident_grid(norm_bwd<DT, V, 32, RMS>, 256);
-  else if (ti == 1) r = resident_grid(norm_bwd<DT, V, 128, RMS>, 128);
-  else r = resident_grid(norm_bwd<DT, V, 1024, RMS>, 1024);
-  return r;
+  *threads = tpr == 32 || tpr == 0 ? 256 : tpr;
+  if (tpr == 0) return norm_bwd_generic<DT, RMS>;
+  if (vec == 1) return tpr == 32 ? norm_bwd<DT, 1, 32, RMS> : tpr == 128 ? norm_bwd<DT, 1, 128, RMS>
+                                                                          : norm_bwd<DT, 1, 1024, RMS>;
+  if (tpr == 32) return ch == 1 ? norm_bwd<DT, V, 32, RMS, 1> : ch == 2 ? norm_bwd<DT, V, 32, RMS, 2>
+                       : ch == 3 ? norm_bwd<DT, V, 32, RMS, 3> : norm_bwd<DT, V, 32, RMS, 4>;
+  return tpr == 128 ? norm_bwd<DT, V, 128, RMS> : norm_bwd<DT, V, 1024, RMS>;
 }
 
-template <class DT, int VEC, bool RMS>
-void launch_bwd_vec(int tpr, int G, const BwdArgs& a, Stream s) {
-  switch (tpr) {
-    case 32: norm_bwd<DT, VEC, 32, RMS><<<G, 256, 0, s>>>(a); break;
-    case 128: norm_bwd<DT, VEC, 128, RMS><<<G, 128, 0, s>>>(a); break;
-    default: norm_bwd<DT, VEC, 1024, RMS><<<G, 1024, 0, s>>>(a); break;
-  }
-  LAUNCH_CHECK();
+// Blocks of a backward kernel resident at once on the GPU (cached per kernel).
+int bwd_grid(BwdKernel k, int threads) {
+  static std::mutex mu;
+  static std::unordered_map<BwdKernel, int> grid;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = grid.find(k);
+  if (it != grid.end()) return it->second;
+  return grid[k] = resident_grid(k, threads);
 }
 
 template <class T, bool RMS>
@@ -465,21 +467,19 @@ void launch_bwd(T* dweight, T* dbias, BwdArgs a, Stream s) {
   bool ok = aligned16(a.dinp) && aligned16(a.dout) && aligned16(a.inp) && aligned16(a.w);
   int vec, tpr;
   pick<T>(a.C, ok, &vec, &tpr);
+  // warp per row: as many vectors per lane as the row needs (C 768 bf16: 3 of 8 elements)
+  const int ch = std::max(1, ceil_div(ceil_div(a.C, vec), 32));
+  int threads = 0;
+  BwdKernel kernel = bwd_kernel<DT, RMS>(vec, tpr, ch, &threads);
   int64_t groups = tpr == 32 ? (a.N + 7) / 8 : a.N;
-  int G = int(std::min<int64_t>(groups, bwd_grid<DT, RMS>(vec, tpr)));
+  int G = int(std::min<int64_t>(groups, bwd_grid(kernel, threads)));
   // pw and pb in one allocation: [2, G, C] fp32
   float* part = static_cast<float*>(device_malloc(sizeof(float) * 2 * size_t(G) * a.C));
   a.pw = part;
   a.pb = RMS ? nullptr : part + size_t(G) * a.C;
-  if (tpr == 0) {
-    CUDA_CHECK(cudaMemsetAsync(part, 0, sizeof(float) * 2 * size_t(G) * a.C, s));
-    norm_bwd_generic<DT, RMS><<<G, 256, 0, s>>>(a);
-    LAUNCH_CHECK();
-  } else if (vec == 1) {
-    launch_bwd_vec<DT, 1, RMS>(tpr, G, a, s);
-  } else {
-    launch_bwd_vec<DT, kVec<T>, RMS>(tpr, G, a, s);
-  }
+  if (tpr == 0) CUDA_CHECK(cudaMemsetAsync(part, 0, sizeof(float) * 2 * size_t(G) * a.C, s));
+  kernel<<<G, threads, 0, s>>>(a);
+  LAUNCH_CHECK();
   if (dweight || dbias) {
     finish_partials<DT><<<ceil_div(a.C, 32), dim3(32, 8), 0, s>>>(dptr(dweight), RMS ? nullptr : dptr(dbias),
                                                                a.pw, a.pb, G, a.C);

@@ -14,9 +14,11 @@ TEMPLATE_TEST_CASE("norms: layernorm / rmsnorm (+residual) forward and backward"
   using T = TestType;
   const auto t = tol_of<T>();
   struct Case { int64_t N; int C; };
-  // C covers: tiny, < 32, warp paths, not a multiple of the vector (scalar), 128-thread and
+  // C covers: tiny, < 32, warp paths (bf16 backward: 1 vector per lane at 64 and 200, 2 at 384,
+  // 3 at 576 and 768, 4 at 1024), not a multiple of the vector (scalar), 128-thread and
   // 1024-thread groups, and the generic block-per-row kernel (5001 scalar, 40000 bf16 vectors)
-  for (Case c : {Case{1, 1}, Case{7, 31}, Case{33, 64}, Case{5, 200}, Case{65, 576}, Case{9, 768}, Case{4, 1030},
+  for (Case c : {Case{1, 1}, Case{7, 31}, Case{33, 64}, Case{5, 200}, Case{70, 384}, Case{65, 576}, Case{9, 768},
+                 Case{6, 1024}, Case{4, 1030},
                  Case{3, 3000}, Case{2, 5001}, Case{2, 20000}, Case{1, 40000}}) {
     INFO("N " << c.N << " C " << c.C);
     const int64_t n = c.N * c.C;
