@@ -23,8 +23,13 @@ def load(path):
 loom, ref = load(sys.argv[1]), load(sys.argv[2])
 device = next((r.get("device") for r in ref if "device" in r), "?")
 torch_rows = {(r["workload"], r["compile"]): r for r in ref if r.get("impl") == "torch"}
-WORK = {"mim": "mim", "mim_eager": "mim", "mim_ckpt": "mim", "mim_contrastive": "mim_contrastive",
-        "vlm_sft": "vlm_sft", "vlm_sft_ckpt": "vlm_sft"}
+
+
+def workload(name):  # the PyTorch workload a loom row compares with: by the row name's prefix
+    for w in ("mim_contrastive", "mim", "vlm_sft"):
+        if name.startswith(w):
+            return w
+    return name
 
 
 def p(xs, q):
@@ -48,7 +53,7 @@ for r in loom:
     mfu = statistics.median(s.get("mfu", 0) for s in steps)
     peak = max(s.get("mem_mb", 0) for s in steps) / 1024
     res = max(s.get("reserved_mb", 0) for s in steps) / 1024
-    w = WORK[r["name"]]
+    w = workload(r["name"])
     ratios = []
     for c in (0, 1):
         t = torch_rows.get((w, c))
