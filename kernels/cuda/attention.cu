@@ -79,6 +79,11 @@
  *   single pass, red.v4 after a lane shuffle: 2.26 against 2.22 at hd 128.
  *   single pass on wgmma at hd 64: 0.571 | - | 0.514 (1 warpgroup) against 0.496 | - | 0.401.
  *   delta, zeroing and dq conversion as 6 launches instead of 3: 0.514 | 2.150 | 0.418.
+ *   whole (sequence, head) per block for bidirectional hd 64 up to 224 tokens (mma.sync, keys
+ *     padded to 16, plain softmax; backward without atomics, S and dP recomputed for dq): slower
+ *     than the 64-tile kernels except the 49-token forward (H100, 2026-11-24, ms fwd | fwd+bwd:
+ *     B128 H12 T196 0.133 | 0.671 against 0.130 | 0.634; T49 0.025 | 0.115 against 0.034 | 0.107);
+ *     not kept (docs/kernels/attention.md).
  *
  * Napkin math: forward 4 B H T^2 hd FLOP (x 0.5 causal), reads Q, K, V once per query tile
  *   (K/V re-read from L2 by every query tile of a head) and writes out + lse. B8 H16 T2048

@@ -25,6 +25,13 @@
  *   BGRADB: 83 reductions 0.78 ms + adds 0.14 against the column sums' 1.13 ms, for a second
  *   bf16 rounding of dbias; DGELU_BGRAD: the fused DGELU GEMM (16 calls, 1.41 ms) became a
  *   plain GEMM (0.8 ms) plus an epilogue kernel of 3.05 ms. Together +2.1 ms a step: dropped.
+ * Tried and dropped (H100, 2026-11-24): timing cuBLASLt's first 8 candidate algorithms on the
+ *   first call of each shape bucket and keeping the fastest (as max-autotune does). Over the SPEC
+ *   MIM step's 28 shapes the chosen algorithms summed 1377 us against the heuristic's 1427 (one
+ *   call each; 11 shapes changed), but the steps, same call, two rounds: bench_mim 28.3 / 28.6 ms
+ *   tuned against 28.5 / 28.6, contrastive 56.0 / 55.8 against 56.1 / 56.4, bench_vlm_sft 72.5 /
+ *   72.0 against 71.9 / 72.0 (and its p90 up to 3x while new buckets were timed in the steps):
+ *   within noise, for losses that would then differ from run to run.
  * Plans: matmul descriptors, layouts and the heuristic's algorithm are cached per shape,
  *   transposes, strides, epilogue and pointer alignment (the heuristic is ~10 us to ~3 ms of
  *   host time, far more than a small GEMM). A new shape first tries the algorithm of its
