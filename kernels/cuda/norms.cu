@@ -438,8 +438,8 @@ int resident_grid(K kernel, int threads) {
   return std::max(1, b) * sm_count();
 }
 
-// The backward kernel for a vector width, threads per row and (warp per row, full vectors)
-// vectors per thread; *threads gets its block size.
+// The backward kernel for a vector width and threads per row; a warp per row with full
+// vectors also takes its vectors per thread (ch). *threads gets the block size.
 using BwdKernel = void (*)(BwdArgs);
 template <class DT, bool RMS>
 BwdKernel bwd_kernel(int vec, int tpr, int ch, int* threads) {
@@ -471,7 +471,7 @@ void launch_bwd(T* dweight, T* dbias, BwdArgs a, Stream s) {
   bool ok = aligned16(a.dinp) && aligned16(a.dout) && aligned16(a.inp) && aligned16(a.w);
   int vec, tpr;
   pick<T>(a.C, ok, &vec, &tpr);
-  // warp per row: as many vectors per lane as the row needs (C 768 bf16: 3 of 8 elements)
+  // warp per row: as many vectors per lane as the row needs (C 768 bf16: 3 vectors of 8)
   const int ch = std::max(1, ceil_div(ceil_div(a.C, vec), 32));
   int threads = 0;
   BwdKernel kernel = bwd_kernel<DT, RMS>(vec, tpr, ch, &threads);
