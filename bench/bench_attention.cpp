@@ -66,7 +66,7 @@ int main() {
   // LOOM_BENCH_ATTN_SHAPES="B,H,T,D,causal;...": other shapes (our kernels only: forward and
   // forward+backward), e.g. to find the sequence length from which one kernel beats another
   const char* env_shapes = std::getenv("LOOM_BENCH_ATTN_SHAPES");
-  const bool fwd_only = env_shapes != nullptr;
+  const bool ours_only = env_shapes != nullptr;
   if (env_shapes) {
     shapes.clear();
     std::string all = env_shapes;
@@ -116,7 +116,7 @@ int main() {
     cu::set_deterministic_attention(false);
     char shape[96];
     std::snprintf(shape, sizeof shape, "B%d H%d T%d D%d causal=%s", s.B, s.H, s.T, s.D, s.causal ? "True" : "False");
-    if (fwd_only) {
+    if (ours_only) {
       const float ms = median_ms(fwd), ms_fb2 = median_ms(fb);
       std::printf("{\"impl\":\"loom\",\"kernel\":\"attention_fwd\",\"ms\":%.4f,\"tflops\":%.1f,\"shape\":\"%s\"}\n", ms,
                   f / ms / 1e9, shape);

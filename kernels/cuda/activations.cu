@@ -93,15 +93,13 @@ __global__ void pointwise(DT* o0, DT* o1, const DT* i0, const DT* i1, const DT* 
   }
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
-
 template <int NIN, int NOUT, class T, class F>
 void launch_pointwise(T* o0, T* o1, const T* i0, const T* i1, const T* i2, int64_t n, F f, Stream s) {
   using DT = dev_t<T>;
   constexpr int V = 16 / int(sizeof(T));
   if (n <= 0) return;
-  bool vec = aligned16(o0) && aligned16(i0) && (NOUT < 2 || aligned16(o1)) && (NIN < 2 || aligned16(i1)) &&
-             (NIN < 3 || aligned16(i2));
+  bool vec = aligned(o0, 16) && aligned(i0, 16) && (NOUT < 2 || aligned(o1, 16)) &&
+             (NIN < 2 || aligned(i1, 16)) && (NIN < 3 || aligned(i2, 16));
   int64_t work = vec ? (n + V - 1) / V : n;
   int g = int(std::min<int64_t>(std::max<int64_t>(1, (work + 255) / 256), 8192));
   if (vec)

@@ -387,7 +387,6 @@ int sm_count() {
   return n;
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 template <class T> constexpr int kVec = 16 / int(sizeof(T));
 
@@ -415,8 +414,8 @@ void launch_fwd(const FwdArgs& a, Stream s) {
   using DT = dev_t<T>;
   if (a.N <= 0) return;
   if (a.C <= 0) throw std::runtime_error("norm forward: C must be > 0");
-  bool ok = aligned16(a.out) && aligned16(a.inp) && aligned16(a.w) && (RMS || !a.b || aligned16(a.b)) &&
-            (!RESID || (aligned16(a.x) && aligned16(a.resid_out)));
+  bool ok = aligned(a.out, 16) && aligned(a.inp, 16) && aligned(a.w, 16) &&
+            (RMS || !a.b || aligned(a.b, 16)) && (!RESID || (aligned(a.x, 16) && aligned(a.resid_out, 16)));
   int vec, tpr;
   pick<T>(a.C, ok, &vec, &tpr);
   if (tpr == 0) {
@@ -468,7 +467,7 @@ void launch_bwd(T* dweight, T* dbias, BwdArgs a, Stream s) {
   using DT = dev_t<T>;
   if (a.N <= 0) return;
   if (a.C <= 0) throw std::runtime_error("norm backward: C must be > 0");
-  bool ok = aligned16(a.dinp) && aligned16(a.dout) && aligned16(a.inp) && aligned16(a.w);
+  bool ok = aligned(a.dinp, 16) && aligned(a.dout, 16) && aligned(a.inp, 16) && aligned(a.w, 16);
   int vec, tpr;
   pick<T>(a.C, ok, &vec, &tpr);
   // warp per row: as many vectors per lane as the row needs (C 768 bf16: 3 vectors of 8)
