@@ -260,7 +260,10 @@ void bwd_v2_atomic_hd(bf* dq, bf* dk, bf* dv, float* dq_acc, float* delta, const
     attn_bwd_prep<HD><<<ceil_div(rows * (HD / 8), 256), 256, 0, s>>>(delta, dq_acc, dout, out, rows);
     LAUNCH_CHECK();
   }
-  if (nseq > 0 && max_seqlen > 0) {
+  if (nseq > 0 && max_seqlen > 0 && bwd_sm90_ws_available(HD, max_seqlen, Nq, Nk, q, k, v, dout)) {
+    bwd_sm90_ws(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, HD, causal,
+                scale, s);
+  } else if (nseq > 0 && max_seqlen > 0) {
     // hd 128: 8 warps x 16 keys, query tiles of 64 (255 registers, no spill; 1 block per SM).
     // hd 64: 4 warps x 16 keys, query tiles of 64 (225 registers; 2 blocks per SM).
     if constexpr (HD == 128)

@@ -312,9 +312,9 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
 #endif
 }
 
-// A TMA descriptor of a [rows, heads, HD] bf16 tensor (row-major, as attention takes q, k
-// and v) read in boxes of 64 head-dim columns x one head x box_rows rows, 128-byte swizzle:
-// each box lands as one 64-column half of an sw128 tile.
+}  // namespace
+
+// (declared in wgmma.cuh; the backward's loads use it too)
 CUtensorMap make_map(const bf* base, int64_t rows, int heads, int hd, int box_rows) {
   using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                               const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
@@ -342,6 +342,8 @@ CUtensorMap make_map(const bf* base, int64_t rows, int heads, int hd, int box_ro
   }
   return m;
 }
+
+namespace {
 
 template <int HD, int BC, int STAGES, int NC>
 void launch_ws(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const int32_t* cu_q,

@@ -67,19 +67,33 @@ __device__ __forceinline__ void fence_regs(T (&d)[N][4]) {
 // overwrites D. wgmma_rs: A from registers in mma.sync's A-fragment layout (warp w of the
 // warpgroup holds rows 16w..16w+15). TB = 0: B is K-major ([N][K] rows), 1: MN-major.
 // N = 8 x the first extent of d (64 or 128).
-template <int TB>
+// TA = 1 (wgmma_ss only): A is MN-major too, stored [K][M] (the backward's dQ = dS K reads
+// dS from its transposed [keys][queries] tile).
+template <int TB, int TA = 0>
 __device__ __forceinline__ void wgmma_ss(float (&d)[8][4], uint64_t da, uint64_t db, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
       "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "%32, %33, p, 1, 1, 0, %35;\n}\n"
+      "%32, %33, p, 1, 1, %36, %35;\n}\n"
       : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
         "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
         "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
         "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-      : "l"(da), "l"(db), "r"(accumulate), "n"(TB));
+      : "l"(da), "l"(db), "r"(accumulate), "n"(TB), "n"(TA));
+}
+// m64n32k16, both operands from shared memory (the hd 64 backward's half of dQ).
+template <int TB, int TA = 0>
+__device__ __forceinline__ void wgmma_ss(float (&d)[4][4], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+      "%16, %17, p, 1, 1, %20, %19;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+      : "l"(da), "l"(db), "r"(accumulate), "n"(TB), "n"(TA));
 }
 template <int TB>
 __device__ __forceinline__ void wgmma_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db) {
@@ -281,4 +295,10 @@ __device__ __forceinline__ void store_out_rows(bf* obase, float* lse_seq, bf* sQ
 }
 
 }  // namespace
+
+// A TMA descriptor of a [rows, heads, hd] bf16 tensor (row-major, as attention takes q, k, v,
+// out and dout) read in boxes of 64 head-dim columns x one head x box_rows rows, 128-byte
+// swizzle: each box lands as one 64-column half of an sw128 tile (attention_sm90_ws.cu).
+CUtensorMap make_map(const bf* base, int64_t rows, int heads, int hd, int box_rows);
+
 }  // namespace loom::cuda::attn

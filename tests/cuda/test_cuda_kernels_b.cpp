@@ -371,12 +371,17 @@ TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU ref
   const std::string saved = before ? before : "";
   const char* before_min = std::getenv("LOOM_ATTN_WS_MIN");
   const std::string saved_min = before_min ? before_min : "";
+  const char* before_bwd = std::getenv("LOOM_ATTN_BWD_WS_MIN");
+  const std::string saved_bwd = before_bwd ? before_bwd : "";
   SECTION("the default forward (on sm_90a: warp-specialized from 768 / 256 tokens, lock-step below)") {}
   SECTION("the warp-specialized wgmma forward on every shape (LOOM_ATTN_WS_MIN=0)") {
     setenv("LOOM_ATTN_WS_MIN", "0", 1);
   }
   SECTION("the lock-step wgmma forward (LOOM_ATTN_SM90=1)") { setenv("LOOM_ATTN_SM90", "1", 1); }
   SECTION("the mma.sync forward (LOOM_ATTN_SM90=0)") { setenv("LOOM_ATTN_SM90", "0", 1); }
+  SECTION("the warp-specialized wgmma backward on every shape (LOOM_ATTN_BWD_WS_MIN=0)") {
+    setenv("LOOM_ATTN_BWD_WS_MIN", "0", 1);
+  }
   const bool was = cu::deterministic_attention();
   uint32_t seed = 200;
   for (const auto& c : attn_cases()) {
@@ -389,6 +394,8 @@ TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU ref
   else unsetenv("LOOM_ATTN_SM90");
   if (before_min) setenv("LOOM_ATTN_WS_MIN", saved_min.c_str(), 1);
   else unsetenv("LOOM_ATTN_WS_MIN");
+  if (before_bwd) setenv("LOOM_ATTN_BWD_WS_MIN", saved_bwd.c_str(), 1);
+  else unsetenv("LOOM_ATTN_BWD_WS_MIN");
 }
 
 TEST_CASE("attention: invalid head configuration throws with the sizes", "[cuda][attention]") {

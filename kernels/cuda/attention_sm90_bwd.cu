@@ -1,0 +1,337 @@
+/*
+ * attention_sm90_bwd.cu: the flash-attention backward on Hopper, warp-specialized like the
+ * forward of attention_sm90_ws.cu (read that first: TMA producer, mbarrier rings, the wgmma
+ * layouts). Same contract and math as the single pass of attention_bwd_single.cu, whose first
+ * and last launches it shares (attn_bwd_prep: delta, dq_acc = 0; attn_bwd_finish: dq from
+ * dq_acc, dk / dv rows outside every sequence); this file is the middle launch:
+ *   dV_j += P^T dO,  dK_j += dS^T Q (scaled at the store),  dq_acc += dS K (fp32 reductions).
+ *
+ * Block: 3 warpgroups, 128 keys of one kv head and one sequence (BC), query tiles of 64 (BR)
+ * of every query head of the group in turn, only those that see the keys (causal).
+ *   warpgroup 0, the producer (40 registers; 24 spilled): K and V of the block once (TMA, or cp.async with
+ *     zero-filled rows for the sequence's last, partial tile), then for each query tile Q and
+ *     dO into a ring of STAGES buffers (TMA; the partial last tile through cp.async, zero-
+ *     filled, so that a row past the sequence adds 0, not 0 x garbage, to dK and dV) and the
+ *     tile's lse * log2(e) and delta into small arrays beside them. "full" mbarriers (128
+ *     arrivals, the leader's with the TMA bytes) and "empty" ones (256: every consumer thread).
+ *   warpgroups 1 and 2, the consumers (232 registers), 64 keys each, the transposed products
+ *     so that every product keeps keys as its 64 rows (FlashAttention-3's choice):
+ *       S^T = K_c Q^T, dP^T = V_c dO^T        wgmma from shared memory, two groups in flight
+ *       P^T = exp2(S^T scale log2e - lse2)    after the first group; the mask here
+ *       dS^T = P^T (dP^T - delta)             after the second
+ *       dV += P^T dO, dK += dS^T Q            P^T, dS^T as A from registers (the accumulator
+ *                                             layout is wgmma's A layout), one group
+ *       dS^T (bf16) into shared memory, the two consumers meet at a named barrier, then
+ *       dQ[:, c HD/2 ..] = dS K[:, c HD/2 ..] wgmma with A = dS^T read transposed and B = K
+ *                                             read transposed: each consumer half the columns
+ *                                             over all 128 keys, added with red.global.v2.f32
+ *     dS^T has two buffers: a consumer writes buffer i & 1 only after passing tile i - 1's
+ *     barrier, which the other passes only after its dQ product of tile i - 2 is done.
+ * Registers (hd 128): dK, dV 64 + 64, S^T, dP^T 32 + 32, P^T / dS^T fragments 16 + 16, dQ 32.
+ * Shared memory: K, V 2 x 128 x HD, Q, dO 2 x STAGES x 64 x HD, dS^T 2 x 128 x 64 (bf16):
+ *   hd 128, 2 stages: 160 KB; hd 64, 2 stages: 96 KB.
+ *
+ * Test: tests/cuda/test_cuda_kernels_b.cpp ("attention ...", LOOM_ATTN_BWD_WS_MIN=0 runs this
+ *   kernel on every bf16 hd 64 / 128 case).
+ */
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+
+#include "kernels/cuda/wgmma.cuh"
+
+namespace loom::cuda::attn {
+namespace {
+
+template <int HD, int STAGES>
+struct BwdSmem {
+  static constexpr int BC = 128, BR = 64;
+  static constexpr int kv_elems = BC * HD, q_elems = BR * HD, ds_elems = BC * BR;
+  // K, V | Q [STAGES], dO [STAGES] | dS^T [2] | lse2 [STAGES][BR], delta [STAGES][BR] | barriers
+  static constexpr int bytes = (2 * kv_elems + 2 * STAGES * q_elems + 2 * ds_elems) * 2 + 2 * STAGES * BR * 4 +
+                               (1 + 2 * STAGES) * 8 + 1024;
+};
+
+template <int HD, int STAGES>
+__global__ void __launch_bounds__(384, 1)
+attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ dq_acc, const bf* __restrict__ dout,
+                 const bf* __restrict__ q, const bf* __restrict__ k, const bf* __restrict__ v,
+                 const float* __restrict__ lse, const float* __restrict__ delta,
+                 const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
+                 const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
+                 const int32_t* __restrict__ cu_q, const int32_t* __restrict__ cu_k, int nseq, int H, int KV,
+                 int n_kt, int chunk_pairs, bool causal, float scale, float scale_log2) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using L = BwdSmem<HD, STAGES>;
+  constexpr int BC = L::BC, BR = L::BR;
+  extern __shared__ unsigned char smem_raw[];
+  bf* sK = reinterpret_cast<bf*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  bf* sV = sK + L::kv_elems;
+  bf* sQ = sV + L::kv_elems;          // [STAGES][BR * HD]
+  bf* sO = sQ + STAGES * L::q_elems;  // [STAGES][BR * HD] dout
+  bf* sS = sO + STAGES * L::q_elems;  // [2][BC * BR] dS^T, keys x queries
+  float* sL = reinterpret_cast<float*>(sS + 2 * L::ds_elems);  // [STAGES][BR] lse * log2(e)
+  float* sD = sL + STAGES * BR;                                // [STAGES][BR] delta
+  uint64_t* bar_kv = reinterpret_cast<uint64_t*>(sD + STAGES * BR);
+  uint64_t* full = bar_kv + 1;      // [STAGES]
+  uint64_t* empty = full + STAGES;  // [STAGES]
+
+  // block -> (key tile, kv head, sequence), in chunks of (kv head, sequence) pairs as the
+  // mma.sync single pass (attention_bwd_single.cu) orders them
+  const int pairs = KV * nseq, per_chunk = chunk_pairs * n_kt;
+  const int chunk = int(blockIdx.x) / per_chunk, within = int(blockIdx.x) % per_chunk;
+  const int pc = min(chunk_pairs, pairs - chunk * chunk_pairs);
+  const int kt = within / pc, pair = chunk * chunk_pairs + within % pc;
+  const int seq = pair / KV, kvh = pair % KV, group = H / KV;
+  const int q0 = cu_q[seq], Lq = cu_q[seq + 1] - q0, k0 = cu_k[seq], Lk = cu_k[seq + 1] - k0;
+  const int ks = kt * BC;
+  if (ks >= Lk) return;
+  const int nk = min(BC, Lk - ks), shift = Lk - Lq;
+  const int64_t qstride = int64_t(H) * HD, kvstride = int64_t(KV) * HD;
+  const int64_t koff = (int64_t(k0) + ks) * kvstride + kvh * HD;
+  const int t_min = causal ? max(0, ks - shift) : 0;  // the first query that sees key ks
+  const int n_qt = t_min < Lq ? (Lq - t_min + BR - 1) / BR : 0;
+  const int n_it = group * n_qt;  // (query head, query tile) iterations
+
+  if (threadIdx.x == 0) {
+    mbar_init(bar_kv, 1);
+    for (int s = 0; s < STAGES; s++) {
+      mbar_init(&full[s], 128);
+      mbar_init(&empty[s], 256);
+    }
+  }
+  __syncthreads();
+  const int wg = threadIdx.x / 128;
+
+  if (wg == 0) {  // ---------------------------------------------------------------- producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    const int tid = threadIdx.x;
+    const bool leader = tid == 0;
+    if (nk == BC) {
+      if (leader) {
+        mbar_expect_tx(bar_kv, 2 * BC * HD * 2);
+#pragma unroll
+        for (int half = 0; half < HD / 64; half++) {
+          tma_load_3d(sK + half * BC * 64, &tm_k, half * 64, kvh, k0 + ks, bar_kv);
+          tma_load_3d(sV + half * BC * 64, &tm_v, half * 64, kvh, k0 + ks, bar_kv);
+        }
+      }
+    } else {  // the sequence's last key tile: rows past it zero-filled
+      load_tile_sw128<HD, BC, 128>(sK, k + koff, kvstride, nk);
+      load_tile_sw128<HD, BC, 128>(sV, v + koff, kvstride, nk);
+      cp_async_commit();
+      cp_async_wait<0>();
+      fence_smem_async();
+      named_sync(15, 128);
+      if (leader) mbar_arrive(bar_kv);
+    }
+    for (int it = 0; it < n_it; it++) {
+      const int st = it % STAGES;
+      if (it >= STAGES) mbar_wait(&empty[st], ((it / STAGES) - 1) & 1);
+      const int h = kvh * group + it / n_qt, qt = t_min + (it % n_qt) * BR, nq = min(BR, Lq - qt);
+      const int i = tid & 63;
+      const int64_t at = (int64_t(q0) + qt + i) * H + h;
+      if (tid < 64) sL[st * BR + i] = i < nq ? lse[at] * kLog2e : 0.f;
+      else sD[st * BR + i] = i < nq ? delta[at] : 0.f;
+      if (nq == BR) {
+        if (leader) {  // its arrival carries the TMA bytes
+          mbar_expect_tx(&full[st], 2 * BR * HD * 2);
+#pragma unroll
+          for (int half = 0; half < HD / 64; half++) {
+            tma_load_3d(sQ + st * L::q_elems + half * BR * 64, &tm_q, half * 64, h, q0 + qt, &full[st]);
+            tma_load_3d(sO + st * L::q_elems + half * BR * 64, &tm_do, half * 64, h, q0 + qt, &full[st]);
+          }
+        } else {
+          mbar_arrive(&full[st]);
+        }
+      } else {  // the last query tile: rows past the sequence zero-filled
+        const int64_t qoff = (int64_t(q0) + qt) * qstride + h * HD;
+        load_tile_sw128<HD, BR, 128>(sQ + st * L::q_elems, q + qoff, qstride, nq);
+        load_tile_sw128<HD, BR, 128>(sO + st * L::q_elems, dout + qoff, qstride, nq);
+        cp_async_commit();
+        cp_async_wait<0>();
+        fence_smem_async();
+        mbar_arrive(&full[st]);
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------------------ consumers
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  const int c = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0) - 1;  // uniform (see the forward)
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+  const int kr = 64 * c + 16 * warp + g;  // this thread's key rows in the block: kr (c0, c1), kr + 8
+  const int klast = ks + 64 * c + 63;     // the consumer's last key in the sequence
+  float dka[HD / 8][4] = {}, dva[HD / 8][4] = {};
+
+  // Descriptors (wgmma.cuh): K-major operands advance 32 bytes per k-step inside a 64-column
+  // half and a half's size after four; MN-major ones 16 rows (2048 bytes) per k-step.
+  const uint64_t kA = sdesc(sK + c * 64 * 64, 0), vA = sdesc(sV + c * 64 * 64, 0);  // A: rows 64c..
+  const uint64_t qB = sdesc(sQ, 0), oB = sdesc(sO, 0);                // B, K-major (S^T, dP^T)
+  const uint64_t qT = sdesc(sQ, BR * 128), oT = sdesc(sO, BR * 128);  // B, MN-major (dK, dV)
+  const uint64_t dsA = sdesc(sS, BC * 128);                           // A, MN-major (dQ)
+  const uint64_t kT = sdesc(sK + (HD == 128 ? c * BC * 64 : c * 32), BC * 128);  // B, MN-major: dQ's columns
+  constexpr uint64_t kQStage = uint64_t(L::q_elems) * 2 / 16, kDsBuf = uint64_t(L::ds_elems) * 2 / 16;
+  constexpr uint64_t kRows16 = 16 * 128 / 16;
+
+  mbar_wait(bar_kv, 0);
+  for (int it = 0; it < n_it; it++) {
+    const int st = it % STAGES, buf = it & 1;
+    const int h = kvh * group + it / n_qt, qt = t_min + (it % n_qt) * BR, nq = min(BR, Lq - qt);
+    mbar_wait(&full[st], (it / STAGES) & 1);
+    const uint64_t qs = qB + st * kQStage, os = oB + st * kQStage;
+
+    float s[8][4], dp[8][4];  // S^T, dP^T: this consumer's 64 keys x the tile's 64 queries
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++)
+      wgmma_ss<0>(s, kA + ((kk / 4) * BC * 128 + (kk % 4) * 32) / 16, qs + ((kk / 4) * BR * 128 + (kk % 4) * 32) / 16,
+                  kk > 0);
+    wg_commit();
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++)
+      wgmma_ss<0>(dp, vA + ((kk / 4) * BC * 128 + (kk % 4) * 32) / 16, os + ((kk / 4) * BR * 128 + (kk % 4) * 32) / 16,
+                  kk > 0);
+    wg_commit();
+
+    const float* cL = sL + st * BR;
+    const float* cD = sD + st * BR;
+    const bool need_mask = klast >= Lk || nq < BR || (causal && klast > qt + shift);
+    wg_wait<1>();
+    fence_regs(s);
+#pragma unroll
+    for (int n = 0; n < 8; n++) {  // columns 8n + 2t, + 1: queries of the tile
+      const float2 l2 = *reinterpret_cast<const float2*>(cL + 8 * n + 2 * t);
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        float p = exp2_ftz(fmaf(s[n][e], scale_log2, -((e & 1) ? l2.y : l2.x)));
+        if (need_mask) {
+          const int key = ks + kr + 8 * (e >> 1), col = 8 * n + 2 * t + (e & 1);
+          if (key >= Lk || col >= nq || (causal && key > qt + col + shift)) p = 0.f;
+        }
+        s[n][e] = p;
+      }
+    }
+    wg_wait<0>();
+    fence_regs(dp);
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+      const float2 d2 = *reinterpret_cast<const float2*>(cD + 8 * n + 2 * t);
+#pragma unroll
+      for (int e = 0; e < 4; e++) dp[n][e] = s[n][e] * (dp[n][e] - ((e & 1) ? d2.y : d2.x));
+    }
+    uint32_t pa[4][4], da[4][4];  // P^T and dS^T as A fragments, k-steps of 16 queries
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+      c_to_a(pa[kk], s, kk);
+      c_to_a(da[kk], dp, kk);
+    }
+    // dS^T into sS[buf], row = key, 16-byte chunk n = queries 8n..8n+7: da[kk] holds the pairs
+    // (row kr, n = 2kk), (kr + 8, 2kk), (kr, 2kk + 1), (kr + 8, 2kk + 1)
+    bf* ds = sS + buf * L::ds_elems;
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++)
+#pragma unroll
+      for (int j = 0; j < 4; j++)
+        *reinterpret_cast<uint32_t*>(ds + sw128<BC>(kr + 8 * (j & 1), 2 * kk + (j >> 1)) + 2 * t) = da[kk][j];
+    fence_smem_async();  // these generic-proxy writes, before the other consumer's wgmma reads them
+
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) wgmma_rs<1>(dva, pa[kk], oT + st * kQStage + kk * kRows16);
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) wgmma_rs<1>(dka, da[kk], qT + st * kQStage + kk * kRows16);
+    wg_commit();
+
+    named_sync(1, 256);  // both consumers' halves of dS^T are in sS[buf]
+    float dq[HD / 16][4];  // dQ rows = the tile's queries, columns c HD/2 .. + HD/2
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; kk++) wgmma_ss<1, 1>(dq, dsA + buf * kDsBuf + kk * kRows16, kT + kk * kRows16, kk > 0);
+    wg_commit();
+    wg_wait<1>();  // dV, dK done: Q and dO of this stage are free
+    fence_regs(dva);
+    fence_regs(dka);
+    fence_regs(pa);
+    fence_regs(da);
+    mbar_arrive(&empty[st]);
+    wg_wait<0>();
+    fence_regs(dq);
+    float* dst = dq_acc + ((int64_t(q0) + qt) * H + h) * HD + c * (HD / 2) + 2 * t;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      const int row = 16 * warp + g + 8 * r;
+      if (row < nq) {
+#pragma unroll
+        for (int n = 0; n < HD / 16; n++) red_add_f32x2(dst + row * qstride + 8 * n, dq[n][2 * r], dq[n][2 * r + 1]);
+      }
+    }
+  }
+
+  // dK (scaled) and dV: this thread's rows kr, kr + 8 that lie in the sequence
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    const int key = kr + 8 * r;
+    if (key < nk) {
+      bf* pk = dk + koff + int64_t(key) * kvstride + 2 * t;
+      bf* pv = dv + koff + int64_t(key) * kvstride + 2 * t;
+#pragma unroll
+      for (int n = 0; n < HD / 8; n++) {
+        *reinterpret_cast<uint32_t*>(pk + 8 * n) = pack_bf16(dka[n][2 * r] * scale, dka[n][2 * r + 1] * scale);
+        *reinterpret_cast<uint32_t*>(pv + 8 * n) = pack_bf16(dva[n][2 * r], dva[n][2 * r + 1]);
+      }
+    }
+  }
+#endif
+}
+
+template <int HD, int STAGES>
+void launch_bwd(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, const bf* k, const bf* v,
+                const float* lse, const float* delta, const int32_t* cu_q, const int32_t* cu_k, int nseq,
+                int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, bool causal, float scale, cudaStream_t s) {
+  constexpr int smem = BwdSmem<HD, STAGES>::bytes, BC = BwdSmem<HD, STAGES>::BC;
+  static const bool once = [] {
+    CUDA_CHECK(cudaFuncSetAttribute(attn_bwd_sm90_ws<HD, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    return true;
+  }();
+  (void)once;
+  const CUtensorMap tq = make_map(q, Nq, H, HD, 64), tdo = make_map(dout, Nq, H, HD, 64);
+  const CUtensorMap tk = make_map(k, Nk, KV, HD, BC), tv = make_map(v, Nk, KV, HD, BC);
+  // chunks of (kv head, sequence) pairs whose Q, dO and dq_acc rows take ~32 MB of L2
+  const int n_kt = ceil_div(max_seqlen, BC), pairs = KV * nseq;
+  const double pair_bytes = double(H / KV) * std::max(max_seqlen, 1) * HD * 8.0;
+  const int fit = std::max(1, int(32.0 * 1024 * 1024 / pair_bytes));
+  const int chunk_pairs = ceil_div(pairs, ceil_div(pairs, fit));
+  attn_bwd_sm90_ws<HD, STAGES><<<pairs * n_kt, 384, smem, s>>>(dk, dv, dq_acc, dout, q, k, v, lse, delta, tq, tdo, tk,
+                                                               tv, cu_q, cu_k, nseq, H, KV, n_kt, chunk_pairs, causal,
+                                                               scale, scale * kLog2e);
+  LAUNCH_CHECK();
+}
+
+}  // namespace
+
+bool bwd_sm90_ws_available(int hd, int max_seqlen, int64_t Nq, int64_t Nk, const void* q, const void* k,
+                           const void* v, const void* dout) {
+  if (!fwd_sm90_available(hd) || Nq <= 0 || Nk <= 0) return false;
+  const char* m = std::getenv("LOOM_ATTN_BWD_WS_MIN");  // read at every call: tests switch it
+  const int ws_min = m ? std::atoi(m) : 1 << 30;
+  if (max_seqlen < ws_min) return false;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(k) |
+                      reinterpret_cast<uintptr_t>(v) | reinterpret_cast<uintptr_t>(dout);
+  return (a & 15) == 0;  // TMA: 16-byte aligned bases
+}
+
+void bwd_sm90_ws(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, const bf* k, const bf* v,
+                 const float* lse, const float* delta, const int32_t* cu_q, const int32_t* cu_k, int nseq,
+                 int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, int hd, bool causal, float scale,
+                 cudaStream_t s) {
+  if (hd == 128)
+    launch_bwd<128, 2>(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, causal,
+                       scale, s);
+  else
+    launch_bwd<64, 2>(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, causal,
+                      scale, s);
+}
+
+}  // namespace loom::cuda::attn
