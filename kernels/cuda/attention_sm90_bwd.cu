@@ -46,10 +46,11 @@ namespace {
 template <int HD, int STAGES>
 struct BwdSmem {
   static constexpr int BC = 128, BR = 64;
-  static constexpr int kv_elems = BC * HD, q_elems = BR * HD, ds_elems = BC * BR;
-  // K, V | Q [STAGES], dO [STAGES] | dS^T [2] | lse2 [STAGES][BR], delta [STAGES][BR] | barriers
-  static constexpr int bytes = (2 * kv_elems + 2 * STAGES * q_elems + 2 * ds_elems) * 2 + 2 * STAGES * BR * 4 +
-                               (1 + 2 * STAGES) * 8 + 1024;
+  static constexpr int kv_elems = BC * HD, q_elems = BR * HD, ds_elems = BC * BR, dq_floats = BR * HD;
+  // K, V | Q [STAGES], dO [STAGES] | dS^T [2] | dQ staging (fp32) | lse2 [STAGES][BR],
+  // delta [STAGES][BR] | barriers
+  static constexpr int bytes = (2 * kv_elems + 2 * STAGES * q_elems + 2 * ds_elems) * 2 + dq_floats * 4 +
+                               2 * STAGES * BR * 4 + (1 + 2 * STAGES) * 8 + 1024;
 };
 
 template <int HD, int STAGES>
@@ -59,7 +60,7 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
                  const float* __restrict__ lse, const float* __restrict__ delta,
                  const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
                  const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
-                 const int32_t* __restrict__ cu_q, const int32_t* __restrict__ cu_k, int nseq, int H, int KV,
+                 const __grid_constant__ CUtensorMap tm_dq, const int32_t* __restrict__ cu_q, const int32_t* __restrict__ cu_k, int nseq, int H, int KV,
                  int n_kt, int chunk_pairs, bool causal, float scale, float scale_log2) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = BwdSmem<HD, STAGES>;
@@ -70,7 +71,8 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
   bf* sQ = sV + L::kv_elems;          // [STAGES][BR * HD]
   bf* sO = sQ + STAGES * L::q_elems;  // [STAGES][BR * HD] dout
   bf* sS = sO + STAGES * L::q_elems;  // [2][BC * BR] dS^T, keys x queries
-  float* sL = reinterpret_cast<float*>(sS + 2 * L::ds_elems);  // [STAGES][BR] lse * log2(e)
+  float* sDQ = reinterpret_cast<float*>(sS + 2 * L::ds_elems);  // [2 consumers][HD / 64][BR][32]
+  float* sL = sDQ + L::dq_floats;                                // [STAGES][BR] lse * log2(e)
   float* sD = sL + STAGES * BR;                                // [STAGES][BR] delta
   uint64_t* bar_kv = reinterpret_cast<uint64_t*>(sD + STAGES * BR);
   uint64_t* full = bar_kv + 1;      // [STAGES]
@@ -164,6 +166,8 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
   const int kr = 64 * c + 16 * warp + g;  // this thread's key rows in the block: kr (c0, c1), kr + 8
   const int klast = ks + 64 * c + 63;     // the consumer's last key in the sequence
   float dka[HD / 8][4] = {}, dva[HD / 8][4] = {};
+  const bool elected = threadIdx.x % 128 == 0;  // issues this consumer's dQ reductions
+  float* sq = sDQ + c * BR * (HD / 2);
 
   // Descriptors (wgmma.cuh): K-major operands advance 32 bytes per k-step inside a 64-column
   // half and a half's size after four; MN-major ones 16 rows (2048 bytes) per k-step.
@@ -258,17 +262,31 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
     mbar_arrive(&empty[st]);
     wg_wait<0>();
     fence_regs(dq);
-    float* dst = dq_acc + ((int64_t(q0) + qt) * H + h) * HD + c * (HD / 2) + 2 * t;
+    // dQ through shared memory: boxes of 32 columns x 64 rows, 128-byte swizzle (16-byte
+    // chunk j of row r at chunk j ^ (r & 7)), added to dq_acc by the TMA unit while this
+    // warpgroup goes on; one thread waits until the previous tile's reduction has read them
+    if (elected) bulk_wait_read<0>();
+    named_sync(2 + c, 128);
 #pragma unroll
     for (int r = 0; r < 2; r++) {
       const int row = 16 * warp + g + 8 * r;
-      if (row < nq) {
 #pragma unroll
-        for (int n = 0; n < HD / 16; n++) red_add_f32x2(dst + row * qstride + 8 * n, dq[n][2 * r], dq[n][2 * r + 1]);
+      for (int n = 0; n < HD / 16; n++) {
+        const int j = 2 * (n % 4) + (t >> 1);
+        *reinterpret_cast<float2*>(sq + (n / 4) * BR * 32 + row * 32 + ((j ^ (row & 7)) * 4) + 2 * (t & 1)) =
+            make_float2(dq[n][2 * r], dq[n][2 * r + 1]);
       }
+    }
+    fence_smem_async();
+    named_sync(2 + c, 128);
+    if (elected) {
+#pragma unroll
+      for (int b = 0; b < HD / 64; b++) tma_reduce_add_3d(&tm_dq, c * (HD / 2) + 32 * b, h, q0 + qt, sq + b * BR * 32);
+      bulk_commit();
     }
   }
 
+  if (elected) bulk_wait<0>();  // the last reductions are done before the block ends
   // dK (scaled) and dV: this thread's rows kr, kr + 8 that lie in the sequence
 #pragma unroll
   for (int r = 0; r < 2; r++) {
@@ -292,30 +310,41 @@ void launch_bwd(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, cons
                 int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, bool causal, float scale, cudaStream_t s) {
   constexpr int smem = BwdSmem<HD, STAGES>::bytes, BC = BwdSmem<HD, STAGES>::BC;
   static const bool once = [] {
-    CUDA_CHECK(cudaFuncSetAttribute(attn_bwd_sm90_ws<HD, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    CUDA_CHECK(cudaFuncSetAttribute(attn_bwd_sm90_ws<HD, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    smem));
     return true;
   }();
   (void)once;
   const CUtensorMap tq = make_map(q, Nq, H, HD, 64), tdo = make_map(dout, Nq, H, HD, 64);
   const CUtensorMap tk = make_map(k, Nk, KV, HD, BC), tv = make_map(v, Nk, KV, HD, BC);
+  const CUtensorMap tdq = make_map_3d(dq_acc, true, Nq, H, HD, 32, 64);
   // chunks of (kv head, sequence) pairs whose Q, dO and dq_acc rows take ~32 MB of L2
   const int n_kt = ceil_div(max_seqlen, BC), pairs = KV * nseq;
   const double pair_bytes = double(H / KV) * std::max(max_seqlen, 1) * HD * 8.0;
   const int fit = std::max(1, int(32.0 * 1024 * 1024 / pair_bytes));
   const int chunk_pairs = ceil_div(pairs, ceil_div(pairs, fit));
-  attn_bwd_sm90_ws<HD, STAGES><<<pairs * n_kt, 384, smem, s>>>(dk, dv, dq_acc, dout, q, k, v, lse, delta, tq, tdo, tk,
-                                                               tv, cu_q, cu_k, nseq, H, KV, n_kt, chunk_pairs, causal,
+  attn_bwd_sm90_ws<HD, STAGES><<<pairs * n_kt, 384, smem, s>>>(dk, dv, dq_acc, dout, q, k, v, lse, delta, tq,
+                                                                       tdo, tk, tv, tdq, cu_q, cu_k, nseq, H, KV, n_kt, chunk_pairs, causal,
                                                                scale, scale * kLog2e);
   LAUNCH_CHECK();
 }
 
 }  // namespace
 
-bool bwd_sm90_ws_available(int hd, int max_seqlen, int64_t Nq, int64_t Nk, const void* q, const void* k,
+// The shortest longest-sequence (max_seqlen) for which this backward runs instead of the
+// mma.sync single pass. Swept on an H100 (2026-11-24, one call, fwd+bwd ms this / mma.sync):
+// hd 64 bidirectional B128 H12 T49 0.158 / 0.108, B64 H12 T64 0.089 / 0.068, T128 0.134 /
+// 0.146, B128 H12 T196 0.580 / 0.635, B32 H12 T256 0.166 / 0.189, B8 H12 T1024 0.357 / 0.492;
+// hd 64 causal B32 H9 T256 0.133 / 0.128, B16 H9 T512 0.151 / 0.161, B4 H9 T2048 0.295 / 0.383;
+// hd 128 causal B32 H16 T128 0.172 / 0.177, T256 0.334 / 0.364. A 128-key block over a
+// sequence of 49 or 64 keys leaves most of its second consumer idle.
+static int bwd_ws_min_seqlen(int hd, bool causal) { return hd == 128 ? 128 : causal ? 512 : 128; }
+
+bool bwd_sm90_ws_available(int hd, bool causal, int max_seqlen, int64_t Nq, int64_t Nk, const void* q, const void* k,
                            const void* v, const void* dout) {
   if (!fwd_sm90_available(hd) || Nq <= 0 || Nk <= 0) return false;
   const char* m = std::getenv("LOOM_ATTN_BWD_WS_MIN");  // read at every call: tests switch it
-  const int ws_min = m ? std::atoi(m) : 1 << 30;
+  const int ws_min = m ? std::atoi(m) : bwd_ws_min_seqlen(hd, causal);
   if (max_seqlen < ws_min) return false;
   const uintptr_t a = reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(k) |
                       reinterpret_cast<uintptr_t>(v) | reinterpret_cast<uintptr_t>(dout);
@@ -326,11 +355,13 @@ void bwd_sm90_ws(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, con
                  const float* lse, const float* delta, const int32_t* cu_q, const int32_t* cu_k, int nseq,
                  int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, int hd, bool causal, float scale,
                  cudaStream_t s) {
+  // hd 128: 2 buffers of Q / dO (160 KB of shared memory with the dQ staging: 192 KB);
+  // hd 64: 3 (0.3565 against 0.3612 ms fwd+bwd at B8 H12 T1024, H100)
   if (hd == 128)
     launch_bwd<128, 2>(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, causal,
                        scale, s);
   else
-    launch_bwd<64, 2>(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, causal,
+    launch_bwd<64, 3>(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, causal,
                       scale, s);
 }
 

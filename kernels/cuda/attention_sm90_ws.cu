@@ -314,8 +314,8 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
 
 }  // namespace
 
-// (declared in wgmma.cuh; the backward's loads use it too)
-CUtensorMap make_map(const bf* base, int64_t rows, int heads, int hd, int box_rows) {
+// (declared in wgmma.cuh; the backward uses them too)
+CUtensorMap make_map_3d(const void* base, bool f32, int64_t rows, int heads, int hd, int box_cols, int box_rows) {
   using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                               const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                               CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
@@ -329,18 +329,24 @@ CUtensorMap make_map(const bf* base, int64_t rows, int heads, int hd, int box_ro
     return reinterpret_cast<Encode>(fn);
   }();
   CUtensorMap m;
+  const cuuint64_t es = f32 ? 4 : 2;
   const cuuint64_t dims[3] = {cuuint64_t(hd), cuuint64_t(heads), cuuint64_t(rows)};
-  const cuuint64_t strides[2] = {cuuint64_t(hd) * 2, cuuint64_t(heads) * hd * 2};  // bytes, dims 1 and 2
-  const cuuint32_t box[3] = {64, 1, cuuint32_t(box_rows)}, step[3] = {1, 1, 1};
-  const CUresult r = encode(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf*>(base), dims, strides, box, step,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const cuuint64_t strides[2] = {cuuint64_t(hd) * es, cuuint64_t(heads) * hd * es};  // bytes, dims 1 and 2
+  const cuuint32_t box[3] = {cuuint32_t(box_cols), 1, cuuint32_t(box_rows)}, step[3] = {1, 1, 1};
+  const CUresult r = encode(&m, f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3,
+                            const_cast<void*>(base), dims, strides, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
     char msg[128];
-    std::snprintf(msg, sizeof msg, "error %d for a [%lld, %d, %d] bf16 tensor", int(r), (long long)rows, heads, hd);
+    std::snprintf(msg, sizeof msg, "error %d for a [%lld, %d, %d] %s tensor", int(r), (long long)rows, heads, hd,
+                  f32 ? "fp32" : "bf16");
     fail("CUDA driver", "cuTensorMapEncodeTiled", msg, __FILE__, __LINE__);
   }
   return m;
+}
+CUtensorMap make_map(const bf* base, int64_t rows, int heads, int hd, int box_rows) {
+  return make_map_3d(base, false, rows, heads, hd, 64, box_rows);
 }
 
 namespace {

@@ -185,6 +185,27 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, i
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar))
       : "memory");
 }
+// TMA reduction: adds the box at shared src, laid out as the map's swizzle says, into global
+// memory at element coordinates (c0, c1, c2) (fp32 add, elementwise atomic; rows past the
+// tensor are dropped). An async bulk group: commit it, and wait for it before src is rewritten.
+__device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap* map, int c0, int c1, int c2, const void* src) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(smem_addr(src)), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// this thread's bulk groups: all but the newest N have read their shared memory source
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+// ... and have completed (their writes to global memory are done)
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
 // Named barriers 1..15 (0 is __syncthreads): `threads` threads take part, those that sync
 // wait for the rest, those that arrive do not wait.
 __device__ __forceinline__ void named_sync(int id, int threads) {
@@ -300,5 +321,8 @@ __device__ __forceinline__ void store_out_rows(bf* obase, float* lse_seq, bf* sQ
 // out and dout) read in boxes of 64 head-dim columns x one head x box_rows rows, 128-byte
 // swizzle: each box lands as one 64-column half of an sw128 tile (attention_sm90_ws.cu).
 CUtensorMap make_map(const bf* base, int64_t rows, int heads, int hd, int box_rows);
+// The same for bf16 or fp32 elements with boxes of box_cols columns (128-byte swizzle: box_cols
+// x element size <= 128 bytes).
+CUtensorMap make_map_3d(const void* base, bool f32, int64_t rows, int heads, int hd, int box_cols, int box_rows);
 
 }  // namespace loom::cuda::attn
