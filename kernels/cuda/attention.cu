@@ -14,7 +14,9 @@
  *      wgmma.cuh                      its primitives: descriptors, wgmma, mbarriers, TMA
  *   8. attention_sm90_ws.cu           the Hopper forward warp-specialized: TMA producer,
  *                                     consumers taking turns on the tensor cores (the default)
- *   9. attention_cudnn.cu             a second backend: cuDNN's fused attention, chosen per shape
+ *   9. attention_sm90_bwd.cu          the Hopper backward warp-specialized: TMA producer, two
+ *                                     consumers of 64 keys, dQ added by TMA reductions
+ *  10. attention_cudnn.cu             a second backend: cuDNN's fused attention, chosen per shape
  *      attention_cudnn_graph.cu       its SDPA graph, built with cuDNN's backend descriptor API
  * How each version came to be (dated measurements, commits): docs/kernels/attention.md.
  *
@@ -46,7 +48,10 @@
  *                                             latter, =0: v2; LOOM_ATTN_WS_MIN: the threshold)
  *             bf16, hd 16/32/64/128           attention_fwd.cu  (v2, any sm_80+)
  *             f32, or another hd              attention_v1.cu
- *   backward  bf16, hd 64/128                 attention_bwd_single.cu, unless
+ *   backward  bf16, hd 64/128 on sm_90a       attention_sm90_bwd.cu (wgmma, warp-specialized) when
+ *                                             the longest sequence has >= 128 tokens (512 for causal
+ *                                             hd 64; LOOM_ATTN_BWD_WS_MIN: the threshold), else
+ *             bf16, hd 64/128                 attention_bwd_single.cu; both unless
  *                                             set_deterministic_attention(true) / LOOM_DETERMINISTIC=1
  *             bf16, hd 16/32/64/128           attention_bwd.cu (two passes, bitwise reproducible)
  *             f32, or another hd              attention_v1.cu
@@ -64,8 +69,11 @@
  *                     0.298 | 0.076 ms, against the lock-step kernel's 0.100 | 0.427 | 0.104
  *                     and cuDNN's 0.065 | 0.262 | 0.067 in the same call (0.78 | 0.88 | 0.88x);
  *                     its header has the steps and what each gained.
- *   backward, single pass (default): fwd+bwd 0.494 | 2.124 | 0.398 ms
+ *   backward, single pass: fwd+bwd 0.494 | 2.124 | 0.398 ms
  *                     (FLASH_ATTENTION, same run: 0.512 | 2.243 | 0.516);
+ *   sm90 warp-specialized backward (H100, 2026-11-24): fwd+bwd 0.361 | 1.377 | 0.294 ms against
+ *                     the single pass's 0.491 | 2.053 | 0.382, cuDNN's 0.275 | 1.177 | 0.261
+ *                     (0.76 | 0.85 | 0.89x) and PyTorch CUDNN_ATTENTION's 0.546 | 1.449 | 0.671;
  *   backward, two passes (deterministic): fwd+bwd 0.573 | 2.632 | 0.552 ms.
  * Measured alternatives that lost (fwd+bwd ms or forward TFLOP/s on the same shapes; details
  * and dates in docs/kernels/attention.md):

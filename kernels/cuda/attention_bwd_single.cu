@@ -1,7 +1,9 @@
 /*
  * attention_bwd_single.cu: the v2 backward in one pass with fp32-atomic dq, the default for
- * bf16 at hd 64/128 (set_deterministic_attention(true) or LOOM_DETERMINISTIC=1 runs
- * attention_bwd.cu instead). Read attention_bwd.cu first: this is its dk/dv pass plus the dq
+ * bf16 at hd 64/128 off Hopper and, on sm_90a, for sequences shorter than the warp-specialized
+ * wgmma backward's threshold (attention_sm90_bwd.cu, which replaces the middle launch below and
+ * shares the other two); set_deterministic_attention(true) or LOOM_DETERMINISTIC=1 runs
+ * attention_bwd.cu instead. Read attention_bwd.cu first: this is its dk/dv pass plus the dq
  * contribution of every tile pair, so that S and dP are computed once.
  *
  * Three launches:
@@ -33,7 +35,9 @@
  *   alone at the end); key-tile-major over all pairs 0.550 | 2.366 | 0.429 (every head's dq_acc
  *   in flight at once: the atomics miss in L2); red.v4 after a lane shuffle 2.26 against 2.22;
  *   a wgmma single pass at hd 64 0.571 | 0.514 (1 warpgroup) against 0.496 | 0.401 (every
- *   product waited for before its result is used); delta, zeroing and conversion as 6 launches
+ *   product waited for before its result is used, loads by the consumers themselves; the
+ *   warp-specialized attention_sm90_bwd.cu, with a TMA producer and TMA dQ reductions, is
+ *   faster from 128 tokens); delta, zeroing and conversion as 6 launches
  *   instead of 3: 0.514 | 2.150 | 0.418. History: docs/kernels/attention.md.
  * Test: tests/cuda/test_cuda_kernels_b.cpp ("attention forward/backward bf16 ...", single-pass runs).
  */

@@ -31,8 +31,29 @@
  * Shared memory: K, V 2 x 128 x HD, Q, dO 2 x STAGES x 64 x HD, dS^T 2 x 128 x 64 (bf16):
  *   hd 128, 2 stages: 160 KB; hd 64, 2 stages: 96 KB.
  *
- * Test: tests/cuda/test_cuda_kernels_b.cpp ("attention ...", LOOM_ATTN_BWD_WS_MIN=0 runs this
- *   kernel on every bf16 hd 64 / 128 case).
+ * dQ: each consumer's 64 x HD/2 fp32 block goes to shared memory (boxes of 32 columns, 128-byte
+ *   swizzle) and one thread hands it to the TMA unit as a reduction into dq_acc
+ *   (cp.reduce.async.bulk.tensor ... add): the warpgroup goes on while the unit adds. Rows past
+ *   the sequence hold exact zeros (their dS^T columns are 0), so adding the whole box is safe.
+ *
+ * When it runs: bf16, hd 64 / 128 on sm_90a, not deterministic, when the longest sequence has
+ *   at least 128 tokens (512 for causal hd 64): bwd_ws_min_seqlen below has the sweep; shorter
+ *   sequences keep the mma.sync single pass, whose 64-key blocks waste less on them.
+ *
+ * Versions (H100 SXM, bf16, fwd+bwd ms on the SPEC shapes B8 H12 T1024 D64 full | B8 H16 T2048
+ * D128 causal | B4 H9 T2048 D64 causal; forward the warp-specialized kernel; same call each):
+ *   mma.sync single pass (attention_bwd_single.cu)            0.491 | 2.053 | 0.382
+ *   1. this kernel, dQ by per-thread red.global.add.v2.f32     0.372 | 1.529 | 0.305
+ *   2. dQ through shared memory and TMA reductions             0.358 | 1.375 | 0.295
+ *   3. hd 64 with 3 Q / dO buffers instead of 2                0.357 | -     | 0.294
+ *   cuDNN's fused attention (attention_cudnn.cu), same call    0.275 | 1.177 | 0.261
+ *   PyTorch SDPA CUDNN_ATTENTION, same call                    0.546 | 1.449 | 0.671
+ *   (eb61a21, 2026-11-24, make bench). Not done: the next tile's S^T / dP^T in flight during
+ *   this tile's elementwise work (FlashAttention-3 gets part of its speed there; at hd 128 the
+ *   registers are not there for a second set of accumulators).
+ *
+ * Test: tests/cuda/test_cuda_kernels_b.cpp ("attention ...": the default sections run it on
+ *   the cases of 128 tokens and more, LOOM_ATTN_BWD_WS_MIN=0 on every bf16 hd 64 / 128 case).
  */
 #include <algorithm>
 #include <cstdint>
