@@ -36,6 +36,14 @@
  *   (cp.reduce.async.bulk.tensor ... add): the warpgroup goes on while the unit adds. Rows past
  *   the sequence hold exact zeros (their dS^T columns are 0), so adding the whole box is safe.
  *
+ * OWN (hd 64 causal): each consumer computes dQ over its own 64 keys for all HD columns and
+ *   adds it itself, so there is no barrier between the consumers and they drift apart (one's
+ *   exponentials beside the other's products), for twice the reduction traffic. H100, same call,
+ *   fwd+bwd ms shared / own: B4 H9 T2048 causal 0.292 / 0.279-0.286, B16 H9 T512 causal 0.149 /
+ *   0.150, bench_vlm_sft 69.4 / 69.6 -> 69.0 / 69.0 ms; but bidirectional B8 H12 T1024 0.356-0.359
+ *   / 0.366-0.372 and B4 H9 T2048 0.483 / 0.492 (the doubled reductions cost more than the
+ *   drift gains there): causal hd 64 only.
+ *
  * When it runs: bf16, hd 64 / 128 on sm_90a, not deterministic, when the longest sequence has
  *   at least 128 tokens (512 for causal hd 64): bwd_ws_min_seqlen below has the sweep; shorter
  *   sequences keep the mma.sync single pass, whose 64-key blocks waste less on them.
@@ -46,6 +54,7 @@
  *   1. this kernel, dQ by per-thread red.global.add.v2.f32     0.372 | 1.529 | 0.305
  *   2. dQ through shared memory and TMA reductions             0.358 | 1.375 | 0.295
  *   3. hd 64 with 3 Q / dO buffers instead of 2                0.357 | -     | 0.294
+ *   4. hd 64 causal: each consumer its own dQ (OWN, below)     -     | -     | 0.279-0.286
  *   cuDNN's fused attention (attention_cudnn.cu), same call    0.275 | 1.177 | 0.261
  *   PyTorch SDPA CUDNN_ATTENTION, same call                    0.546 | 1.449 | 0.671
  *   (eb61a21, 2026-11-24, make bench). Not done: the next tile's S^T / dP^T in flight during
@@ -64,17 +73,17 @@
 namespace loom::cuda::attn {
 namespace {
 
-template <int HD, int STAGES>
+template <int HD, int STAGES, bool OWN = false>
 struct BwdSmem {
   static constexpr int BC = 128, BR = 64;
-  static constexpr int kv_elems = BC * HD, q_elems = BR * HD, ds_elems = BC * BR, dq_floats = BR * HD;
+  static constexpr int kv_elems = BC * HD, q_elems = BR * HD, ds_elems = BC * BR, dq_floats = BR * HD * (OWN ? 2 : 1);
   // K, V | Q [STAGES], dO [STAGES] | dS^T [2] | dQ staging (fp32) | lse2 [STAGES][BR],
   // delta [STAGES][BR] | barriers
   static constexpr int bytes = (2 * kv_elems + 2 * STAGES * q_elems + 2 * ds_elems) * 2 + dq_floats * 4 +
                                2 * STAGES * BR * 4 + (1 + 2 * STAGES) * 8 + 1024;
 };
 
-template <int HD, int STAGES>
+template <int HD, int STAGES, bool OWN>
 __global__ void __launch_bounds__(384, 1)
 attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ dq_acc, const bf* __restrict__ dout,
                  const bf* __restrict__ q, const bf* __restrict__ k, const bf* __restrict__ v,
@@ -84,7 +93,8 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
                  const __grid_constant__ CUtensorMap tm_dq, const int32_t* __restrict__ cu_q, const int32_t* __restrict__ cu_k, int nseq, int H, int KV,
                  int n_kt, int chunk_pairs, bool causal, float scale, float scale_log2) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using L = BwdSmem<HD, STAGES>;
+  using L = BwdSmem<HD, STAGES, OWN>;
+  constexpr int DQN = OWN ? HD : HD / 2;  // dQ columns per consumer
   constexpr int BC = L::BC, BR = L::BR;
   extern __shared__ unsigned char smem_raw[];
   bf* sK = reinterpret_cast<bf*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -188,15 +198,15 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
   const int klast = ks + 64 * c + 63;     // the consumer's last key in the sequence
   float dka[HD / 8][4] = {}, dva[HD / 8][4] = {};
   const bool elected = threadIdx.x % 128 == 0;  // issues this consumer's dQ reductions
-  float* sq = sDQ + c * BR * (HD / 2);
+  float* sq = sDQ + c * BR * DQN;
 
   // Descriptors (wgmma.cuh): K-major operands advance 32 bytes per k-step inside a 64-column
   // half and a half's size after four; MN-major ones 16 rows (2048 bytes) per k-step.
   const uint64_t kA = sdesc(sK + c * 64 * 64, 0), vA = sdesc(sV + c * 64 * 64, 0);  // A: rows 64c..
   const uint64_t qB = sdesc(sQ, 0), oB = sdesc(sO, 0);                // B, K-major (S^T, dP^T)
   const uint64_t qT = sdesc(sQ, BR * 128), oT = sdesc(sO, BR * 128);  // B, MN-major (dK, dV)
-  const uint64_t dsA = sdesc(sS, BC * 128);                           // A, MN-major (dQ)
-  const uint64_t kT = sdesc(sK + (HD == 128 ? c * BC * 64 : c * 32), BC * 128);  // B, MN-major: dQ's columns
+  const uint64_t dsA = sdesc(sS + (OWN ? c * 64 * 64 : 0), BC * 128);  // A, MN-major (dQ)
+  const uint64_t kT = sdesc(sK + (OWN ? c * 64 * 64 : HD == 128 ? c * BC * 64 : c * 32), BC * 128);  // B, MN-major
   constexpr uint64_t kQStage = uint64_t(L::q_elems) * 2 / 16, kDsBuf = uint64_t(L::ds_elems) * 2 / 16;
   constexpr uint64_t kRows16 = 16 * 128 / 16;
 
@@ -269,11 +279,12 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
     for (int kk = 0; kk < 4; kk++) wgmma_rs<1>(dka, da[kk], qT + st * kQStage + kk * kRows16);
     wg_commit();
 
-    named_sync(1, 256);  // both consumers' halves of dS^T are in sS[buf]
-    float dq[HD / 16][4];  // dQ rows = the tile's queries, columns c HD/2 .. + HD/2
+    if (!OWN) named_sync(1, 256);  // both consumers' halves of dS^T are in sS[buf]
+    float dq[DQN / 8][4];  // dQ rows = the tile's queries, columns c HD/2 .. + HD/2 (OWN: all, my keys)
     wg_fence();
 #pragma unroll
-    for (int kk = 0; kk < BC / 16; kk++) wgmma_ss<1, 1>(dq, dsA + buf * kDsBuf + kk * kRows16, kT + kk * kRows16, kk > 0);
+    for (int kk = 0; kk < (OWN ? 4 : BC / 16); kk++)
+      wgmma_ss<1, 1>(dq, dsA + buf * kDsBuf + kk * kRows16, kT + kk * kRows16, kk > 0);
     wg_commit();
     wg_wait<1>();  // dV, dK done: Q and dO of this stage are free
     fence_regs(dva);
@@ -292,7 +303,7 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
     for (int r = 0; r < 2; r++) {
       const int row = 16 * warp + g + 8 * r;
 #pragma unroll
-      for (int n = 0; n < HD / 16; n++) {
+      for (int n = 0; n < DQN / 8; n++) {
         const int j = 2 * (n % 4) + (t >> 1);
         *reinterpret_cast<float2*>(sq + (n / 4) * BR * 32 + row * 32 + ((j ^ (row & 7)) * 4) + 2 * (t & 1)) =
             make_float2(dq[n][2 * r], dq[n][2 * r + 1]);
@@ -302,7 +313,8 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
     named_sync(2 + c, 128);
     if (elected) {
 #pragma unroll
-      for (int b = 0; b < HD / 64; b++) tma_reduce_add_3d(&tm_dq, c * (HD / 2) + 32 * b, h, q0 + qt, sq + b * BR * 32);
+      for (int b = 0; b < DQN / 32; b++)
+        tma_reduce_add_3d(&tm_dq, (OWN ? 0 : c * (HD / 2)) + 32 * b, h, q0 + qt, sq + b * BR * 32);
       bulk_commit();
     }
   }
@@ -325,13 +337,13 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
 #endif
 }
 
-template <int HD, int STAGES>
+template <int HD, int STAGES, bool OWN = false>
 void launch_bwd(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, const bf* k, const bf* v,
                 const float* lse, const float* delta, const int32_t* cu_q, const int32_t* cu_k, int nseq,
                 int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, bool causal, float scale, cudaStream_t s) {
-  constexpr int smem = BwdSmem<HD, STAGES>::bytes, BC = BwdSmem<HD, STAGES>::BC;
+  constexpr int smem = BwdSmem<HD, STAGES, OWN>::bytes, BC = BwdSmem<HD, STAGES, OWN>::BC;
   static const bool once = [] {
-    CUDA_CHECK(cudaFuncSetAttribute(attn_bwd_sm90_ws<HD, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    CUDA_CHECK(cudaFuncSetAttribute(attn_bwd_sm90_ws<HD, STAGES, OWN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     smem));
     return true;
   }();
@@ -344,7 +356,7 @@ void launch_bwd(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, cons
   const double pair_bytes = double(H / KV) * std::max(max_seqlen, 1) * HD * 8.0;
   const int fit = std::max(1, int(32.0 * 1024 * 1024 / pair_bytes));
   const int chunk_pairs = ceil_div(pairs, ceil_div(pairs, fit));
-  attn_bwd_sm90_ws<HD, STAGES><<<pairs * n_kt, 384, smem, s>>>(dk, dv, dq_acc, dout, q, k, v, lse, delta, tq,
+  attn_bwd_sm90_ws<HD, STAGES, OWN><<<pairs * n_kt, 384, smem, s>>>(dk, dv, dq_acc, dout, q, k, v, lse, delta, tq,
                                                                        tdo, tk, tv, tdq, cu_q, cu_k, nseq, H, KV, n_kt, chunk_pairs, causal,
                                                                scale, scale * kLog2e);
   LAUNCH_CHECK();
@@ -377,10 +389,13 @@ void bwd_sm90_ws(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, con
                  int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, int hd, bool causal, float scale,
                  cudaStream_t s) {
   // hd 128: 2 buffers of Q / dO (160 KB of shared memory with the dQ staging: 192 KB);
-  // hd 64: 3 (0.3565 against 0.3612 ms fwd+bwd at B8 H12 T1024, H100)
+  // hd 64: 3 (0.3565 against 0.3612 ms fwd+bwd at B8 H12 T1024, H100), causal with OWN dQ
   if (hd == 128)
     launch_bwd<128, 2>(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, causal,
                        scale, s);
+  else if (causal)  // each consumer its own dQ (see OWN in the header)
+    launch_bwd<64, 3, true>(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV,
+                            causal, scale, s);
   else
     launch_bwd<64, 3>(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, causal,
                       scale, s);
