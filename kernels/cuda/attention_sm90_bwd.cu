@@ -58,8 +58,12 @@
  *   cuDNN's fused attention (attention_cudnn.cu), same call    0.275 | 1.177 | 0.261
  *   PyTorch SDPA CUDNN_ATTENTION, same call                    0.546 | 1.449 | 0.671
  *   (eb61a21, 2026-11-24, make bench). Not done: the next tile's S^T / dP^T in flight during
- *   this tile's elementwise work (FlashAttention-3 gets part of its speed there; at hd 128 the
- *   registers are not there for a second set of accumulators).
+ *   this tile's elementwise work. Written for hd 64 (a second set of S^T / dP^T accumulators,
+ *   the tile loop unrolled by two so that the sets take turns), it did not compile to that:
+ *   ptxas reported "wgmma.mma_async instructions are serialized due to insufficient register
+ *   resources" at 232 registers per consumer thread and spilled 370-650 bytes, so it was not
+ *   run. It would need fewer live accumulators (e.g. dV in shared memory) or 3 warpgroups'
+ *   worth of registers for 2.
  *
  * Test: tests/cuda/test_cuda_kernels_b.cpp ("attention ...": the default sections run it on
  *   the cases of 128 tokens and more, LOOM_ATTN_BWD_WS_MIN=0 on every bf16 hd 64 / 128 case).
