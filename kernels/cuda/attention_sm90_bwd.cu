@@ -64,6 +64,10 @@
  *   resources" at 232 registers per consumer thread and spilled 370-650 bytes, so it was not
  *   run. It would need fewer live accumulators (e.g. dV in shared memory) or 3 warpgroups'
  *   worth of registers for 2.
+ *   Query tiles of 128 at hd 64 (FlashAttention-3's hd 64 tile; S^T, dP^T as m64n128 products,
+ *   dQ as two m64 products per consumer, 2 buffers): correct, but it spilled 156 bytes at 232
+ *   registers and was slower, fwd+bwd B8 H12 T1024 0.395 against 0.362 ms, B4 H9 T2048 full
+ *   0.537 against 0.488, B128 H12 T196 0.643 against 0.586 (H100, same call): not kept.
  *
  * Test: tests/cuda/test_cuda_kernels_b.cpp ("attention ...": the default sections run it on
  *   the cases of 128 tokens and more, LOOM_ATTN_BWD_WS_MIN=0 on every bf16 hd 64 / 128 case).
