@@ -5,7 +5,8 @@
  *
  * Caching allocator
  *   Small requests (< 1 MiB: statistics, scalars, activations of small models) are rounded up
- *   to a multiple of 512 B and kept in one free list per size (best fit, no slack).
+ *   to a size class (multiples of 512 B up to 8 KiB, then eighths of each power of two: at
+ *   most 1/8 of slack) and kept in one free list per class.
  *   Large requests (>= 1 MiB) are rounded up to 512 B and carved out of segments, as PyTorch's
  *   caching allocator does: a segment is one cudaMalloc (20 MiB for requests under 10 MiB, so
  *   that several share it; else the request rounded up to 2 MiB), split into blocks kept in
@@ -40,6 +41,7 @@
  *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_runtime.cpp
  */
 #include <algorithm>
+#include <cstdlib>
 #include <cstdio>
 #include <map>
 #include <mutex>
@@ -84,6 +86,21 @@ constexpr size_t kMinSplit = size_t(1) << 20;        // split off a remainder of
 
 size_t round_up(size_t n, size_t r) { return (n + r - 1) / r * r; }
 size_t round_size(size_t bytes) { return round_up(bytes == 0 ? 1 : bytes, kRound); }
+// The size class of a small request: multiples of 512 B up to 8 KiB, then eighths of the power
+// of two below the size (8-9 KiB -> 9 KiB, 500 KiB -> 512 KiB; at most 1/8 more), so that
+// requests whose sizes change a little from step to step (the packed VLM batch's per-image and
+// per-sequence buffers) share a few classes instead of each new size costing a cudaMalloc and a
+// cached block of its own. LOOM_ALLOC_EXACT=1: 512-byte classes throughout (measurement).
+size_t small_class(size_t sz) {
+  static const bool exact = [] {
+    const char* e = std::getenv("LOOM_ALLOC_EXACT");
+    return e && e[0] == '1';
+  }();
+  if (exact || sz <= 8192) return sz;
+  size_t p = 8192;
+  while (p * 2 <= sz) p *= 2;
+  return round_up(sz, p / 8);
+}
 
 // A large block: a piece of one segment, linked to its neighbours in address order.
 struct Block {
@@ -232,7 +249,7 @@ struct Allocator {
   void* alloc(size_t bytes) {
     size_t sz = round_size(bytes);
     std::lock_guard<std::mutex> lock(mu);
-    return sz < kSmallLimit ? alloc_small(sz, bytes) : alloc_large(sz, bytes);
+    return sz < kSmallLimit ? alloc_small(small_class(sz), bytes) : alloc_large(sz, bytes);
   }
 
   void free(void* p) {

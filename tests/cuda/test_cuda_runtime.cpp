@@ -27,6 +27,19 @@ TEST_CASE("runtime: caching allocator reuses blocks and counts bytes", "[runtime
   cu::reset_peak_bytes();
   CHECK(cu::peak_bytes_in_use() == base);
   REQUIRE_THROWS(cu::device_free(reinterpret_cast<void*>(0x1234)));
+  // above 8 KiB the small classes are eighths of a power of two: 9000 and 9200 bytes share the
+  // 9 KiB class (a size that moves a little from step to step reuses its block), 9300 does not
+  void* k9000 = cu::device_malloc(9000);
+  CHECK(cu::bytes_in_use() == base + 9216);
+  cu::device_free(k9000);
+  void* k9200 = cu::device_malloc(9200);
+  CHECK(k9200 == k9000);
+  void* k9300 = cu::device_malloc(9300);
+  CHECK(k9300 != k9000);
+  CHECK(cu::bytes_in_use() == base + 9216 + 10240);
+  cu::device_free(k9200);
+  cu::device_free(k9300);
+  CHECK(cu::bytes_in_use() == base);
 
   // memcpy / memset round trip through pinned memory
   auto h = rnd(1000, 1);
