@@ -8,11 +8,11 @@
  *
  * Block: 3 warpgroups, 128 keys of one kv head and one sequence (BC), query tiles of 64 (BR)
  * of every query head of the group in turn, only those that see the keys (causal).
- *   warpgroup 0, the producer (40 registers; 24 spilled): K and V of the block once (TMA, or cp.async with
- *     zero-filled rows for the sequence's last, partial tile), then for each query tile Q and
- *     dO into a ring of STAGES buffers (TMA; the partial last tile through cp.async, zero-
- *     filled, so that a row past the sequence adds 0, not 0 x garbage, to dK and dV) and the
- *     tile's lse * log2(e) and delta into small arrays beside them. "full" mbarriers (128
+ *   warpgroup 0, the producer (40 registers: at 24 it spilled): K and V of the block once (TMA,
+ *     or cp.async with zero-filled rows for the sequence's last, partial tile), then for each
+ *     query tile Q and dO into a ring of STAGES buffers (TMA; the partial last tile through
+ *     cp.async, zero-filled, so that a row past the sequence adds 0, not 0 x garbage, to dK
+ *     and dV) and the tile's lse * log2(e) and delta into small arrays beside them. "full" mbarriers (128
  *     arrivals, the leader's with the TMA bytes) and "empty" ones (256: every consumer thread).
  *   warpgroups 1 and 2, the consumers (232 registers), 64 keys each, the transposed products
  *     so that every product keeps keys as its 64 rows (FlashAttention-3's choice):
@@ -24,12 +24,13 @@
  *       dS^T (bf16) into shared memory, the two consumers meet at a named barrier, then
  *       dQ[:, c HD/2 ..] = dS K[:, c HD/2 ..] wgmma with A = dS^T read transposed and B = K
  *                                             read transposed: each consumer half the columns
- *                                             over all 128 keys, added with red.global.v2.f32
+ *                                             over all 128 keys, added by TMA (below)
  *     dS^T has two buffers: a consumer writes buffer i & 1 only after passing tile i - 1's
  *     barrier, which the other passes only after its dQ product of tile i - 2 is done.
  * Registers (hd 128): dK, dV 64 + 64, S^T, dP^T 32 + 32, P^T / dS^T fragments 16 + 16, dQ 32.
- * Shared memory: K, V 2 x 128 x HD, Q, dO 2 x STAGES x 64 x HD, dS^T 2 x 128 x 64 (bf16):
- *   hd 128, 2 stages: 160 KB; hd 64, 2 stages: 96 KB.
+ * Shared memory: K, V 2 x 128 x HD, Q, dO 2 x STAGES x 64 x HD, dS^T 2 x 128 x 64 (bf16), the
+ *   dQ staging 64 x HD fp32 (twice that with OWN): hd 128, 2 stages: 192 KB; hd 64, 3 stages:
+ *   128 KB (OWN 144 KB).
  *
  * dQ: each consumer's 64 x HD/2 fp32 block goes to shared memory (boxes of 32 columns, 128-byte
  *   swizzle) and one thread hands it to the TMA unit as a reduction into dq_acc
@@ -54,7 +55,7 @@
  *   1. this kernel, dQ by per-thread red.global.add.v2.f32     0.372 | 1.529 | 0.305
  *   2. dQ through shared memory and TMA reductions             0.358 | 1.375 | 0.295
  *   3. hd 64 with 3 Q / dO buffers instead of 2                0.357 | -     | 0.294
- *   4. hd 64 causal: each consumer its own dQ (OWN, below)     -     | -     | 0.279-0.286
+ *   4. hd 64 causal: each consumer its own dQ (OWN, above)     -     | -     | 0.279-0.286
  *   cuDNN's fused attention (attention_cudnn.cu), same call    0.275 | 1.177 | 0.261
  *   PyTorch SDPA CUDNN_ATTENTION, same call                    0.546 | 1.449 | 0.671
  *   (eb61a21, 2026-11-24, make bench). Not done: the next tile's S^T / dP^T in flight during
@@ -84,7 +85,8 @@ namespace {
 template <int HD, int STAGES, bool OWN = false>
 struct BwdSmem {
   static constexpr int BC = 128, BR = 64;
-  static constexpr int kv_elems = BC * HD, q_elems = BR * HD, ds_elems = BC * BR, dq_floats = BR * HD * (OWN ? 2 : 1);
+  static constexpr int kv_elems = BC * HD, q_elems = BR * HD, ds_elems = BC * BR;
+  static constexpr int dq_floats = BR * HD * (OWN ? 2 : 1);  // 2 consumers x 64 rows x (HD or HD / 2)
   // K, V | Q [STAGES], dO [STAGES] | dS^T [2] | dQ staging (fp32) | lse2 [STAGES][BR],
   // delta [STAGES][BR] | barriers
   static constexpr int bytes = (2 * kv_elems + 2 * STAGES * q_elems + 2 * ds_elems) * 2 + dq_floats * 4 +
@@ -98,8 +100,9 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
                  const float* __restrict__ lse, const float* __restrict__ delta,
                  const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
                  const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
-                 const __grid_constant__ CUtensorMap tm_dq, const int32_t* __restrict__ cu_q, const int32_t* __restrict__ cu_k, int nseq, int H, int KV,
-                 int n_kt, int chunk_pairs, bool causal, float scale, float scale_log2) {
+                 const __grid_constant__ CUtensorMap tm_dq, const int32_t* __restrict__ cu_q,
+                 const int32_t* __restrict__ cu_k, int nseq, int H, int KV, int n_kt, int chunk_pairs, bool causal,
+                 float scale, float scale_log2) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = BwdSmem<HD, STAGES, OWN>;
   constexpr int DQN = OWN ? HD : HD / 2;  // dQ columns per consumer
@@ -110,9 +113,9 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
   bf* sQ = sV + L::kv_elems;          // [STAGES][BR * HD]
   bf* sO = sQ + STAGES * L::q_elems;  // [STAGES][BR * HD] dout
   bf* sS = sO + STAGES * L::q_elems;  // [2][BC * BR] dS^T, keys x queries
-  float* sDQ = reinterpret_cast<float*>(sS + 2 * L::ds_elems);  // [2 consumers][HD / 64][BR][32]
+  float* sDQ = reinterpret_cast<float*>(sS + 2 * L::ds_elems);  // [2 consumers][DQN / 32][BR][32]
   float* sL = sDQ + L::dq_floats;                                // [STAGES][BR] lse * log2(e)
-  float* sD = sL + STAGES * BR;                                // [STAGES][BR] delta
+  float* sD = sL + STAGES * BR;                                  // [STAGES][BR] delta
   uint64_t* bar_kv = reinterpret_cast<uint64_t*>(sD + STAGES * BR);
   uint64_t* full = bar_kv + 1;      // [STAGES]
   uint64_t* empty = full + STAGES;  // [STAGES]
