@@ -264,7 +264,7 @@ void bwd_v2_atomic_hd(bf* dq, bf* dk, bf* dv, float* dq_acc, float* delta, const
     attn_bwd_prep<HD><<<ceil_div(rows * (HD / 8), 256), 256, 0, s>>>(delta, dq_acc, dout, out, rows);
     LAUNCH_CHECK();
   }
-  if (nseq > 0 && max_seqlen > 0 && bwd_sm90_ws_available(HD, causal, max_seqlen, Nq, Nk, q, k, v, dout)) {
+  if (nseq > 0 && max_seqlen > 0 && bwd_sm90_ws_available(HD, causal, max_seqlen, Nq, Nk, q, k, v, dout, dq_acc)) {
     bwd_sm90_ws(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, HD, causal,
                 scale, s);
   } else if (nseq > 0 && max_seqlen > 0) {

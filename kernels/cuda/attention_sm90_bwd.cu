@@ -385,14 +385,15 @@ void launch_bwd(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, cons
 static int bwd_ws_min_seqlen(int hd, bool causal) { return hd == 128 ? 128 : causal ? 512 : 128; }
 
 bool bwd_sm90_ws_available(int hd, bool causal, int max_seqlen, int64_t Nq, int64_t Nk, const void* q, const void* k,
-                           const void* v, const void* dout) {
+                           const void* v, const void* dout, const void* dq_acc) {
   if (!fwd_sm90_available(hd) || Nq <= 0 || Nk <= 0) return false;
   const char* m = std::getenv("LOOM_ATTN_BWD_WS_MIN");  // read at every call: tests switch it
   const int ws_min = m ? std::atoi(m) : bwd_ws_min_seqlen(hd, causal);
   if (max_seqlen < ws_min) return false;
   const uintptr_t a = reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(k) |
-                      reinterpret_cast<uintptr_t>(v) | reinterpret_cast<uintptr_t>(dout);
-  return (a & 15) == 0;  // TMA: 16-byte aligned bases
+                      reinterpret_cast<uintptr_t>(v) | reinterpret_cast<uintptr_t>(dout) |
+                      reinterpret_cast<uintptr_t>(dq_acc);
+  return (a & 15) == 0;  // TMA (loads and the dQ reduction): 16-byte aligned bases
 }
 
 void bwd_sm90_ws(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, const bf* k, const bf* v,

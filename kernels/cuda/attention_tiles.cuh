@@ -166,9 +166,9 @@ void fwd_sm90_ws(bf* out, float* lse, const bf* q, const bf* k, const bf* v, con
 // dq_acc +=; attention_bwd_single.cu runs the launches before and after it). available: the
 // wgmma forwards are (fwd_sm90_available), the longest sequence has at least 128 tokens (512
 // for causal hd 64; LOOM_ATTN_BWD_WS_MIN overrides), both row counts are > 0 and q, k, v,
-// dout are 16-byte aligned.
+// dout and the dq_acc workspace are 16-byte aligned (else the mma.sync single pass runs).
 bool bwd_sm90_ws_available(int hd, bool causal, int max_seqlen, int64_t Nq, int64_t Nk, const void* q, const void* k,
-                           const void* v, const void* dout);
+                           const void* v, const void* dout, const void* dq_acc);
 void bwd_sm90_ws(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, const bf* k, const bf* v,
                  const float* lse, const float* delta, const int32_t* cu_q, const int32_t* cu_k, int nseq,
                  int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, int hd, bool causal, float scale,
