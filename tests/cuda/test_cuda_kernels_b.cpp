@@ -364,7 +364,10 @@ TEST_CASE("attention forward/backward f32 (v1) against the CPU reference", "[cud
 // kernel (attention_sm90_ws.cu) from 768 tokens (hd 64) / 256 (hd 128) and the lock-step one (attention_sm90.cu)
 // below; the case below runs everything again with the warp-specialized kernel on every shape
 // (LOOM_ATTN_WS_MIN=0), with the lock-step one (LOOM_ATTN_SM90=1) and with both turned off, so
-// the mma.sync forward (v2) stays tested on the machine that has all three.
+// the mma.sync forward (v2) stays tested on the machine that has all three. The backward there is
+// the warp-specialized wgmma one (attention_sm90_bwd.cu) from 128 tokens (512 for causal hd 64)
+// and the mma.sync single pass below; the last section runs the wgmma backward on every case
+// (LOOM_ATTN_BWD_WS_MIN=0); LOOM_ATTN_SM90=0 turns it off with the wgmma forwards.
 TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU reference", "[cuda][attention]") {
   need_gpu();
   const char* before = std::getenv("LOOM_ATTN_SM90");
