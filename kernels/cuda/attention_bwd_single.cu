@@ -65,7 +65,7 @@ attn_bwd_v2_atomic_dq(bf* __restrict__ dk, bf* __restrict__ dv, float* __restric
                       const bf* __restrict__ v, const float* __restrict__ lse,
                       const float* __restrict__ delta, const int32_t* __restrict__ cu_q,
                       const int32_t* __restrict__ cu_k, int nseq, int H, int KV, int n_kt,
-                      int chunk_pairs, bool causal, float scale, float scale_log2) {
+                      int chunk, bool causal, float scale, float scale_log2) {
   constexpr int BC = 16 * NW, NT = NW * 32;
   constexpr int WN = NW / WM, QM = BRQ / WM, QN = HD / WN;  // a warp's block of dQ: QM x QN
   static_assert(NW % WM == 0 && QM % 16 == 0 && QN % 16 == 0, "dQ warp blocks are whole 16x16 tiles");
@@ -78,16 +78,13 @@ attn_bwd_v2_atomic_dq(bf* __restrict__ dk, bf* __restrict__ dv, float* __restric
   float* sL = reinterpret_cast<float*>(sS + BRQ * BC);  // [2][BRQ] lse * log2(e)
   float* sD = sL + 2 * BRQ;                             // [2][BRQ] delta
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
-  // block -> (key tile kt, kv head, sequence). The (kv head, sequence) pairs go in chunks of
-  // chunk_pairs; inside a chunk key tile 0 of every pair first, then tile 1, ... Causal: the
+  // block -> (key tile kt, kv head, sequence) in attention_tiles.cuh's order: inside a chunk
+  // of (kv head, sequence) pairs key tile 0 of every pair first, then tile 1, ... Causal: the
   // first key tiles see the most queries, so the long blocks start first and the short ones
   // fill the tail; the chunk keeps the Q, dO and dq_acc rows that the running blocks share
-  // in L2 (see bwd_v2_atomic).
-  const int pairs = KV * nseq, per_chunk = chunk_pairs * n_kt;
-  const int chunk = int(blockIdx.x) / per_chunk, within = int(blockIdx.x) % per_chunk;
-  const int pc = min(chunk_pairs, pairs - chunk * chunk_pairs);
-  const int kt = within / pc, pair = chunk * chunk_pairs + within % pc;
-  const int seq = pair / KV, kvh = pair % KV, group = H / KV;
+  // in L2.
+  const BlockTile bt = block_tile(int(blockIdx.x), n_kt, KV * nseq, chunk);
+  const int kt = bt.tile, seq = bt.pair / KV, kvh = bt.pair % KV, group = H / KV;
   const int q0 = cu_q[seq], Lq = cu_q[seq + 1] - q0, k0 = cu_k[seq], Lk = cu_k[seq + 1] - k0;
   const int ks = kt * BC;
   if (ks >= Lk) return;
@@ -239,14 +236,11 @@ void bwd_atomic_launch(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* 
                    4 * BRQ * int(sizeof(float));
   static bool once = (set_smem(attn_bwd_v2_atomic_dq<HD, NW, BRQ, WM>, smem), true);
   (void)once;
-  // Chunks of (kv head, sequence) pairs whose Q, dO (bf16) and dq_acc (fp32) rows take about
-  // 32 MB (H200 L2: 50 MB), split evenly so that the last chunk is not a small tail.
+  // chunks of (kv head, sequence) pairs whose Q, dO (bf16) and dq_acc (fp32) rows share L2
   const int n_kt = ceil_div(max_seqlen, BC), pairs = KV * nseq;
-  const double pair_bytes = double(H / KV) * std::max(max_seqlen, 1) * HD * 8.0;
-  const int fit = std::max(1, int(32.0 * 1024 * 1024 / pair_bytes));
-  const int chunk_pairs = ceil_div(pairs, ceil_div(pairs, fit));
+  const int chunk = chunk_pairs(pairs, double(H / KV) * std::max(max_seqlen, 1) * HD * 8.0);
   attn_bwd_v2_atomic_dq<HD, NW, BRQ, WM><<<pairs * n_kt, NW * 32, smem, s>>>(
-      dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, H, KV, n_kt, chunk_pairs,
+      dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, H, KV, n_kt, chunk,
       causal, scale, scale * kLog2e);
   LAUNCH_CHECK();
 }

@@ -101,7 +101,7 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
                  const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
                  const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                  const __grid_constant__ CUtensorMap tm_dq, const int32_t* __restrict__ cu_q,
-                 const int32_t* __restrict__ cu_k, int nseq, int H, int KV, int n_kt, int chunk_pairs, bool causal,
+                 const int32_t* __restrict__ cu_k, int nseq, int H, int KV, int n_kt, int chunk, bool causal,
                  float scale, float scale_log2) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = BwdSmem<HD, STAGES, OWN>;
@@ -120,13 +120,10 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
   uint64_t* full = bar_kv + 1;      // [STAGES]
   uint64_t* empty = full + STAGES;  // [STAGES]
 
-  // block -> (key tile, kv head, sequence), in chunks of (kv head, sequence) pairs as the
-  // mma.sync single pass (attention_bwd_single.cu) orders them
-  const int pairs = KV * nseq, per_chunk = chunk_pairs * n_kt;
-  const int chunk = int(blockIdx.x) / per_chunk, within = int(blockIdx.x) % per_chunk;
-  const int pc = min(chunk_pairs, pairs - chunk * chunk_pairs);
-  const int kt = within / pc, pair = chunk * chunk_pairs + within % pc;
-  const int seq = pair / KV, kvh = pair % KV, group = H / KV;
+  // block -> (key tile, kv head, sequence): attention_tiles.cuh's order, the first (longest,
+  // causal) key tile of every pair in a chunk first
+  const BlockTile bt = block_tile(int(blockIdx.x), n_kt, KV * nseq, chunk);
+  const int kt = bt.tile, seq = bt.pair / KV, kvh = bt.pair % KV, group = H / KV;
   const int q0 = cu_q[seq], Lq = cu_q[seq + 1] - q0, k0 = cu_k[seq], Lk = cu_k[seq + 1] - k0;
   const int ks = kt * BC;
   if (ks >= Lk) return;
@@ -362,13 +359,11 @@ void launch_bwd(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, cons
   const CUtensorMap tq = make_map(q, Nq, H, HD, 64), tdo = make_map(dout, Nq, H, HD, 64);
   const CUtensorMap tk = make_map(k, Nk, KV, HD, BC), tv = make_map(v, Nk, KV, HD, BC);
   const CUtensorMap tdq = make_map_3d(dq_acc, true, Nq, H, HD, 32, 64);
-  // chunks of (kv head, sequence) pairs whose Q, dO and dq_acc rows take ~32 MB of L2
+  // chunks of (kv head, sequence) pairs whose Q, dO (bf16) and dq_acc (fp32) rows share L2
   const int n_kt = ceil_div(max_seqlen, BC), pairs = KV * nseq;
-  const double pair_bytes = double(H / KV) * std::max(max_seqlen, 1) * HD * 8.0;
-  const int fit = std::max(1, int(32.0 * 1024 * 1024 / pair_bytes));
-  const int chunk_pairs = ceil_div(pairs, ceil_div(pairs, fit));
+  const int chunk = chunk_pairs(pairs, double(H / KV) * std::max(max_seqlen, 1) * HD * 8.0);
   attn_bwd_sm90_ws<HD, STAGES, OWN><<<pairs * n_kt, 384, smem, s>>>(dk, dv, dq_acc, dout, q, k, v, lse, delta, tq,
-                                                                       tdo, tk, tv, tdq, cu_q, cu_k, nseq, H, KV, n_kt, chunk_pairs, causal,
+                                                                       tdo, tk, tv, tdq, cu_q, cu_k, nseq, H, KV, n_kt, chunk, causal,
                                                                scale, scale * kLog2e);
   LAUNCH_CHECK();
 }

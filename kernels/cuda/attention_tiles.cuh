@@ -5,6 +5,8 @@
 // per-tile pieces the two backward schedules share, and the host entry points of each file.
 // See attention.cu's header for the algorithm, the reading order and the measured versions.
 #pragma once
+#include <algorithm>
+#include <cstdlib>
 #include <functional>
 
 #include "kernels/cuda/common.cuh"
@@ -57,6 +59,59 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // lo in the low half: the lower column
   return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Block -> (tile, pair) for the kernels whose blocks each own one tile of one pair: a
+// (head, sequence) pair and a query tile in the forwards, a (kv head, sequence) pair and a key
+// tile in the backwards. The pairs go in chunks of `chunk` whose rows share L2 (host:
+// chunk_pairs), and inside a chunk tile 0 of every pair runs first, then tile 1, ... The
+// caller numbers the tiles so that tile 0 is the longest (causal: the forward's last query
+// tile, the backward's first key tile), so that over the whole grid the long blocks start first
+// and the short ones fill the tail. Numbering per pair instead (every tile of pair 0, then
+// pair 1, ...; chunk = 1) leaves the causal forward's last waves half empty: B4 H9 T2048 hd 64
+// (396 blocks of 1..11 tiles on 132 SMs) took 0.081 ms that way and 0.068 in this order (H100).
+struct BlockTile {
+  int tile, pair;
+};
+__device__ __forceinline__ BlockTile block_tile(int b, int ntiles, int npairs, int chunk) {
+  const int per_chunk = chunk * ntiles, c = b / per_chunk, within = b % per_chunk;
+  const int pc = min(chunk, npairs - c * chunk);  // the last chunk may hold fewer pairs
+  return {within / pc, c * chunk + within % pc};
+}
+// Pairs per chunk for block_tile: chunks whose shared rows (pair_bytes each) take about 32 MB
+// (H100 / H200 L2: 50 MB), split evenly so that the last chunk is not a small tail.
+// LOOM_ATTN_CHUNK_PAIRS=n sets n (read at every call: tests run both; =1 is the per-pair order).
+inline int chunk_pairs(int npairs, double pair_bytes) {
+  if (npairs <= 0) return 1;
+  if (const char* e = std::getenv("LOOM_ATTN_CHUNK_PAIRS")) return std::max(1, std::min(npairs, std::atoi(e)));
+  const int fit = pair_bytes > 0 ? std::max(1, int(32.0 * 1024 * 1024 / pair_bytes)) : npairs;
+  return ceil_div(npairs, ceil_div(npairs, std::max(1, fit)));
+}
+
+// The warp-specialized forward's block -> (first query row, head, sequence): block_tile over
+// the grid (query tiles, H, sequences) read as one linear index (x fastest), pairs (head,
+// sequence) with the heads of one kv head side by side (host: chunk_pairs of the K / V rows a
+// head reads). Causal: tile 0 is the sequence's last query tile (it sees the most keys);
+// bidirectional: every whole tile costs the same and tile 0 is the first, so that the
+// sequences' partial last tiles (fewer rows, less work) run in the tail. (The lock-step and
+// mma.sync forwards keep blockIdx's order, longest tile of each head first: the decoding's live
+// registers made ptxas spill 48 / 116 bytes in two of their instantiations.)
+struct FwdTile {
+  int qs, h, seq;
+};
+__device__ __forceinline__ FwdTile fwd_tile(int BR, int H, int nseq, int chunk, bool causal) {
+  const int nt = int(gridDim.x), b = int(blockIdx.x) + nt * (int(blockIdx.y) + int(gridDim.y) * int(blockIdx.z));
+  const BlockTile bt = block_tile(b, nt, H * nseq, chunk);
+  return {(causal ? nt - 1 - bt.tile : bt.tile) * BR, bt.pair % H, bt.pair / H};
+}
+// Causal: chunks of heads whose K / V rows (bf16) take ~32 MB. Bidirectional: one pair per
+// chunk, i.e. each head's tiles side by side, reading the same K / V tiles at the same time: all
+// its tiles cost the same, so there is no long block to start first, and spreading the running
+// blocks over all heads made B8 H12 T1024 hd 128 slower (0.120 vs 0.114 ms, H100,
+// 2026-11-24), while the causal shapes gained 2-17% (B4 H9 T2048 hd 64: 0.081 -> 0.068 ms).
+inline int fwd_chunk_pairs(int H, int KV, int nseq, int max_seqlen, int hd, bool causal) {
+  const double kv_bytes = double(std::max(max_seqlen, 1)) * hd * 4.0 / (H / KV);
+  return chunk_pairs(H * nseq, causal ? kv_bytes : 1e300);
 }
 
 // Element offset of (row r, 16-byte chunk c) in a [rows, HD] bf16 tile. The chunk index is

@@ -367,7 +367,11 @@ TEST_CASE("attention forward/backward f32 (v1) against the CPU reference", "[cud
 // the mma.sync forward (v2) stays tested on the machine that has all three. The backward there is
 // the warp-specialized wgmma one (attention_sm90_bwd.cu) from 128 tokens (512 for causal hd 64)
 // and the mma.sync single pass below; the last section runs the wgmma backward on every case
-// (LOOM_ATTN_BWD_WS_MIN=0); LOOM_ATTN_SM90=0 turns it off with the wgmma forwards.
+// (LOOM_ATTN_BWD_WS_MIN=0); LOOM_ATTN_SM90=0 turns it off with the wgmma forwards. The sections
+// other than the default one also put the blocks in chunks of 2 or 3 pairs (LOOM_ATTN_CHUNK_PAIRS;
+// the test shapes fit one chunk by default), so that the block -> tile mappings of the
+// warp-specialized forward and of both single-pass backwards run with several chunks and a
+// short last one.
 TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU reference", "[cuda][attention]") {
   need_gpu();
   const char* before = std::getenv("LOOM_ATTN_SM90");
@@ -376,14 +380,24 @@ TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU ref
   const std::string saved_min = before_min ? before_min : "";
   const char* before_bwd = std::getenv("LOOM_ATTN_BWD_WS_MIN");
   const std::string saved_bwd = before_bwd ? before_bwd : "";
+  const char* before_chunk = std::getenv("LOOM_ATTN_CHUNK_PAIRS");
+  const std::string saved_chunk = before_chunk ? before_chunk : "";
   SECTION("the default forward (on sm_90a: warp-specialized from 768 / 256 tokens, lock-step below)") {}
-  SECTION("the warp-specialized wgmma forward on every shape (LOOM_ATTN_WS_MIN=0)") {
+  SECTION("the warp-specialized wgmma forward on every shape (LOOM_ATTN_WS_MIN=0), chunks of 2 pairs") {
     setenv("LOOM_ATTN_WS_MIN", "0", 1);
+    setenv("LOOM_ATTN_CHUNK_PAIRS", "2", 1);
   }
-  SECTION("the lock-step wgmma forward (LOOM_ATTN_SM90=1)") { setenv("LOOM_ATTN_SM90", "1", 1); }
-  SECTION("the mma.sync forward (LOOM_ATTN_SM90=0)") { setenv("LOOM_ATTN_SM90", "0", 1); }
-  SECTION("the warp-specialized wgmma backward on every shape (LOOM_ATTN_BWD_WS_MIN=0)") {
+  SECTION("the lock-step wgmma forward (LOOM_ATTN_SM90=1), chunks of 3 pairs") {
+    setenv("LOOM_ATTN_SM90", "1", 1);
+    setenv("LOOM_ATTN_CHUNK_PAIRS", "3", 1);
+  }
+  SECTION("the mma.sync forward and backward (LOOM_ATTN_SM90=0), chunks of 2 pairs") {
+    setenv("LOOM_ATTN_SM90", "0", 1);
+    setenv("LOOM_ATTN_CHUNK_PAIRS", "2", 1);
+  }
+  SECTION("the warp-specialized wgmma backward on every shape (LOOM_ATTN_BWD_WS_MIN=0), chunks of 3 pairs") {
     setenv("LOOM_ATTN_BWD_WS_MIN", "0", 1);
+    setenv("LOOM_ATTN_CHUNK_PAIRS", "3", 1);
   }
   const bool was = cu::deterministic_attention();
   uint32_t seed = 200;
@@ -399,6 +413,8 @@ TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU ref
   else unsetenv("LOOM_ATTN_WS_MIN");
   if (before_bwd) setenv("LOOM_ATTN_BWD_WS_MIN", saved_bwd.c_str(), 1);
   else unsetenv("LOOM_ATTN_BWD_WS_MIN");
+  if (before_chunk) setenv("LOOM_ATTN_CHUNK_PAIRS", saved_chunk.c_str(), 1);
+  else unsetenv("LOOM_ATTN_CHUNK_PAIRS");
 }
 
 TEST_CASE("attention: invalid head configuration throws with the sizes", "[cuda][attention]") {
