@@ -64,9 +64,11 @@ int main() {
   struct Shape { int B, H, T, D; bool causal; };
   std::vector<Shape> shapes = {{8, 12, 1024, 64, false}, {8, 16, 2048, 128, true}, {4, 9, 2048, 64, true}};
   // LOOM_BENCH_ATTN_SHAPES="B,H,T,D,causal;...": other shapes (our kernels only: forward and
-  // forward+backward), e.g. to find the sequence length from which one kernel beats another
+  // forward+backward), e.g. to find the sequence length from which one kernel beats another;
+  // with LOOM_BENCH_ATTN_ALL=1 every row (cuDNN and auto too)
   const char* env_shapes = std::getenv("LOOM_BENCH_ATTN_SHAPES");
-  const bool ours_only = env_shapes != nullptr;
+  const char* env_all = std::getenv("LOOM_BENCH_ATTN_ALL");
+  const bool ours_only = env_shapes != nullptr && !(env_all && env_all[0] == '1');
   if (env_shapes) {
     shapes.clear();
     std::string all = env_shapes;

@@ -75,7 +75,7 @@ attn_fwd_sm90(bf* __restrict__ out, float* __restrict__ lse, const bf* __restric
     return;
   }
   extern __shared__ unsigned char smem_raw[];
-  bf* sQ = reinterpret_cast<bf*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  bf* sQ = reinterpret_cast<bf*>(smem_align1024(smem_raw));
   bf* sK = sQ + BR * HD;      // [2][BC * HD]
   bf* sV = sK + 2 * BC * HD;  // [2][BC * HD]
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;

@@ -108,7 +108,7 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
   constexpr int DQN = OWN ? HD : HD / 2;  // dQ columns per consumer
   constexpr int BC = L::BC, BR = L::BR;
   extern __shared__ unsigned char smem_raw[];
-  bf* sK = reinterpret_cast<bf*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  bf* sK = reinterpret_cast<bf*>(smem_align1024(smem_raw));
   bf* sV = sK + L::kv_elems;
   bf* sQ = sV + L::kv_elems;          // [STAGES][BR * HD]
   bf* sO = sQ + STAGES * L::q_elems;  // [STAGES][BR * HD] dout
