@@ -26,7 +26,7 @@
  *   Each group is committed and waited for before its result is used; the two warpgroups of a
  *   block (and the warps of other blocks) overlap one's softmax with the other's products.
  *   Causal: a warpgroup skips key tiles that lie wholly above its own diagonal.
- *   Rows outside every sequence are zeroed by an extra z-slice of the grid (no second launch).
+ *   Rows outside every sequence are zeroed by a strided share of every block (no second launch).
  * Shared-memory descriptors: start address >> 4, leading byte offset (MN-major B: the
  *   distance between the 64-column halves, BC * 128 bytes; unused for K-major), stride byte
  *   offset 1024 (8 rows of 128 bytes), swizzle mode 128 B. A k-step of 16 along a K-major
@@ -70,10 +70,7 @@ attn_fwd_sm90(bf* __restrict__ out, float* __restrict__ lse, const bf* __restric
               const int32_t* __restrict__ cu_k, int64_t Nq, int H, int KV, bool causal, float scale_log2) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int BR = 64 * NWG, NT = NWG * 128;
-  if (blockIdx.z == gridDim.z - 1) {  // the last z-slice: rows outside every sequence (wgmma.cuh)
-    zero_rows_outside<HD, NT>(out, lse, cu_q, Nq, H);
-    return;
-  }
+  zero_rows_outside<HD, NT>(out, lse, cu_q, int(gridDim.z), Nq, H);  // (wgmma.cuh)
   extern __shared__ unsigned char smem_raw[];
   bf* sQ = reinterpret_cast<bf*>(smem_align1024(smem_raw));
   bf* sK = sQ + BR * HD;      // [2][BC * HD]
@@ -174,7 +171,7 @@ void launch(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const in
     return true;
   }();
   (void)once;
-  dim3 grid(ceil_div(max_seqlen, BR), H, nseq + 1);  // z = nseq: the rows outside every sequence
+  dim3 grid(ceil_div(max_seqlen, BR), H, nseq);
   attn_fwd_sm90<HD, NWG, BC><<<grid, NWG * 128, smem, s>>>(out, lse, q, k, v, cu_q, cu_k, Nq, H, KV,
                                                                   causal, scale_log2);
   LAUNCH_CHECK();

@@ -73,6 +73,11 @@
  *      cuDNN, same call                                     0.065 | 0.262 | 0.067
  *      three consumers at hd 128 with 64-key tiles          -     | 0.296 | -     (kept 2 x 128)
  *      three consumers at hd 64 with 64-key tiles           0.094 | -     | 0.085
+ *   Split mode for blocks with at most 64 rows in their sequence (all consumers on the same
+ *   rows, key tiles dealt round, (O, m, l) merged through shared memory at the end), with the
+ *   partial blocks ordered last: correct on every test case, no faster (B8 H12 T1024 hd 64
+ *   0.0885-0.0905 ms against 0.086-0.088 without, H100, 2026-11-24), so a block with one
+ *   working consumer does not take a whole block's time after all; not kept.
  *   Not achieved: the softmax of a tile overlapping its own warpgroup's P V. The source waits
  *   for S, runs the softmax, then waits for P V, but ptxas schedules the P V wait (which has
  *   no register operands) before the exp2s in every form tried (the mask in its own copy of
@@ -121,10 +126,7 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
                  int chunk, bool causal, float scale_log2) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int BR = 64 * NC, NT = 128 * (NC + 1);
-  if (blockIdx.z == gridDim.z - 1) {  // the last z-slice: rows outside every sequence (wgmma.cuh)
-    zero_rows_outside<HD, NT>(out, lse, cu_q, Nq, H);
-    return;
-  }
+  zero_rows_outside<HD, NT>(out, lse, cu_q, int(gridDim.z), Nq, H);  // (wgmma.cuh)
   extern __shared__ unsigned char smem_raw[];
   using L = WsSmem<HD, BC, STAGES, NC>;
   // rounded as an integer, so the staging stores of the epilogue are generic: with
@@ -140,7 +142,7 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
   uint64_t* empty_k = full_v + STAGES;   // [STAGES]
   uint64_t* empty_v = empty_k + STAGES;  // [STAGES]
 
-  const FwdTile ft = fwd_tile(BR, H, int(gridDim.z) - 1, chunk, causal);  // long tiles first
+  const FwdTile ft = fwd_tile(BR, H, int(gridDim.z), chunk, causal);  // long tiles first
   const int seq = ft.seq, h = ft.h, kvh = h / (H / KV), qs = ft.qs;
   const int q0 = cu_q[seq], Lq = cu_q[seq + 1] - q0, k0 = cu_k[seq], Lk = cu_k[seq + 1] - k0;
   if (qs >= Lq) return;
@@ -375,7 +377,7 @@ void launch_ws(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const
   }();
   (void)once;
   const CUtensorMap tq = make_map(q, Nq, H, HD, 64 * NC), tk = make_map(k, Nk, KV, HD, BC), tv = make_map(v, Nk, KV, HD, BC);
-  dim3 grid(ceil_div(max_seqlen, 64 * NC), H, nseq + 1);  // z = nseq: the rows outside every sequence
+  dim3 grid(ceil_div(max_seqlen, 64 * NC), H, nseq);
   attn_fwd_sm90_ws<HD, BC, STAGES, NC><<<grid, 128 * (NC + 1), smem, s>>>(
       out, lse, q, k, v, tq, tk, tv, cu_q, cu_k, Nq, H, KV, fwd_chunk_pairs(H, KV, nseq, max_seqlen, HD, causal), causal,
       scale_log2);

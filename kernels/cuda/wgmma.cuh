@@ -230,16 +230,22 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
 // layout per warp: thread (g = lane / 4, t = lane % 4) of warp w holds rows 16w + g (c0, c1)
 // and 16w + g + 8 (c2, c3), columns 8n + 2t and + 1 of n-tile n.
 
-// The grid's last z-slice: rows outside every sequence, [0, cu_q[0]) and [cu_q[nseq], Nq), get
-// out = 0 and lse = +inf for head blockIdx.y (no separate launch; usually no rows at all).
-// NT: threads per block.
+// Rows outside every sequence, [0, cu_q[0]) and [cu_q[nseq], Nq), get out = 0 and lse = +inf
+// (usually there are none). Every block of the grid takes a strided share of them over all heads
+// before its own tile (and before its early exits): no second launch and no extra grid slice.
+// An extra z-slice of H x tiles blocks did this before; each of them held a whole
+// multiprocessor's shared memory for a moment at the end of the grid, 72 such blocks at
+// B8 H12 T1024 hd 64 and 256 at B8 H16 T2048 hd 128. NT: threads per block.
 template <int HD, int NT>
-__device__ __forceinline__ void zero_rows_outside(bf* out, float* lse, const int32_t* cu_q, int64_t Nq, int H) {
-  const int nseq = gridDim.z - 1, h = blockIdx.y;
+__device__ __forceinline__ void zero_rows_outside(bf* out, float* lse, const int32_t* cu_q, int nseq, int64_t Nq,
+                                                  int H) {
   const int64_t lo = cu_q[0], hi = cu_q[nseq], n_out = lo + (Nq - hi);
+  if (n_out == 0) return;
   constexpr int NCH = HD / 8;  // 16-byte chunks per row
-  for (int64_t i = int64_t(blockIdx.x) * NT + threadIdx.x; i < n_out * NCH; i += int64_t(gridDim.x) * NT) {
-    const int64_t j = i / NCH, row = j < lo ? j : hi + (j - lo);
+  const int64_t nb = int64_t(gridDim.x) * gridDim.y * gridDim.z;
+  const int64_t b = blockIdx.x + int64_t(gridDim.x) * (blockIdx.y + int64_t(gridDim.y) * blockIdx.z);
+  for (int64_t i = b * NT + threadIdx.x; i < n_out * H * NCH; i += nb * NT) {
+    const int64_t jh = i / NCH, j = jh / H, h = jh % H, row = j < lo ? j : hi + (j - lo);
     const int c = int(i % NCH);
     *reinterpret_cast<uint4*>(out + (row * H + h) * HD + c * 8) = make_uint4(0u, 0u, 0u, 0u);
     if (c == 0) lse[row * H + h] = INFINITY;
