@@ -27,6 +27,11 @@ void* pinned_malloc(size_t) { no_cuda(); }
 void pinned_free(void*) { no_cuda(); }
 void synchronize() { no_cuda(); }
 Stream default_stream() { no_cuda(); }
+Stream main_stream() { no_cuda(); }
+Stream side_stream() { no_cuda(); }
+void side_scope_begin() { no_cuda(); }
+void side_scope_end() { no_cuda(); }
+bool side_scope_active() { return false; }
 size_t bytes_in_use() { no_cuda(); }
 size_t peak_bytes_in_use() { no_cuda(); }
 void reset_peak_bytes() { no_cuda(); }

@@ -87,7 +87,18 @@ void memcpy_2d(void* dst, size_t dpitch, const void* src, size_t spitch, size_t 
 void* pinned_malloc(size_t bytes);
 void pinned_free(void* p);
 void synchronize();
-Stream default_stream();
+Stream default_stream();                // the stream loom's ops run on: main_stream(), or
+                                        // side_stream() inside a side scope (this thread)
+Stream main_stream();
+// A second compute stream for work beside the step (a frozen vision tower's forward for the
+// next batch). Between side_scope_begin() and side_scope_end() this thread's ops run on it and
+// allocate from a pool of their own (runtime.cu's header): make side_stream() wait for an event
+// recorded on main_stream() before the scope's work, and main_stream() for one recorded on
+// side_stream() after it, before it reads what the scope made.
+Stream side_stream();
+void side_scope_begin();
+void side_scope_end();
+bool side_scope_active();
 size_t bytes_in_use();                  // allocator statistics for logs
 size_t peak_bytes_in_use();
 void reset_peak_bytes();

@@ -10,16 +10,23 @@ VLM::VLM(const VLMConfig& c, const Init& init)
   child("lm", lm);
 }
 
-Tensor VLM::image_embeddings(const Tensor& images) const {
-  Tensor t = projector.forward(pixel_shuffle(vision.forward(images), cfg.shuffle));  // [Bi, Ti, D]
+Tensor VLM::vision_features(const Tensor& images) const { return pixel_shuffle(vision.forward(images), cfg.shuffle); }
+
+static Tensor project(const Linear& projector, const Tensor& features) {
+  Tensor t = projector.forward(features);  // [Bi, Ti, D]
   return reshape(t, {t.size(0) * t.size(1), t.size(2)});
 }
 
-Tensor VLM::embed(const VLMBatch& b) const {
+Tensor VLM::image_embeddings(const Tensor& images) const { return project(projector, vision_features(images)); }
+
+Tensor VLM::embed(const VLMBatch& b, const Tensor& features) const {
   int64_t N = b.ids.numel();
   Tensor x = embedding(b.ids, lm.embed_tokens);  // [Ntok, D]
   if (!b.images.defined() || b.images.size(0) == 0) return x;
-  Tensor img = image_embeddings(b.images);
+  if (features.defined())
+    LOOM_CHECK(features.dim() == 3 && features.size(0) == b.images.size(0),
+               "VLM: vision features %s for %lld images", features.desc().c_str(), (long long)b.images.size(0));
+  Tensor img = features.defined() ? project(projector, features) : image_embeddings(b.images);
   int64_t M = img.size(0), D = img.size(1);
   LOOM_CHECK(b.image_positions.numel() == M, "VLM: %lld image-token positions for %lld image tokens (%lld images)",
              (long long)b.image_positions.numel(), (long long)M, (long long)b.images.size(0));
@@ -27,8 +34,8 @@ Tensor VLM::embed(const VLMBatch& b) const {
   return reshape(full, {N, D});
 }
 
-Tensor VLM::loss(const VLMBatch& b) const {
-  Tensor h = lm.hidden(embed(b), b.pos, b.seq);
+Tensor VLM::loss(const VLMBatch& b, const Tensor& features) const {
+  Tensor h = lm.hidden(embed(b, features), b.pos, b.seq);
   return lm.loss(h, b.targets);
 }
 

@@ -24,11 +24,14 @@ struct VLMBatch {
 class VLM : public Module {
  public:
   VLM(const VLMConfig& c, const Init& init);
+  // the vision tower's tokens after the pixel shuffle [Bi, Ti, D_vit * shuffle^2]
+  Tensor vision_features(const Tensor& images) const;
   // projected image tokens [Bi * Ti, D_lm]
   Tensor image_embeddings(const Tensor& images) const;
-  // input embeddings [Ntok, D_lm] with image tokens scattered in
-  Tensor embed(const VLMBatch& b) const;
-  Tensor loss(const VLMBatch& b) const;  // mean CE over targets >= 0
+  // input embeddings [Ntok, D_lm] with image tokens scattered in; `features`, when defined, are
+  // vision_features(b.images) computed beforehand (a frozen tower run ahead of the step)
+  Tensor embed(const VLMBatch& b, const Tensor& features = Tensor()) const;
+  Tensor loss(const VLMBatch& b, const Tensor& features = Tensor()) const;  // mean CE over targets >= 0
   VLMConfig cfg;
   ViT vision;
   Linear projector;

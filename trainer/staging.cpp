@@ -126,6 +126,7 @@ std::map<std::string, Tensor> Uploader::upload(const StagedBatch& b) {
       out[f.name] = Tensor::wrap(static_cast<char*>(b.slab()->data) + f.offset, f.shape, f.dtype, Device::CPU, owner);
     return out;
   }
+  LOOM_CHECK(outstanding_.size() < 2, "Uploader: two batches uploaded and not yet done; call step_done() first");
   int k = next_;
   next_ = 1 - next_;
   Stream cs = cuda::copy_stream(), ds = cuda::default_stream();
@@ -136,7 +137,10 @@ std::map<std::string, Tensor> Uploader::upload(const StagedBatch& b) {
     cuda::synchronize();
     if (slot_[k]) cuda::device_free(slot_[k]);
     cap_[k] = b.used() + b.used() / 4;
+    const bool side = cuda::side_scope_active();  // the slots are the ordinary pool's
+    if (side) cuda::side_scope_end();
     slot_[k] = cuda::device_malloc(cap_[k]);
+    if (side) cuda::side_scope_begin();
     consumed_recorded_[k] = false;
   }
   if (consumed_recorded_[k]) cuda::stream_wait_event(cs, consumed_[k]);  // the step that read slot k is over
@@ -145,16 +149,18 @@ std::map<std::string, Tensor> Uploader::upload(const StagedBatch& b) {
   cuda::event_record(b.slab()->copied, cs);
   b.slab()->pending = true;
   cuda::stream_wait_event(ds, uploaded_[k]);  // the step reads the batch only once it has arrived
-  last_ = k;
+  outstanding_.push_back(k);
   for (auto& f : b.fields())
     out[f.name] = Tensor::wrap(static_cast<char*>(slot_[k]) + f.offset, f.shape, f.dtype, Device::CUDA, nullptr);
   return out;
 }
 
 void Uploader::step_done() {
-  if (device_ != Device::CUDA || last_ < 0) return;
-  cuda::event_record(consumed_[last_], cuda::default_stream());
-  consumed_recorded_[last_] = true;
+  if (device_ != Device::CUDA || outstanding_.empty()) return;
+  const int k = outstanding_.front();
+  outstanding_.erase(outstanding_.begin());
+  cuda::event_record(consumed_[k], cuda::main_stream());
+  consumed_recorded_[k] = true;
 }
 
 // ------------------------------------------------------------------ StepReadback

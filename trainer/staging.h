@@ -95,10 +95,13 @@ class Uploader {
   ~Uploader();
   Uploader(const Uploader&) = delete;
   Uploader& operator=(const Uploader&) = delete;
-  // Enqueues the copy of b into the next slot and makes the default stream wait for it;
-  // returns b's fields as tensors on the device (valid until the step after the next one).
+  // Enqueues the copy of b into the next slot and makes the default stream (this thread's:
+  // the side stream in a side scope) wait for it; returns b's fields as tensors on the device
+  // (valid until the step after the next one).
   std::map<std::string, Tensor> upload(const StagedBatch& b);
-  // The step that read the last upload is enqueued: its slot may be overwritten after it.
+  // The step that read the oldest upload not yet done is enqueued (on the main stream): its slot
+  // may be overwritten after it. At most two uploads are outstanding (one per slot), so that a
+  // batch can be uploaded one step ahead (the frozen vision tower's next batch).
   void step_done();
   size_t bytes_held() const { return cap_[0] + cap_[1]; }
 
@@ -109,7 +112,8 @@ class Uploader {
   void* uploaded_[2] = {nullptr, nullptr};  // copy stream: slot k written
   void* consumed_[2] = {nullptr, nullptr};  // default stream: the step that read slot k ran
   bool consumed_recorded_[2] = {false, false};
-  int next_ = 0, last_ = -1;
+  int next_ = 0;
+  std::vector<int> outstanding_;  // slots uploaded and not yet step_done(), oldest first
 };
 
 // Scalars of a step (loss, grad norm, skipped flag, ...) copied to page-locked memory after the

@@ -5,7 +5,9 @@
 
 #include <cmath>
 #include <cstring>
+#include <deque>
 #include <fstream>
+#include <functional>
 
 #include "data/images.h"
 #include "data/shapes.h"
@@ -65,6 +67,82 @@ static void init_vlm_from(VLM& m, const Config& cfg) {
     std::printf("initialized vision from %s\n", vis.c_str());
   }
 }
+
+// The frozen vision tower one micro-batch ahead of the step (train.vision_ahead; train_vlm's
+// loop). launch() uploads a staged batch and enqueues the tower's forward on it; on CUDA both go
+// to the side stream (kernels.h), which first waits for the main stream's work enqueued so far
+// (so that the side pool's blocks the main stream read, e.g. the features of two micro-batches
+// back, are free on the GPU too). take() hands out the oldest launched batch and makes the main
+// stream wait for its features. S: the loader's item type, with the StagedBatch as .batch.
+template <class S>
+class VisionAhead {
+ public:
+  struct Item {
+    S staged;
+    VLMBatch batch;
+    Tensor features;        // [images, tokens, width] or undefined (a batch without images)
+    void* ready = nullptr;  // CUDA: recorded on the side stream after the features
+  };
+  VisionAhead(Device device, Uploader& up, std::function<Tensor(const Tensor&)> tower)
+      : cuda_(device == Device::CUDA), up_(up), tower_(std::move(tower)) {
+    if (!cuda_) return;
+    mark_ = cuda::event_create();
+    for (void*& e : ready_) e = cuda::event_create();
+  }
+  ~VisionAhead() {
+    items_.clear();
+    if (!cuda_) return;
+    cuda::event_destroy(mark_);  // (a pending event is released once it completes)
+    for (void* e : ready_) cuda::event_destroy(e);
+  }
+  VisionAhead(const VisionAhead&) = delete;
+  VisionAhead& operator=(const VisionAhead&) = delete;
+  bool empty() const { return items_.empty(); }
+
+  void launch(S staged) {
+    LOOM_CHECK(items_.size() < 2, "VisionAhead: at most two batches in flight (take() one first)");
+    Item it;
+    it.staged = std::move(staged);
+    if (cuda_) {
+      cuda::event_record(mark_, cuda::main_stream());
+      cuda::side_scope_begin();
+      cuda::stream_wait_event(cuda::side_stream(), mark_);
+    }
+    try {
+      it.batch = from_staged(it.staged.batch, up_.upload(it.staged.batch));
+      if (it.batch.images.defined() && it.batch.images.size(0) > 0) {
+        NoGradGuard ng;
+        it.features = tower_(it.batch.images);
+      }
+      if (cuda_) {
+        it.ready = ready_[launched_++ % 2];  // two: one taken and waited for, one in flight
+        cuda::event_record(it.ready, cuda::side_stream());
+      }
+    } catch (...) {
+      if (cuda_) cuda::side_scope_end();
+      throw;
+    }
+    if (cuda_) cuda::side_scope_end();
+    items_.push_back(std::move(it));
+  }
+
+  Item take() {
+    LOOM_CHECK(!items_.empty(), "VisionAhead: take() without a launched batch");
+    Item it = std::move(items_.front());
+    items_.pop_front();
+    if (it.ready) cuda::stream_wait_event(cuda::main_stream(), it.ready);
+    return it;
+  }
+
+ private:
+  bool cuda_;
+  Uploader& up_;
+  std::function<Tensor(const Tensor&)> tower_;
+  std::deque<Item> items_;
+  void* mark_ = nullptr;
+  void* ready_[2] = {nullptr, nullptr};
+  int64_t launched_ = 0;
+};
 
 static int train_vlm(const RunContext& ctx) {
   const Config& cfg = ctx.cfg;
@@ -179,6 +257,18 @@ static int train_vlm(const RunContext& ctx) {
   if (ctx.device == Device::CUDA)
     std::printf("step: eager (a packed batch's sequence and image counts change from step to step)\n");
   Prefetcher<Staged> loader(make_staged, start * accum, steps * accum, std::max(1, cfg.get_int("data.workers")), 4);
+  // A frozen vision tower runs one micro-batch ahead: the forward of micro-batch i + 1 is
+  // enqueued before the LM step of micro-batch i, on CUDA on the side stream (kernels.h) so that
+  // it computes beside the step; the step waits for it (an event) only where it reads the
+  // features. The math is the same as in the step (no dropout, no randomness in the tower).
+  bool vision_frozen = m.vision.num_parameters() > 0;
+  for (auto& [n, t] : m.vision.named_parameters()) vision_frozen = vision_frozen && !t->requires_grad();
+  const bool ahead = vision_frozen && cfg.get_bool("train.vision_ahead");
+  if (ahead)
+    std::printf("vision tower: frozen, its forward for the next micro-batch runs %s (train.vision_ahead)\n",
+                ctx.device == Device::CUDA ? "on a second CUDA stream beside the LM step" : "before the LM step");
+  VisionAhead<Staged> va(ctx.device, up, [&](const Tensor& images) { return m.vision_features(images); });
+  const int64_t last_micro = steps * accum;
   int64_t eval_every = cfg.get_int64("train.eval_every"), save_every = cfg.get_int64("train.save_every");
   int64_t epoch_rows_seen = start * accum * G;
   const double grad_clip = cfg.get_float("train.grad_clip");
@@ -189,8 +279,21 @@ static int train_vlm(const RunContext& ctx) {
     Tensor loss_sum;  // the step's mean loss over its micro-batches, on the device
     slog.begin_step();
     for (int a = 0; a < accum; a++) {
+      const int64_t micro = s * accum + a;
       double w0 = now_ms();
-      Staged sb = loader.next();
+      Staged sb;
+      VLMBatch vb;
+      Tensor features;  // the frozen tower's output for this micro-batch, computed ahead
+      if (ahead) {
+        if (va.empty()) va.launch(loader.next());  // the run's first micro-batch
+        if (micro + 1 < last_micro) va.launch(loader.next());  // the next one's tower, beside this step
+        VisionAhead<Staged>::Item it = va.take();  // the main stream waits for its features here
+        sb = std::move(it.staged);
+        vb = it.batch;
+        features = it.features;
+      } else {
+        sb = loader.next();
+      }
       wait += now_ms() - w0;
       profile_add("data (waiting for the loader, host)", now_ms() - w0);
       if (epoch_rows_seen % nrows < G && epoch_rows_seen > 0)
@@ -199,12 +302,12 @@ static int train_vlm(const RunContext& ctx) {
       tokens += sb.real_tokens;
       flops += sb.flops;
       if (a == 0) profile_mark();
-      VLMBatch vb = from_staged(sb.batch, up.upload(sb.batch));
+      if (!ahead) vb = from_staged(sb.batch, up.upload(sb.batch));
       profile_phase("data (upload)");
       Tensor loss;
       {
         ProfileRange r("forward");
-        loss = m.loss(vb);
+        loss = m.loss(vb, features);
       }
       const double f = sb.loss_scale / accum;  // 1 on one GPU without accumulation
       Tensor scaled = f != 1.0 ? scale(loss, f) : loss;

@@ -267,7 +267,8 @@ void attention_forward(T* out, acc_t<T>* lse, const T* q, const T* k, const T* v
                        Stream s) {
   check_args("attention_forward", nseq, max_seqlen, H, KV, hd);
   auto ours = [&] { forward_loom(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, hd, causal, scale, s); };
-  if (cudnn_attention_forward(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, hd, causal, scale, s,
+  // a side scope (runtime.cu) runs ours: cuDNN's plans keep per-plan state and one workspace
+  if (!side_scope_active() && cudnn_attention_forward(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, hd, causal, scale, s,
                               ours))
     return;
   ours();
@@ -284,7 +285,7 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T*
     backward_loom(dq, dk, dv, dout, q, k, v, out, lse, workspace, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, hd,
                   causal, scale, s);
   };
-  if (cudnn_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, workspace, cu_q, cu_k, nseq, max_seqlen, Nq, Nk,
+  if (!side_scope_active() && cudnn_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, workspace, cu_q, cu_k, nseq, max_seqlen, Nq, Nk,
                                H, KV, hd, causal, scale, s, ours))
     return;
   ours();

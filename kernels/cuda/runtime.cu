@@ -37,6 +37,18 @@
  *   also orders against the legacy stream 0 (safe for code that uses plain cudaMemcpy), and
  *   it can be captured into a CUDA graph (stream 0 cannot).
  *
+ * Side scope (side_scope_begin/end, per host thread): default_stream() returns side_stream(), a
+ *   second stream, so every op the thread enqueues meanwhile runs there (a frozen vision
+ *   tower's forward for the next batch while the step computes), and the allocator serves the
+ *   thread from a third pool whose blocks stay the side pool's for good. Why a pool of its own:
+ *   the ordinary pool's reuse is ordered by the default stream only, so a block freed by side
+ *   work and handed to the default stream could be written while the side stream still reads
+ *   it. In the side pool, a block freed on the host is reused by later side work only, and the
+ *   caller makes the side stream wait (an event) for the default stream's work enqueued before
+ *   the scope, so a side block the default stream read (the features it consumed) is free on
+ *   the GPU too. The cuBLASLt workspace is one per stream; cuDNN's attention plans keep state of
+ *   their own, so attention in a side scope runs our kernels (attention.cu).
+ *
  * Test: tests/cuda/test_cuda_runtime.cpp; on a CUDA machine:
  *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_runtime.cpp
  */
@@ -107,7 +119,7 @@ struct Block {
   char* ptr = nullptr;
   size_t size = 0;
   bool free = false;
-  bool graph = false;  // in a segment of the graph pool
+  uint8_t pool = 0;  // the pool of its segment (Pool below)
   Block* prev = nullptr;  // nullptr: the first block of its segment (ptr is the cudaMalloc'd one)
   Block* next = nullptr;
 };
@@ -117,17 +129,23 @@ struct BySize {  // best fit: smallest size first, then lowest address
   }
 };
 
+// The pools: blocks handed out from one are returned to it and never served from another.
+// Ordinary: the default stream's. Graph: while graph_pool_begin() is on (a captured step's
+// addresses). Side: the side scope's (side_scope_begin(): work on side_stream()).
+enum Pool : uint8_t { kOrdinary = 0, kGraph = 1, kSide = 2, kPools = 3 };
+thread_local bool t_side = false;  // this thread is in a side scope
+
 struct Allocator {
   std::mutex mu;
-  std::map<size_t, std::vector<void*>> free_lists;   // small: size class -> cached blocks
-  std::unordered_map<void*, size_t> live;            // small: block -> size class
-  std::set<Block*, BySize> free_blocks, graph_free_blocks;  // large: the free blocks of each pool
-  std::unordered_map<void*, Block*> live_large;      // large: pointer -> its block
-  // the graph pool (graph_pool_begin): its blocks are served and returned apart
-  bool pool_mode = false;
-  std::unordered_map<void*, bool> graph_owned;
-  std::map<size_t, std::vector<void*>> graph_free;
+  std::map<size_t, std::vector<void*>> free_lists[kPools];  // small: size class -> cached blocks
+  std::unordered_map<void*, size_t> live;                   // small: block -> size class
+  std::unordered_map<void*, uint8_t> small_pool;            // small blocks of the other pools
+  std::set<Block*, BySize> free_blocks[kPools];             // large: the free blocks of each pool
+  std::unordered_map<void*, Block*> live_large;             // large: pointer -> its block
+  bool pool_mode = false;  // graph_pool_begin() .. graph_pool_end()
   size_t in_use = 0, peak = 0, cached = 0, peak_reserved = 0;
+
+  uint8_t current_pool() const { return t_side ? kSide : pool_mode ? kGraph : kOrdinary; }
 
   // a takes over the block after it in its segment (out of every free set already)
   static void absorb_next(Block* a) {
@@ -145,12 +163,14 @@ struct Allocator {
 
   void release_cache() {  // caller holds mu
     CUDA_CHECK(cudaDeviceSynchronize());
-    for (auto& kv : free_lists)
+    // the ordinary pool's only: a graph may still use its blocks, the side stream its own
+    for (auto& kv : free_lists[kOrdinary])
       for (void* p : kv.second) {
         CUDA_CHECK(cudaFree(p));
         cached -= kv.first;
       }
-    free_lists.clear();  // the graph pool's blocks stay: a graph may still use them
+    free_lists[kOrdinary].clear();
+    auto& free_blocks = this->free_blocks[kOrdinary];
     for (auto it = free_blocks.begin(); it != free_blocks.end();) {
       Block* b = *it;
       if (b->prev || b->next) {  // part of a segment still in use
@@ -183,7 +203,8 @@ struct Allocator {
   }
 
   void* alloc_small(size_t sz, size_t asked) {  // caller holds mu
-    auto& lists = pool_mode ? graph_free : free_lists;
+    const uint8_t pool = current_pool();
+    auto& lists = free_lists[pool];
     void* p = nullptr;
     auto it = lists.find(sz);
     if (it != lists.end() && !it->second.empty()) {
@@ -194,14 +215,15 @@ struct Allocator {
       p = cuda_malloc_or_throw(sz, asked);
     }
     live[p] = sz;
-    if (pool_mode) graph_owned[p] = true;
+    if (pool != kOrdinary) small_pool[p] = pool;
     in_use += sz;
     note_peaks();
     return p;
   }
 
   void* alloc_large(size_t sz, size_t asked) {  // caller holds mu
-    auto& pool = pool_mode ? graph_free_blocks : free_blocks;
+    const uint8_t which = current_pool();
+    auto& pool = free_blocks[which];
     Block key;
     key.size = sz;
     auto it = pool.lower_bound(&key);  // the smallest free block of at least sz (ptr nullptr sorts first)
@@ -223,14 +245,14 @@ struct Allocator {
       b = new Block;
       b->ptr = static_cast<char*>(p);
       b->size = seg;
-      b->graph = pool_mode;
+      b->pool = which;
     }
     if (b->size - sz >= kMinSplit) {  // cut: the rest stays free in the same segment
       Block* rest = new Block;
       rest->ptr = b->ptr + sz;
       rest->size = b->size - sz;
       rest->free = true;
-      rest->graph = b->graph;
+      rest->pool = b->pool;
       rest->prev = b;
       rest->next = b->next;
       if (b->next) b->next->prev = rest;
@@ -261,7 +283,7 @@ struct Allocator {
       live_large.erase(lit);
       in_use -= b->size;
       cached += b->size;
-      auto& pool = b->graph ? graph_free_blocks : free_blocks;
+      auto& pool = free_blocks[b->pool];
       b->free = true;
       if (b->next && b->next->free) {  // absorb the free block after it
         pool.erase(b->next);
@@ -280,7 +302,8 @@ struct Allocator {
     size_t sz = it->second;
     live.erase(it);
     in_use -= sz;
-    (graph_owned.count(p) ? graph_free : free_lists)[sz].push_back(p);
+    auto owner = small_pool.find(p);
+    free_lists[owner == small_pool.end() ? kOrdinary : owner->second][sz].push_back(p);
     cached += sz;
   }
 };
@@ -391,7 +414,7 @@ void memcpy_d2h_async(void* dst, const void* src, size_t bytes, Stream s) {
   if (bytes) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s));
 }
 
-Stream default_stream() {
+Stream main_stream() {
   static cudaStream_t s = [] {
     cudaStream_t st;
     CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamDefault));
@@ -399,6 +422,25 @@ Stream default_stream() {
   }();
   return s;
 }
+Stream side_stream() {
+  static cudaStream_t s = [] {
+    cudaStream_t st;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamDefault));
+    return st;
+  }();
+  return s;
+}
+Stream default_stream() { return t_side ? side_stream() : main_stream(); }
+
+void side_scope_begin() {
+  if (t_side) throw std::logic_error("side_scope_begin: already in a side scope");
+  t_side = true;
+}
+void side_scope_end() {
+  if (!t_side) throw std::logic_error("side_scope_end: not in a side scope");
+  t_side = false;
+}
+bool side_scope_active() { return t_side; }
 
 void memcpy_h2d(void* dst, const void* src, size_t bytes, Stream s) {
   if (bytes) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s));
@@ -453,9 +495,12 @@ cublasHandle_t cublas_handle() {
 
 void* cublaslt_workspace(size_t* bytes) {
   constexpr size_t kBytes = size_t(32) << 20;  // 32 MiB: what cuBLASLt asks for on Hopper
-  static void* w = device_malloc(kBytes);
+  // one per stream: GEMMs of the side stream may run while the default stream's do
+  static void* w[2] = {nullptr, nullptr};
+  void*& mine = w[t_side ? 1 : 0];
+  if (!mine) mine = device_malloc(kBytes);  // in the side scope: from the side pool
   if (bytes) *bytes = kBytes;
-  return w;
+  return mine;
 }
 
 }  // namespace loom::cuda

@@ -4,6 +4,8 @@
 //   bash tools/gpu-kernels.sh tests/cuda/test_cuda_runtime.cpp
 #include <catch2/catch.hpp>
 
+#include <memory>
+
 #include "kernels/kernels.h"
 #include "tests/tolerances.h"
 
@@ -116,4 +118,62 @@ TEST_CASE("runtime: large blocks split from segments and coalesce", "[runtime]")
   CHECK(cu::bytes_reserved() - reserved0 <= peak_live + 12 * 22 * MiB);
   cu::release_cached();
   CHECK(cu::bytes_reserved() == reserved0);
+}
+
+TEST_CASE("runtime: a side scope runs on its own stream and allocates from its own pool", "[runtime]") {
+  need_gpu();
+  const size_t MiB = size_t(1) << 20;
+  CHECK_FALSE(cu::side_scope_active());
+  CHECK(cu::default_stream() == cu::main_stream());
+  REQUIRE_THROWS(cu::side_scope_end());
+  cu::side_scope_begin();
+  CHECK(cu::side_scope_active());
+  CHECK(cu::default_stream() == cu::side_stream());
+  CHECK(cu::side_stream() != cu::main_stream());
+  REQUIRE_THROWS(cu::side_scope_begin());
+  void* small = cu::device_malloc(3000);
+  void* large = cu::device_malloc(3 * MiB);
+  cu::device_free(small);
+  cu::device_free(large);
+  cu::side_scope_end();
+  CHECK(cu::default_stream() == cu::main_stream());
+  // the blocks the side scope freed are not handed to the default stream's work ...
+  void* small2 = cu::device_malloc(3000);
+  void* large2 = cu::device_malloc(3 * MiB);
+  CHECK(small2 != small);
+  CHECK(large2 != large);
+  // ... and come back in the next side scope
+  cu::side_scope_begin();
+  void* small3 = cu::device_malloc(3000);
+  void* large3 = cu::device_malloc(3 * MiB);
+  CHECK(small3 == small);
+  CHECK(large3 == large);
+  cu::device_free(small3);
+  cu::device_free(large3);
+  cu::side_scope_end();
+  cu::device_free(small2);  // back to the ordinary pool, freed outside the scope or in it
+  cu::device_free(large2);
+
+  // GEMMs enqueued on both streams at once (each stream with its own cuBLASLt workspace) give
+  // the reference results; inputs fresh, outputs poisoned
+  const int M = 192, N = 320, K = 448, R = 8;
+  auto hA = rnd(size_t(M) * K, 101), hB = rnd(size_t(K) * N, 102);
+  auto hA2 = rnd(size_t(M) * K, 103), hB2 = rnd(size_t(K) * N, 104);
+  std::vector<float> ref(size_t(M) * N), ref2(size_t(M) * N);
+  cpu::gemm(ref.data(), hA.data(), hB.data(), M, N, K, false, true, 1.0, 0.0, 1, 0, 0, 0, nullptr);
+  cpu::gemm(ref2.data(), hA2.data(), hB2.data(), M, N, K, false, true, 1.0, 0.0, 1, 0, 0, 0, nullptr);
+  DBuf<float> A(hA), B(hB), C(size_t(M) * N);
+  cu::side_scope_begin();
+  auto A2 = std::make_unique<DBuf<float>>(hA2), B2 = std::make_unique<DBuf<float>>(hB2);
+  auto C2 = std::make_unique<DBuf<float>>(size_t(M) * N);
+  for (int r = 0; r < R; r++) cu::gemm(C2->p, A2->p, B2->p, M, N, K, false, true, 1.0, 0.0, 1, 0, 0, 0, S());
+  cu::side_scope_end();
+  for (int r = 0; r < R; r++) cu::gemm(C.p, A.p, B.p, M, N, K, false, true, 1.0, 0.0, 1, 0, 0, 0, S());
+  CHECK_CLOSE(C.get(), ref, tol_of<float>(true), "gemm on the main stream");
+  cu::side_scope_begin();
+  CHECK_CLOSE(C2->get(), ref2, tol_of<float>(true), "gemm on the side stream");
+  A2.reset();
+  B2.reset();
+  C2.reset();
+  cu::side_scope_end();
 }
