@@ -35,7 +35,9 @@
  *
  * Stream: default_stream() is one stream created on first use with default flags, so it
  *   also orders against the legacy stream 0 (safe for code that uses plain cudaMemcpy), and
- *   it can be captured into a CUDA graph (stream 0 cannot).
+ *   it can be captured into a CUDA graph (stream 0 cannot). It runs at the device's greatest
+ *   priority and the side stream (below) at the least: only their order against each other
+ *   changes (the copy stream moves bytes, no kernels).
  *
  * Side scope (side_scope_begin/end, per host thread): default_stream() returns side_stream(), a
  *   second stream, so every op the thread enqueues meanwhile runs there (a frozen vision
@@ -414,10 +416,23 @@ void memcpy_d2h_async(void* dst, const void* src, size_t bytes, Stream s) {
   if (bytes) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s));
 }
 
+// Priorities: the main stream at the device's greatest, the side stream at its least, so that
+// where both have blocks waiting the step's go first and the side work (needed one step later)
+// fills what the step leaves idle. LOOM_STREAM_PRIORITIES=0: both at the default (measurement).
+int stream_priority(bool main) {
+  static const bool on = [] {
+    const char* e = std::getenv("LOOM_STREAM_PRIORITIES");
+    return !(e && e[0] == '0');
+  }();
+  if (!on) return 0;
+  int least = 0, greatest = 0;
+  CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  return main ? greatest : least;
+}
 Stream main_stream() {
   static cudaStream_t s = [] {
     cudaStream_t st;
-    CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamDefault));
+    CUDA_CHECK(cudaStreamCreateWithPriority(&st, cudaStreamDefault, stream_priority(true)));
     return st;
   }();
   return s;
@@ -425,7 +440,7 @@ Stream main_stream() {
 Stream side_stream() {
   static cudaStream_t s = [] {
     cudaStream_t st;
-    CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamDefault));
+    CUDA_CHECK(cudaStreamCreateWithPriority(&st, cudaStreamDefault, stream_priority(false)));
     return st;
   }();
   return s;
