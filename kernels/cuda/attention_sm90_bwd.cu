@@ -69,6 +69,12 @@
  *   dQ as two m64 products per consumer, 2 buffers): correct, but it spilled 156 bytes at 232
  *   registers and was slower, fwd+bwd B8 H12 T1024 0.395 against 0.362 ms, B4 H9 T2048 full
  *   0.537 against 0.488, B128 H12 T196 0.643 against 0.586 (H100, same call): not kept.
+ *   delta = rowsum(dO * O) computed by the producer warpgroup (two threads per row, 16-byte
+ *   global loads beside the tile's TMA copies) and prep reduced to a memset of dq_acc: correct
+ *   (ctest, fixtures), but the producer's loads (one pair in flight per thread: at 40 registers a
+ *   second pair spilled) made it the bottleneck: fwd+bwd B8 H12 T1024 0.358 -> 0.390 ms, B8 H16
+ *   T2048 hd 128 causal 1.371 -> 1.696, B55 H12 T196 0.260 -> 0.279, bench_vlm_sft 69.2 / 69.5 ->
+ *   70.5 / 70.3 ms (H100, same call, 2026-11-24): not kept. The prep it would save is ~16 us.
  *
  * Test: tests/cuda/test_cuda_kernels_b.cpp ("attention ...": the default sections run it on
  *   the cases of 128 tokens and more, LOOM_ATTN_BWD_WS_MIN=0 on every bf16 hd 64 / 128 case).
