@@ -74,7 +74,8 @@
  *   (ctest, fixtures), but the producer's loads (one pair in flight per thread: at 40 registers a
  *   second pair spilled) made it the bottleneck: fwd+bwd B8 H12 T1024 0.358 -> 0.390 ms, B8 H16
  *   T2048 hd 128 causal 1.371 -> 1.696, B55 H12 T196 0.260 -> 0.279, bench_vlm_sft 69.2 / 69.5 ->
- *   70.5 / 70.3 ms (H100, same call, 2026-11-24): not kept. The prep it would save is ~16 us.
+ *   70.5 / 70.3 ms (H100, same call, 2026-11-24): not kept, for a saving of at most the
+ *   reads of O and dO in prep (~7 of its 16 us at B8 H12 T1024).
  *
  * Test: tests/cuda/test_cuda_kernels_b.cpp ("attention ...": the default sections run it on
  *   the cases of 128 tokens and more, LOOM_ATTN_BWD_WS_MIN=0 on every bf16 hd 64 / 128 case).
