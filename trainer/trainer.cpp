@@ -263,7 +263,10 @@ static int train_vlm(const RunContext& ctx) {
   // features. The math is the same as in the step (no dropout, no randomness in the tower).
   bool vision_frozen = m.vision.num_parameters() > 0;
   for (auto& [n, t] : m.vision.named_parameters()) vision_frozen = vision_frozen && !t->requires_grad();
-  const bool ahead = vision_frozen && cfg.get_bool("train.vision_ahead");
+  // (not while profiling: the profile times the step's ops between events on one stream)
+  const bool ahead = vision_frozen && cfg.get_bool("train.vision_ahead") && !cfg.get_bool("train.profile");
+  if (vision_frozen && cfg.get_bool("train.vision_ahead") && !ahead)
+    std::printf("vision tower: frozen, its forward inside the step (train.profile times one stream)\n");
   if (ahead)
     std::printf("vision tower: frozen, its forward for the next micro-batch runs %s (train.vision_ahead)\n",
                 ctx.device == Device::CUDA ? "on a second CUDA stream beside the LM step" : "before the LM step");
