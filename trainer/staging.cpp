@@ -137,10 +137,7 @@ std::map<std::string, Tensor> Uploader::upload(const StagedBatch& b) {
     cuda::synchronize();
     if (slot_[k]) cuda::device_free(slot_[k]);
     cap_[k] = b.used() + b.used() / 4;
-    const bool side = cuda::side_scope_active();  // the slots are the ordinary pool's
-    if (side) cuda::side_scope_end();
     slot_[k] = cuda::device_malloc(cap_[k]);
-    if (side) cuda::side_scope_begin();
     consumed_recorded_[k] = false;
   }
   if (consumed_recorded_[k]) cuda::stream_wait_event(cs, consumed_[k]);  // the step that read slot k is over

@@ -264,8 +264,9 @@ static int train_vlm(const RunContext& ctx) {
   bool vision_frozen = m.vision.num_parameters() > 0;
   for (auto& [n, t] : m.vision.named_parameters()) vision_frozen = vision_frozen && !t->requires_grad();
   // (not while profiling: the profile times the step's ops between events on one stream)
-  const bool ahead = vision_frozen && cfg.get_bool("train.vision_ahead") && !cfg.get_bool("train.profile");
-  if (vision_frozen && cfg.get_bool("train.vision_ahead") && !ahead)
+  const bool wanted = vision_frozen && cfg.get_bool("train.vision_ahead");
+  const bool ahead = wanted && !cfg.get_bool("train.profile");
+  if (wanted && !ahead)
     std::printf("vision tower: frozen, its forward inside the step (train.profile times one stream)\n");
   if (ahead)
     std::printf("vision tower: frozen, its forward for the next micro-batch runs %s (train.vision_ahead)\n",

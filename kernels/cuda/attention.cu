@@ -268,8 +268,8 @@ void attention_forward(T* out, acc_t<T>* lse, const T* q, const T* k, const T* v
   check_args("attention_forward", nseq, max_seqlen, H, KV, hd);
   auto ours = [&] { forward_loom(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, hd, causal, scale, s); };
   // a side scope (runtime.cu) runs ours: cuDNN's plans keep per-plan state and one workspace
-  if (!side_scope_active() && cudnn_attention_forward(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, hd, causal, scale, s,
-                              ours))
+  if (!side_scope_active() && cudnn_attention_forward(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H,
+                                                      KV, hd, causal, scale, s, ours))
     return;
   ours();
 }
@@ -285,8 +285,8 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T*
     backward_loom(dq, dk, dv, dout, q, k, v, out, lse, workspace, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, hd,
                   causal, scale, s);
   };
-  if (!side_scope_active() && cudnn_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, workspace, cu_q, cu_k, nseq, max_seqlen, Nq, Nk,
-                               H, KV, hd, causal, scale, s, ours))
+  if (!side_scope_active() && cudnn_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, workspace, cu_q, cu_k,
+                                                       nseq, max_seqlen, Nq, Nk, H, KV, hd, causal, scale, s, ours))
     return;
   ours();
 }

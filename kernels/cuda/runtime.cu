@@ -429,20 +429,17 @@ int stream_priority(bool main) {
   CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
   return main ? greatest : least;
 }
+cudaStream_t create_stream(bool main) {
+  cudaStream_t st;
+  CUDA_CHECK(cudaStreamCreateWithPriority(&st, cudaStreamDefault, stream_priority(main)));
+  return st;
+}
 Stream main_stream() {
-  static cudaStream_t s = [] {
-    cudaStream_t st;
-    CUDA_CHECK(cudaStreamCreateWithPriority(&st, cudaStreamDefault, stream_priority(true)));
-    return st;
-  }();
+  static cudaStream_t s = create_stream(true);
   return s;
 }
 Stream side_stream() {
-  static cudaStream_t s = [] {
-    cudaStream_t st;
-    CUDA_CHECK(cudaStreamCreateWithPriority(&st, cudaStreamDefault, stream_priority(false)));
-    return st;
-  }();
+  static cudaStream_t s = create_stream(false);
   return s;
 }
 Stream default_stream() { return t_side ? side_stream() : main_stream(); }
