@@ -172,12 +172,21 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
 }
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   uint32_t done = 0;
-  while (!done)
+#ifdef LOOM_MBAR_WATCHDOG  // a debugging build (-DLOOM_MBAR_WATCHDOG): report a wait that never ends
+  uint32_t spins = 0;
+#endif
+  while (!done) {
     asm volatile(
         "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
         : "=r"(done)
         : "r"(smem_addr(bar)), "r"(parity)
         : "memory");
+#ifdef LOOM_MBAR_WATCHDOG
+    if (!done && ++spins == (1u << 20))
+      printf("mbar_wait: block %d thread %d waits at shared 0x%x for parity %u\n", int(blockIdx.x), int(threadIdx.x),
+             smem_addr(bar), parity);
+#endif
+  }
 }
 // The next phase of `bar` also waits for `bytes` bytes of asynchronous (TMA) copies; this
 // thread's arrival is one of the barrier's count.
