@@ -93,9 +93,11 @@ inline int chunk_pairs(int npairs, double pair_bytes) {
 // sequence) with the heads of one kv head side by side (host: chunk_pairs of the K / V rows a
 // head reads). Causal: tile 0 is the sequence's last query tile (it sees the most keys);
 // bidirectional: every whole tile costs the same and tile 0 is the first, so that the
-// sequences' partial last tiles (fewer rows, less work) run in the tail. (The lock-step and
-// mma.sync forwards keep blockIdx's order, longest tile of each head first: the decoding's live
-// registers made ptxas spill 48 / 116 bytes in two of their instantiations.)
+// sequences' partial last tiles (fewer rows, less work) run in the tail. Every pair's partial
+// last tile after all the whole tiles of the grid instead measured the same (B8 H12 T1024 hd 64
+// 0.087-0.089 against 0.088-0.090 ms; T1100 and hd 128 T2000 within 1%; H100, 2026-11-24). (The
+// lock-step and mma.sync forwards keep blockIdx's order, longest tile of each head first: the
+// decoding's live registers made ptxas spill 48 / 116 bytes in two of their instantiations.)
 struct FwdTile {
   int qs, h, seq;
 };
