@@ -107,7 +107,13 @@
  *   the slot, S's first k-step write-only, the exp2s written to separate registers, a wait
  *   predicated on the row sums or inside an opaque one-trip loop, both of which made ptxas
  *   serialize the products instead, a second wgmma.fence so that S and P V are separate
- *   stages), so each consumer's softmax overlaps only the other consumers' products.
+ *   stages), so each consumer's softmax overlaps only the other consumers' products. The SASS
+ *   of more variants (2026-11-24, both instantiations): the wait lands after the first row
+ *   maxima and before the quad shuffles with the K-buffer arrival moved after the softmax,
+ *   without the fence on S, without the shuffles (wrong maxima, to see the order), and with the
+ *   exp2s computed on the FMA pipe (a degree-4 polynomial: no MUFU in the slot at all; the
+ *   kernel 1.2-1.5x slower); only without the mask code did it move, to after the shuffles and
+ *   still before the first exp2. So no one instruction of the softmax is what ptxas waits for.
  *
  * When it runs: on sm_90a for batches whose longest sequence has at least 768 tokens at hd 64
  *   or 256 at hd 128 (attention_sm90.cu's fwd_sm90 decides; its comment has the sweep). Short sequences leave most of its 128 / 192-row
