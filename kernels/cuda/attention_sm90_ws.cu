@@ -112,7 +112,7 @@
  *   maxima and before the quad shuffles with the K-buffer arrival moved after the softmax,
  *   without the fence on S, without the shuffles (wrong maxima, to see the order), and with the
  *   exp2s computed on the FMA pipe (a degree-4 polynomial: no MUFU in the slot at all; the
- *   kernel 1.2-1.5x slower); only without the mask code did it move, to after the shuffles and
+ *   kernel 1.4-1.5x slower, 1.2x with half of them so); only without the mask code did it move, to after the shuffles and
  *   still before the first exp2. So no one instruction of the softmax is what ptxas waits for.
  *
  * When it runs: on sm_90a for batches whose longest sequence has at least 768 tokens at hd 64
