@@ -79,29 +79,29 @@
  *   0.0885-0.0905 ms against 0.086-0.088 without, H100, 2026-11-24), so a block with one
  *   working consumer does not take a whole block's time after all; not kept.
  *   Persistent blocks (measured 2026-11-24, not kept): one block per SM taking query tiles in the
-  block order above from a global counter (the producer's leader took the next with atomicAdd
-  and handed it to the block through two mbarrier-guarded slots; the last block to finish reset
-  the counter for the next launch), Q loaded per consumer as a 64-row box once that consumer's
-  last S of the previous tile was done, so that the next tile's Q, K and V loaded during the last
-  one's final products and epilogue; O staged in a region of each consumer's own (hd 128 with 2
-  K / V buffers to make room). Same call, H100, forward ms, this kernel | persistent | the
-  persistent code with a block per tile:
-    B8 H12 T1024 hd 64              0.086-0.089 | 0.087-0.089 | 0.095
-    B8 H16 T2048 hd 128 causal      0.309-0.311 | 0.297       | 0.336
-    B4 H9 T2048 hd 64 causal        0.066-0.069 | 0.069       | 0.075
-    B8 H12 T1024 hd 128             0.114-0.117 | 0.114-0.116 | 0.125
-    B2 H32 T4096 hd 64 causal       0.334-0.336 | 0.351       | 0.375
-    B4 H16 T4096 hd 128 causal      0.495       | 0.508-0.518 | 0.541
-  and bench_vlm_sft unchanged (69.5 / 69.9 against 69.8 / 69.4 ms). Persistence gained 5-12%
-  over the same code with a block per tile, but that code was 8-12% slower per block than this
-  kernel (ncu, B2 H32 T4096 hd 64 causal, block per tile: 10% more cycles for 4% more
-  instructions); reading the tile's numbers from lane 0 so that the descriptors went back to
-  uniform registers (165 -> 73 register-to-uniform moves) changed nothing measurable, and where
-  the rest of the per-block cost lies was not found. One hazard of that design: the producer's
-  other lanes waited on the "empty" barriers too while its leader spun on a Q barrier, fell two
-  ring cycles behind, and an mbarrier tells a phase only by its parity: a test case of three
-  sequences (300, 129, 1 tokens) on three blocks hung until only the leader waited.
-  Not achieved: the softmax of a tile overlapping its own warpgroup's P V. The source waits
+ *   block order above from a global counter (the producer's leader took the next with atomicAdd
+ *   and handed it to the block through two mbarrier-guarded slots; the last block to finish reset
+ *   the counter for the next launch), Q loaded per consumer as a 64-row box once that consumer's
+ *   last S of the previous tile was done, so that the next tile's Q, K and V loaded during the last
+ *   one's final products and epilogue; O staged in a region of each consumer's own (hd 128 with 2
+ *   K / V buffers to make room). Same call, H100, forward ms, this kernel | persistent | the
+ *   persistent code with a block per tile:
+ *     B8 H12 T1024 hd 64              0.086-0.089 | 0.087-0.089 | 0.095
+ *     B8 H16 T2048 hd 128 causal      0.309-0.311 | 0.297       | 0.336
+ *     B4 H9 T2048 hd 64 causal        0.066-0.069 | 0.069       | 0.075
+ *     B8 H12 T1024 hd 128             0.114-0.117 | 0.114-0.116 | 0.125
+ *     B2 H32 T4096 hd 64 causal       0.334-0.336 | 0.351       | 0.375
+ *     B4 H16 T4096 hd 128 causal      0.495       | 0.508-0.518 | 0.541
+ *   and bench_vlm_sft unchanged (69.5 / 69.9 against 69.8 / 69.4 ms). Persistence gained 5-12%
+ *   over the same code with a block per tile, but that code was 8-12% slower per block than this
+ *   kernel (ncu, B2 H32 T4096 hd 64 causal, block per tile: 10% more cycles for 4% more
+ *   instructions); reading the tile's numbers from lane 0 so that the descriptors went back to
+ *   uniform registers (165 -> 73 register-to-uniform moves) changed nothing measurable, and where
+ *   the rest of the per-block cost lies was not found. One hazard of that design: the producer's
+ *   other lanes waited on the "empty" barriers too while its leader spun on a Q barrier, fell two
+ *   ring cycles behind, and an mbarrier tells a phase only by its parity: a test case of three
+ *   sequences (300, 129, 1 tokens) on three blocks hung until only the leader waited.
+ *   Not achieved: the softmax of a tile overlapping its own warpgroup's P V. The source waits
  *   for S, runs the softmax, then waits for P V, but ptxas schedules the P V wait (which has
  *   no register operands) before the exp2s in every form tried (the mask in its own copy of
  *   the slot, S's first k-step write-only, the exp2s written to separate registers, a wait
@@ -112,8 +112,9 @@
  *   maxima and before the quad shuffles with the K-buffer arrival moved after the softmax,
  *   without the fence on S, without the shuffles (wrong maxima, to see the order), and with the
  *   exp2s computed on the FMA pipe (a degree-4 polynomial: no MUFU in the slot at all; the
- *   kernel 1.4-1.5x slower, 1.2x with half of them so); only without the mask code did it move, to after the shuffles and
- *   still before the first exp2. So no one instruction of the softmax is what ptxas waits for.
+ *   kernel 1.4-1.5x slower, 1.2x with half of them so); only without the mask code did it
+ *   move, to after the shuffles and still before the first exp2. So no one instruction of the
+ *   softmax is what ptxas waits for.
  *
  * When it runs: on sm_90a for batches whose longest sequence has at least 768 tokens at hd 64
  *   or 256 at hd 128 (attention_sm90.cu's fwd_sm90 decides; its comment has the sweep). Short sequences leave most of its 128 / 192-row
