@@ -140,8 +140,8 @@ thread_local bool t_side = false;  // this thread is in a side scope
 struct Allocator {
   std::mutex mu;
   std::map<size_t, std::vector<void*>> free_lists[kPools];  // small: size class -> cached blocks
-  std::unordered_map<void*, size_t> live;                   // small: block -> size class
-  std::unordered_map<void*, uint8_t> small_pool;            // small blocks of the other pools
+  struct Small { size_t size; uint8_t pool; };              // a small block's size class and pool
+  std::unordered_map<void*, Small> live;                    // small: block -> {size class, pool}
   std::set<Block*, BySize> free_blocks[kPools];             // large: the free blocks of each pool
   std::unordered_map<void*, Block*> live_large;             // large: pointer -> its block
   bool pool_mode = false;  // graph_pool_begin() .. graph_pool_end()
@@ -216,8 +216,7 @@ struct Allocator {
     } else {
       p = cuda_malloc_or_throw(sz, asked);
     }
-    live[p] = sz;
-    if (pool != kOrdinary) small_pool[p] = pool;
+    live[p] = Small{sz, pool};
     in_use += sz;
     note_peaks();
     return p;
@@ -301,12 +300,11 @@ struct Allocator {
     }
     auto it = live.find(p);
     if (it == live.end()) throw std::runtime_error("device_free: pointer was not allocated by device_malloc");
-    size_t sz = it->second;
+    const Small sm = it->second;
     live.erase(it);
-    in_use -= sz;
-    auto owner = small_pool.find(p);
-    free_lists[owner == small_pool.end() ? kOrdinary : owner->second][sz].push_back(p);
-    cached += sz;
+    in_use -= sm.size;
+    free_lists[sm.pool][sm.size].push_back(p);
+    cached += sm.size;
   }
 };
 
