@@ -101,20 +101,35 @@
  *   other lanes waited on the "empty" barriers too while its leader spun on a Q barrier, fell two
  *   ring cycles behind, and an mbarrier tells a phase only by its parity: a test case of three
  *   sequences (300, 129, 1 tokens) on three blocks hung until only the leader waited.
- *   Not achieved: the softmax of a tile overlapping its own warpgroup's P V. The source waits
- *   for S, runs the softmax, then waits for P V, but ptxas schedules the P V wait (which has
- *   no register operands) before the exp2s in every form tried (the mask in its own copy of
- *   the slot, S's first k-step write-only, the exp2s written to separate registers, a wait
- *   predicated on the row sums or inside an opaque one-trip loop, both of which made ptxas
- *   serialize the products instead, a second wgmma.fence so that S and P V are separate
- *   stages), so each consumer's softmax overlaps only the other consumers' products. The SASS
- *   of more variants (2026-11-24, both instantiations): the wait lands after the first row
- *   maxima and before the quad shuffles with the K-buffer arrival moved after the softmax,
- *   without the fence on S, without the shuffles (wrong maxima, to see the order), and with the
- *   exp2s computed on the FMA pipe (a degree-4 polynomial: no MUFU in the slot at all; the
- *   kernel 1.4-1.5x slower, 1.2x with half of them so); only without the mask code did it
- *   move, to after the shuffles and still before the first exp2. So no one instruction of the
- *   softmax is what ptxas waits for.
+ *   6. the softmax overlapping its own warpgroup's P V (2026-11-24). The source always waited
+ *      for S, ran the softmax, then waited for P V, but in the SASS the P V wait (an instruction
+ *      without register operands) sat before the exponentials in every form tried: the mask in
+ *      its own copy of the slot, S's first k-step write-only, the exp2s into separate
+ *      registers, a wait predicated on the row sums or inside an opaque one-trip loop (both
+ *      made ptxas serialize the products), a second wgmma.fence, the K-buffer arrival moved,
+ *      no fence on S, no shuffles, every exp2 on the FMA pipe (a degree-4 polynomial; 1.4-1.5x
+ *      slower). The cause: ptxas's scheduler puts the wait into the first stall after the issue
+ *      (after the first row maxima, or after the first shuffle with the branches out of the
+ *      slot, as in FlashAttention-3's order: O rescaled before the issue, the mask in its own
+ *      copy); it does keep a shared-memory store ahead of the wait, so a store of the row sums
+ *      (which depend on every exp2) pins the whole softmax before it (order_before_wait,
+ *      wgmma.cuh; ~485 instructions between the two waits instead of 24-60). Same call, H100,
+ *      forward ms, without | with, three rounds:
+ *        B8 H12 T1024 hd 64            0.088-0.090 | 0.087-0.090
+ *        B8 H16 T2048 hd 128 causal    0.307-0.309 | 0.303-0.306
+ *        B4 H9 T2048 hd 64 causal      0.067-0.069 | 0.067-0.069
+ *        B8 H12 T1024 hd 128           0.115-0.116 | 0.113-0.115
+ *        B4 H16 T4096 hd 128 causal    0.494-0.497 | 0.484-0.486
+ *        B2 H32 T4096 hd 64 causal     0.336-0.337 | 0.335-0.338
+ *      1-2% at hd 128, nothing at hd 64 (the third consumer already covers that softmax); with
+ *      it, two consumers at hd 64 are still slower than three (0.091-0.093 and 0.076-0.078 on
+ *      the first and third rows). The FlashAttention-3 order without the store measured the same
+ *      at hd 64 and 0-2% slower at hd 128 than this kernel's (another call) and is not used.
+ *   Producer: only its leader waits on the "empty" barriers (the "full" barriers count its
+ *     arrival alone, so another producer thread's lag behind the ring would have no bound, and
+ *     a parity wait two phases late never returns); the other threads meet it at the producer's
+ *     named barrier before a partial tile. Same speed as each thread waiting (same call), and
+ *     ptxas no longer spills in the hd 64 instance (16 bytes before).
  *
  * When it runs: on sm_90a for batches whose longest sequence has at least 768 tokens at hd 64
  *   or 256 at hd 128 (attention_sm90.cu's fwd_sm90 decides; its comment has the sweep). Short sequences leave most of its 128 / 192-row
@@ -144,7 +159,8 @@ template <int HD, int BC, int STAGES, int NC>
 struct WsSmem {
   static constexpr int BR = 64 * NC;
   static constexpr int q_elems = BR * HD, kv_elems = BC * HD;
-  static constexpr int bytes = (q_elems + 2 * STAGES * kv_elems) * 2 + (1 + 4 * STAGES) * 8 + 1024;
+  // + the barriers, a word per consumer thread (order_before_wait) and the 1024-byte alignment
+  static constexpr int bytes = (q_elems + 2 * STAGES * kv_elems) * 2 + (1 + 4 * STAGES) * 8 + 128 * NC * 4 + 1024;
 };
 
 template <int HD, int BC, int STAGES, int NC>
@@ -171,6 +187,7 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
   uint64_t* full_v = full_k + STAGES;    // [STAGES]
   uint64_t* empty_k = full_v + STAGES;   // [STAGES]
   uint64_t* empty_v = empty_k + STAGES;  // [STAGES]
+  float* sink = reinterpret_cast<float*>(empty_v + STAGES);  // [NC * 128]: order_before_wait
 
   const FwdTile ft = fwd_tile(BR, H, int(gridDim.z), chunk, causal);  // long tiles first
   const int seq = ft.seq, h = ft.h, kvh = h / (H / KV), qs = ft.qs;
@@ -201,31 +218,44 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
 #pragma unroll
       for (int half = 0; half < HD / 64; half++) tma_load_3d(sQ + half * BR * 64, &tm_q, half * 64, h, q0 + qs, bar_q);
     }
-    for (int j = 0; j < ntiles; j++) {
-      const int st = j % STAGES, kb = j * BC, nvalid = min(BC, Lk - kb);
-      const uint32_t prev = ((j / STAGES) - 1) & 1;  // the phase in which every consumer freed j - STAGES
+    // Only the leader waits for the consumers to free a buffer: the "full" barriers count its
+    // arrival alone, so nothing would bound how far behind the ring another producer thread
+    // could fall, and a parity wait that comes two phases late never returns. The other threads
+    // meet the leader at the producer's named barrier before the partial tile instead.
+    // prev(j): the phase in which every consumer freed tile j - STAGES's buffer.
+    auto prev = [](int j) { return uint32_t((j / STAGES) - 1) & 1; };
+    // every tile but the sequence's last lies wholly inside it
+    const bool last_partial = ntiles > 0 && Lk - (ntiles - 1) * BC < BC;
+    const int nwhole = ntiles - (last_partial ? 1 : 0);
+    if (leader) {  // whole tiles: one thread hands each to the TMA unit, K then V
+      for (int j = 0; j < nwhole; j++) {
+        const int st = j % STAGES;
 #pragma unroll
-      for (int which = 0; which < 2; which++) {  // K, then V
-        uint64_t* full = which == 0 ? &full_k[st] : &full_v[st];
-        bf* dst = (which == 0 ? sK : sV) + st * L::kv_elems;
-        if (j >= STAGES) mbar_wait(which == 0 ? &empty_k[st] : &empty_v[st], prev);
-        if (nvalid == BC) {  // a whole tile: one thread hands it to the TMA unit
-          if (leader) {
-            mbar_expect_tx(full, kTileBytes);
+        for (int which = 0; which < 2; which++) {
+          uint64_t* full = which == 0 ? &full_k[st] : &full_v[st];
+          if (j >= STAGES) mbar_wait(which == 0 ? &empty_k[st] : &empty_v[st], prev(j));
+          mbar_expect_tx(full, kTileBytes);
+          bf* dst = (which == 0 ? sK : sV) + st * L::kv_elems;
 #pragma unroll
-            for (int half = 0; half < HD / 64; half++)
-              tma_load_3d(dst + half * BC * 64, which == 0 ? &tm_k : &tm_v, half * 64, kvh, k0 + kb, full);
-          }
-        } else {  // the sequence's last, partial tile: zero-filled rows (a masked key's V row
-                  // must be 0, not a neighbour's value that could be inf) through cp.async
-          const bf* src = (which == 0 ? k : v) + (int64_t(k0) + kb) * kvstride + kvh * HD;
-          load_tile_sw128<HD, BC, 128>(dst, src, kvstride, nvalid);
-          cp_async_commit();
-          cp_async_wait<0>();
-          fence_smem_async();  // these generic-proxy writes, before wgmma reads them
-          named_sync(15, 128);  // the producer warpgroup's own barrier
-          if (leader) mbar_arrive(full);
+          for (int half = 0; half < HD / 64; half++)
+            tma_load_3d(dst + half * BC * 64, which == 0 ? &tm_k : &tm_v, half * 64, kvh, k0 + j * BC, full);
         }
+      }
+    }
+    if (last_partial) {  // the sequence's last, partial tile: zero-filled rows (a masked key's V
+                         // row must be 0, not a neighbour's value that could be inf) by cp.async
+      const int j = ntiles - 1, st = j % STAGES, kb = j * BC, nvalid = Lk - kb;
+#pragma unroll
+      for (int which = 0; which < 2; which++) {
+        if (leader && j >= STAGES) mbar_wait(which == 0 ? &empty_k[st] : &empty_v[st], prev(j));
+        named_sync(15, 128);  // the producer warpgroup's own barrier: the buffer is free
+        const bf* src = (which == 0 ? k : v) + (int64_t(k0) + kb) * kvstride + kvh * HD;
+        load_tile_sw128<HD, BC, 128>((which == 0 ? sK : sV) + st * L::kv_elems, src, kvstride, nvalid);
+        cp_async_commit();
+        cp_async_wait<0>();
+        fence_smem_async();  // these generic-proxy writes, before wgmma reads them
+        named_sync(15, 128);
+        if (leader) mbar_arrive(which == 0 ? &full_k[st] : &full_v[st]);
       }
     }
     return;
@@ -319,6 +349,8 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
       fence_regs(s);
       mbar_arrive(&empty_k[st]);
       softmax(kslot);
+      // P V stays in flight during the softmax only because of this store (wgmma.cuh)
+      order_before_wait(sink + threadIdx.x - 128, sum[0] + sum[1]);
       wg_wait<0>();
       fence_regs(o);
       fence_regs(pa);  // the products read pa until here

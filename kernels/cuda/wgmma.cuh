@@ -46,6 +46,15 @@ template <int N>
 __device__ __forceinline__ void wg_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
+// Orders a wgmma wait after the instructions that compute v. wgmma.wait_group has no register
+// operands, and ptxas's scheduler hoists it into the first stall of whatever follows the issue
+// (so a consumer would wait for its products before its softmax instead of during it); it does
+// keep a shared-memory store before the wait, so storing a value that depends on the work
+// (the row sums depend on every exponential) pins that work ahead of it. slot: a word of
+// shared memory of this thread's own, never read.
+__device__ __forceinline__ void order_before_wait(float* slot, float v) {
+  asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(uint32_t(__cvta_generic_to_shared(slot))), "f"(v) : "memory");
+}
 // cp.async writes are generic-proxy writes; wgmma reads through the async proxy.
 __device__ __forceinline__ void fence_smem_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Ties registers a wgmma uses asynchronously to this point. Accumulators (float): the compiler
