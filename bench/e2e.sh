@@ -31,6 +31,7 @@ run mim_eager bench_mim.cfg --train.cuda_graph=false
 run mim_ckpt bench_mim.cfg --train.grad_checkpointing=true
 run mim_contrastive bench_mim.cfg --model.contrastive=true
 run vlm_sft bench_vlm_sft.cfg
+run vlm_sft_fixed bench_vlm_sft.cfg --data.repeat_batch=true  # one batch every step, as the reference
 run vlm_sft_ckpt bench_vlm_sft.cfg --train.grad_checkpointing=true
 REF=../shared/reference/torch_ref.py
 [ -f "$REF" ] || REF=.deps/shared/reference/torch_ref.py

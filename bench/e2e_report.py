@@ -7,7 +7,10 @@ of the next), median and p90 over the steps after the first 5 (warm-up and, with
 train.cuda_graph, the capture). PyTorch's is torch_ref.py's median of 20 event-timed steps.
 Ratio (above 1: loom is faster): PyTorch ms / loom ms for the MIM rows (the same batch), loom
 tokens/s / PyTorch tokens/s for the VLM rows (each packs its own synthetic batches of 8 x 2048;
-PyTorch's real tokens per step are in the table, loom's ~16.3k are in its log)."""
+PyTorch's real tokens per step are in the table, loom's ~16.3k are in its log). The reference
+trains one fixed batch at every step; loom's vlm_sft row draws a new batch per step (its step time
+follows the batch's FLOPs), its vlm_sft_fixed row (data.repeat_batch) trains its first batch at
+every step as the reference does."""
 import json
 import statistics
 import sys

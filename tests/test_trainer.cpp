@@ -407,3 +407,40 @@ TEST_CASE("run log: durations and loss.svg", "[trainer]") {
   for (size_t p = svg.find("<polyline"); p != std::string::npos; p = svg.find("<polyline", p + 1)) polylines++;
   CHECK(polylines == 4);  // train, moving average, validation, learning rate
 }
+
+TEST_CASE("data.repeat_batch trains the first batch at every step", "[trainer]") {
+  // with a learning rate far below every weight's last bit the weights stay as they are, so the
+  // loss is a function of the batch alone: equal at every step with the key, not without it
+  auto steps_losses = [](const std::vector<std::string>& args, const std::string& d) {
+    REQUIRE(run_train(args) == 0);
+    std::vector<std::string> v;
+    for (auto& l : losses(d)) v.push_back(l.second);
+    REQUIRE(v.size() == 4);
+    return v;
+  };
+  std::string a = tmpdir("repeat_a"), b = tmpdir("repeat_b");
+  auto vlm = [](const std::string& out, const char* repeat) {
+    auto args = tiny(out);
+    for (auto& x : args)
+      if (x.rfind("--train.steps=", 0) == 0) x = "--train.steps=4";
+    args.push_back("--train.lr=1e-30");
+    args.push_back("--train.min_lr=0");
+    args.push_back(std::string("--data.repeat_batch=") + repeat);
+    return args;
+  };
+  auto on = steps_losses(vlm(a, "true"), a), off = steps_losses(vlm(b, "false"), b);
+  for (int i = 1; i < 4; i++) CHECK(on[size_t(i)] == on[0]);
+  CHECK(off[1] != off[0]);
+  CHECK(off[0] == on[0]);  // the first batch is the same either way
+
+  auto mim = [](const std::string& out, const char* repeat) {
+    return std::vector<std::string>{"vit_mim.cfg", "--train.out_dir=" + out, "--data.dataset=synthetic",
+                                    "--train.batch_size=8", "--train.steps=4", "--train.warmup_steps=0",
+                                    "--train.lr=1e-30", "--train.min_lr=0", "--train.log_every=1",
+                                    "--train.eval_every=0", std::string("--data.repeat_batch=") + repeat};
+  };
+  std::string c = tmpdir("repeat_c"), e = tmpdir("repeat_d");
+  auto mon = steps_losses(mim(c, "true"), c), moff = steps_losses(mim(e, "false"), e);
+  for (int i = 1; i < 4; i++) CHECK(mon[size_t(i)] == mon[0]);
+  CHECK(moff[1] != moff[0]);
+}

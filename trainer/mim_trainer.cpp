@@ -239,7 +239,9 @@ int train_mim(const RunContext& ctx) {
     layout.push_back({DType::I32, int64_t(B) * (N - K)});
   }
   const size_t batch_bytes = StagedBatch::bytes_for(layout);
+  const bool repeat_batch = cfg.get_bool("data.repeat_batch");  // every step the first batch
   auto make = [&](int64_t s) {
+    if (repeat_batch) s = 0;
     Rng r(ctx.seed * 7919ull + uint64_t(s) * 104729ull + 17);
     StagedBatch b(pool, batch_bytes);
     void* img = b.add("images", img_dt, {B, train.c, train.h, train.w});

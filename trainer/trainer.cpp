@@ -219,7 +219,11 @@ static int train_vlm(const RunContext& ctx) {
     double loss_scale = 1.0;      // data parallel: local_targets * world / global_targets
   };
   auto pool = std::make_shared<PinnedPool>(ctx.device);
+  // data.repeat_batch: every micro-batch is the first one (the PyTorch reference's bench
+  // trains one batch over and over; with it the step times compare like for like)
+  const bool repeat_batch = cfg.get_bool("data.repeat_batch");
   auto make_staged = [&](int64_t micro) {
+    if (repeat_batch) micro = 0;
     PackedBatch pb = make(micro);
     Staged st;
     st.flops = vlm_step_flops(vc, pb);
