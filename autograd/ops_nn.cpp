@@ -208,18 +208,21 @@ Tensor mlp_swiglu(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, con
       Tensor dh = Tensor::empty({N, I}, go.dtype(), go.device());
       dispatch_float(go, [&](auto dev, auto zero) {
         using T = decltype(zero);
-        if (dwd.defined()) {  // down's weight needs the product: recomputed from gate and up
-          Tensor h = Tensor::empty({N, I}, go.dtype(), go.device());
-          KERNEL(dev, swiglu_forward)(h.data<T>(), g.data<T>(), u.data<T>(), N * I, stream_for(dev));
-          KERNEL(dev, linear_backward)((T*)nullptr, dwd.data<T>(), (T*)nullptr, go.data<T>(), h.data<T>(), wdc.data<T>(),
-                                       N, I, C2, stream_for(dev));
-        }
-        // dh = go W_down; (dgate, dup) = swiglu'(dh) written over gate's and up's own shapes
+        // dh = go W_down; (dgate, dup) = swiglu'(dh). Down's weight needs the product too: it is
+        // recomputed from gate and up in the same pass (swiglu_backward_product)
         KERNEL(dev, linear_backward)(dh.data<T>(), (T*)nullptr, (T*)nullptr, go.data<T>(), (const T*)nullptr,
                                      wdc.data<T>(), N, I, C2, stream_for(dev));
         Tensor dg = Tensor::empty({N, I}, go.dtype(), go.device()), du = Tensor::empty({N, I}, go.dtype(), go.device());
-        KERNEL(dev, swiglu_backward)(dg.data<T>(), du.data<T>(), dh.data<T>(), g.data<T>(), u.data<T>(), N * I,
-                                     stream_for(dev));
+        if (dwd.defined()) {
+          Tensor h = Tensor::empty({N, I}, go.dtype(), go.device());
+          KERNEL(dev, swiglu_backward_product)(dg.data<T>(), du.data<T>(), h.data<T>(), dh.data<T>(), g.data<T>(),
+                                               u.data<T>(), N * I, stream_for(dev));
+          KERNEL(dev, linear_backward)((T*)nullptr, dwd.data<T>(), (T*)nullptr, go.data<T>(), h.data<T>(), wdc.data<T>(),
+                                       N, I, C2, stream_for(dev));
+        } else {
+          KERNEL(dev, swiglu_backward)(dg.data<T>(), du.data<T>(), dh.data<T>(), g.data<T>(), u.data<T>(), N * I,
+                                       stream_for(dev));
+        }
         // dx = dgate W_gate + dup W_up (the second GEMM adds, beta 1); dW += d^T x
         if (dx.defined()) {
           KERNEL(dev, gemm)(dx.data<T>(), dg.data<T>(), wgc.data<T>(), int(N), C, I, false, false, 1.0, 0.0, 1, 0, 0, 0,

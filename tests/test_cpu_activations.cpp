@@ -62,6 +62,12 @@ TEST_CASE("gelu / silu / swiglu backward: gradcheck", "[activations]") {
   cpu::swiglu_backward(dg.data(), du.data(), R.data(), x.data(), up.data(), n, s0);
   LOOM_CHECK_CLOSE(tol::compare(dg, numeric_grad(x, R, swiglu), tol::kGradcheckF64, "swiglu dgate"));
   LOOM_CHECK_CLOSE(tol::compare(du, numeric_grad(up, R, swiglu), tol::kGradcheckF64, "swiglu dup"));
+  // the fused backward + product: dgate / dup / prod bit for bit those of the separate calls
+  vector<double> dg2 = poisoned<double>(n), du2 = poisoned<double>(n), pr = poisoned<double>(n);
+  cpu::swiglu_backward_product(dg2.data(), du2.data(), pr.data(), R.data(), x.data(), up.data(), n, s0);
+  CHECK(dg2 == dg);
+  CHECK(du2 == du);
+  CHECK(pr == swiglu());
   // swiglu forward against the naive product
   vector<double> o = swiglu(), ro(sz(n));
   for (int64_t i = 0; i < n; i++) ro[sz(i)] = double(naive_silu(x[sz(i)]) * up[sz(i)]);

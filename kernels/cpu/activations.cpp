@@ -96,6 +96,20 @@ void swiglu_backward(T* dgate, T* dup, const T* dout, const T* gate, const T* up
   }
 }
 
+template <class T>
+void swiglu_backward_product(T* dgate, T* dup, T* prod, const T* dout, const T* gate, const T* up, int64_t n,
+                             Stream) {
+  using A = acc_t<T>;
+#pragma omp parallel for if (n > kParallelMin)
+  for (int64_t i = 0; i < n; i++) {
+    const A g = A(gate[i]), s = sigmoid(g), dy = A(dout[i]);
+    const A u = A(up[i]);
+    prod[i] = T(g * sigmoid(g) * u);  // swiglu_forward's expression
+    dgate[i] = T(dy * u * s * (A(1) + g * (A(1) - s)));
+    dup[i] = T(dy * g * s);
+  }
+}
+
 template <class T> void softmax_forward(T* out, const T* inp, int64_t N, int C, Stream) {
   using A = acc_t<T>;
 #pragma omp parallel for if (N * C > kParallelMin)
@@ -136,6 +150,7 @@ void softmax_backward(T* dinp, const T* dout, const T* out, int64_t N, int C, St
   template void silu_backward<T>(T*, const T*, const T*, int64_t, Stream);                  \
   template void swiglu_forward<T>(T*, const T*, const T*, int64_t, Stream);                 \
   template void swiglu_backward<T>(T*, T*, const T*, const T*, const T*, int64_t, Stream);  \
+  template void swiglu_backward_product<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, Stream); \
   template void softmax_forward<T>(T*, const T*, int64_t, int, Stream);                     \
   template void softmax_backward<T>(T*, const T*, const T*, int64_t, int, Stream);
 LOOM_ACTIVATIONS(float)

@@ -43,6 +43,18 @@ TEMPLATE_TEST_CASE("activations: gelu, silu, swiglu forward and backward", "[act
       cu::swiglu_backward(o.p + off, o2.p + off, d.p + off, x.p + off, u.p + off, n, S());
       CHECK_CLOSE(tail(o), r, t, "swiglu dgate");
       CHECK_CLOSE(tail(o2), r2, t, "swiglu dup");
+      // the fused backward + product: bit for bit the separate kernels' outputs
+      const auto sep_dg = o.get(), sep_du = o2.get();
+      DBuf<T> p(n + off), pf(n + off);
+      cu::swiglu_forward(pf.p + off, x.p + off, u.p + off, n, S());
+      const auto sep_p = pf.get();
+      o.poison();
+      o2.poison();
+      p.poison();
+      cu::swiglu_backward_product(o.p + off, o2.p + off, p.p + off, d.p + off, x.p + off, u.p + off, n, S());
+      CHECK(tail(o) == std::vector<float>(sep_dg.begin() + off, sep_dg.end()));
+      CHECK(tail(o2) == std::vector<float>(sep_du.begin() + off, sep_du.end()));
+      CHECK(tail(p) == std::vector<float>(sep_p.begin() + off, sep_p.end()));
     }
   }
 }
