@@ -444,3 +444,14 @@ TEST_CASE("data.repeat_batch trains the first batch at every step", "[trainer]")
   for (int i = 1; i < 4; i++) CHECK(mon[size_t(i)] == mon[0]);
   CHECK(moff[1] != moff[0]);
 }
+
+TEST_CASE("data.workers: a number is taken as given, 0 resolves to one loader thread on the CPU", "[trainer]") {
+  Config a = Config::load("vlm_sft.cfg", {"--train.device=cpu", "--data.workers=3"});
+  CHECK(make_context(a).loader_threads == 3);
+  Config b = Config::load("vlm_sft.cfg", {"--train.device=cpu", "--data.workers=0"});
+  CHECK(make_context(b).loader_threads == 1);
+  Config c = Config::load("vlm_sft.cfg", {"--train.device=cpu"});  // the default is 0 (auto)
+  CHECK(make_context(c).loader_threads == 1);
+  CHECK_THROWS_WITH(run_train({"vlm_sft.cfg", "--data.workers=-1", "--train.out_dir=" + tmpdir("workers")}),
+                    Contains("data.workers"));
+}

@@ -190,7 +190,7 @@ void validate_config(const Config& c) {
       r.bad("data.pack_max_length", std::to_string(r.i("data.pack_max_length")),
             "must exceed the " + std::to_string(it) + " image tokens of one sample ((image_size / patch_size / shuffle)^2)");
   }
-  r.int_range("data.workers", 1, 256);
+  r.int_range("data.workers", 0, 256);
   bool smin = r.int_range("data.synth_min_len", 1, 1 << 20), smax = r.int_range("data.synth_max_len", 1, 1 << 20);
   r.int_range("data.synth_median_len", 1, 1 << 20);
   r.float_range("data.synth_sigma", 0, false, 10, false);

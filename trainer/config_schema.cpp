@@ -53,7 +53,7 @@ const std::vector<ConfigKey>& config_schema() {
       {"data", "seed", I, "1", "seed of generated data and of the epoch shuffle", nullptr},
       {"data", "use_sequence_packing", B, "true", "pack several samples per row (best-fit decreasing)", nullptr},
       {"data", "pack_max_length", I, "256", "row length in tokens, image tokens included", nullptr},
-      {"data", "workers", I, "1", "data-loading threads", nullptr},
+      {"data", "workers", I, "0", "data-loading threads; 0 = auto: 1 on the CPU, with a GPU up to 4 (half the cores)", nullptr},
       {"data", "strict", B, "false", "a bad sample is an error instead of a counted, skipped warning", nullptr},
       {"data", "synth_median_len", I, "200", "synthetic VLM text: lognormal median length in tokens (SPEC bench)", nullptr},
       {"data", "synth_sigma", F, "0.7", "synthetic VLM text: lognormal sigma", nullptr},

@@ -24,6 +24,7 @@ struct RunContext {
   uint64_t seed = 0;
   int rank = 0, world = 1;            // data parallel (trainer/distributed.h): rank 0 logs and saves
   DataParallel* dp = nullptr;         // set when world > 1
+  int loader_threads = 1;             // data.workers, 0 (auto) resolved: see make_context
 };
 
 // What an evaluation reports: the values of its "eval" line in metrics.jsonl and the text

@@ -241,8 +241,8 @@ static int train_vlm(const RunContext& ctx) {
     st.batch = stage_batch(d, pb, pool, ctx.compute);
     return st;
   };
-  std::printf("setup %.1f s; %lld training samples in %lld packed rows, %d rows per step\n", (now_ms() - t_setup) / 1e3,
-              (long long)d.train.size(), (long long)nrows, bs * accum);
+  std::printf("setup %.1f s; %lld training samples in %lld packed rows, %d rows per step, %d loader threads\n",
+              (now_ms() - t_setup) / 1e3, (long long)d.train.size(), (long long)nrows, bs * accum, ctx.loader_threads);
 
   if (cfg.get_bool("train.dry_run")) {
     PackedBatch pb = make(0);
@@ -260,7 +260,7 @@ static int train_vlm(const RunContext& ctx) {
   Uploader up(ctx.device);
   if (ctx.device == Device::CUDA)
     std::printf("step: eager (a packed batch's sequence and image counts change from step to step)\n");
-  Prefetcher<Staged> loader(make_staged, start * accum, steps * accum, std::max(1, cfg.get_int("data.workers")), 4);
+  Prefetcher<Staged> loader(make_staged, start * accum, steps * accum, ctx.loader_threads, 4);
   // A frozen vision tower runs one micro-batch ahead: the forward of micro-batch i + 1 is
   // enqueued before the LM step of micro-batch i, on CUDA on the side stream (kernels.h) so that
   // it computes beside the step; the step waits for it (an event) only where it reads the
