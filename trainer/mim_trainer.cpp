@@ -336,7 +336,7 @@ int train_mim(const RunContext& ctx) {
   RunLog log(ctx, start > 0);
   NanGuard guard(cfg.get_int("train.max_nan_skips"));
   AsyncStepLog slog(ctx, log, guard, "img/s", loss_scale);
-  std::printf("%d loader threads\n", ctx.loader_threads);
+  std::printf("%d loader thread%s\n", ctx.loader_threads, ctx.loader_threads == 1 ? "" : "s");
   Prefetcher<StagedBatch> loader(make, start, steps, ctx.loader_threads, 4);
   int64_t eval_every = cfg.get_int64("train.eval_every"), save_every = cfg.get_int64("train.save_every");
   profile_enable(cfg.get_bool("train.profile"));

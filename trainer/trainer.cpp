@@ -241,8 +241,9 @@ static int train_vlm(const RunContext& ctx) {
     st.batch = stage_batch(d, pb, pool, ctx.compute);
     return st;
   };
-  std::printf("setup %.1f s; %lld training samples in %lld packed rows, %d rows per step, %d loader threads\n",
-              (now_ms() - t_setup) / 1e3, (long long)d.train.size(), (long long)nrows, bs * accum, ctx.loader_threads);
+  std::printf("setup %.1f s; %lld training samples in %lld packed rows, %d rows per step, %d loader thread%s\n",
+              (now_ms() - t_setup) / 1e3, (long long)d.train.size(), (long long)nrows, bs * accum, ctx.loader_threads,
+              ctx.loader_threads == 1 ? "" : "s");
 
   if (cfg.get_bool("train.dry_run")) {
     PackedBatch pb = make(0);
