@@ -69,7 +69,7 @@ RunContext make_context(const Config& cfg, int rank, int world) {
   const int workers = cfg.get_int("data.workers");
   const int cores = std::max(1, int(std::thread::hardware_concurrency()));
   ctx.loader_threads = workers > 0 ? workers
-                       : ctx.device == Device::CUDA ? std::min(4, std::max(1, cores / (2 * std::max(1, world))))
+                       : ctx.device == Device::CUDA ? std::min(4, std::max(1, cores / (2 * world)))
                                                     : 1;
   const std::string attn = cfg.get_str("train.attention");
   cuda::set_attention_backend(attn == "cudnn" ? cuda::AttentionBackend::Cudnn

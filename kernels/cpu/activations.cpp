@@ -96,18 +96,11 @@ void swiglu_backward(T* dgate, T* dup, const T* dout, const T* gate, const T* up
   }
 }
 
-template <class T>
+template <class T>  // the specification: the forward's product and the backward, one after the other
 void swiglu_backward_product(T* dgate, T* dup, T* prod, const T* dout, const T* gate, const T* up, int64_t n,
-                             Stream) {
-  using A = acc_t<T>;
-#pragma omp parallel for if (n > kParallelMin)
-  for (int64_t i = 0; i < n; i++) {
-    const A g = A(gate[i]), s = sigmoid(g), dy = A(dout[i]);
-    const A u = A(up[i]);
-    prod[i] = T(g * sigmoid(g) * u);  // swiglu_forward's expression
-    dgate[i] = T(dy * u * s * (A(1) + g * (A(1) - s)));
-    dup[i] = T(dy * g * s);
-  }
+                             Stream s) {
+  swiglu_forward(prod, gate, up, n, s);
+  swiglu_backward(dgate, dup, dout, gate, up, n, s);
 }
 
 template <class T> void softmax_forward(T* out, const T* inp, int64_t N, int C, Stream) {

@@ -67,82 +67,66 @@ struct SwigluB {  // inputs: dout, gate, up -> dgate, dup
     du = d * g * s;
   }
 };
+// swiglu_backward_product: dgate, dup and the product in one pass over gate and up (3 reads and
+// 3 writes instead of the backward's 3 + 2 and a separate recompute's 2 + 1); the two functors
+// above, so each output is bit for bit what swiglu_backward / swiglu_forward give
+struct SwigluBP {  // inputs: dout, gate, up -> dgate, dup, prod
+  __device__ void operator()(float& dg, float& du, float& p, float d, float g, float u) const {
+    float unused;
+    SwigluB{}(dg, du, d, g, u);
+    SwigluF{}(p, unused, g, u, 0.f);
+  }
+};
 
-// NIN inputs, NOUT outputs. Vector part: elements [0, nvec*VEC); the tail is scalar.
+// NIN inputs, NOUT outputs (a functor of three outputs takes o2 too). Vector part: elements
+// [0, nvec*VEC); the tail is scalar.
 template <class DT, int VEC, int NIN, int NOUT, class F>
-__global__ void pointwise(DT* o0, DT* o1, const DT* i0, const DT* i1, const DT* i2, int64_t n, F f) {
+__global__ void pointwise(DT* o0, DT* o1, DT* o2, const DT* i0, const DT* i1, const DT* i2, int64_t n, F f) {
+  // the functor's outputs y0 (y1, y2) from the inputs at one index
+  auto apply = [&](float (&y)[3], float a, float b, float c) {
+    if constexpr (NOUT > 2) f(y[0], y[1], y[2], a, b, c);
+    else f(y[0], y[1], a, b, c);
+  };
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t nvec = n / VEC;
   for (int64_t v = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; v < nvec; v += stride) {
-    Pack<DT, VEC> a = reinterpret_cast<const Pack<DT, VEC>*>(i0)[v], b, c, r0, r1;
+    Pack<DT, VEC> a = reinterpret_cast<const Pack<DT, VEC>*>(i0)[v], b, c, r0, r1, r2;
     if (NIN > 1) b = reinterpret_cast<const Pack<DT, VEC>*>(i1)[v];
     if (NIN > 2) c = reinterpret_cast<const Pack<DT, VEC>*>(i2)[v];
 #pragma unroll
     for (int k = 0; k < VEC; k++) {
-      float y0 = 0.f, y1 = 0.f;
-      f(y0, y1, to_float(a.v[k]), NIN > 1 ? to_float(b.v[k]) : 0.f, NIN > 2 ? to_float(c.v[k]) : 0.f);
-      r0.v[k] = from_float<DT>(y0);
-      if (NOUT > 1) r1.v[k] = from_float<DT>(y1);
+      float y[3] = {0.f, 0.f, 0.f};
+      apply(y, to_float(a.v[k]), NIN > 1 ? to_float(b.v[k]) : 0.f, NIN > 2 ? to_float(c.v[k]) : 0.f);
+      r0.v[k] = from_float<DT>(y[0]);
+      if (NOUT > 1) r1.v[k] = from_float<DT>(y[1]);
+      if (NOUT > 2) r2.v[k] = from_float<DT>(y[2]);
     }
     reinterpret_cast<Pack<DT, VEC>*>(o0)[v] = r0;
     if (NOUT > 1) reinterpret_cast<Pack<DT, VEC>*>(o1)[v] = r1;
+    if (NOUT > 2) reinterpret_cast<Pack<DT, VEC>*>(o2)[v] = r2;
   }
   for (int64_t i = nvec * VEC + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += stride) {
-    float y0 = 0.f, y1 = 0.f;
-    f(y0, y1, to_float(i0[i]), NIN > 1 ? to_float(i1[i]) : 0.f, NIN > 2 ? to_float(i2[i]) : 0.f);
-    o0[i] = from_float<DT>(y0);
-    if (NOUT > 1) o1[i] = from_float<DT>(y1);
-  }
-}
-
-// swiglu_backward_product: dgate, dup and the product in one pass over gate and up (3 reads and
-// 3 writes instead of the 3 + 2 of the backward and the 2 + 1 of a separate recompute). It calls
-// the functors above, so each output is bit for bit what swiglu_backward / swiglu_forward give.
-template <class DT, int VEC>
-__global__ void swiglu_bwd_prod(DT* dg, DT* du, DT* prod, const DT* dout, const DT* gate, const DT* up, int64_t n) {
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  const int64_t nvec = n / VEC;
-  for (int64_t v = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; v < nvec; v += stride) {
-    const Pack<DT, VEC> d = reinterpret_cast<const Pack<DT, VEC>*>(dout)[v];
-    const Pack<DT, VEC> g = reinterpret_cast<const Pack<DT, VEC>*>(gate)[v];
-    const Pack<DT, VEC> u = reinterpret_cast<const Pack<DT, VEC>*>(up)[v];
-    Pack<DT, VEC> rg, ru, rp;
-#pragma unroll
-    for (int k = 0; k < VEC; k++) {
-      float a, b, p, unused;
-      SwigluB{}(a, b, to_float(d.v[k]), to_float(g.v[k]), to_float(u.v[k]));
-      SwigluF{}(p, unused, to_float(g.v[k]), to_float(u.v[k]), 0.f);
-      rg.v[k] = from_float<DT>(a);
-      ru.v[k] = from_float<DT>(b);
-      rp.v[k] = from_float<DT>(p);
-    }
-    reinterpret_cast<Pack<DT, VEC>*>(dg)[v] = rg;
-    reinterpret_cast<Pack<DT, VEC>*>(du)[v] = ru;
-    reinterpret_cast<Pack<DT, VEC>*>(prod)[v] = rp;
-  }
-  for (int64_t i = nvec * VEC + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += stride) {
-    float a, b, p, unused;
-    SwigluB{}(a, b, to_float(dout[i]), to_float(gate[i]), to_float(up[i]));
-    SwigluF{}(p, unused, to_float(gate[i]), to_float(up[i]), 0.f);
-    dg[i] = from_float<DT>(a);
-    du[i] = from_float<DT>(b);
-    prod[i] = from_float<DT>(p);
+    float y[3] = {0.f, 0.f, 0.f};
+    apply(y, to_float(i0[i]), NIN > 1 ? to_float(i1[i]) : 0.f, NIN > 2 ? to_float(i2[i]) : 0.f);
+    o0[i] = from_float<DT>(y[0]);
+    if (NOUT > 1) o1[i] = from_float<DT>(y[1]);
+    if (NOUT > 2) o2[i] = from_float<DT>(y[2]);
   }
 }
 
 template <int NIN, int NOUT, class T, class F>
-void launch_pointwise(T* o0, T* o1, const T* i0, const T* i1, const T* i2, int64_t n, F f, Stream s) {
+void launch_pointwise(T* o0, T* o1, T* o2, const T* i0, const T* i1, const T* i2, int64_t n, F f, Stream s) {
   using DT = dev_t<T>;
   constexpr int V = 16 / int(sizeof(T));
   if (n <= 0) return;
-  bool vec = aligned(o0, 16) && aligned(i0, 16) && (NOUT < 2 || aligned(o1, 16)) &&
+  bool vec = aligned(o0, 16) && aligned(i0, 16) && (NOUT < 2 || aligned(o1, 16)) && (NOUT < 3 || aligned(o2, 16)) &&
              (NIN < 2 || aligned(i1, 16)) && (NIN < 3 || aligned(i2, 16));
   int64_t work = vec ? (n + V - 1) / V : n;
   int g = int(std::min<int64_t>(std::max<int64_t>(1, (work + 255) / 256), 8192));
   if (vec)
-    pointwise<DT, V, NIN, NOUT><<<g, 256, 0, s>>>(dptr(o0), dptr(o1), dptr(i0), dptr(i1), dptr(i2), n, f);
+    pointwise<DT, V, NIN, NOUT><<<g, 256, 0, s>>>(dptr(o0), dptr(o1), dptr(o2), dptr(i0), dptr(i1), dptr(i2), n, f);
   else
-    pointwise<DT, 1, NIN, NOUT><<<g, 256, 0, s>>>(dptr(o0), dptr(o1), dptr(i0), dptr(i1), dptr(i2), n, f);
+    pointwise<DT, 1, NIN, NOUT><<<g, 256, 0, s>>>(dptr(o0), dptr(o1), dptr(o2), dptr(i0), dptr(i1), dptr(i2), n, f);
   LAUNCH_CHECK();
 }
 
@@ -201,39 +185,28 @@ __global__ void softmax_bwd_kernel(DT* __restrict__ dinp, const DT* __restrict__
 }  // namespace
 
 template <class T> void gelu_forward(T* out, const T* inp, int64_t n, Stream s) {
-  launch_pointwise<1, 1>(out, (T*)nullptr, inp, (const T*)nullptr, (const T*)nullptr, n, GeluF{}, s);
+  launch_pointwise<1, 1>(out, (T*)nullptr, (T*)nullptr, inp, (const T*)nullptr, (const T*)nullptr, n, GeluF{}, s);
 }
 template <class T> void gelu_backward(T* dinp, const T* dout, const T* inp, int64_t n, Stream s) {
-  launch_pointwise<2, 1>(dinp, (T*)nullptr, dout, inp, (const T*)nullptr, n, GeluB{}, s);
+  launch_pointwise<2, 1>(dinp, (T*)nullptr, (T*)nullptr, dout, inp, (const T*)nullptr, n, GeluB{}, s);
 }
 template <class T> void silu_forward(T* out, const T* inp, int64_t n, Stream s) {
-  launch_pointwise<1, 1>(out, (T*)nullptr, inp, (const T*)nullptr, (const T*)nullptr, n, SiluF{}, s);
+  launch_pointwise<1, 1>(out, (T*)nullptr, (T*)nullptr, inp, (const T*)nullptr, (const T*)nullptr, n, SiluF{}, s);
 }
 template <class T> void silu_backward(T* dinp, const T* dout, const T* inp, int64_t n, Stream s) {
-  launch_pointwise<2, 1>(dinp, (T*)nullptr, dout, inp, (const T*)nullptr, n, SiluB{}, s);
+  launch_pointwise<2, 1>(dinp, (T*)nullptr, (T*)nullptr, dout, inp, (const T*)nullptr, n, SiluB{}, s);
 }
 template <class T> void swiglu_forward(T* out, const T* gate, const T* up, int64_t n, Stream s) {
-  launch_pointwise<2, 1>(out, (T*)nullptr, gate, up, (const T*)nullptr, n, SwigluF{}, s);
+  launch_pointwise<2, 1>(out, (T*)nullptr, (T*)nullptr, gate, up, (const T*)nullptr, n, SwigluF{}, s);
 }
 template <class T>
 void swiglu_backward(T* dgate, T* dup, const T* dout, const T* gate, const T* up, int64_t n, Stream s) {
-  launch_pointwise<3, 2>(dgate, dup, dout, gate, up, n, SwigluB{}, s);
+  launch_pointwise<3, 2>(dgate, dup, (T*)nullptr, dout, gate, up, n, SwigluB{}, s);
 }
 template <class T>
 void swiglu_backward_product(T* dgate, T* dup, T* prod, const T* dout, const T* gate, const T* up, int64_t n,
                              Stream s) {
-  using DT = dev_t<T>;
-  constexpr int V = 16 / int(sizeof(T));
-  if (n <= 0) return;
-  const bool vec = aligned(dgate, 16) && aligned(dup, 16) && aligned(prod, 16) && aligned(dout, 16) &&
-                   aligned(gate, 16) && aligned(up, 16);
-  const int64_t work = vec ? (n + V - 1) / V : n;
-  const int g = int(std::min<int64_t>(std::max<int64_t>(1, (work + 255) / 256), 8192));
-  if (vec)
-    swiglu_bwd_prod<DT, V><<<g, 256, 0, s>>>(dptr(dgate), dptr(dup), dptr(prod), dptr(dout), dptr(gate), dptr(up), n);
-  else
-    swiglu_bwd_prod<DT, 1><<<g, 256, 0, s>>>(dptr(dgate), dptr(dup), dptr(prod), dptr(dout), dptr(gate), dptr(up), n);
-  LAUNCH_CHECK();
+  launch_pointwise<3, 3>(dgate, dup, prod, dout, gate, up, n, SwigluBP{}, s);
 }
 
 template <class T> void softmax_forward(T* out, const T* inp, int64_t N, int C, Stream s) {

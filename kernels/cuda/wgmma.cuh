@@ -53,7 +53,7 @@ __device__ __forceinline__ void wg_wait() {
 // (the row sums depend on every exponential) pins that work ahead of it. slot: a word of
 // shared memory of this thread's own, never read.
 __device__ __forceinline__ void order_before_wait(float* slot, float v) {
-  asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(uint32_t(__cvta_generic_to_shared(slot))), "f"(v) : "memory");
+  asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(smem_addr(slot)), "f"(v) : "memory");
 }
 // cp.async writes are generic-proxy writes; wgmma reads through the async proxy.
 __device__ __forceinline__ void fence_smem_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
