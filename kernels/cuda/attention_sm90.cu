@@ -70,7 +70,6 @@ attn_fwd_sm90(bf* __restrict__ out, float* __restrict__ lse, const bf* __restric
               const int32_t* __restrict__ cu_k, int64_t Nq, int H, int KV, bool causal, float scale_log2) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int BR = 64 * NWG, NT = NWG * 128;
-  zero_rows_outside<HD, NT>(out, lse, cu_q, int(gridDim.z), Nq, H);  // (wgmma.cuh)
   extern __shared__ unsigned char smem_raw[];
   bf* sQ = reinterpret_cast<bf*>(smem_align1024(smem_raw));
   bf* sK = sQ + BR * HD;      // [2][BC * HD]
@@ -78,7 +77,9 @@ attn_fwd_sm90(bf* __restrict__ out, float* __restrict__ lse, const bf* __restric
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int g = lane >> 2, t = lane & 3;
   const int seq = blockIdx.z, h = blockIdx.y, kvh = h / (H / KV);
-  const int q0 = cu_q[seq], Lq = cu_q[seq + 1] - q0, k0 = cu_k[seq], Lk = cu_k[seq + 1] - k0;
+  const SeqBounds sb = seq_bounds(cu_q, cu_k, seq, int(gridDim.z));  // one round trip (wgmma.cuh)
+  const int q0 = sb.q0, Lq = sb.Lq, k0 = sb.k0, Lk = sb.Lk;
+  zero_rows_outside<HD, NT>(out, lse, sb.lo, sb.hi, Nq, H);
   const int qs = (gridDim.x - 1 - blockIdx.x) * BR;  // longest (causal) tiles start first
   if (qs >= Lq) return;
   const int nq = min(BR, Lq - qs), shift = Lk - Lq;

@@ -130,6 +130,38 @@
  *     a parity wait two phases late never returns); the other threads meet it at the producer's
  *     named barrier before a partial tile. Same speed as each thread waiting (same call), and
  *     ptxas no longer spills in the hd 64 instance (16 bytes before).
+ *   7. Where a block's time goes (2026-11-25): clock64 stamps per block (B8 H12 T1024 hd 64,
+ *      576 blocks, H100), median cycles: start -> Q's load issued 2.3k, -> Q in shared memory
+ *      2.1k more (0.8k-4.2k), -> K_0 in 1.8k more, first S 0.46k, the 8 slots 21.1k (2.6k each
+ *      for three consumers: 60% of the tensor cores' peak; hd 128 causal runs 2.6k per slot of
+ *      two consumers, 78%), epilogue 2.0k, 0.36k between one block's end and the next's start on
+ *      an SM; 48 SMs ran 5 blocks and 84 ran 4 (kernel 82 us, mean busy time per SM 71 us). So
+ *      a block spends ~8k of its ~30k cycles outside its slots. Kept from it: the prologue
+ *      prefetches the tensor maps, inits the barriers before the sequence bounds arrive and
+ *      loads every bound in one round trip (SeqBounds, wgmma.cuh; the block's first loads waited
+ *      for cu_q[0] and cu_q[nseq] before): start -> Q issued 2.0k; forward ms, three rounds,
+ *      same call, before | after: B8 H12 T1024 hd 64 0.0860-0.0888 | 0.0848-0.0857, the other
+ *      SPEC and MIM shapes within noise.
+ *      Measured and not kept, same day: a persistent form of this kernel (grid of one block per
+ *      SM, block b taking tiles b, 2G - 1 - b, 2G + b, ... in alternating rounds; two Q buffers,
+ *      the next tile's Q and K / V loaded during this tile's last slots, the tile's numbers
+ *      handed to the consumers next to its Q buffer; hd 128 with 2 K / V buffers to make room),
+ *      correct on every test case with 3 blocks taking all tiles. Forward ms, same call, this
+ *      kernel | persistent | its code with a block per tile:
+ *        B8 H12 T768 hd 64             0.053-0.055 | 0.047-0.048 | 0.053-0.055
+ *        B8 H12 T1024 hd 64            0.087-0.090 | 0.088-0.091 | 0.090-0.091
+ *        B8 H12 T2048 hd 64            0.237-0.242 | 0.242-0.245 | 0.251-0.255
+ *        B8 H12 T1024 hd 128           0.114-0.116 | 0.108-0.110 | 0.119-0.123
+ *        B4 H9 T2048 hd 64 causal      0.067-0.069 | 0.066-0.067 | 0.069-0.071
+ *        B2 H32 T4096 hd 64 causal     0.333-0.336 | 0.371-0.372 | 0.358-0.361
+ *        B8 H16 T2048 hd 128 causal    0.304-0.307 | 0.351-0.352 | 0.315-0.322
+ *        B4 H16 T4096 hd 128 causal    0.483-0.486 | 0.618-0.621 | 0.516-0.522
+ *      The same code with a block per tile was 1-5% slower than this kernel at hd 64 (its
+ *      slots, not its prologue; their SASS is as long, 493 against 485 instructions between the
+ *      two waits; the cause was not found) and 4-7% at hd 128 (with 2 K / V buffers), which
+ *      ate what persistence saved on the SPEC hd 64 shape; the static rounds left the long
+ *      causal rows unbalanced (the dynamic scheduler of the first persistent try did better
+ *      there, 0.297 ms at hd 128 causal).
  *
  * When it runs: on sm_90a for batches whose longest sequence has at least 768 tokens at hd 64
  *   or 256 at hd 128 (attention_sm90.cu's fwd_sm90 decides; its comment has the sweep). Short sequences leave most of its 128 / 192-row
@@ -172,7 +204,6 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
                  int chunk, bool causal, float scale_log2) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int BR = 64 * NC, NT = 128 * (NC + 1);
-  zero_rows_outside<HD, NT>(out, lse, cu_q, int(gridDim.z), Nq, H);  // (wgmma.cuh)
   extern __shared__ unsigned char smem_raw[];
   using L = WsSmem<HD, BC, STAGES, NC>;
   // rounded as an integer, so the staging stores of the epilogue are generic: with
@@ -189,15 +220,13 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
   uint64_t* empty_v = empty_k + STAGES;  // [STAGES]
   float* sink = reinterpret_cast<float*>(empty_v + STAGES);  // [NC * 128]: order_before_wait
 
-  const FwdTile ft = fwd_tile(BR, H, int(gridDim.z), chunk, causal);  // long tiles first
-  const int seq = ft.seq, h = ft.h, kvh = h / (H / KV), qs = ft.qs;
-  const int q0 = cu_q[seq], Lq = cu_q[seq + 1] - q0, k0 = cu_k[seq], Lk = cu_k[seq + 1] - k0;
-  if (qs >= Lq) return;
-  const int nq = min(BR, Lq - qs), shift = Lk - Lq;
-  const int64_t qstride = int64_t(H) * HD, kvstride = int64_t(KV) * HD;
-  const int kend = causal ? min(Lk, qs + nq + shift) : Lk;  // keys the block's last row sees
-  const int ntiles = kend > 0 ? (kend + BC - 1) / BC : 0;
+  // The prologue is every block's critical path (B8 H12 T1024 hd 64: ~6k of a block's ~30k
+  // cycles from its start to its first S): the tensor maps' prefetch and the barriers' init
+  // go first, the sequence bounds in one round trip, then Q's and K's loads.
   if (threadIdx.x == 0) {
+    prefetch_tensormap(&tm_q);
+    prefetch_tensormap(&tm_k);
+    prefetch_tensormap(&tm_v);
     mbar_init(bar_q, 1);
     for (int s = 0; s < STAGES; s++) {
       mbar_init(&full_k[s], 1);
@@ -206,7 +235,17 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
       mbar_init(&empty_v[s], 128 * NC);
     }
   }
-  __syncthreads();
+  const FwdTile ft = fwd_tile(BR, H, int(gridDim.z), chunk, causal);  // long tiles first
+  const int seq = ft.seq, h = ft.h, kvh = h / (H / KV), qs = ft.qs;
+  const SeqBounds sb = seq_bounds(cu_q, cu_k, seq, int(gridDim.z));
+  const int q0 = sb.q0, Lq = sb.Lq, k0 = sb.k0, Lk = sb.Lk;
+  zero_rows_outside<HD, NT>(out, lse, sb.lo, sb.hi, Nq, H);  // (wgmma.cuh)
+  if (qs >= Lq) return;
+  const int nq = min(BR, Lq - qs), shift = Lk - Lq;
+  const int64_t qstride = int64_t(H) * HD, kvstride = int64_t(KV) * HD;
+  const int kend = causal ? min(Lk, qs + nq + shift) : Lk;  // keys the block's last row sees
+  const int ntiles = kend > 0 ? (kend + BC - 1) / BC : 0;
+  __syncthreads();  // the barriers' init
   const int wg = threadIdx.x / 128;
 
   if (wg == 0) {  // ---------------------------------------------------------------- producer

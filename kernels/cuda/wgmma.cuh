@@ -248,16 +248,34 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
 // layout per warp: thread (g = lane / 4, t = lane % 4) of warp w holds rows 16w + g (c0, c1)
 // and 16w + g + 8 (c2, c3), columns 8n + 2t and + 1 of n-tile n.
 
+// A block's sequence bounds and the bounds of all sequences, loaded at once: a block's first
+// global loads are on its critical path (its tiles' loads need them), and they took two round
+// trips before (the bounds of all sequences, then the block's own after the branch that tests
+// them). With this and the tensor maps' prefetch, a B8 H12 T1024 hd 64 forward block of ~30k
+// cycles issues its Q load 2.0k cycles after its start instead of 2.3k (per-block clock
+// stamps, H100, 2026-11-25; attention_sm90_ws.cu's header, item 7).
+struct SeqBounds {
+  int q0, Lq, k0, Lk, lo, hi;  // lo, hi: cu_q[0], cu_q[nseq]
+};
+__device__ __forceinline__ SeqBounds seq_bounds(const int32_t* cu_q, const int32_t* cu_k, int seq, int nseq) {
+  const int a = cu_q[seq], b = cu_q[seq + 1], c = cu_k[seq], d = cu_k[seq + 1], lo = cu_q[0], hi = cu_q[nseq];
+  return {a, b - a, c, d - c, lo, hi};
+}
+// Fetches a TMA descriptor (a __grid_constant__ kernel parameter) ahead of its first use.
+__device__ __forceinline__ void prefetch_tensormap(const CUtensorMap* m) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(m)) : "memory");
+}
+
 // Rows outside every sequence, [0, cu_q[0]) and [cu_q[nseq], Nq), get out = 0 and lse = +inf
 // (usually there are none). Every block of the grid takes a strided share of them over all heads
 // before its own tile (and before its early exits): no second launch and no extra grid slice.
 // An extra z-slice of H x tiles blocks did this before; each of them held a whole
 // multiprocessor's shared memory for a moment at the end of the grid, 72 such blocks at
-// B8 H12 T1024 hd 64 and 256 at B8 H16 T2048 hd 128. NT: threads per block.
+// B8 H12 T1024 hd 64 and 256 at B8 H16 T2048 hd 128. NT: threads per block. lo, hi: cu_q[0] and
+// cu_q[nseq], which the caller loads together with its own sequence's bounds (SeqBounds).
 template <int HD, int NT>
-__device__ __forceinline__ void zero_rows_outside(bf* out, float* lse, const int32_t* cu_q, int nseq, int64_t Nq,
-                                                  int H) {
-  const int64_t lo = cu_q[0], hi = cu_q[nseq], n_out = lo + (Nq - hi);
+__device__ __forceinline__ void zero_rows_outside(bf* out, float* lse, int64_t lo, int64_t hi, int64_t Nq, int H) {
+  const int64_t n_out = lo + (Nq - hi);
   if (n_out == 0) return;
   constexpr int NCH = HD / 8;  // 16-byte chunks per row
   const int64_t nb = int64_t(gridDim.x) * gridDim.y * gridDim.z;
