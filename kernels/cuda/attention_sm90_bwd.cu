@@ -19,12 +19,13 @@
  *       S^T = K_c Q^T, dP^T = V_c dO^T        wgmma from shared memory, two groups in flight
  *       P^T = exp2(S^T scale log2e - lse2)    after the first group; the mask here
  *       dS^T = P^T (dP^T - delta)             after the second
- *       dV += P^T dO, dK += dS^T Q            P^T, dS^T as A from registers (the accumulator
- *                                             layout is wgmma's A layout), one group
  *       dS^T (bf16) into shared memory, the two consumers meet at a named barrier, then
  *       dQ[:, c HD/2 ..] = dS K[:, c HD/2 ..] wgmma with A = dS^T read transposed and B = K
  *                                             read transposed: each consumer half the columns
- *                                             over all 128 keys, added by TMA (below)
+ *                                             over all 128 keys, one group, added by TMA (below)
+ *       dV += P^T dO, dK += dS^T Q            P^T, dS^T as A from registers (the accumulator
+ *                                             layout is wgmma's A layout), a second group
+ *     dQ goes out (shared memory, TMA) while dV and dK are computed; the stage is freed after.
  *     dS^T has two buffers: a consumer writes buffer i & 1 only after passing tile i - 1's
  *     barrier, which the other passes only after its dQ product of tile i - 2 is done.
  * Registers (hd 128): dK, dV 64 + 64, S^T, dP^T 32 + 32, P^T / dS^T fragments 16 + 16, dQ 32.
@@ -56,6 +57,13 @@
  *   2. dQ through shared memory and TMA reductions             0.358 | 1.375 | 0.295
  *   3. hd 64 with 3 Q / dO buffers instead of 2                0.357 | -     | 0.294
  *   4. hd 64 causal: each consumer its own dQ (OWN, above)     -     | -     | 0.279-0.286
+ *   5. dQ's product issued before dV's and dK's, in one stage (2026-11-25; fwd+bwd ms, three
+ *      rounds, same call, before | after): B8 H12 T1024 hd 64 0.355-0.361 | 0.351-0.356, B8 H16
+ *      T2048 hd 128 causal 1.356-1.366 | 1.331-1.345, B4 H9 T2048 hd 64 causal 0.265 | 0.258-0.261,
+ *      B8 H12 T1024 hd 128 0.526-0.529 | 0.512-0.514, B2 H32 T4096 hd 64 causal 1.458-1.462 |
+ *      1.420, B4 H9 T2048 hd 64 0.483-0.493 | 0.476-0.482; B128 H12 T196 and B16 H9 T512 causal
+ *      unchanged. Where the time goes (ncu, B8 H12 T1024 hd 64, same day, before this change):
+ *      prep 15.7 us, this kernel 243, finish 12.7; cuDNN's three launches 20.0, 171 and 16.3.
  *   cuDNN's fused attention (attention_cudnn.cu), same call    0.275 | 1.177 | 0.261
  *   PyTorch SDPA CUDNN_ATTENTION, same call                    0.546 | 1.449 | 0.671
  *   (eb61a21, 2026-11-24, make bench). Not done: the next tile's S^T / dP^T in flight during
@@ -64,7 +72,14 @@
  *   ptxas reported "wgmma.mma_async instructions are serialized due to insufficient register
  *   resources" at 232 registers per consumer thread and spilled 370-650 bytes, so it was not
  *   run. It would need fewer live accumulators (e.g. dV in shared memory) or 3 warpgroups'
- *   worth of registers for 2.
+ *   worth of registers for 2. Nor the next tile's S^T / dP^T issued during this tile's dQ
+ *   store (2026-11-25, hd 64, one set of accumulators): in every arrangement tried (issued
+ *   before or after the dV / dK wait, S^T alone, with or without its own wgmma.fence, the loop
+ *   rotated so that each iteration issues and waits for its own S^T / dP^T) ptxas serialized
+ *   every wgmma ("non wgmma instructions reading accumulator registers of a wgmma between start
+ *   and end of the pipeline stage"): the dQ store reads a retired group's accumulators while a
+ *   group issued after a later wgmma.fence is in flight. Groups issued under one fence (S^T and
+ *   dP^T; dQ and dV / dK since version 5) ptxas lets the code read one at a time.
  *   Query tiles of 128 at hd 64 (FlashAttention-3's hd 64 tile; S^T, dP^T as m64n128 products,
  *   dQ as two m64 products per consumer, 2 buffers): correct, but it spilled 156 bytes at 232
  *   registers and was slower, fwd+bwd B8 H12 T1024 0.395 against 0.362 ms, B4 H9 T2048 full
@@ -287,27 +302,20 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
         *reinterpret_cast<uint32_t*>(ds + sw128<BC>(kr + 8 * (j & 1), 2 * kk + (j >> 1)) + 2 * t) = da[kk][j];
     fence_smem_async();  // these generic-proxy writes, before the other consumer's wgmma reads them
 
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; kk++) wgmma_rs<1>(dva, pa[kk], oT + st * kQStage + kk * kRows16);
-#pragma unroll
-    for (int kk = 0; kk < 4; kk++) wgmma_rs<1>(dka, da[kk], qT + st * kQStage + kk * kRows16);
-    wg_commit();
-
     if (!OWN) named_sync(1, 256);  // both consumers' halves of dS^T are in sS[buf]
+    // dQ first, then dV and dK, in one stage (one fence): dQ goes out while they run
     float dq[DQN / 8][4];  // dQ rows = the tile's queries, columns c HD/2 .. + HD/2 (OWN: all, my keys)
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < (OWN ? 4 : BC / 16); kk++)
       wgmma_ss<1, 1>(dq, dsA + buf * kDsBuf + kk * kRows16, kT + kk * kRows16, kk > 0);
     wg_commit();
-    wg_wait<1>();  // dV, dK done: Q and dO of this stage are free
-    fence_regs(dva);
-    fence_regs(dka);
-    fence_regs(pa);
-    fence_regs(da);
-    mbar_arrive(&empty[st]);
-    wg_wait<0>();
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) wgmma_rs<1>(dva, pa[kk], oT + st * kQStage + kk * kRows16);
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) wgmma_rs<1>(dka, da[kk], qT + st * kQStage + kk * kRows16);
+    wg_commit();
+    wg_wait<1>();
     fence_regs(dq);
     // dQ through shared memory: boxes of 32 columns x 64 rows, 128-byte swizzle (16-byte
     // chunk j of row r at chunk j ^ (r & 7)), added to dq_acc by the TMA unit while this
@@ -332,6 +340,12 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
         tma_reduce_add_3d(&tm_dq, (OWN ? 0 : c * (HD / 2)) + 32 * b, h, q0 + qt, sq + b * BR * 32);
       bulk_commit();
     }
+    wg_wait<0>();  // dV, dK done: Q and dO of this stage are free
+    fence_regs(dva);
+    fence_regs(dka);
+    fence_regs(pa);
+    fence_regs(da);
+    mbar_arrive(&empty[st]);
   }
 
   if (elected) bulk_wait<0>();  // the last reductions are done before the block ends
