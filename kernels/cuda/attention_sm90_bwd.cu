@@ -26,6 +26,8 @@
  *       dV += P^T dO, dK += dS^T Q            P^T, dS^T as A from registers (the accumulator
  *                                             layout is wgmma's A layout), a second group
  *     dQ goes out (shared memory, TMA) while dV and dK are computed; the stage is freed after.
+ *     hd 64 (shared dQ): the next tile's S^T and dP^T are issued with these three products, so
+ *     that the tensor cores stay busy through the dQ store (PIPE in the code).
  *     dS^T has two buffers: a consumer writes buffer i & 1 only after passing tile i - 1's
  *     barrier, which the other passes only after its dQ product of tile i - 2 is done.
  * Registers (hd 128): dK, dV 64 + 64, S^T, dP^T 32 + 32, P^T / dS^T fragments 16 + 16, dQ 32.
@@ -64,6 +66,12 @@
  *      1.420, B4 H9 T2048 hd 64 0.483-0.493 | 0.476-0.482; B128 H12 T196 and B16 H9 T512 causal
  *      unchanged. Where the time goes (ncu, B8 H12 T1024 hd 64, same day, before this change):
  *      prep 15.7 us, this kernel 243, finish 12.7; cuDNN's three launches 20.0, 171 and 16.3.
+ *   6. hd 64, shared dQ: the next tile's S^T, dP^T issued under the same fence as dQ, dV, dK
+ *      (PIPE; same day, same call, fwd+bwd ms against 5): B8 H12 T1024 0.3525-0.355 | 0.342-0.345,
+ *      B4 H9 T2048 0.475-0.478 | 0.457-0.467, B128 H12 T196 0.571-0.573 | 0.544-0.550. With OWN
+ *      (causal) it lost 1-2% (B4 H9 T2048 0.258-0.260 | 0.261-0.264, B2 H32 T4096 1.41-1.43 |
+ *      1.45, B16 H9 T512 0.150 | 0.153-0.154) and is not used there; hd 128 has no registers
+ *      for it. ptxas spills 8 bytes in the hd 64 instance (two words reloaded per tile).
  *   cuDNN's fused attention (attention_cudnn.cu), same call    0.275 | 1.177 | 0.261
  *   PyTorch SDPA CUDNN_ATTENTION, same call                    0.546 | 1.449 | 0.671
  *   (eb61a21, 2026-11-24, make bench). Not done: the next tile's S^T / dP^T in flight during
@@ -72,14 +80,11 @@
  *   ptxas reported "wgmma.mma_async instructions are serialized due to insufficient register
  *   resources" at 232 registers per consumer thread and spilled 370-650 bytes, so it was not
  *   run. It would need fewer live accumulators (e.g. dV in shared memory) or 3 warpgroups'
- *   worth of registers for 2. Nor the next tile's S^T / dP^T issued during this tile's dQ
- *   store (2026-11-25, hd 64, one set of accumulators): in every arrangement tried (issued
- *   before or after the dV / dK wait, S^T alone, with or without its own wgmma.fence, the loop
- *   rotated so that each iteration issues and waits for its own S^T / dP^T) ptxas serialized
- *   every wgmma ("non wgmma instructions reading accumulator registers of a wgmma between start
- *   and end of the pipeline stage"): the dQ store reads a retired group's accumulators while a
- *   group issued after a later wgmma.fence is in flight. Groups issued under one fence (S^T and
- *   dP^T; dQ and dV / dK since version 5) ptxas lets the code read one at a time.
+ *   worth of registers for 2. (Version 6 overlaps only the dQ store and the dV / dK wait with
+ *   the next S^T / dP^T, with one set of accumulators; before it, every arrangement with a
+ *   wgmma.fence of its own for the next S^T, or with S^T / dP^T in flight across the loop's
+ *   back edge, made ptxas serialize every wgmma: "non wgmma instructions reading (defining)
+ *   accumulator registers of a wgmma between start and end of the pipeline stage".)
  *   Query tiles of 128 at hd 64 (FlashAttention-3's hd 64 tile; S^T, dP^T as m64n128 products,
  *   dQ as two m64 products per consumer, 2 buffers): correct, but it spilled 156 bytes at 232
  *   registers and was slower, fwd+bwd B8 H12 T1024 0.395 against 0.362 ms, B4 H9 T2048 full
@@ -98,6 +103,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <type_traits>
 
 #include "kernels/cuda/wgmma.cuh"
 
@@ -240,15 +246,18 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
   constexpr uint64_t kQStage = uint64_t(L::q_elems) * 2 / 16, kDsBuf = uint64_t(L::ds_elems) * 2 / 16;
   constexpr uint64_t kRows16 = 16 * 128 / 16;
 
-  mbar_wait(bar_kv, 0);
-  for (int it = 0; it < n_it; it++) {
-    const int st = it % STAGES, buf = it & 1;
-    const int h = kvh * group + it / n_qt, qt = t_min + (it % n_qt) * BR, nq = min(BR, Lq - qt);
-    mbar_wait(&full[st], (it / STAGES) & 1);
+  // PIPE (hd 64 with the shared dQ): tile it + 1's S^T and dP^T are issued with tile it's
+  // products, under the same fence, so that the tensor cores compute them while this consumer
+  // stores dQ and waits for dV, dK; its softmax follows at once. (ptxas serializes every wgmma
+  // when a group issued under a later fence is in flight while the code reads an earlier
+  // group's accumulators, and when accumulators in flight across the loop's back edge are then
+  // written by other instructions: hence one fence for all five products, and the loop rotated
+  // so that S^T, dP^T are issued and consumed in the same iteration.)
+  constexpr bool PIPE = HD == 64 && !OWN;
+  // S^T = K_c Q^T and dP^T = V_c dO^T of tile it (two groups; the caller fences)
+  auto issue_s_dp = [&](int it, float (&s)[8][4], float (&dp)[8][4]) {
+    const int st = it % STAGES;
     const uint64_t qs = qB + st * kQStage, os = oB + st * kQStage;
-
-    float s[8][4], dp[8][4];  // S^T, dP^T: this consumer's 64 keys x the tile's 64 queries
-    wg_fence();
 #pragma unroll
     for (int kk = 0; kk < HD / 16; kk++)
       wgmma_ss<0>(s, kA + ((kk / 4) * BC * 128 + (kk % 4) * 32) / 16, qs + ((kk / 4) * BR * 128 + (kk % 4) * 32) / 16,
@@ -259,7 +268,12 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
       wgmma_ss<0>(dp, vA + ((kk / 4) * BC * 128 + (kk % 4) * 32) / 16, os + ((kk / 4) * BR * 128 + (kk % 4) * 32) / 16,
                   kk > 0);
     wg_commit();
-
+  };
+  // P^T, dS^T of tile it from S^T, dP^T in flight (the last two groups): A fragments pa, da,
+  // dS^T into shared memory, both consumers' halves there when it returns
+  auto elementwise = [&](int it, float (&s)[8][4], float (&dp)[8][4], uint32_t (&pa)[4][4], uint32_t (&da)[4][4]) {
+    const int st = it % STAGES, buf = it & 1;
+    const int qt = t_min + (it % n_qt) * BR, nq = min(BR, Lq - qt);
     const float* cL = sL + st * BR;
     const float* cD = sD + st * BR;
     const bool need_mask = klast >= Lk || nq < BR || (causal && klast > qt + shift);
@@ -286,7 +300,6 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
 #pragma unroll
       for (int e = 0; e < 4; e++) dp[n][e] = s[n][e] * (dp[n][e] - ((e & 1) ? d2.y : d2.x));
     }
-    uint32_t pa[4][4], da[4][4];  // P^T and dS^T as A fragments, k-steps of 16 queries
 #pragma unroll
     for (int kk = 0; kk < 4; kk++) {
       c_to_a(pa[kk], s, kk);
@@ -301,10 +314,18 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
       for (int j = 0; j < 4; j++)
         *reinterpret_cast<uint32_t*>(ds + sw128<BC>(kr + 8 * (j & 1), 2 * kk + (j >> 1)) + 2 * t) = da[kk][j];
     fence_smem_async();  // these generic-proxy writes, before the other consumer's wgmma reads them
-
     if (!OWN) named_sync(1, 256);  // both consumers' halves of dS^T are in sS[buf]
-    // dQ first, then dV and dK, in one stage (one fence): dQ goes out while they run
+  };
+  // dQ, dV, dK of tile it under one fence (with NEXT, tile it + 1's S^T, dP^T too, and its
+  // elementwise work after this tile's dQ store)
+  auto products = [&](int it, uint32_t (&pa)[4][4], uint32_t (&da)[4][4], auto next_c) {
+    constexpr bool NEXT = decltype(next_c)::value;
+    const int st = it % STAGES, buf = it & 1;
+    const int h = kvh * group + it / n_qt, qt = t_min + (it % n_qt) * BR;
+    if constexpr (NEXT) mbar_wait(&full[(it + 1) % STAGES], ((it + 1) / STAGES) & 1);
     float dq[DQN / 8][4];  // dQ rows = the tile's queries, columns c HD/2 .. + HD/2 (OWN: all, my keys)
+    float s[8][4], dp[8][4];
+    // dQ first, then dV and dK: dQ goes out while they run
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < (OWN ? 4 : BC / 16); kk++)
@@ -315,7 +336,8 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
 #pragma unroll
     for (int kk = 0; kk < 4; kk++) wgmma_rs<1>(dka, da[kk], qT + st * kQStage + kk * kRows16);
     wg_commit();
-    wg_wait<1>();
+    if constexpr (NEXT) issue_s_dp(it + 1, s, dp);
+    wg_wait<NEXT ? 3 : 1>();
     fence_regs(dq);
     // dQ through shared memory: boxes of 32 columns x 64 rows, 128-byte swizzle (16-byte
     // chunk j of row r at chunk j ^ (r & 7)), added to dq_acc by the TMA unit while this
@@ -340,12 +362,41 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
         tma_reduce_add_3d(&tm_dq, (OWN ? 0 : c * (HD / 2)) + 32 * b, h, q0 + qt, sq + b * BR * 32);
       bulk_commit();
     }
-    wg_wait<0>();  // dV, dK done: Q and dO of this stage are free
+    wg_wait<NEXT ? 2 : 0>();  // dV, dK done: Q and dO of this stage are free
     fence_regs(dva);
     fence_regs(dka);
     fence_regs(pa);
     fence_regs(da);
     mbar_arrive(&empty[st]);
+    if constexpr (NEXT) elementwise(it + 1, s, dp, pa, da);
+  };
+
+  mbar_wait(bar_kv, 0);
+  fence_regs(dka);  // their zeros set here, not sunk into the loop past a wgmma in flight
+  fence_regs(dva);
+  if (PIPE) {
+    if (n_it > 0) {
+      uint32_t pa[4][4], da[4][4];
+      {
+        float s[8][4], dp[8][4];
+        mbar_wait(&full[0], 0);
+        wg_fence();
+        issue_s_dp(0, s, dp);
+        elementwise(0, s, dp, pa, da);
+      }
+      for (int it = 0; it + 1 < n_it; it++) products(it, pa, da, std::true_type{});
+      products(n_it - 1, pa, da, std::false_type{});
+    }
+  } else {
+    for (int it = 0; it < n_it; it++) {
+      float s[8][4], dp[8][4];
+      uint32_t pa[4][4], da[4][4];
+      mbar_wait(&full[it % STAGES], (it / STAGES) & 1);
+      wg_fence();
+      issue_s_dp(it, s, dp);
+      elementwise(it, s, dp, pa, da);
+      products(it, pa, da, std::false_type{});
+    }
   }
 
   if (elected) bulk_wait<0>();  // the last reductions are done before the block ends
