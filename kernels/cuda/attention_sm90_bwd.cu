@@ -374,7 +374,7 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
   mbar_wait(bar_kv, 0);
   fence_regs(dka);  // their zeros set here, not sunk into the loop past a wgmma in flight
   fence_regs(dva);
-  if (PIPE) {
+  if constexpr (PIPE) {
     if (n_it > 0) {
       uint32_t pa[4][4], da[4][4];
       {
