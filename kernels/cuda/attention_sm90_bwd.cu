@@ -19,34 +19,38 @@
  *       S^T = K_c Q^T, dP^T = V_c dO^T        wgmma from shared memory, two groups in flight
  *       P^T = exp2(S^T scale log2e - lse2)    after the first group; the mask here
  *       dS^T = P^T (dP^T - delta)             after the second
- *       dS^T (bf16) into shared memory, the two consumers meet at a named barrier, then
+ *       dS^T (bf16) into shared memory, then (hd 128) the two consumers meet at a named barrier
  *       dQ[:, c HD/2 ..] = dS K[:, c HD/2 ..] wgmma with A = dS^T read transposed and B = K
  *                                             read transposed: each consumer half the columns
- *                                             over all 128 keys, one group, added by TMA (below)
+ *                                             over all 128 keys, one group, added by TMA (below);
+ *                                             at hd 64 (OWN, below) all columns over its own keys
  *       dV += P^T dO, dK += dS^T Q            P^T, dS^T as A from registers (the accumulator
  *                                             layout is wgmma's A layout), a second group
  *     dQ goes out (shared memory, TMA) while dV and dK are computed; the stage is freed after.
- *     hd 64 (shared dQ): the next tile's S^T and dP^T are issued with these three products, so
- *     that the tensor cores stay busy through the dQ store (PIPE in the code).
+ *     hd 64: the next tile's S^T and dP^T are issued with these three products, so that the
+ *     tensor cores stay busy through the dQ store (PIPE in the code), and the two consumers
+ *     take turns issuing them (below).
  *     dS^T has two buffers: a consumer writes buffer i & 1 only after passing tile i - 1's
  *     barrier, which the other passes only after its dQ product of tile i - 2 is done.
  * Registers (hd 128): dK, dV 64 + 64, S^T, dP^T 32 + 32, P^T / dS^T fragments 16 + 16, dQ 32.
  * Shared memory: K, V 2 x 128 x HD, Q, dO 2 x STAGES x 64 x HD, dS^T 2 x 128 x 64 (bf16), the
- *   dQ staging 64 x HD fp32 (twice that with OWN): hd 128, 2 stages: 192 KB; hd 64, 3 stages:
- *   128 KB (OWN 144 KB).
+ *   dQ staging 64 x HD fp32 (twice that with OWN): hd 128, 2 stages: 192 KB; hd 64, 3 stages,
+ *   OWN: 144 KB.
  *
- * dQ: each consumer's 64 x HD/2 fp32 block goes to shared memory (boxes of 32 columns, 128-byte
- *   swizzle) and one thread hands it to the TMA unit as a reduction into dq_acc
- *   (cp.reduce.async.bulk.tensor ... add): the warpgroup goes on while the unit adds. Rows past
+ * dQ: each warp's 16 x HD/2 (OWN: HD) fp32 rows go to shared memory (boxes of 32 columns,
+ *   128-byte swizzle) and its lane 0 hands them to the TMA unit as a reduction into dq_acc
+ *   (cp.reduce.async.bulk.tensor ... add): the warp goes on while the unit adds. Rows past
  *   the sequence hold exact zeros (their dS^T columns are 0), so adding the whole box is safe.
  *
- * OWN (hd 64 causal): each consumer computes dQ over its own 64 keys for all HD columns and
- *   adds it itself, so there is no barrier between the consumers and they drift apart (one's
- *   exponentials beside the other's products), for twice the reduction traffic. H100, same call,
- *   fwd+bwd ms shared / own: B4 H9 T2048 causal 0.292 / 0.279-0.286, B16 H9 T512 causal 0.149 /
- *   0.150, bench_vlm_sft 69.4 / 69.6 -> 69.0 / 69.0 ms; but bidirectional B8 H12 T1024 0.356-0.359
- *   / 0.366-0.372 and B4 H9 T2048 0.483 / 0.492 (the doubled reductions cost more than the
- *   drift gains there): causal hd 64 only.
+ * OWN (hd 64): each consumer computes dQ over its own 64 keys for all HD columns and adds it
+ *   itself, so there is no meeting between the consumers, for twice the reduction traffic, and
+ *   they take turns on the tensor cores as in the forward (one's batch of products beside the
+ *   other's dQ store and elementwise work). Without the turns (before 2026-11-25) it was used for
+ *   causal hd 64 only, H100, same call, fwd+bwd ms shared / own: B4 H9 T2048 causal 0.292 /
+ *   0.279-0.286, B16 H9 T512 causal 0.149 / 0.150, bench_vlm_sft 69.4 / 69.6 -> 69.0 / 69.0 ms;
+ *   bidirectional B8 H12 T1024 0.356-0.359 / 0.366-0.372, B4 H9 T2048 0.483 / 0.492 (the doubled
+ *   reductions cost more than the drift gained). With the turns it is faster at every hd 64 shape
+ *   measured but the 196-token one (version 7).
  *
  * When it runs: bf16, hd 64 / 128 on sm_90a, not deterministic, when the longest sequence has
  *   at least 128 tokens (512 for causal hd 64): bwd_ws_min_seqlen below has the sweep; shorter
@@ -72,6 +76,26 @@
  *      (causal) it lost 1-2% (B4 H9 T2048 0.258-0.260 | 0.261-0.264, B2 H32 T4096 1.41-1.43 |
  *      1.45, B16 H9 T512 0.150 | 0.153-0.154) and is not used there; hd 128 has no registers
  *      for it. ptxas spills 8 bytes in the hd 64 instance (two words reloaded per tile).
+ *   7. Three changes, 2026-11-25, fwd+bwd ms, H100, three rounds in one call, version 6 | +a |
+ *      +a+b | +a+b+c. (a) the elementwise step's masked and unmasked scores in two loops (one
+ *      loop with the test inside compiled to a compare and a select for every score: 98 of 580
+ *      instructions per tile); (b) OWN with turns at every hd 64 shape (it was causal only, without
+ *      turns); (c) dQ reduced per warp instead of per warpgroup (the warpgroup barrier before the
+ *      dQ stores held 8% of the consumers' stall samples, ncu: the four warps' dQ products finish
+ *      at different times):
+ *        B8 H12 T1024 hd 64             0.339-0.347 | 0.336-0.346 | 0.327-0.330 | 0.325-0.329
+ *        B4 H9 T2048 hd 64              0.457-0.462 | 0.452-0.454 | 0.425-0.437 | 0.422-0.425
+ *        B128 H12 T196 hd 64            0.546-0.550 | 0.547-0.548 | 0.552-0.556 | 0.551-0.558
+ *        B4 H9 T2048 hd 64 causal       0.259-0.260 | 0.251-0.259 | 0.252-0.257 | 0.251-0.254
+ *        B2 H32 T4096 hd 64 causal      1.423-1.433 | 1.403-1.410 | 1.402-1.410 | 1.387-1.397
+ *        B16 H9 T512 hd 64 causal       0.149-0.151 | 0.146-0.148 | 0.146-0.149 | 0.146-0.148
+ *        B8 H16 T2048 hd 128 causal     1.340-1.355 | 1.275-1.287 | 1.274-1.307 | 1.243-1.245
+ *        B8 H12 T1024 hd 128            0.496-0.500 | 0.498-0.499 | 0.496-0.499 | 0.485-0.489
+ *      (a) and (b) were measured in one call, (c) against them in another; the version 6 column
+ *      joins both calls' ranges, the +a+b column likewise. For the causal hd 64 rows the +a column
+ *      already ran the turns (the same code as +a+b there); hd 128 has no OWN, no turns. With
+ *      (b) ncu puts the L2 at 76% of its throughput (49.6% before; the doubled dQ reductions):
+ *      the next limit. ptxas spills 4 bytes (12 reloaded) in the hd 64 instance, 4 (8) at hd 128.
  *   cuDNN's fused attention (attention_cudnn.cu), same call    0.275 | 1.177 | 0.261
  *   PyTorch SDPA CUDNN_ATTENTION, same call                    0.546 | 1.449 | 0.671
  *   (eb61a21, 2026-11-24, make bench). Not done: the next tile's S^T / dP^T in flight during
@@ -110,8 +134,9 @@
 namespace loom::cuda::attn {
 namespace {
 
-template <int HD, int STAGES, bool OWN = false>
+template <int HD, int STAGES>
 struct BwdSmem {
+  static constexpr bool OWN = HD == 64;  // each consumer its own dQ (header)
   static constexpr int BC = 128, BR = 64;
   static constexpr int kv_elems = BC * HD, q_elems = BR * HD, ds_elems = BC * BR;
   static constexpr int dq_floats = BR * HD * (OWN ? 2 : 1);  // 2 consumers x 64 rows x (HD or HD / 2)
@@ -121,7 +146,7 @@ struct BwdSmem {
                                2 * STAGES * BR * 4 + (1 + 2 * STAGES) * 8 + 1024;
 };
 
-template <int HD, int STAGES, bool OWN>
+template <int HD, int STAGES>
 __global__ void __launch_bounds__(384, 1)
 attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ dq_acc, const bf* __restrict__ dout,
                  const bf* __restrict__ q, const bf* __restrict__ k, const bf* __restrict__ v,
@@ -132,7 +157,8 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
                  const int32_t* __restrict__ cu_k, int nseq, int H, int KV, int n_kt, int chunk, bool causal,
                  float scale, float scale_log2) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using L = BwdSmem<HD, STAGES, OWN>;
+  using L = BwdSmem<HD, STAGES>;
+  constexpr bool OWN = L::OWN;
   constexpr int DQN = OWN ? HD : HD / 2;  // dQ columns per consumer
   constexpr int BC = L::BC, BR = L::BR;
   extern __shared__ unsigned char smem_raw[];
@@ -233,7 +259,7 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
   const int kr = 64 * c + 16 * warp + g;  // this thread's key rows in the block: kr (c0, c1), kr + 8
   const int klast = ks + 64 * c + 63;     // the consumer's last key in the sequence
   float dka[HD / 8][4] = {}, dva[HD / 8][4] = {};
-  const bool elected = threadIdx.x % 128 == 0;  // issues this consumer's dQ reductions
+  const bool elected = lane == 0;  // issues this warp's dQ reductions
   float* sq = sDQ + c * BR * DQN;
 
   // Descriptors (wgmma.cuh): K-major operands advance 32 bytes per k-step inside a 64-column
@@ -246,14 +272,27 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
   constexpr uint64_t kQStage = uint64_t(L::q_elems) * 2 / 16, kDsBuf = uint64_t(L::ds_elems) * 2 / 16;
   constexpr uint64_t kRows16 = 16 * 128 / 16;
 
-  // PIPE (hd 64 with the shared dQ): tile it + 1's S^T and dP^T are issued with tile it's
-  // products, under the same fence, so that the tensor cores compute them while this consumer
-  // stores dQ and waits for dV, dK; its softmax follows at once. (ptxas serializes every wgmma
-  // when a group issued under a later fence is in flight while the code reads an earlier
-  // group's accumulators, and when accumulators in flight across the loop's back edge are then
-  // written by other instructions: hence one fence for all five products, and the loop rotated
-  // so that S^T, dP^T are issued and consumed in the same iteration.)
-  constexpr bool PIPE = HD == 64 && !OWN;
+  // PIPE (hd 64, where each consumer has its own dQ): tile it + 1's S^T and dP^T are issued
+  // with tile it's products, under the same fence, so that the tensor cores compute them while
+  // this consumer stores dQ and waits for dV, dK; its elementwise work follows at once. (ptxas
+  // serializes every wgmma when a group issued under a later fence is in flight while the code
+  // reads an earlier group's accumulators, and when accumulators in flight across the loop's
+  // back edge are then written by other instructions: hence one fence for all five products,
+  // and the loop rotated so that S^T, dP^T are issued and consumed in the same iteration.)
+  // And turns, as in the forward: a consumer issues its batch of products only in its turn
+  // (it waits at named barrier 4 + c) and hands the turn over after issuing, so that one's
+  // batch runs on the tensor cores while the other stores its dQ and computes its next P^T and
+  // dS^T. Each consumer issues n_it + 1 batches; consumer 1 starts by handing the first turn to
+  // consumer 0 and skips its last hand-over, so that every wait has its arrival.
+  constexpr bool PIPE = OWN;
+  auto my_turn = [&] {
+    if constexpr (PIPE) named_sync(4 + c, 256);
+  };
+  auto hand_over = [&](bool last) {
+    if constexpr (PIPE)
+      if (!(last && c == 1)) named_arrive(5 - c, 256);
+  };
+  if (PIPE && c == 1 && n_it > 0) named_arrive(4, 256);
   // S^T = K_c Q^T and dP^T = V_c dO^T of tile it (two groups; the caller fences)
   auto issue_s_dp = [&](int it, float (&s)[8][4], float (&dp)[8][4]) {
     const int st = it % STAGES;
@@ -279,17 +318,25 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
     const bool need_mask = klast >= Lk || nq < BR || (causal && klast > qt + shift);
     wg_wait<1>();
     fence_regs(s);
+    // two loops, not one with the test inside: the compiler turned that one into selects
+    // evaluated for every score (98 of 580 instructions per tile on the unmasked path)
+    if (need_mask) {
 #pragma unroll
-    for (int n = 0; n < 8; n++) {  // columns 8n + 2t, + 1: queries of the tile
-      const float2 l2 = *reinterpret_cast<const float2*>(cL + 8 * n + 2 * t);
+      for (int n = 0; n < 8; n++) {  // columns 8n + 2t, + 1: queries of the tile
+        const float2 l2 = *reinterpret_cast<const float2*>(cL + 8 * n + 2 * t);
 #pragma unroll
-      for (int e = 0; e < 4; e++) {
-        float p = exp2_ftz(fmaf(s[n][e], scale_log2, -((e & 1) ? l2.y : l2.x)));
-        if (need_mask) {
+        for (int e = 0; e < 4; e++) {
           const int key = ks + kr + 8 * (e >> 1), col = 8 * n + 2 * t + (e & 1);
-          if (key >= Lk || col >= nq || (causal && key > qt + col + shift)) p = 0.f;
+          const float p = exp2_ftz(fmaf(s[n][e], scale_log2, -((e & 1) ? l2.y : l2.x)));
+          s[n][e] = key >= Lk || col >= nq || (causal && key > qt + col + shift) ? 0.f : p;
         }
-        s[n][e] = p;
+      }
+    } else {
+#pragma unroll
+      for (int n = 0; n < 8; n++) {
+        const float2 l2 = *reinterpret_cast<const float2*>(cL + 8 * n + 2 * t);
+#pragma unroll
+        for (int e = 0; e < 4; e++) s[n][e] = exp2_ftz(fmaf(s[n][e], scale_log2, -((e & 1) ? l2.y : l2.x)));
       }
     }
     wg_wait<0>();
@@ -326,6 +373,7 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
     float dq[DQN / 8][4];  // dQ rows = the tile's queries, columns c HD/2 .. + HD/2 (OWN: all, my keys)
     float s[8][4], dp[8][4];
     // dQ first, then dV and dK: dQ goes out while they run
+    my_turn();
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < (OWN ? 4 : BC / 16); kk++)
@@ -337,13 +385,17 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
     for (int kk = 0; kk < 4; kk++) wgmma_rs<1>(dka, da[kk], qT + st * kQStage + kk * kRows16);
     wg_commit();
     if constexpr (NEXT) issue_s_dp(it + 1, s, dp);
+    hand_over(!NEXT);
     wg_wait<NEXT ? 3 : 1>();
     fence_regs(dq);
-    // dQ through shared memory: boxes of 32 columns x 64 rows, 128-byte swizzle (16-byte
-    // chunk j of row r at chunk j ^ (r & 7)), added to dq_acc by the TMA unit while this
-    // warpgroup goes on; one thread waits until the previous tile's reduction has read them
+    // dQ through shared memory: boxes of 32 columns x 16 rows (each warp its own rows), 128-byte
+    // swizzle (16-byte chunk j of row r at chunk j ^ (r & 7)), added to dq_acc by the TMA unit
+    // while the warp goes on; its lane 0 waits until its previous reduction has read them.
+    // Per warp, not per warpgroup: the four warps' dQ products finish at different times, and
+    // a warpgroup barrier here made every warp wait for the last one (ncu, B8 H12 T1024 hd 64:
+    // 8% of the consumers' stall samples at that barrier, 5% at the one after the stores).
     if (elected) bulk_wait_read<0>();
-    named_sync(2 + c, 128);
+    __syncwarp();
 #pragma unroll
     for (int r = 0; r < 2; r++) {
       const int row = 16 * warp + g + 8 * r;
@@ -355,11 +407,12 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
       }
     }
     fence_smem_async();
-    named_sync(2 + c, 128);
+    __syncwarp();
     if (elected) {
 #pragma unroll
       for (int b = 0; b < DQN / 32; b++)
-        tma_reduce_add_3d(&tm_dq, (OWN ? 0 : c * (HD / 2)) + 32 * b, h, q0 + qt, sq + b * BR * 32);
+        tma_reduce_add_3d(&tm_dq, (OWN ? 0 : c * (HD / 2)) + 32 * b, h, q0 + qt + 16 * warp,
+                          sq + b * BR * 32 + 16 * warp * 32);
       bulk_commit();
     }
     wg_wait<NEXT ? 2 : 0>();  // dV, dK done: Q and dO of this stage are free
@@ -380,8 +433,10 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
       {
         float s[8][4], dp[8][4];
         mbar_wait(&full[0], 0);
+        my_turn();
         wg_fence();
         issue_s_dp(0, s, dp);
+        hand_over(false);
         elementwise(0, s, dp, pa, da);
       }
       for (int it = 0; it + 1 < n_it; it++) products(it, pa, da, std::true_type{});
@@ -417,24 +472,24 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
 #endif
 }
 
-template <int HD, int STAGES, bool OWN = false>
+template <int HD, int STAGES>
 void launch_bwd(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, const bf* k, const bf* v,
                 const float* lse, const float* delta, const int32_t* cu_q, const int32_t* cu_k, int nseq,
                 int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, bool causal, float scale, cudaStream_t s) {
-  constexpr int smem = BwdSmem<HD, STAGES, OWN>::bytes, BC = BwdSmem<HD, STAGES, OWN>::BC;
+  constexpr int smem = BwdSmem<HD, STAGES>::bytes, BC = BwdSmem<HD, STAGES>::BC;
   static const bool once = [] {
-    CUDA_CHECK(cudaFuncSetAttribute(attn_bwd_sm90_ws<HD, STAGES, OWN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    CUDA_CHECK(cudaFuncSetAttribute(attn_bwd_sm90_ws<HD, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     smem));
     return true;
   }();
   (void)once;
   const CUtensorMap tq = make_map(q, Nq, H, HD, 64), tdo = make_map(dout, Nq, H, HD, 64);
   const CUtensorMap tk = make_map(k, Nk, KV, HD, BC), tv = make_map(v, Nk, KV, HD, BC);
-  const CUtensorMap tdq = make_map_3d(dq_acc, true, Nq, H, HD, 32, 64);
+  const CUtensorMap tdq = make_map_3d(dq_acc, true, Nq, H, HD, 32, 16);  // a warp's 16 rows
   // chunks of (kv head, sequence) pairs whose Q, dO (bf16) and dq_acc (fp32) rows share L2
   const int n_kt = ceil_div(max_seqlen, BC), pairs = KV * nseq;
   const int chunk = chunk_pairs(pairs, double(H / KV) * std::max(max_seqlen, 1) * HD * 8.0);
-  attn_bwd_sm90_ws<HD, STAGES, OWN><<<pairs * n_kt, 384, smem, s>>>(dk, dv, dq_acc, dout, q, k, v, lse, delta, tq,
+  attn_bwd_sm90_ws<HD, STAGES><<<pairs * n_kt, 384, smem, s>>>(dk, dv, dq_acc, dout, q, k, v, lse, delta, tq,
                                                                        tdo, tk, tv, tdq, cu_q, cu_k, nseq, H, KV, n_kt, chunk, causal,
                                                                scale, scale * kLog2e);
   LAUNCH_CHECK();
@@ -468,13 +523,10 @@ void bwd_sm90_ws(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, con
                  int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, int hd, bool causal, float scale,
                  cudaStream_t s) {
   // hd 128: 2 buffers of Q / dO (160 KB of shared memory with the dQ staging: 192 KB);
-  // hd 64: 3 (0.3565 against 0.3612 ms fwd+bwd at B8 H12 T1024, H100), causal with OWN dQ
+  // hd 64: 3 (0.3565 against 0.3612 ms fwd+bwd at B8 H12 T1024, H100)
   if (hd == 128)
     launch_bwd<128, 2>(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, causal,
                        scale, s);
-  else if (causal)  // each consumer its own dQ (see OWN in the header)
-    launch_bwd<64, 3, true>(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV,
-                            causal, scale, s);
   else
     launch_bwd<64, 3>(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, causal,
                       scale, s);
