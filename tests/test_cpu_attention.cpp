@@ -221,4 +221,19 @@ TEST_CASE("attention rejects bad shapes with the values in the message", "[cpu][
                                                      cu.data(), cu.data(), 1, 3, 4, 4, 2, 2, 4, false,
                                                      0.5, s0),
                       Catch::Contains("max_seqlen=3"));
+  // one cu_seqlens and Nq = Nk = nseq * max_seqlen declares a dense batch: lengths 3 and 2 in 6
+  // rows (the last outside every sequence) with max_seqlen 3 are not one (the CUDA kernels would
+  // read sequence 1 as rows 3..6)
+  const vector<int32_t> ragged = {0, 3, 5};
+  vector<double> y(6 * 2 * 4, 1.0), o(6 * 2 * 4, 7.0), lse_y(6 * 2);
+  REQUIRE_THROWS_WITH(cpu::attention_forward<double>(o.data(), lse_y.data(), y.data(), y.data(), y.data(),
+                                                     ragged.data(), ragged.data(), 2, 3, 6, 6, 2, 2, 4, false,
+                                                     0.5, s0),
+                      Catch::Contains("dense batch") && Catch::Contains("cu_seqlens[2] = 5, not 6"));
+  // the same lengths with their own key offsets (another array) are a ragged batch
+  const vector<int32_t> ragged_k = ragged;
+  cpu::attention_forward<double>(o.data(), lse_y.data(), y.data(), y.data(), y.data(), ragged.data(),
+                                 ragged_k.data(), 2, 3, 6, 6, 2, 2, 4, false, 0.5, s0);
+  CHECK(o[0] == 1.0);          // every value 1: the average of ones
+  CHECK(o[5 * 2 * 4] == 0.0);  // row 5, outside every sequence
 }

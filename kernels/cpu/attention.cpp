@@ -78,6 +78,15 @@ void check_attention_args(const char* op, const int32_t* cu_q, const int32_t* cu
       fail("sequence " + std::to_string(i) + " has Lq=" + std::to_string(q1 - q0) + " Lk=" +
            std::to_string(k1 - k0) + ", more than max_seqlen=" + std::to_string(max_seqlen));
   }
+  // One cu_seqlens for queries and keys with Nq = Nk = nseq * max_seqlen declares a dense batch
+  // (kernels.inc): the CUDA kernels and cuDNN's dense graph read no offsets for it.
+  if (cu_q == cu_k && Nq == Nk && Nq == int64_t(nseq) * max_seqlen)
+    for (int i = 0; i <= nseq; i++)
+      if (cu_q[i] != int64_t(i) * max_seqlen)
+        fail("one cu_seqlens with Nq=Nk=" + std::to_string(Nq) + " = nseq * max_seqlen (" + std::to_string(nseq) +
+             " * " + std::to_string(max_seqlen) + ") is a dense batch, but cu_seqlens[" + std::to_string(i) +
+             "] = " + std::to_string(cu_q[i]) + ", not " + std::to_string(int64_t(i) * max_seqlen) +
+             " (give a max_seqlen equal to the longest sequence, or rows outside the sequences their own count)");
 }
 
 // Queries are processed in tiles of this many rows, so that the score block S = Q K^T and the

@@ -203,13 +203,10 @@ Key make_key(bool backward, int nseq, int max_seqlen, int H, int KV, int hd, boo
   return Key{backward, pow2_at_least(std::max(nseq, 1), 1), pow2_at_least(max_seqlen, 64), H, KV, hd, causal, false};
 }
 
-// Every sequence max_seqlen long and one cu_seqlens for queries and keys: sequence b is rows
-// [b S, (b + 1) S) (the lengths sum to Nq and none exceeds max_seqlen), the layout a graph
-// without ragged offsets reads. Such a batch takes the dense bucket when cuDNN builds its
-// plan; otherwise (an engine that refuses it) the ragged bucket, logged once.
-bool dense_batch(const int32_t* cu_q, const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int64_t Nk) {
-  return cu_q == cu_k && Nq == Nk && Nq == int64_t(nseq) * max_seqlen;
-}
+// A dense batch (attention_tiles.cuh's dense_batch: every sequence max_seqlen long, one
+// cu_seqlens) is the layout a graph without ragged offsets reads. Such a batch takes the dense
+// bucket when cuDNN builds its plan; otherwise (an engine that refuses it) the ragged bucket,
+// logged once.
 
 // The variant-pack entries only the ragged graph has: -inf for the padding mask (the dense
 // graph uses it for the causal mask only), sequence lengths and offsets (P.meta, written by
@@ -439,7 +436,7 @@ bool attn::cudnn_attention_forward(T* out, float* lse, const T* q, const T* k, c
   if constexpr (std::is_same<T, f16>::value) return f16_on_loom();
   constexpr bool f32 = std::is_same<T, float>::value;
   const Key key = choose_key(false, f32, nseq, max_seqlen, Nq, Nk, H, KV, hd, causal,
-                             dense_batch(cu_q, cu_k, nseq, max_seqlen, Nq, Nk), s);
+                             attn::dense_batch(cu_q, cu_k, nseq, max_seqlen, Nq, Nk), s);
   return dispatch(key, f32, Nq, Nk, [&](Plan& P) {
     if constexpr (f32) {
       Bf16Copy bq(q, Nq * H * hd, s), bk(k, Nk * KV * hd, s), bv(v, Nk * KV * hd, s), bo(nullptr, Nq * H * hd, s);
@@ -461,7 +458,7 @@ bool attn::cudnn_attention_backward(T* dq, T* dk, T* dv, const T* dout, const T*
   if constexpr (std::is_same<T, f16>::value) return f16_on_loom();
   constexpr bool f32 = std::is_same<T, float>::value;
   const Key key = choose_key(true, f32, nseq, max_seqlen, Nq, Nk, H, KV, hd, causal,
-                             dense_batch(cu_q, cu_k, nseq, max_seqlen, Nq, Nk), s);
+                             attn::dense_batch(cu_q, cu_k, nseq, max_seqlen, Nq, Nk), s);
   return dispatch(key, f32, Nq, Nk, [&](Plan& P) {
     if constexpr (f32) {
       const int64_t nq = Nq * H * hd, nk = Nk * KV * hd;

@@ -67,7 +67,8 @@ template <int HD, int NWG, int BC>
 __global__ void __launch_bounds__(NWG * 128, 1)
 attn_fwd_sm90(bf* __restrict__ out, float* __restrict__ lse, const bf* __restrict__ q,
               const bf* __restrict__ k, const bf* __restrict__ v, const int32_t* __restrict__ cu_q,
-              const int32_t* __restrict__ cu_k, int64_t Nq, int H, int KV, bool causal, float scale_log2) {
+              const int32_t* __restrict__ cu_k, int dense, int64_t Nq, int H, int KV, bool causal,
+              float scale_log2) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int BR = 64 * NWG, NT = NWG * 128;
   extern __shared__ unsigned char smem_raw[];
@@ -77,7 +78,9 @@ attn_fwd_sm90(bf* __restrict__ out, float* __restrict__ lse, const bf* __restric
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int g = lane >> 2, t = lane & 3;
   const int seq = blockIdx.z, h = blockIdx.y, kvh = h / (H / KV);
-  const SeqBounds sb = seq_bounds(cu_q, cu_k, seq, int(gridDim.z));  // one round trip (wgmma.cuh)
+  // dense batches take their bounds from seq (wgmma.cuh) at hd 64; the hd 128 instance keeps the
+  // loads (with the other path in it ptxas spilled 68 bytes there)
+  const SeqBounds sb = seq_bounds(cu_q, cu_k, seq, int(gridDim.z), HD == 64 ? dense : 0);
   const int q0 = sb.q0, Lq = sb.Lq, k0 = sb.k0, Lk = sb.Lk;
   zero_rows_outside<HD, NT>(out, lse, sb.lo, sb.hi, Nq, H);
   const int qs = (gridDim.x - 1 - blockIdx.x) * BR;  // longest (causal) tiles start first
@@ -163,7 +166,7 @@ attn_fwd_sm90(bf* __restrict__ out, float* __restrict__ lse, const bf* __restric
 
 template <int HD, int NWG, int BC>
 void launch(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const int32_t* cu_q,
-            const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int H, int KV, bool causal,
+            const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, bool causal,
             float scale_log2, cudaStream_t s) {
   constexpr int BR = 64 * NWG;
   const int smem = (BR + 4 * BC) * HD * int(sizeof(bf)) + 1024;  // + 1024: alignment slack
@@ -173,8 +176,8 @@ void launch(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const in
   }();
   (void)once;
   dim3 grid(ceil_div(max_seqlen, BR), H, nseq);
-  attn_fwd_sm90<HD, NWG, BC><<<grid, NWG * 128, smem, s>>>(out, lse, q, k, v, cu_q, cu_k, Nq, H, KV,
-                                                                  causal, scale_log2);
+  attn_fwd_sm90<HD, NWG, BC><<<grid, NWG * 128, smem, s>>>(
+      out, lse, q, k, v, cu_q, cu_k, dense_seqlen(cu_q, cu_k, nseq, max_seqlen, Nq, Nk), Nq, H, KV, causal, scale_log2);
   LAUNCH_CHECK();
 }
 
@@ -223,11 +226,11 @@ void fwd_sm90(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const 
     return;
   }
   if (hd == 128)
-    launch<128, 3, 128>(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, H, KV, causal, scale_log2, s);
+    launch<128, 3, 128>(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, causal, scale_log2, s);
   else if (causal)
-    launch<64, 3, 128>(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, H, KV, causal, scale_log2, s);
+    launch<64, 3, 128>(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, causal, scale_log2, s);
   else
-    launch<64, 2, 64>(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, H, KV, causal, scale_log2, s);
+    launch<64, 2, 64>(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, causal, scale_log2, s);
 }
 
 }  // namespace loom::cuda::attn

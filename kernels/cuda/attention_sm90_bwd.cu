@@ -95,7 +95,9 @@
  *      joins both calls' ranges, the +a+b column likewise. For the causal hd 64 rows the +a column
  *      already ran the turns (the same code as +a+b there); hd 128 has no OWN, no turns. With
  *      (b) ncu puts the L2 at 76% of its throughput (49.6% before; the doubled dQ reductions):
- *      the next limit. ptxas spills 4 bytes (12 reloaded) in the hd 64 instance, 4 (8) at hd 128.
+ *      the next limit. ptxas spilled 4 bytes (12 reloaded) in the hd 64 instance, 4 (8) at hd 128,
+ *      until the bounds of a dense batch came from the key tile's sequence index (no loads;
+ *      attention_sm90_ws.cu, item 8): no spills in either instance since.
  *   cuDNN's fused attention (attention_cudnn.cu), same call    0.275 | 1.177 | 0.261
  *   PyTorch SDPA CUDNN_ATTENTION, same call                    0.546 | 1.449 | 0.671
  *   (eb61a21, 2026-11-24, make bench). Not done: the next tile's S^T / dP^T in flight during
@@ -154,8 +156,8 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
                  const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_do,
                  const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                  const __grid_constant__ CUtensorMap tm_dq, const int32_t* __restrict__ cu_q,
-                 const int32_t* __restrict__ cu_k, int nseq, int H, int KV, int n_kt, int chunk, bool causal,
-                 float scale, float scale_log2) {
+                 const int32_t* __restrict__ cu_k, int dense, int nseq, int H, int KV, int n_kt, int chunk,
+                 bool causal, float scale, float scale_log2) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = BwdSmem<HD, STAGES>;
   constexpr bool OWN = L::OWN;
@@ -178,7 +180,8 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
   // causal) key tile of every pair in a chunk first
   const BlockTile bt = block_tile(int(blockIdx.x), n_kt, KV * nseq, chunk);
   const int kt = bt.tile, seq = bt.pair / KV, kvh = bt.pair % KV, group = H / KV;
-  const int q0 = cu_q[seq], Lq = cu_q[seq + 1] - q0, k0 = cu_k[seq], Lk = cu_k[seq + 1] - k0;
+  const SeqBounds sb = seq_bounds(cu_q, cu_k, seq, nseq, dense);  // (wgmma.cuh)
+  const int q0 = sb.q0, Lq = sb.Lq, k0 = sb.k0, Lk = sb.Lk;
   const int ks = kt * BC;
   if (ks >= Lk) return;
   const int nk = min(BC, Lk - ks), shift = Lk - Lq;
@@ -490,8 +493,9 @@ void launch_bwd(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, cons
   const int n_kt = ceil_div(max_seqlen, BC), pairs = KV * nseq;
   const int chunk = chunk_pairs(pairs, double(H / KV) * std::max(max_seqlen, 1) * HD * 8.0);
   attn_bwd_sm90_ws<HD, STAGES><<<pairs * n_kt, 384, smem, s>>>(dk, dv, dq_acc, dout, q, k, v, lse, delta, tq,
-                                                                       tdo, tk, tv, tdq, cu_q, cu_k, nseq, H, KV, n_kt, chunk, causal,
-                                                               scale, scale * kLog2e);
+                                                               tdo, tk, tv, tdq, cu_q, cu_k,
+                                                               dense_seqlen(cu_q, cu_k, nseq, max_seqlen, Nq, Nk),
+                                                               nseq, H, KV, n_kt, chunk, causal, scale, scale * kLog2e);
   LAUNCH_CHECK();
 }
 

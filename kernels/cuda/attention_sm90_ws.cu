@@ -162,6 +162,24 @@
  *      ate what persistence saved on the SPEC hd 64 shape; the static rounds left the long
  *      causal rows unbalanced (the dynamic scheduler of the first persistent try did better
  *      there, 0.297 ms at hd 128 causal).
+ *   8. Dense batches without loads (2026-11-25): a batch with one cu_seqlens and Nq = Nk = nseq x
+ *      max_seqlen has every sequence max_seqlen long (kernels.inc; the CPU reference checks it),
+ *      so the host passes dense = max_seqlen (attention_tiles.cuh, dense_seqlen) and a block
+ *      takes its bounds from its sequence index (seq_bounds, wgmma.cuh): its Q and K loads wait
+ *      for no round trip to memory. Also in the lock-step forward (hd 64) and the wgmma
+ *      backward. Same call, H100, ms, three rounds, LOOM_ATTN_DENSE=0 | default:
+ *        shape                         forward                 | forward + backward
+ *        B8 H12 T1024 hd 64            0.0831-0.0851 | 0.0827-0.0843 | 0.3239-0.3300 | 0.3234-0.3257
+ *        B8 H16 T2048 hd 128 causal    0.2947-0.2984 | 0.2952-0.2969 | 1.2309-1.2436 | 1.2304-1.2423
+ *        B4 H9 T2048 hd 64 causal      0.0648-0.0660 | 0.0631-0.0659 | 0.2521-0.2548 | 0.2500-0.2542
+ *        B8 H12 T1024 hd 128           0.1116-0.1135 | 0.1098-0.1128 | 0.4838-0.4901 | 0.4809-0.4854
+ *        B2 H32 T4096 hd 64 causal     0.3237-0.3285 | 0.3230-0.3339 | 1.3875-1.3991 | 1.3868-1.3960
+ *        B128 H12 T196 hd 64           0.1297-0.1312 | 0.1276-0.1308 | 0.5529-0.5583 | 0.5470-0.5527
+ *        B128 H12 T49 hd 64            0.0324-0.0342 | 0.0325-0.0334 | 0.1054-0.1080 | 0.1062-0.1078
+ *      0-1.5% (a load's round trip is ~1% of a block here); bench_mim.cfg 27.3-27.8 ms either
+ *      way, the fixed-batch VLM step 64.5-64.9. ptxas no longer spills in the backward (4 bytes
+ *      in each instance before); the lock-step hd 128 instance keeps the loads (68 bytes of
+ *      spills with both paths in it).
  *
  * When it runs: on sm_90a for batches whose longest sequence has at least 768 tokens at hd 64
  *   or 256 at hd 128 (attention_sm90.cu's fwd_sm90 decides; its comment has the sweep). Short sequences leave most of its 128 / 192-row
@@ -200,8 +218,8 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
 attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __restrict__ q,
                  const bf* __restrict__ k, const bf* __restrict__ v, const __grid_constant__ CUtensorMap tm_q,
                  const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
-                 const int32_t* __restrict__ cu_q, const int32_t* __restrict__ cu_k, int64_t Nq, int H, int KV,
-                 int chunk, bool causal, float scale_log2) {
+                 const int32_t* __restrict__ cu_q, const int32_t* __restrict__ cu_k, int dense, int64_t Nq, int H,
+                 int KV, int chunk, bool causal, float scale_log2) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int BR = 64 * NC, NT = 128 * (NC + 1);
   extern __shared__ unsigned char smem_raw[];
@@ -237,7 +255,7 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
   }
   const FwdTile ft = fwd_tile(BR, H, int(gridDim.z), chunk, causal);  // long tiles first
   const int seq = ft.seq, h = ft.h, kvh = h / (H / KV), qs = ft.qs;
-  const SeqBounds sb = seq_bounds(cu_q, cu_k, seq, int(gridDim.z));
+  const SeqBounds sb = seq_bounds(cu_q, cu_k, seq, int(gridDim.z), dense);
   const int q0 = sb.q0, Lq = sb.Lq, k0 = sb.k0, Lk = sb.Lk;
   zero_rows_outside<HD, NT>(out, lse, sb.lo, sb.hi, Nq, H);  // (wgmma.cuh)
   if (qs >= Lq) return;
@@ -480,8 +498,8 @@ void launch_ws(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const
   const CUtensorMap tq = make_map(q, Nq, H, HD, 64 * NC), tk = make_map(k, Nk, KV, HD, BC), tv = make_map(v, Nk, KV, HD, BC);
   dim3 grid(ceil_div(max_seqlen, 64 * NC), H, nseq);
   attn_fwd_sm90_ws<HD, BC, STAGES, NC><<<grid, 128 * (NC + 1), smem, s>>>(
-      out, lse, q, k, v, tq, tk, tv, cu_q, cu_k, Nq, H, KV, fwd_chunk_pairs(H, KV, nseq, max_seqlen, HD, causal), causal,
-      scale_log2);
+      out, lse, q, k, v, tq, tk, tv, cu_q, cu_k, dense_seqlen(cu_q, cu_k, nseq, max_seqlen, Nq, Nk), Nq, H, KV,
+      fwd_chunk_pairs(H, KV, nseq, max_seqlen, HD, causal), causal, scale_log2);
   LAUNCH_CHECK();
 }
 

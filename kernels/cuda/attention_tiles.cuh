@@ -78,6 +78,23 @@ __device__ __forceinline__ BlockTile block_tile(int b, int ntiles, int npairs, i
   const int pc = min(chunk, npairs - c * chunk);  // the last chunk may hold fewer pairs
   return {within / pc, c * chunk + within % pc};
 }
+// A dense batch: one cu_seqlens for queries and keys and Nq = Nk = nseq * max_seqlen. The
+// contract of attention_forward (kernels.inc) makes every sequence of such a batch max_seqlen
+// long, sequence i rows [i S, (i + 1) S) (the CPU reference checks it), so the kernels need
+// not read the offsets: cuDNN's dense graph, and the wgmma kernels' bounds (dense_seqlen).
+inline bool dense_batch(const int32_t* cu_q, const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int64_t Nk) {
+  return cu_q == cu_k && Nq == Nk && Nq == int64_t(nseq) * max_seqlen;
+}
+// The sequence length the wgmma kernels take as `dense` (their bounds from the block's
+// sequence index, no load before the first TMA; seq_bounds in wgmma.cuh): max_seqlen for a
+// dense batch, 0 otherwise. LOOM_ATTN_DENSE=0 gives 0 always (read at every call: the tests
+// run both paths).
+inline int dense_seqlen(const int32_t* cu_q, const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int64_t Nk) {
+  const char* e = std::getenv("LOOM_ATTN_DENSE");
+  if (e && e[0] == '0' && e[1] == 0) return 0;
+  return dense_batch(cu_q, cu_k, nseq, max_seqlen, Nq, Nk) ? max_seqlen : 0;
+}
+
 // Pairs per chunk for block_tile: chunks whose shared rows (pair_bytes each) take about 32 MB
 // (H100 / H200 L2: 50 MB), split evenly so that the last chunk is not a small tail.
 // LOOM_ATTN_CHUNK_PAIRS=n sets n (read at every call: tests run both; =1 is the per-pair order).

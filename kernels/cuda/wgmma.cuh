@@ -257,7 +257,11 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
 struct SeqBounds {
   int q0, Lq, k0, Lk, lo, hi;  // lo, hi: cu_q[0], cu_q[nseq]
 };
-__device__ __forceinline__ SeqBounds seq_bounds(const int32_t* cu_q, const int32_t* cu_k, int seq, int nseq) {
+// dense > 0: a dense batch (attention_tiles.cuh's dense_seqlen), every sequence `dense` rows
+// long, whose bounds follow from seq with no load at all.
+__device__ __forceinline__ SeqBounds seq_bounds(const int32_t* cu_q, const int32_t* cu_k, int seq, int nseq,
+                                                int dense) {
+  if (dense > 0) return {seq * dense, dense, seq * dense, dense, 0, nseq * dense};
   const int a = cu_q[seq], b = cu_q[seq + 1], c = cu_k[seq], d = cu_k[seq + 1], lo = cu_q[0], hi = cu_q[nseq];
   return {a, b - a, c, d - c, lo, hi};
 }

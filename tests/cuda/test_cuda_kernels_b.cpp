@@ -123,6 +123,10 @@ void run_attention(const AttnCase& c, uint32_t seed, bool deterministic) {
     max_seqlen = std::max({max_seqlen, c.lq[i], c.lk[i]});
   }
   const int64_t Nq = cu_q.back() + c.pad_q, Nk = cu_k.back() + c.pad_k;
+  // A dense batch (equal lengths, no rows outside) goes in with one cu_seqlens for queries and
+  // keys, as the models pass it: the wgmma kernels then take the bounds from the sequence index
+  // (attention_tiles.cuh, dense_seqlen), cuDNN its dense graph.
+  const bool dense = Nq == Nk && Nq == int64_t(nseq) * max_seqlen && c.lq == c.lk;
   const int H = c.H, KV = c.KV, hd = c.hd;
   const double scale = 1.0 / std::sqrt(double(hd));
   const size_t nq = size_t(Nq) * H * hd, nk = size_t(Nk) * KV * hd;
@@ -133,11 +137,12 @@ void run_attention(const AttnCase& c, uint32_t seed, bool deterministic) {
   const size_t nws = size_t(Nq) * H * (hd + 1);  // CUDA workspace: delta and the dq accumulator
   std::vector<float> out_ref(nq), lse_ref(Nq * H), dq_ref(nq), dk_ref(nk), dv_ref(nk), ws(Nq * H);
   loom::cpu::attention_forward<float>(out_ref.data(), lse_ref.data(), qs.data(), ks.data(), vs.data(),
-                                      cu_q.data(), cu_k.data(), nseq, max_seqlen, Nq, Nk, H, KV, hd,
-                                      c.causal, scale, nullptr);
+                                      cu_q.data(), dense ? cu_q.data() : cu_k.data(), nseq, max_seqlen, Nq,
+                                      Nk, H, KV, hd, c.causal, scale, nullptr);
   // the backward reference reads the device's own out (rounded), like autograd would
   Dev<T> dq_(to_t<T>(q)), dk_(to_t<T>(k)), dv_(to_t<T>(v)), ddo(to_t<T>(dout));
-  Dev<int32_t> dcq(cu_q), dck(cu_k);
+  Dev<int32_t> dcq(cu_q), dck_own(cu_k);
+  const Dev<int32_t>& dck = dense ? dcq : dck_own;
   Dev<T> dout_(nq), ddq(nq), ddk(nk), ddv(nk);
   Dev<float> dlse(Nq * H), dws(nws);
   dout_.poison();
@@ -148,7 +153,7 @@ void run_attention(const AttnCase& c, uint32_t seed, bool deterministic) {
   auto lse_got = dlse.down();
   std::string what = std::string(tname<T>()) + " hd" + std::to_string(hd) + " H" + std::to_string(H) +
                      " KV" + std::to_string(KV) + (c.causal ? " causal" : " full") +
-                     (deterministic ? " deterministic" : " fast");
+                     (deterministic ? " deterministic" : " fast") + (dense ? " dense" : "");
   INFO(what);
   LOOM_CHECK_CLOSE(tol::compare(out_got, out_ref, out_tol<T>(), "attention out"));
   LOOM_CHECK_CLOSE(tol::compare(inf_to_big(lse_got), inf_to_big(lse_ref), tol::kCudaF32Gemm, "attention lse"));
@@ -159,8 +164,8 @@ void run_attention(const AttnCase& c, uint32_t seed, bool deterministic) {
   Dev<float> dlse_saved(lse_ref);
   loom::cpu::attention_backward<float>(dq_ref.data(), dk_ref.data(), dv_ref.data(), dos.data(), qs.data(),
                                        ks.data(), vs.data(), out_seen.data(), lse_ref.data(), ws.data(),
-                                       cu_q.data(), cu_k.data(), nseq, max_seqlen, Nq, Nk, H, KV, hd,
-                                       c.causal, scale, nullptr);
+                                       cu_q.data(), dense ? cu_q.data() : cu_k.data(), nseq, max_seqlen, Nq,
+                                       Nk, H, KV, hd, c.causal, scale, nullptr);
   ddq.poison();
   ddk.poison();
   ddv.poison();
@@ -223,6 +228,13 @@ const std::vector<AttnCase>& attn_cases() {
       {{900, 40}, {900, 40}, 0, 1, 2, 1, 128, false},
       {{1100, 7}, {1100, 7}, 1, 0, 3, 1, 64, true},
       {{150, 9}, {1000, 9}, 0, 0, 2, 2, 128, true},
+      // dense batches (one cu_seqlens, every sequence max_seqlen long): the MIM ViT's 196
+      // tokens (a partial last tile), several tiles with GQA, hd 128, and 800 tokens (the
+      // warp-specialized forward by default at hd 64)
+      {{196, 196}, {196, 196}, 0, 0, 4, 4, 64, false},
+      {{256, 256, 256}, {256, 256, 256}, 0, 0, 6, 2, 64, true},
+      {{300, 300}, {300, 300}, 0, 0, 4, 2, 128, true},
+      {{800, 800}, {800, 800}, 0, 0, 2, 1, 64, false},
   };
   return cases;
 }
@@ -371,7 +383,9 @@ TEST_CASE("attention forward/backward f32 (v1) against the CPU reference", "[cud
 // other than the default one also put the blocks in chunks of 2 or 3 pairs (LOOM_ATTN_CHUNK_PAIRS;
 // the test shapes fit one chunk by default), so that the block -> tile mappings of the
 // warp-specialized forward and of both single-pass backwards run with several chunks and a
-// short last one.
+// short last one. The dense cases take their bounds from the sequence index in the wgmma
+// kernels (attention_tiles.cuh, dense_seqlen) except in the second section, which reads them
+// from cu_seqlens (LOOM_ATTN_DENSE=0).
 TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU reference", "[cuda][attention]") {
   need_gpu();
   const char* before = std::getenv("LOOM_ATTN_SM90");
@@ -382,10 +396,14 @@ TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU ref
   const std::string saved_bwd = before_bwd ? before_bwd : "";
   const char* before_chunk = std::getenv("LOOM_ATTN_CHUNK_PAIRS");
   const std::string saved_chunk = before_chunk ? before_chunk : "";
+  const char* before_dense = std::getenv("LOOM_ATTN_DENSE");
+  const std::string saved_dense = before_dense ? before_dense : "";
   SECTION("the default forward (on sm_90a: warp-specialized from 768 / 256 tokens, lock-step below)") {}
-  SECTION("the warp-specialized wgmma forward on every shape (LOOM_ATTN_WS_MIN=0), chunks of 2 pairs") {
+  SECTION("the warp-specialized wgmma forward on every shape (LOOM_ATTN_WS_MIN=0), chunks of 2 pairs, "
+          "dense batches through their offsets (LOOM_ATTN_DENSE=0)") {
     setenv("LOOM_ATTN_WS_MIN", "0", 1);
     setenv("LOOM_ATTN_CHUNK_PAIRS", "2", 1);
+    setenv("LOOM_ATTN_DENSE", "0", 1);
   }
   SECTION("the lock-step wgmma forward (LOOM_ATTN_SM90=1), chunks of 3 pairs") {
     setenv("LOOM_ATTN_SM90", "1", 1);
@@ -415,6 +433,8 @@ TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU ref
   else unsetenv("LOOM_ATTN_BWD_WS_MIN");
   if (before_chunk) setenv("LOOM_ATTN_CHUNK_PAIRS", saved_chunk.c_str(), 1);
   else unsetenv("LOOM_ATTN_CHUNK_PAIRS");
+  if (before_dense) setenv("LOOM_ATTN_DENSE", saved_dense.c_str(), 1);
+  else unsetenv("LOOM_ATTN_DENSE");
 }
 
 TEST_CASE("attention: invalid head configuration throws with the sizes", "[cuda][attention]") {
