@@ -4,7 +4,8 @@ the PyTorch reference's (torch_ref.py bench, same call, same GPU).
 
 loom's ms/step is the GPU's own time per step (CUDA events from the end of one step to the end
 of the next), median and p90 over the steps after the first 5 (warm-up and, with
-train.cuda_graph, the capture). PyTorch's is torch_ref.py's median of 20 event-timed steps.
+train.cuda_graph, the capture); the row's "warmup" when bench/e2e.sh gives one (the vlm_sft
+row with a new batch per step: the first 30 of 60, the steps in its label). PyTorch's is torch_ref.py's median of 20 event-timed steps.
 Ratio (above 1: loom is faster): PyTorch ms / loom ms for the MIM rows (the same batch), loom
 tokens/s / PyTorch tokens/s for the VLM rows (each packs its own synthetic batches of 8 x 2048;
 PyTorch's real tokens per step are in the table, loom's ~16.3k are in its log). The reference
@@ -45,7 +46,8 @@ print("| workload | impl | ms/step median | p90 | p90/median | throughput | MFU 
       "vs torch eager | vs torch.compile |")
 print("|---|---|---|---|---|---|---|---|---|---|---|")
 for r in loom:
-    steps = r["steps"][5:]
+    warm = r.get("warmup", 5)
+    steps = r["steps"][warm:]
     if not steps:
         print(f"| {r['name']} | loom | no steps |")
         continue
@@ -67,6 +69,8 @@ for r in loom:
         else:
             ratios.append(f"{t['ms_per_step'] / med:.2f}x")
     label = r["name"] + "".join(f" ({a.lstrip('-')})" for a in r["args"].split() if a)
+    if warm != 5:
+        label += f" (steps {warm + 1}-{warm + len(steps)})"
     thr_s = f"{thr / 1e3:.1f}k {unit}"
     print(f"| {label} | loom | {med:.1f} | {p90:.1f} | {p90 / med:.2f} | {thr_s} | {100 * mfu:.1f}% | {peak:.2f} | "
           f"{res:.2f} | {ratios[0]} | {ratios[1]} |")

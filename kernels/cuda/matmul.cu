@@ -36,7 +36,17 @@
  *   transposes, strides, epilogue and pointer alignment (the heuristic is ~10 us to ~3 ms of
  *   host time, far more than a small GEMM). A new shape first tries the algorithm of its
  *   bucket (sizes rounded up to 1/8 of their power of two; cublasLtMatmulAlgoCheck), so
- *   row counts that change every step do not run the heuristic every step.
+ *   row counts that change every step do not run the heuristic every step. LOOM_GEMM_LOG=1
+ *   prints each heuristic run with its host time (stderr).
+ *   Measured (H100, 2026-11-25, bench_vlm_sft.cfg with a new batch per step, 60 steps): the
+ *   vision tower's 12 products meet a new bucket when the image count does, 0.2 ms of heuristic
+ *   each (~2 ms a round; rounds in steps 3, 4, 7, 11, 12, 13, 15, 26, 29, none after), and the
+ *   steps that met one took up to 5-16 ms longer than their FLOPs say (more than the
+ *   heuristic's 2 ms; the first launches of the chosen algorithms' kernels are the likely rest,
+ *   not measured apart): p90 / median 1.06-1.17 over steps 6-30, 1.02-1.04 over 31-60. Tried and dropped: the algorithm of the same product with another M or K
+ *   (within 1.25x, the other equal) before the bucket: 48 heuristic runs instead of 144 and the
+ *   spikes of steps 2, 5, 30 gone, but steps 31-60 0.35-0.85 ms slower on average (the borrowed
+ *   algorithms fit the new shapes less well), a loss in any run longer than its first steps.
  * Napkin: gemm_bf16 8192^3 = 1.1 TFLOP; at ~700 TFLOP/s dense bf16 that is ~1.6 ms.
  *   Column sum: N*O*sizeof(T) read once.
  * Launch shape (column sum): grid (ceil(O/32), R row-splits), block 32x8; partial sums
@@ -47,7 +57,9 @@
  * Test: tests/cuda/test_cuda_matmul.cpp [matmul]:
  *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_matmul.cpp
  */
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
@@ -165,8 +177,13 @@ Plan& get_plan(const PlanKey& k) {
   if (!p.ok) {
     cublasLtMatmulHeuristicResult_t res{};
     int count = 0;
+    const auto t0 = std::chrono::steady_clock::now();
     cublasStatus_t st =
         cublasLtMatmulAlgoGetHeuristic(cublaslt_handle(), p.op, p.a, p.b, p.c, p.c, pref, 1, &res, &count);
+    if (const char* e = std::getenv("LOOM_GEMM_LOG"); e && e[0] == '1')  // each heuristic run, its host time
+      std::fprintf(stderr, "loom: cuBLASLt heuristic M=%d N=%d K=%d ta=%d tb=%d batch=%d epilogue=%d: %.2f ms\n", k.M,
+                   k.N, k.K, k.ta, k.tb, k.batch, k.epilogue,
+                   std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     if (st == CUBLAS_STATUS_SUCCESS && count > 0) {
       p.algo = res.algo;
       p.ok = true;
