@@ -23,6 +23,23 @@ bool opt_bool(const json& j, const char* key, bool dflt) {
   return it == j.end() || it->is_null() ? dflt : it->get<bool>();
 }
 
+// A token id: a JSON integer in [0, kMaxTokenId]. get<int32_t>() would take a float too and
+// convert it with undefined behaviour when it does not fit (the tokenizer fuzz target found
+// 2.1e127), and an id in the billions would size the id tables (one entry per id up to the
+// largest) in the tens of GB; the largest published vocabularies are ~260k ids.
+constexpr int64_t kMaxTokenId = (int64_t(1) << 24) - 1;
+int32_t token_id(const json& v, const std::string& origin, const std::string& path) {
+  if (!v.is_number_integer()) {
+    std::string got = v.dump();
+    if (got.size() > 40) got = got.substr(0, 40) + "...";
+    fail(origin, path, "expected an integer id, got " + got);
+  }
+  if (v.is_number_unsigned() ? v.get<uint64_t>() > uint64_t(kMaxTokenId) : v.get<int64_t>() > kMaxTokenId)
+    fail(origin, path, "id " + v.dump() + " is out of range (at most " + std::to_string(kMaxTokenId) + ")");
+  if (!v.is_number_unsigned() && v.get<int64_t>() < 0) fail(origin, path, "negative id");
+  return int32_t(v.get<int64_t>());
+}
+
 std::string type_of(const json& j, const std::string& origin, const std::string& path) {
   auto it = j.find("type");
   if (!j.is_object() || it == j.end() || !it->is_string()) fail(origin, path + ".type", "missing");
@@ -203,8 +220,7 @@ std::shared_ptr<Tokenizer::Impl> build(const json& doc, const std::string& origi
   if (!vocab.is_object()) fail(origin, "model.vocab", "expected an object {token: id}");
   im->vocab.reserve(vocab.size());
   for (auto it = vocab.begin(); it != vocab.end(); ++it) {
-    int32_t id = it.value().get<int32_t>();
-    if (id < 0) fail(origin, "model.vocab[\"" + it.key() + "\"]", "negative id");
+    const int32_t id = token_id(it.value(), origin, "model.vocab[\"" + it.key() + "\"]");
     im->vocab[it.key()] = id;
     max_id = std::max(max_id, id);
   }
@@ -245,11 +261,11 @@ std::shared_ptr<Tokenizer::Impl> build(const json& doc, const std::string& origi
   const json added = section("added_tokens");
   for (size_t i = 0; i < added.size(); i++) {
     const json& t = added[i];
-    AddedToken a{t.at("id").get<int32_t>(), t.at("content").get<std::string>(),
+    AddedToken a{token_id(t.at("id"), origin, "added_tokens[" + std::to_string(i) + "].id"),
+                 t.at("content").get<std::string>(),
                  opt_bool(t, "single_word", false), opt_bool(t, "lstrip", false),
                  opt_bool(t, "rstrip", false), opt_bool(t, "normalized", true),
                  opt_bool(t, "special", false)};
-    if (a.id < 0) fail(origin, "added_tokens[" + std::to_string(i) + "].id", "negative id");
     if (a.content.empty()) fail(origin, "added_tokens[" + std::to_string(i) + "].content", "empty");
     max_id = std::max(max_id, a.id);
     im->added_ids[a.content] = a.id;

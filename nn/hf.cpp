@@ -1,6 +1,7 @@
 // hf.cpp: HF checkpoints into our names and layouts (see hf.h); the way back is hf_export.cpp.
 #include "nn/hf.h"
 
+#include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -18,6 +19,35 @@ static json read_config(const std::string& dir) {
     LOOM_CHECK(false, "%s: not valid JSON: %s", p.c_str(), e.what());
   }
 }
+
+// The numbers of config.json, each checked with the file and the key in the error: an integer
+// field must be a JSON integer in [lo, hi] (a float such as 1e100 would convert to int with
+// undefined behaviour, hidden_size 0 would divide by zero below, a string would surface as
+// nlohmann's type error without the file); a real field a finite number above 0.
+static int cfg_int(const json& j, const std::string& dir, const char* key, int64_t lo, int64_t hi) {
+  auto it = j.find(key);
+  LOOM_CHECK(it != j.end() && !it->is_null(), "%s/config.json: missing \"%s\"", dir.c_str(), key);
+  bool ok = it->is_number_integer();
+  if (ok && it->is_number_unsigned()) ok = it->get<uint64_t>() <= uint64_t(hi) && int64_t(it->get<uint64_t>()) >= lo;
+  else if (ok) ok = it->get<int64_t>() >= lo && it->get<int64_t>() <= hi;
+  std::string got = it->dump();
+  if (got.size() > 40) got = got.substr(0, 40) + "...";
+  LOOM_CHECK(ok, "%s/config.json: \"%s\" = %s, expected an integer in [%lld, %lld]", dir.c_str(), key, got.c_str(),
+             (long long)lo, (long long)hi);
+  return int(it->get<int64_t>());
+}
+static int cfg_int(const json& j, const std::string& dir, const char* key, int64_t lo, int64_t hi, int dflt) {
+  return j.contains(key) && !j[key].is_null() ? cfg_int(j, dir, key, lo, hi) : dflt;
+}
+static double cfg_real(const json& j, const std::string& dir, const char* key, double dflt) {
+  if (!j.contains(key) || j[key].is_null()) return dflt;
+  const json& v = j[key];
+  LOOM_CHECK(v.is_number() && std::isfinite(v.get<double>()) && v.get<double>() > 0,
+             "%s/config.json: \"%s\" = %s, expected a finite number above 0", dir.c_str(), key, v.dump().c_str());
+  return v.get<double>();
+}
+// Bounds far above every published model, low enough that products of them stay in range.
+constexpr int64_t kMaxWidth = 1 << 16, kMaxVocab = 1 << 24, kMaxDepth = 1024;
 
 HFFolder read_hf_folder(const std::string& dir) {
   HFFolder h;
@@ -37,35 +67,39 @@ LMConfig llama_config(const std::string& dir) {
   LOOM_CHECK(j.value("model_type", "") == "llama", "%s/config.json: model_type '%s' is not llama", dir.c_str(),
              j.value("model_type", "").c_str());
   LMConfig c;
-  c.vocab = j.at("vocab_size");
-  c.dim = j.at("hidden_size");
-  c.hidden = j.at("intermediate_size");
-  c.depth = j.at("num_hidden_layers");
-  c.heads = j.at("num_attention_heads");
-  c.kv_heads = j.value("num_key_value_heads", c.heads);
-  c.eps = j.value("rms_norm_eps", 1e-5);
-  if (j.contains("rope_parameters") && j["rope_parameters"].contains("rope_theta"))
-    c.rope_theta = j["rope_parameters"]["rope_theta"];
-  else c.rope_theta = j.value("rope_theta", 10000.0);
+  c.vocab = cfg_int(j, dir, "vocab_size", 1, kMaxVocab);
+  c.dim = cfg_int(j, dir, "hidden_size", 1, kMaxWidth);
+  c.hidden = cfg_int(j, dir, "intermediate_size", 1, 4 * kMaxWidth);
+  c.depth = cfg_int(j, dir, "num_hidden_layers", 1, kMaxDepth);
+  c.heads = cfg_int(j, dir, "num_attention_heads", 1, c.dim);
+  c.kv_heads = cfg_int(j, dir, "num_key_value_heads", 1, c.heads, c.heads);
+  c.eps = cfg_real(j, dir, "rms_norm_eps", 1e-5);
+  const bool in_params = j.contains("rope_parameters") && j["rope_parameters"].is_object() &&
+                         j["rope_parameters"].contains("rope_theta");  // transformers 5 puts it there
+  c.rope_theta = cfg_real(in_params ? j["rope_parameters"] : j, dir, "rope_theta", 10000.0);
+  LOOM_CHECK(!j.contains("tie_word_embeddings") || j["tie_word_embeddings"].is_boolean(),
+             "%s/config.json: \"tie_word_embeddings\" must be true or false", dir.c_str());
   LOOM_CHECK(j.value("tie_word_embeddings", true), "%s/config.json: untied output heads are not supported", dir.c_str());
-  LOOM_CHECK(!j.contains("head_dim") || j["head_dim"].get<int>() == c.dim / c.heads,
-             "%s/config.json: head_dim %d != hidden_size / heads", dir.c_str(), j["head_dim"].get<int>());
+  if (j.contains("head_dim") && !j["head_dim"].is_null()) {
+    const int hd = cfg_int(j, dir, "head_dim", 1, kMaxWidth);
+    LOOM_CHECK(hd == c.dim / c.heads, "%s/config.json: head_dim %d != hidden_size / heads", dir.c_str(), hd);
+  }
   return c;
 }
 
 ViTConfig siglip_config(const std::string& dir) {
   json j = read_config(dir);
   ViTConfig c;
-  c.image_size = j.at("image_size");
-  c.patch_size = j.at("patch_size");
-  c.channels = j.value("num_channels", 3);
-  c.dim = j.at("hidden_size");
-  c.depth = j.at("num_hidden_layers");
-  c.heads = j.at("num_attention_heads");
-  int inter = j.at("intermediate_size");
+  c.image_size = cfg_int(j, dir, "image_size", 1, kMaxWidth);
+  c.patch_size = cfg_int(j, dir, "patch_size", 1, c.image_size);
+  c.channels = cfg_int(j, dir, "num_channels", 1, 64, 3);
+  c.dim = cfg_int(j, dir, "hidden_size", 1, kMaxWidth);
+  c.depth = cfg_int(j, dir, "num_hidden_layers", 1, kMaxDepth);
+  c.heads = cfg_int(j, dir, "num_attention_heads", 1, c.dim);
+  int inter = cfg_int(j, dir, "intermediate_size", 1, 4 * kMaxWidth);
   c.mlp_ratio = inter / c.dim;
   c.mlp_hidden = inter;  // SigLIP widths need not be a multiple of hidden_size
-  c.eps = j.value("layer_norm_eps", 1e-6);
+  c.eps = cfg_real(j, dir, "layer_norm_eps", 1e-6);
   std::string act = j.value("hidden_act", "gelu_pytorch_tanh");
   LOOM_CHECK(act == "gelu_pytorch_tanh", "%s/config.json: hidden_act '%s' (only gelu_pytorch_tanh)", dir.c_str(),
              act.c_str());

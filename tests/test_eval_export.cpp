@@ -424,3 +424,31 @@ TEST_CASE("HF fixture folders survive import then export unchanged", "[export]")
   }
   std::system(("rm -rf " + out).c_str());
 }
+
+TEST_CASE("HF config.json: every number checked, the file and the key in the error", "[export]") {
+  const std::string out = tmpdir("config");
+  mkdirs(out);
+  json base = read_json("tests/fixtures/llama_tiny_s0/config.json");
+  auto with = [&](const char* key, const json& value) {
+    json j = base;
+    if (value.is_discarded()) j.erase(key);
+    else j[key] = value;
+    std::ofstream(out + "/config.json") << j.dump();
+    return out;
+  };
+  CHECK(llama_config(with("hidden_size", base["hidden_size"])).dim == base["hidden_size"].get<int>());
+  // a float past int's range was converted with undefined behaviour; 0 divided by zero later
+  CHECK_THROWS_WITH(llama_config(with("hidden_size", 1e100)),
+                    Contains(out + "/config.json") && Contains("\"hidden_size\"") && Contains("expected an integer"));
+  CHECK_THROWS_WITH(llama_config(with("num_attention_heads", 0)), Contains("\"num_attention_heads\" = 0"));
+  CHECK_THROWS_WITH(llama_config(with("num_hidden_layers", "12")), Contains("\"num_hidden_layers\" = \"12\""));
+  CHECK_THROWS_WITH(llama_config(with("vocab_size", json::value_t::discarded)), Contains("missing \"vocab_size\""));
+  CHECK_THROWS_WITH(llama_config(with("rms_norm_eps", -1.0)), Contains("\"rms_norm_eps\" = -1"));
+  CHECK_THROWS_WITH(llama_config(with("num_key_value_heads", base["num_attention_heads"].get<int>() + 1)),
+                    Contains("\"num_key_value_heads\""));
+  json sig = read_json("tests/fixtures/siglip_tiny_s0/config.json");
+  sig["hidden_size"] = 0;
+  std::ofstream(out + "/config.json") << sig.dump();
+  CHECK_THROWS_WITH(siglip_config(out), Contains("\"hidden_size\" = 0"));
+  std::system(("rm -rf " + out).c_str());
+}

@@ -387,6 +387,23 @@ TEST_CASE("tokenizer: malformed and unsupported files are errors naming file and
   json d7 = doc;
   d7["model"]["vocab"] = json::array();
   CHECK_THROWS_WITH(Tokenizer::from_json(d7.dump(), "v.json"), Catch::Contains("model.vocab"));
+  // ids: integers in range (a float id was cast to int, undefined past its range: found by the
+  // tokenizer fuzz target with 2.1e127; a huge id sized the id tables)
+  const std::string some = doc["model"]["vocab"].begin().key();
+  json d8 = doc;
+  d8["model"]["vocab"][some] = 2.1e127;
+  CHECK_THROWS_WITH(Tokenizer::from_json(d8.dump(), "f.json"),
+                    Catch::Contains("f.json") && Catch::Contains("model.vocab[\"" + some + "\"]") &&
+                        Catch::Contains("expected an integer id"));
+  json d9 = doc;
+  d9["model"]["vocab"][some] = int64_t(1) << 40;
+  CHECK_THROWS_WITH(Tokenizer::from_json(d9.dump(), "big.json"), Catch::Contains("out of range"));
+  json d10 = doc;
+  d10["model"]["vocab"][some] = -3;
+  CHECK_THROWS_WITH(Tokenizer::from_json(d10.dump(), "neg.json"), Catch::Contains("negative id"));
+  json d11 = doc;
+  d11["added_tokens"] = json::array({{{"id", 7.5}, {"content", "<x>"}}});
+  CHECK_THROWS_WITH(Tokenizer::from_json(d11.dump(), "a.json"), Catch::Contains("added_tokens[0].id"));
 }
 
 namespace {
