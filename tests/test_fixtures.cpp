@@ -168,4 +168,19 @@ TEST_CASE("a corrupted fixture fails the check", "[fixtures]") {
     CheckResult r = run_check(path, "cpu");
     CHECK_FALSE(r.ok());
   }
+  SECTION("bad numbers in the metadata are errors naming the file and the key") {
+    // a float where an integer goes was converted to int with undefined behaviour past its range
+    SafeTensors st = load_safetensors(kDir + "vlm_tiny_s0.safetensors");
+    auto meta = st.metadata;
+    meta["shuffle"] = "1e100";
+    string path = dir + "/vlm_meta.safetensors";
+    save_safetensors(path, st.tensors, meta);
+    CHECK_THROWS_WITH(run_check(path, "cpu"), Catch::Contains(path) && Catch::Contains("\"shuffle\" = 1e+100"));
+    SafeTensors mim = load_safetensors(kDir + "mim_tiny_s0.safetensors");
+    auto mmeta = mim.metadata;
+    mmeta["config"] = "{\"vit\": {\"dim\": \"wide\"}}";
+    string mpath = dir + "/mim_meta.safetensors";
+    save_safetensors(mpath, mim.tensors, mmeta);
+    CHECK_THROWS_WITH(run_check(mpath, "cpu"), Catch::Contains(mpath) && Catch::Contains("\"dim\" = \"wide\""));
+  }
 }

@@ -61,29 +61,53 @@ static json meta_json(const SafeTensors& st, const std::string& key) {
   }
 }
 
-ViTConfig vit_from_json(const json& j) {
+// The numbers of a fixture's metadata, each checked with the file and the key in the error: an
+// integer must be a JSON integer in [lo, hi] (a float past int's range would convert with
+// undefined behaviour, a string would surface as nlohmann's error without the file), a real a
+// finite number. `where`: the file and the metadata entry.
+static int meta_int_value(const json& v, const std::string& where, const std::string& key, int64_t lo, int64_t hi) {
+  bool ok = v.is_number_integer();
+  if (ok && v.is_number_unsigned()) ok = v.get<uint64_t>() <= uint64_t(hi) && int64_t(v.get<uint64_t>()) >= lo;
+  else if (ok) ok = v.get<int64_t>() >= lo && v.get<int64_t>() <= hi;
+  LOOM_CHECK(ok, "%s: \"%s\" = %s, expected an integer in [%lld, %lld]", where.c_str(), key.c_str(), v.dump().c_str(),
+             (long long)lo, (long long)hi);
+  return int(v.get<int64_t>());
+}
+static int meta_int(const json& j, const std::string& where, const char* key, int dflt, int64_t lo = 1,
+                    int64_t hi = 1 << 24) {
+  return j.contains(key) ? meta_int_value(j[key], where, key, lo, hi) : dflt;
+}
+template <class R>
+static R meta_real(const json& j, const std::string& where, const char* key, R dflt) {
+  if (!j.contains(key)) return dflt;
+  LOOM_CHECK(j[key].is_number() && std::isfinite(j[key].get<double>()), "%s: \"%s\" = %s, expected a finite number",
+             where.c_str(), key, j[key].dump().c_str());
+  return j[key].get<R>();
+}
+
+ViTConfig vit_from_json(const json& j, const std::string& where) {
   ViTConfig c;
-  c.image_size = j.value("image_size", c.image_size);
-  c.patch_size = j.value("patch_size", c.patch_size);
-  c.channels = j.value("channels", c.channels);
-  c.dim = j.value("dim", c.dim);
-  c.depth = j.value("depth", c.depth);
-  c.heads = j.value("heads", c.heads);
-  c.mlp_ratio = j.value("mlp_ratio", c.mlp_ratio);
-  c.eps = j.value("eps", c.eps);
+  c.image_size = meta_int(j, where, "image_size", c.image_size);
+  c.patch_size = meta_int(j, where, "patch_size", c.patch_size);
+  c.channels = meta_int(j, where, "channels", c.channels);
+  c.dim = meta_int(j, where, "dim", c.dim);
+  c.depth = meta_int(j, where, "depth", c.depth);
+  c.heads = meta_int(j, where, "heads", c.heads);
+  c.mlp_ratio = meta_int(j, where, "mlp_ratio", c.mlp_ratio);
+  c.eps = meta_real(j, where, "eps", c.eps);
   return c;
 }
 
-LMConfig lm_from_json(const json& j) {
+LMConfig lm_from_json(const json& j, const std::string& where) {
   LMConfig c;
-  c.vocab = j.value("vocab", c.vocab);
-  c.dim = j.value("dim", c.dim);
-  c.depth = j.value("depth", c.depth);
-  c.heads = j.value("heads", c.heads);
-  c.kv_heads = j.value("kv_heads", c.kv_heads);
-  c.hidden = j.value("hidden", c.hidden);
-  c.rope_theta = j.value("rope_theta", c.rope_theta);
-  c.eps = j.value("eps", c.eps);
+  c.vocab = meta_int(j, where, "vocab", c.vocab);
+  c.dim = meta_int(j, where, "dim", c.dim);
+  c.depth = meta_int(j, where, "depth", c.depth);
+  c.heads = meta_int(j, where, "heads", c.heads);
+  c.kv_heads = meta_int(j, where, "kv_heads", c.kv_heads);
+  c.hidden = meta_int(j, where, "hidden", c.hidden);
+  c.rope_theta = meta_real(j, where, "rope_theta", c.rope_theta);
+  c.eps = meta_real(j, where, "eps", c.eps);
   return c;
 }
 
@@ -116,16 +140,21 @@ static void compare_grads(Module& m, const SafeTensors& st, CheckResult& r) {
 
 static CheckResult check_mim(const SafeTensors& st, Device dev, DType dt) {
   json c = meta_json(st, "config");
+  const std::string where = st.path + ": metadata 'config'";
+  LOOM_CHECK(c.is_object() && c.contains("vit") && c["vit"].is_object(), "%s: expected an object with \"vit\"",
+             where.c_str());
   MIMConfig mc;
-  mc.vit = vit_from_json(c.at("vit"));
-  mc.pred_dim = c.value("pred_dim", mc.pred_dim);
-  mc.pred_depth = c.value("pred_depth", mc.pred_depth);
-  mc.pred_heads = c.value("pred_heads", mc.pred_heads);
-  mc.mask_ratio = c.value("mask_ratio", mc.mask_ratio);
-  mc.tau = c.value("tau", mc.tau);
-  mc.ema = c.value("ema", mc.ema);
+  mc.vit = vit_from_json(c["vit"], where + ".vit");
+  mc.pred_dim = meta_int(c, where, "pred_dim", mc.pred_dim);
+  mc.pred_depth = meta_int(c, where, "pred_depth", mc.pred_depth);
+  mc.pred_heads = meta_int(c, where, "pred_heads", mc.pred_heads);
+  mc.mask_ratio = meta_real(c, where, "mask_ratio", mc.mask_ratio);
+  mc.tau = meta_real(c, where, "tau", mc.tau);
+  mc.ema = meta_real(c, where, "ema", mc.ema);
+  LOOM_CHECK(!c.contains("contrastive") || c["contrastive"].is_boolean(), "%s: \"contrastive\" must be true or false",
+             where.c_str());
   mc.contrastive = c.value("contrastive", mc.contrastive);
-  mc.contrastive_weight = c.value("contrastive_weight", mc.contrastive_weight);
+  mc.contrastive_weight = meta_real(c, where, "contrastive_weight", mc.contrastive_weight);
   Rng rng(0);
   LatentMIM m(mc, Init{dt, dev, &rng});
   m.load_state_dict(with_prefix(st, "param."), st.path);
@@ -147,10 +176,12 @@ static CheckResult check_mim(const SafeTensors& st, Device dev, DType dt) {
 
 static CheckResult check_vlm(const SafeTensors& st, Device dev, DType dt) {
   VLMConfig vc;
-  vc.vit = vit_from_json(meta_json(st, "vit"));
-  vc.lm = lm_from_json(meta_json(st, "lm"));
-  vc.shuffle = meta_json(st, "shuffle").get<int>();
-  vc.image_token = meta_json(st, "image_token").get<int>();
+  const json vit = meta_json(st, "vit"), lm = meta_json(st, "lm");
+  LOOM_CHECK(vit.is_object() && lm.is_object(), "%s: metadata 'vit' and 'lm' must be JSON objects", st.path.c_str());
+  vc.vit = vit_from_json(vit, st.path + ": metadata 'vit'");
+  vc.lm = lm_from_json(lm, st.path + ": metadata 'lm'");
+  vc.shuffle = meta_int_value(meta_json(st, "shuffle"), st.path + ": metadata", "shuffle", 1, 64);
+  vc.image_token = meta_int_value(meta_json(st, "image_token"), st.path + ": metadata", "image_token", 0, 1 << 24);
   Rng rng(0);
   VLM m(vc, Init{dt, dev, &rng});
   m.load_state_dict(with_prefix(st, "param."), st.path);
