@@ -77,9 +77,11 @@ LMConfig llama_config(const std::string& dir) {
   const bool in_params = j.contains("rope_parameters") && j["rope_parameters"].is_object() &&
                          j["rope_parameters"].contains("rope_theta");  // transformers 5 puts it there
   c.rope_theta = cfg_real(in_params ? j["rope_parameters"] : j, dir, "rope_theta", 10000.0);
-  LOOM_CHECK(!j.contains("tie_word_embeddings") || j["tie_word_embeddings"].is_boolean(),
+  const bool tie_given = j.contains("tie_word_embeddings") && !j["tie_word_embeddings"].is_null();
+  LOOM_CHECK(!tie_given || j["tie_word_embeddings"].is_boolean(),
              "%s/config.json: \"tie_word_embeddings\" must be true or false", dir.c_str());
-  LOOM_CHECK(j.value("tie_word_embeddings", true), "%s/config.json: untied output heads are not supported", dir.c_str());
+  LOOM_CHECK(!tie_given || j["tie_word_embeddings"].get<bool>(), "%s/config.json: untied output heads are not supported",
+             dir.c_str());
   if (j.contains("head_dim") && !j["head_dim"].is_null()) {
     const int hd = cfg_int(j, dir, "head_dim", 1, kMaxWidth);
     LOOM_CHECK(hd == c.dim / c.heads, "%s/config.json: head_dim %d != hidden_size / heads", dir.c_str(), hd);
