@@ -455,3 +455,18 @@ TEST_CASE("data.workers: a number is taken as given, 0 resolves to one loader th
   CHECK_THROWS_WITH(run_train({"vlm_sft.cfg", "--data.workers=-1", "--train.out_dir=" + tmpdir("workers")}),
                     Contains("data.workers"));
 }
+
+TEST_CASE("a checkpoint's trainer.json with a bad step count is an error naming the file", "[trainer]") {
+  const std::string d = tmpdir("bad_step");
+  std::system(("mkdir -p " + d).c_str());
+  for (const char* bad : {"{\"step\": 1e300}", "{\"step\": -4}", "{\"step\": \"7\"}", "{}"}) {
+    INFO(bad);
+    std::ofstream(d + "/trainer.json") << bad;
+    CHECK_THROWS_WITH(read_checkpoint_state(d), Contains(d + "/trainer.json") && Contains("\"step\""));
+  }
+  std::ofstream(d + "/trainer.json") << "{\"step\": 12, \"extra\": {\"best\": 0.5}}";
+  TrainerState st = read_checkpoint_state(d);
+  CHECK(st.step == 12);
+  CHECK(st.extra.at("best") == 0.5);
+  std::system(("rm -rf " + d).c_str());
+}

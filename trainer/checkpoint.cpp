@@ -146,8 +146,14 @@ static json read_trainer_json(const std::string& dir) {
 TrainerState read_checkpoint_state(const std::string& dir) {
   json j = read_trainer_json(dir);
   TrainerState st;
+  // "step" a JSON integer >= 0 (a float would convert with undefined behaviour past int64's range)
+  LOOM_CHECK(j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
+                 (j["step"].is_number_unsigned() ? j["step"].get<uint64_t>() <= uint64_t(INT64_MAX)
+                                                 : j["step"].get<int64_t>() >= 0),
+             "%s/trainer.json: \"step\" = %s, expected a step count (an integer >= 0)", dir.c_str(),
+             j.is_object() && j.contains("step") ? j["step"].dump().c_str() : "(missing)");
   try {
-    st.step = j.at("step");
+    st.step = j["step"].get<int64_t>();
     if (j.contains("extra")) st.extra = j["extra"].get<std::map<std::string, double>>();
   } catch (const std::exception& e) {
     LOOM_CHECK(false, "%s/trainer.json: %s", dir.c_str(), e.what());

@@ -67,11 +67,15 @@ std::string tokenizer_config(const std::string& tokenizer_text, const std::strin
     LOOM_CHECK(false, "export: %s: not valid JSON: %s", source.c_str(), e.what());
   }
   ojson added = ojson::object();
-  for (auto& a : tj.value("added_tokens", ojson::array()))
-    added[std::to_string(a.at("id").get<int>())] = {
+  for (auto& a : tj.value("added_tokens", ojson::array())) {
+    LOOM_CHECK(a.is_object() && a.contains("id") && a["id"].is_number_integer() && a.contains("content"),
+               "export: %s: an added token without an integer id and a content: %s", source.c_str(),
+               a.dump().substr(0, 80).c_str());
+    added[std::to_string(a["id"].get<int64_t>())] = {
         {"content", a.at("content")},       {"lstrip", a.value("lstrip", false)},
         {"normalized", a.value("normalized", false)}, {"rstrip", a.value("rstrip", false)},
         {"single_word", a.value("single_word", false)}, {"special", a.value("special", false)}};
+  }
   ojson j;
   j["tokenizer_class"] = "PreTrainedTokenizerFast";
   j["bos_token"] = "<|im_start|>";
