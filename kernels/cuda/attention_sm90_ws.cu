@@ -14,7 +14,9 @@
  *
  * Block: NC + 1 warpgroups, 64 NC query rows of one head and one sequence, BC-key tiles.
  *   warpgroup 0, the producer: gives registers back (setmaxnreg) and has one thread hand whole
- *     tiles to the TMA unit: Q once, then K and V into rings of STAGES buffers, each tile as
+ *     tiles to the TMA unit: Q once (a 64-row box per consumer, each with its own barrier: the
+ *     first consumer's before K_0, the others' after tile 0), then K and V into rings of
+ *     STAGES buffers, each tile as
  *     HD / 64 boxes of [BC rows][64 columns] that land in the 128-byte swizzle wgmma reads
  *     (tensor maps over [rows, heads, HD], built on the host per call). Each buffer has a "full"
  *     mbarrier (its phase completes when the TMA bytes have arrived: expect_tx) and an "empty"
@@ -39,7 +41,8 @@
  * Configurations: hd 128: NC 2, BC 128, 3 buffers (Q 32 KB + K 96 KB + V 96 KB), consumers
  *   at 224 registers (O 64 + S 64 + P 32 + state); hd 64: NC 3, BC 128, 4 buffers, consumers
  *   at 160 (a softmax as long as at hd 128 against half the products: a third consumer hides
- *   more of it).
+ *   more of it), or NC 4, BC 64, 6 buffers, consumers at 112, for dense bidirectional batches
+ *   whose 256-row blocks take fewer waves (item 9 below).
  *
  * Block order (attention_tiles.cuh's fwd_tile): causal, the last (longest) query tile of every
  *   head in a chunk of heads first, then the next-to-last ones, ...; bidirectional, each head's
@@ -180,6 +183,34 @@
  *      way, the fixed-batch VLM step 64.5-64.9. ptxas no longer spills in the backward (4 bytes
  *      in each instance before); the lock-step hd 128 instance keeps the loads (68 bytes of
  *      spills with both paths in it).
+ *   9. Whole waves at hd 64, and Q per consumer (2026-11-26, H200, same calls). Every block of a
+ *      dense bidirectional batch does the same work at one block per SM, so such a kernel lasts
+ *      ceil(blocks / 132) block times: B8 H12 T1024 in 192-row blocks is 6 query tiles per head
+ *      (the sixth with 64 rows), 576 blocks, 5 waves (ncu: 4.36 waves, 78 us), while 256-row
+ *      blocks (four consumers, which only fit with 64-key tiles: 112 registers each, 96 at
+ *      launch for 640 threads) make it 384 blocks in 3 waves (2.91; 70 us, 22% more
+ *      instructions, issue slots 54% busy against 40%). Forward ms, three rounds, three
+ *      consumers x 128 keys | four x 64:
+ *        B8 H12 T1024 hd 64            0.0815-0.0836 | 0.0738-0.0760
+ *        B16 H12 T1024                 0.1474-0.1490 | 0.1386-0.1434 (the choice below)
+ *        B8 H16 T1024                  0.1049-0.1059 | 0.0952-0.0989 (the choice below)
+ *        B4 H12 T1024                  0.0503-0.0516 | 0.0500-0.0521
+ *        B8 H12 T768                   0.0463-0.0474 | 0.0577-0.0584
+ *        B8 H12 T1536                  0.1393-0.1403 | 0.1581-0.1587
+ *        B8 H12 T2048                  0.2278-0.2284 | 0.2389-0.2394
+ *        B4 H9 T2048 causal            0.0619-0.0625 | 0.0621-0.0627
+ *        B2 H32 T4096 causal           0.3219-0.3224 | 0.3237-0.3256
+ *      (two consumers x 128 keys: 0.0866-0.0880 at T1024, slower everywhere; 4 or 8 buffers
+ *      instead of 6 for the four consumers: the same). So per row the four-consumer blocks are
+ *      slower and win only where they save a wave: fwd_sm90_ws takes them for dense
+ *      bidirectional batches when ceil(blocks / SMs) x 1.4 (a 256-row block's time over a
+ *      192-row one's, from the T1536 / T2048 rows) is below the three-consumer waves, and keeps
+ *      three for causal and ragged batches. Then Q as one 64-row box per consumer with its
+ *      own barrier, the first consumer's box before K_0 and the others after tile 0's K and V
+ *      (one box and one barrier before): forward ms, three rounds, one box | per consumer: B8
+ *      H12 T1024 hd 64 0.0749-0.0772 | 0.0734-0.0758, B8 H16 T2048 hd 128 causal 0.2878-0.2922 |
+ *      0.2844-0.2907, B4 H9 T2048 hd 64 causal 0.0632-0.0651 | 0.0618-0.0633, the others
+ *      (T768, T2048, hd 128 T1024 and T4096 causal) within 1%.
  *
  * When it runs: on sm_90a for batches whose longest sequence has at least 768 tokens at hd 64
  *   or 256 at hd 128 (attention_sm90.cu's fwd_sm90 decides; its comment has the sweep). Short sequences leave most of its 128 / 192-row
@@ -188,11 +219,14 @@
  *   packed VLM step (LM rows up to 2048) was the same either way (74.4-74.8 ms).
  *
  * Test: tests/cuda/test_cuda_kernels_b.cpp ("attention ...": LOOM_ATTN_WS_MIN=0 runs this
- *   kernel on every case, LOOM_ATTN_SM90=1 the lock-step one, =0 the mma.sync v2);
+ *   kernel on every case, with LOOM_ATTN_WS64=4 its four-consumer hd 64 form on every case,
+ *   LOOM_ATTN_SM90=1 the lock-step one, =0 the mma.sync v2);
  *   three cases there have sequences long enough to wrap the buffer rings several times.
  */
 #include <cstdint>
 #include <cstdio>
+#include <cmath>
+#include <cstdlib>
 
 #include "kernels/cuda/wgmma.cuh"
 
@@ -204,13 +238,15 @@ namespace {
 template <int NC> struct WsRegs;
 template <> struct WsRegs<2> { static constexpr int producer = 56, consumer = 224; };  // 7168 + 57344
 template <> struct WsRegs<3> { static constexpr int producer = 24, consumer = 160; };  // 3072 + 61440
+// 640 threads start at 96 registers (61440): the producer's 72 x 128 freed go to the consumers
+template <> struct WsRegs<4> { static constexpr int producer = 24, consumer = 112; };  // 3072 + 57344
 
 template <int HD, int BC, int STAGES, int NC>
 struct WsSmem {
   static constexpr int BR = 64 * NC;
   static constexpr int q_elems = BR * HD, kv_elems = BC * HD;
   // + the barriers, a word per consumer thread (order_before_wait) and the 1024-byte alignment
-  static constexpr int bytes = (q_elems + 2 * STAGES * kv_elems) * 2 + (1 + 4 * STAGES) * 8 + 128 * NC * 4 + 1024;
+  static constexpr int bytes = (q_elems + 2 * STAGES * kv_elems) * 2 + (NC + 4 * STAGES) * 8 + 128 * NC * 4 + 1024;
 };
 
 template <int HD, int BC, int STAGES, int NC>
@@ -231,8 +267,8 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
   bf* sQ = reinterpret_cast<bf*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   bf* sK = sQ + L::q_elems;              // [STAGES][BC * HD]
   bf* sV = sK + STAGES * L::kv_elems;    // [STAGES][BC * HD]
-  uint64_t* bar_q = reinterpret_cast<uint64_t*>(sV + STAGES * L::kv_elems);
-  uint64_t* full_k = bar_q + 1;          // [STAGES]
+  uint64_t* bar_q = reinterpret_cast<uint64_t*>(sV + STAGES * L::kv_elems);  // [NC]: each consumer's Q rows
+  uint64_t* full_k = bar_q + NC;         // [STAGES]
   uint64_t* full_v = full_k + STAGES;    // [STAGES]
   uint64_t* empty_k = full_v + STAGES;   // [STAGES]
   uint64_t* empty_v = empty_k + STAGES;  // [STAGES]
@@ -245,7 +281,7 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
     prefetch_tensormap(&tm_q);
     prefetch_tensormap(&tm_k);
     prefetch_tensormap(&tm_v);
-    mbar_init(bar_q, 1);
+    for (int c = 0; c < NC; c++) mbar_init(&bar_q[c], 1);
     for (int s = 0; s < STAGES; s++) {
       mbar_init(&full_k[s], 1);
       mbar_init(&full_v[s], 1);
@@ -270,11 +306,17 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(WsRegs<NC>::producer));
     const bool leader = threadIdx.x == 0;
     constexpr uint32_t kTileBytes = BC * HD * 2;
-    if (leader) {  // Q: rows past the sequence load its neighbours' rows (never stored) or zeros
-      mbar_expect_tx(bar_q, BR * HD * 2);
+    // Q as one 64-row box per consumer, each with its own barrier: consumer 0 (the first to take
+    // its turn) waits for its own 8 or 16 KB and K_0, not for the whole block's Q; the other
+    // consumers' rows follow tile 0's K and V. Rows past the sequence load its neighbours' rows
+    // (never stored) or zeros.
+    auto load_q = [&](int c) {
+      mbar_expect_tx(&bar_q[c], 64 * HD * 2);
 #pragma unroll
-      for (int half = 0; half < HD / 64; half++) tma_load_3d(sQ + half * BR * 64, &tm_q, half * 64, h, q0 + qs, bar_q);
-    }
+      for (int half = 0; half < HD / 64; half++)
+        tma_load_3d(sQ + half * BR * 64 + c * 64 * 64, &tm_q, half * 64, h, q0 + qs + c * 64, &bar_q[c]);
+    };
+    if (leader) load_q(0);
     // Only the leader waits for the consumers to free a buffer: the "full" barriers count its
     // arrival alone, so nothing would bound how far behind the ring another producer thread
     // could fall, and a parity wait that comes two phases late never returns. The other threads
@@ -297,7 +339,11 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
           for (int half = 0; half < HD / 64; half++)
             tma_load_3d(dst + half * BC * 64, which == 0 ? &tm_k : &tm_v, half * 64, kvh, k0 + j * BC, full);
         }
+        if (j == 0)
+          for (int c = 1; c < NC; c++) load_q(c);
       }
+      if (nwhole == 0)
+        for (int c = 1; c < NC; c++) load_q(c);
     }
     if (last_partial) {  // the sequence's last, partial tile: zero-filled rows (a masked key's V
                          // row must be 0, not a neighbour's value that could be inf) by cp.async
@@ -386,7 +432,7 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
     for (int kk = 0; kk < BC / 16; kk++) c_to_a(pa[kk], s, kk);
   };
 
-  mbar_wait(bar_q, 0);
+  mbar_wait(&bar_q[c], 0);
   // st, ph: buffer and phase parity of tile kslot (kslot % STAGES, (kslot / STAGES) & 1);
   // pst, pph: those of tile kslot - 1
   int st = 0, pst = STAGES - 1;
@@ -495,12 +541,46 @@ void launch_ws(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const
     return true;
   }();
   (void)once;
-  const CUtensorMap tq = make_map(q, Nq, H, HD, 64 * NC), tk = make_map(k, Nk, KV, HD, BC), tv = make_map(v, Nk, KV, HD, BC);
+  const CUtensorMap tq = make_map(q, Nq, H, HD, 64), tk = make_map(k, Nk, KV, HD, BC), tv = make_map(v, Nk, KV, HD, BC);
   dim3 grid(ceil_div(max_seqlen, 64 * NC), H, nseq);
   attn_fwd_sm90_ws<HD, BC, STAGES, NC><<<grid, 128 * (NC + 1), smem, s>>>(
       out, lse, q, k, v, tq, tk, tv, cu_q, cu_k, dense_seqlen(cu_q, cu_k, nseq, max_seqlen, Nq, Nk), Nq, H, KV,
       fwd_chunk_pairs(H, KV, nseq, max_seqlen, HD, causal), causal, scale_log2);
   LAUNCH_CHECK();
+}
+
+}  // namespace
+
+namespace {
+
+// hd 64: three consumers with 128-key tiles (192-row blocks), or four with 64-key tiles (256-row
+// blocks). Per row the four-consumer blocks are slower (their 64-key slots: same call, H200,
+// 2026-11-26, forward ms three | four consumers: B8 H12 T1536 0.140 | 0.158, T2048 0.228 | 0.239),
+// but a dense bidirectional batch gives every block of the grid the same work at one block per
+// SM, so the kernel lasts whole waves of blocks, and at T1024 the 192-row tiles leave 64 rows
+// over per head: 576 blocks on 132 SMs take 5 waves, the 384 blocks of 256 rows 3 (B8 H12 T1024
+// 0.082 -> 0.074 ms). So: the four-consumer blocks where ceil(blocks / SMs) x their time (1.4x a
+// 192-row block's, from the rows above) comes out shorter; causal and ragged batches (blocks of
+// unequal work) keep three. LOOM_ATTN_WS64=3 or 4 forces one (the tests run both).
+int ws_sm_count() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+    return v;
+  }();
+  return n;
+}
+bool ws64_four_consumers(int nseq, int max_seqlen, int H, bool dense, bool causal) {
+  if (const char* e = std::getenv("LOOM_ATTN_WS64")) {  // read at every call: tests switch it
+    if (e[0] == '3' && e[1] == 0) return false;
+    if (e[0] == '4' && e[1] == 0) return true;
+  }
+  if (causal || !dense) return false;
+  const double sms = ws_sm_count(), pairs = double(nseq) * H;
+  const double waves3 = std::ceil(pairs * ceil_div(max_seqlen, 192) / sms);
+  const double waves4 = std::ceil(pairs * ceil_div(max_seqlen, 256) / sms);
+  return waves4 * 1.4 < waves3;
 }
 
 }  // namespace
@@ -515,9 +595,14 @@ void fwd_sm90_ws(bf* out, float* lse, const bf* q, const bf* k, const bf* v, con
                  bool causal, float scale_log2, cudaStream_t s) {
   // hd 128: two consumers, 128-key tiles, 3 buffers; hd 64: three consumers (its softmax is
   // as long as at hd 128 against half the products, and a third warpgroup hides more of it),
-  // 4 buffers. The header's table has the alternatives measured.
-  if (hd == 128)
+  // 4 buffers, or four consumers with 64-key tiles and 6 buffers where their whole waves are
+  // shorter (ws64_four_consumers). The header's table has the alternatives measured.
+  if (hd == 128) {
     launch_ws<128, 128, 3, 2>(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, causal, scale_log2, s);
+    return;
+  }
+  if (ws64_four_consumers(nseq, max_seqlen, H, dense_batch(cu_q, cu_k, nseq, max_seqlen, Nq, Nk), causal))
+    launch_ws<64, 64, 6, 4>(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, causal, scale_log2, s);
   else
     launch_ws<64, 128, 4, 3>(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, causal, scale_log2, s);
 }

@@ -398,12 +398,19 @@ TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU ref
   const std::string saved_chunk = before_chunk ? before_chunk : "";
   const char* before_dense = std::getenv("LOOM_ATTN_DENSE");
   const std::string saved_dense = before_dense ? before_dense : "";
+  const char* before_ws64 = std::getenv("LOOM_ATTN_WS64");
+  const std::string saved_ws64 = before_ws64 ? before_ws64 : "";
   SECTION("the default forward (on sm_90a: warp-specialized from 768 / 256 tokens, lock-step below)") {}
   SECTION("the warp-specialized wgmma forward on every shape (LOOM_ATTN_WS_MIN=0), chunks of 2 pairs, "
           "dense batches through their offsets (LOOM_ATTN_DENSE=0)") {
     setenv("LOOM_ATTN_WS_MIN", "0", 1);
     setenv("LOOM_ATTN_CHUNK_PAIRS", "2", 1);
     setenv("LOOM_ATTN_DENSE", "0", 1);
+  }
+  SECTION("the warp-specialized forward at hd 64 with four consumers and 64-key tiles on every shape "
+          "(LOOM_ATTN_WS_MIN=0, LOOM_ATTN_WS64=4)") {
+    setenv("LOOM_ATTN_WS_MIN", "0", 1);
+    setenv("LOOM_ATTN_WS64", "4", 1);
   }
   SECTION("the lock-step wgmma forward (LOOM_ATTN_SM90=1), chunks of 3 pairs") {
     setenv("LOOM_ATTN_SM90", "1", 1);
@@ -435,6 +442,8 @@ TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU ref
   else unsetenv("LOOM_ATTN_CHUNK_PAIRS");
   if (before_dense) setenv("LOOM_ATTN_DENSE", saved_dense.c_str(), 1);
   else unsetenv("LOOM_ATTN_DENSE");
+  if (before_ws64) setenv("LOOM_ATTN_WS64", saved_ws64.c_str(), 1);
+  else unsetenv("LOOM_ATTN_WS64");
 }
 
 TEST_CASE("attention: invalid head configuration throws with the sizes", "[cuda][attention]") {
