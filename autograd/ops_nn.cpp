@@ -316,8 +316,9 @@ Tensor layernorm(const Tensor& x, const Tensor& weight, const Tensor& bias, doub
       dispatch_float(g, [&](auto dev, auto zero) {
         using T = decltype(zero);
         using A = acc_t<T>;
-        KERNEL(dev, layernorm_backward)(dx.data<T>(), dw_tmp.data<T>(), ptr<T>(db_tmp), g.data<T>(), xc.data<T>(),
-                                        weight.data<T>(), mean.data<A>(), rstd.data<A>(), N, C, stream_for(dev));
+        KERNEL(dev, layernorm_backward)(dx.data<T>(), static_cast<const T*>(nullptr), dw_tmp.data<T>(), ptr<T>(db_tmp), g.data<T>(),
+                                        xc.data<T>(), weight.data<T>(), mean.data<A>(), rstd.data<A>(), N, C,
+                                        stream_for(dev));
       });
       accumulate_grad(x, dx, true);
     });
@@ -348,7 +349,7 @@ static std::vector<Tensor> add_norm(const Tensor& x, const Tensor& y, const Tens
   });
   if (any_requires_grad({x, y, weight, bias}))
     record(rms ? "rmsnorm" : "layernorm", {h, out}, [x, y, weight, bias, h, out, mean, rstd, N, C, rms]() {
-      // d(h) = g_h + norm_backward(g_out); x and y both receive d(h)
+      // d(h) = norm_backward(g_out) + g_h, the add inside the norm's backward pass (dresid)
       Tensor gh = grad_of(h), go = grad_of(out), dh;
       if (go.defined()) {
         go = go.contiguous();
@@ -356,19 +357,17 @@ static std::vector<Tensor> add_norm(const Tensor& x, const Tensor& y, const Tens
         Tensor dw = grad_buffer(weight), db = grad_buffer(bias);
         Tensor dw_tmp = dw.defined() ? dw : Tensor::zeros_like(weight);
         Tensor db_tmp = bias.defined() ? (db.defined() ? db : Tensor::zeros_like(bias)) : Tensor();
+        Tensor ghc = gh.defined() ? gh.contiguous() : Tensor();
         dispatch_float(go, [&](auto dev, auto zero) {
           using T = decltype(zero);
           using A = acc_t<T>;
           if (rms)
-            KERNEL(dev, rmsnorm_backward)(dh.data<T>(), dw_tmp.data<T>(), go.data<T>(), h.data<T>(), weight.data<T>(),
-                                          rstd.data<A>(), N, C, stream_for(dev));
+            KERNEL(dev, rmsnorm_backward)(dh.data<T>(), ptr<T>(ghc), dw_tmp.data<T>(), go.data<T>(), h.data<T>(),
+                                          weight.data<T>(), rstd.data<A>(), N, C, stream_for(dev));
           else
-            KERNEL(dev, layernorm_backward)(dh.data<T>(), dw_tmp.data<T>(), ptr<T>(db_tmp), go.data<T>(), h.data<T>(),
-                                            weight.data<T>(), mean.data<A>(), rstd.data<A>(), N, C, stream_for(dev));
-          if (gh.defined()) {
-            Tensor ghc = gh.contiguous();
-            KERNEL(dev, axpby)(dh.data<T>(), dh.data<T>(), 1.0, ghc.data<T>(), 1.0, dh.numel(), stream_for(dev));
-          }
+            KERNEL(dev, layernorm_backward)(dh.data<T>(), ptr<T>(ghc), dw_tmp.data<T>(), ptr<T>(db_tmp), go.data<T>(),
+                                            h.data<T>(), weight.data<T>(), mean.data<A>(), rstd.data<A>(), N, C,
+                                            stream_for(dev));
         });
       } else {
         dh = gh;
@@ -407,8 +406,8 @@ Tensor rmsnorm(const Tensor& x, const Tensor& weight, double eps) {
       Tensor dw_tmp = dw.defined() ? dw : Tensor::zeros_like(weight);
       dispatch_float(g, [&](auto dev, auto zero) {
         using T = decltype(zero);
-        KERNEL(dev, rmsnorm_backward)(dx.data<T>(), dw_tmp.data<T>(), g.data<T>(), xc.data<T>(), weight.data<T>(),
-                                      rstd.data<acc_t<T>>(), N, C, stream_for(dev));
+        KERNEL(dev, rmsnorm_backward)(dx.data<T>(), static_cast<const T*>(nullptr), dw_tmp.data<T>(), g.data<T>(), xc.data<T>(),
+                                      weight.data<T>(), rstd.data<acc_t<T>>(), N, C, stream_for(dev));
       });
       accumulate_grad(x, dx, true);
     });

@@ -25,9 +25,13 @@ LMBlock::LMBlock(const LMConfig& c, const Init& init)
 }
 
 Tensor LMBlock::forward(const Tensor& x, const Tensor& pos, const SeqInfo& seq) const {
+  return forward_fused(x, input_layernorm.forward(x), pos, seq, nullptr)[0];
+}
+
+std::vector<Tensor> LMBlock::forward_fused(const Tensor& x, const Tensor& h, const Tensor& pos, const SeqInfo& seq,
+                                           const RMSNorm* next) const {
   int64_t N = x.size(0);
   int hd = cfg.head_dim();
-  Tensor h = input_layernorm.forward(x);
   // q, k, v from one input: their backward sums dh inside the GEMMs (linear_many)
   std::vector<Tensor> qkv = linear_many(h, {q_proj.weight, k_proj.weight, v_proj.weight});
   Tensor q = rope(reshape(qkv[0], {N, cfg.heads, hd}), pos, cfg.rope_theta);
@@ -38,7 +42,10 @@ Tensor LMBlock::forward(const Tensor& x, const Tensor& pos, const SeqInfo& seq) 
   std::vector<Tensor> r = add_rmsnorm(x, o_proj.forward(reshape(a, {N, cfg.heads * hd})),
                                       post_attention_layernorm.weight, post_attention_layernorm.eps);
   // the MLP: its backward recomputes silu(gate) * up instead of keeping it (mlp_swiglu)
-  return add(r[0], mlp_swiglu(r[1], gate_proj.weight, up_proj.weight, down_proj.weight));
+  Tensor m = mlp_swiglu(r[1], gate_proj.weight, up_proj.weight, down_proj.weight);
+  // the layer's output and the next norm of it in one pass
+  if (!next) return {add(r[0], m)};
+  return add_rmsnorm(r[0], m, next->weight, next->eps);
 }
 
 Tensor LMBlock::forward_cached(const Tensor& x, const Tensor& pos, Tensor& k_cache, Tensor& v_cache,
@@ -103,14 +110,23 @@ LM::LM(const LMConfig& c, const Init& init) : cfg(c), norm(c.dim, c.eps, init) {
 Tensor LM::hidden(const Tensor& x, const Tensor& pos, const SeqInfo& seq) const {
   LOOM_CHECK(x.dim() == 2 && x.size(1) == cfg.dim && pos.numel() == x.size(0),
              "LM: expected x [Ntok, %d] and pos [Ntok], got %s and %s", cfg.dim, x.desc().c_str(), pos.desc().c_str());
-  Tensor h = x;
-  for (auto& l : layers) {
-    ProfileRange r("lm block");
-    const LMBlock* blk = l.get();
-    h = checkpoint_blocks ? checkpoint([blk, pos, seq](const Tensor& in) { return blk->forward(in, pos, seq); }, h)
-                          : blk->forward(h, pos, seq);
+  if (checkpoint_blocks || layers.empty()) {  // a checkpointed layer keeps one tensor in and one out
+    Tensor h = x;
+    for (auto& l : layers) {
+      ProfileRange r("lm block");
+      const LMBlock* blk = l.get();
+      h = checkpoint_blocks ? checkpoint([blk, pos, seq](const Tensor& in) { return blk->forward(in, pos, seq); }, h)
+                            : blk->forward(h, pos, seq);
+    }
+    return norm.forward(h);
   }
-  return norm.forward(h);
+  // each layer's last residual add with the norm after it (forward_fused): the same values
+  std::vector<Tensor> h = {x, layers[0]->input_layernorm.forward(x)};
+  for (size_t i = 0; i < layers.size(); i++) {
+    ProfileRange r("lm block");
+    h = layers[i]->forward_fused(h[0], h[1], pos, seq, i + 1 < layers.size() ? &layers[i + 1]->input_layernorm : &norm);
+  }
+  return h[1];
 }
 
 Tensor LM::loss(const Tensor& h, const Tensor& targets) const {

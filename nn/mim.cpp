@@ -59,12 +59,7 @@ Tensor LatentMIM::view_loss(const MIMView& v, Tensor* z_out) const {
   full = scatter_rows(full, v.keep, pred_in.forward(z));
   Tensor x = add(full, pred_pos);
   SeqInfo rows = SeqInfo::dense(B, N, x.device());
-  for (auto& b : pred_blocks) {
-    const ViTBlock* blk = b.get();
-    x = checkpoint_blocks ? checkpoint([blk, rows](const Tensor& in) { return blk->forward(in, rows); }, x)
-                          : blk->forward(x, rows);
-  }
-  Tensor p = gather_rows(pred_out.forward(pred_norm.forward(x)), v.masked);
+  Tensor p = gather_rows(pred_out.forward(vit_stack(pred_blocks, pred_norm, x, rows, checkpoint_blocks)), v.masked);
   if (z_out) *z_out = z;
   // the loss in f32 for 16-bit activations (bf16, f16): softmax over M patches
   const bool half = p.dtype() == DType::BF16 || p.dtype() == DType::F16;

@@ -18,11 +18,17 @@ ViTBlock::ViTBlock(int dim_, int heads_, int mlp_hidden, double eps, const Init&
 }
 
 Tensor ViTBlock::forward(const Tensor& x, const SeqInfo& rows) const {
+  std::vector<Tensor> r = forward_fused(x, norm1.forward(x), rows, nullptr);
+  return r[0];
+}
+
+std::vector<Tensor> ViTBlock::forward_fused(const Tensor& x, const Tensor& xn, const SeqInfo& rows,
+                                            const LayerNorm* next) const {
   int64_t B = x.size(0), N = x.size(1);
   int hd = dim / heads;
   // qkv split as [3, heads, head_dim] per token (SPEC §1): the weight's rows are q, k, v in
   // turn, so three GEMMs write q, k and v each contiguous (linear_split), no copies
-  std::vector<Tensor> qkv_parts = linear_split(reshape(norm1.forward(x), {B * N, dim}), qkv.weight, qkv.bias, 3);
+  std::vector<Tensor> qkv_parts = linear_split(reshape(xn, {B * N, dim}), qkv.weight, qkv.bias, 3);
   Tensor q = reshape(qkv_parts[0], {B * N, heads, hd});
   Tensor k = reshape(qkv_parts[1], {B * N, heads, hd});
   Tensor v = reshape(qkv_parts[2], {B * N, heads, hd});
@@ -30,7 +36,30 @@ Tensor ViTBlock::forward(const Tensor& x, const SeqInfo& rows) const {
   // h = x + proj(a) and norm2(h) in one pass; fc2(gelu(fc1(.))) with the GELU in the GEMMs'
   // epilogues (mlp_gelu)
   std::vector<Tensor> h = add_layernorm(x, proj.forward(reshape(a, {B, N, dim})), norm2.weight, norm2.bias, norm2.eps);
-  return add(h[0], mlp_gelu(h[1], fc1.weight, fc1.bias, fc2.weight, fc2.bias));
+  Tensor m = mlp_gelu(h[1], fc1.weight, fc1.bias, fc2.weight, fc2.bias);
+  // the block's output and the next norm of it in one pass (forward(): no next norm)
+  if (!next) return {add(h[0], m)};
+  return add_layernorm(h[0], m, next->weight, next->bias, next->eps);
+}
+
+Tensor vit_stack(const std::vector<std::unique_ptr<ViTBlock>>& blocks, const LayerNorm& final, const Tensor& x,
+                 const SeqInfo& rows, bool checkpoint_blocks) {
+  if (checkpoint_blocks || blocks.empty()) {
+    Tensor h = x;
+    for (auto& b : blocks) {
+      ProfileRange r("vit block");
+      const ViTBlock* blk = b.get();
+      h = checkpoint_blocks ? checkpoint([blk, rows](const Tensor& in) { return blk->forward(in, rows); }, h)
+                            : blk->forward(h, rows);
+    }
+    return final.forward(h);
+  }
+  std::vector<Tensor> h = {x, blocks[0]->norm1.forward(x)};
+  for (size_t i = 0; i < blocks.size(); i++) {
+    ProfileRange r("vit block");
+    h = blocks[i]->forward_fused(h[0], h[1], rows, i + 1 < blocks.size() ? &blocks[i + 1]->norm1 : &final);
+  }
+  return h[1];
 }
 
 std::vector<float> sincos_2d(int grid, int dim) {
@@ -86,13 +115,7 @@ Tensor ViT::forward(const Tensor& images, const Tensor& keep) const {
   Tensor x = embed(images);
   if (keep.defined()) x = gather_rows(x, keep);
   SeqInfo rows = SeqInfo::dense(int(x.size(0)), int(x.size(1)), x.device());
-  for (auto& b : blocks) {
-    ProfileRange r("vit block");
-    const ViTBlock* blk = b.get();
-    x = checkpoint_blocks ? checkpoint([blk, rows](const Tensor& in) { return blk->forward(in, rows); }, x)
-                          : blk->forward(x, rows);
-  }
-  return norm.forward(x);
+  return vit_stack(blocks, norm, x, rows, checkpoint_blocks);
 }
 
 }  // namespace loom

@@ -37,10 +37,21 @@ class ViTBlock : public Module {
   ViTBlock(int dim, int heads, int mlp_hidden, double eps, const Init& init);
   // x [B, N, D] -> [B, N, D]; bidirectional attention within each of the B rows
   Tensor forward(const Tensor& x, const SeqInfo& rows) const;
+  // The same block inside a stack: xn = norm1(x) comes from the block before, and the block's
+  // last residual add runs with the next norm (the next block's norm1, or the stack's final
+  // norm) in one pass: -> {x_out, next(x_out)}, the same values as forward() then
+  // next->forward (next null: {x_out} alone, which is forward()).
+  std::vector<Tensor> forward_fused(const Tensor& x, const Tensor& xn, const SeqInfo& rows, const LayerNorm* next) const;
   int dim, heads;
   LayerNorm norm1, norm2;
   Linear qkv, proj, fc1, fc2;
 };
+
+// x through a stack of blocks and then `final`: final(blocks(x)). Without gradient
+// checkpointing each residual add runs with the norm after it (forward_fused); with it, block
+// by block (a checkpointed block keeps one tensor in and one out).
+Tensor vit_stack(const std::vector<std::unique_ptr<ViTBlock>>& blocks, const LayerNorm& final, const Tensor& x,
+                 const SeqInfo& rows, bool checkpoint_blocks);
 
 class ViT : public Module {
  public:

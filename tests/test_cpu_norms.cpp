@@ -8,6 +8,9 @@
 
 #include "tests/cpu_kernel_test_util.h"
 
+// no dresid: a null pointer of the vector's element type (the kernels deduce T from it)
+template <class V> static const typename V::value_type* none(const V&) { return nullptr; }
+
 namespace {
 const NC kNormShapes[] = {{1, 1}, {3, 3}, {5, 37}, {1, 64}, {3, 1030}};
 
@@ -68,7 +71,7 @@ TEST_CASE("layernorm_backward: gradcheck of inp, weight, bias (+=)", "[norms]") 
                              with_bias ? b.data() : nullptr, N, C, 1e-6, s0);
       vector<double> dx = poisoned<double>(N * C), dw0 = uniform(C), db0 = uniform(C);
       vector<double> dw = dw0, db = db0;
-      cpu::layernorm_backward(dx.data(), dw.data(), with_bias ? db.data() : nullptr, R.data(),
+      cpu::layernorm_backward(dx.data(), none(dx), dw.data(), with_bias ? db.data() : nullptr, R.data(),
                               x.data(), w.data(), mean.data(), rstd.data(), N, C, s0);
       INFO("N=" << N << " C=" << C << " bias=" << with_bias);
       LOOM_CHECK_CLOSE(tol::compare(dx, numeric_grad(x, R, fwd), tol::kGradcheckF64, "dinp"));
@@ -135,7 +138,7 @@ TEST_CASE("rmsnorm_backward: gradcheck of inp and weight (+=)", "[norms]") {
     vector<double> out(sz(N * C)), rstd(sz(N));
     cpu::rmsnorm_forward(out.data(), rstd.data(), x.data(), w.data(), N, C, 1e-5, s0);
     vector<double> dx = poisoned<double>(N * C), dw0 = uniform(C), dw = dw0;
-    cpu::rmsnorm_backward(dx.data(), dw.data(), R.data(), x.data(), w.data(), rstd.data(), N, C, s0);
+    cpu::rmsnorm_backward(dx.data(), none(dx), dw.data(), R.data(), x.data(), w.data(), rstd.data(), N, C, s0);
     INFO("N=" << N << " C=" << C);
     LOOM_CHECK_CLOSE(tol::compare(dx, numeric_grad(x, R, fwd), tol::kGradcheckF64, "dinp"));
     LOOM_CHECK_CLOSE(tol::compare(minus(dw, dw0), numeric_grad(w, R, fwd), tol::kGradcheckF64, "dweight"));
@@ -172,9 +175,9 @@ TEST_CASE("norms: float against double, large enough to take the threaded paths"
                 dxf = poisoned<float>(N * C), dwf(sz(C), 0.f), dbf(sz(C), 0.f);
   cpu::layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), N, C, 1e-6, s0);
   cpu::layernorm_forward(outf.data(), meanf.data(), rstdf.data(), xf.data(), wf.data(), bf.data(), N, C, 1e-6, s0);
-  cpu::layernorm_backward(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), mean.data(),
+  cpu::layernorm_backward(dx.data(), none(dx), dw.data(), db.data(), dy.data(), x.data(), w.data(), mean.data(),
                           rstd.data(), N, C, s0);
-  cpu::layernorm_backward(dxf.data(), dwf.data(), dbf.data(), dyf.data(), xf.data(), wf.data(),
+  cpu::layernorm_backward(dxf.data(), none(dxf), dwf.data(), dbf.data(), dyf.data(), xf.data(), wf.data(),
                           meanf.data(), rstdf.data(), N, C, s0);
   LOOM_CHECK_CLOSE(tol::compare(outf, out, tol::kCpuF32, "layernorm out f32"));
   LOOM_CHECK_CLOSE(tol::compare(dxf, dx, tol::kCpuF32, "layernorm dinp f32"));
@@ -189,9 +192,51 @@ TEST_CASE("norms: float against double, large enough to take the threaded paths"
   vector<float> rsf = poisoned<float>(N), dw2f(sz(C), 0.f);
   cpu::rmsnorm_forward(out.data(), rs.data(), x.data(), w.data(), N, C, 1e-5, s0);
   cpu::rmsnorm_forward(outf.data(), rsf.data(), xf.data(), wf.data(), N, C, 1e-5, s0);
-  cpu::rmsnorm_backward(dx.data(), dw2.data(), dy.data(), x.data(), w.data(), rs.data(), N, C, s0);
-  cpu::rmsnorm_backward(dxf.data(), dw2f.data(), dyf.data(), xf.data(), wf.data(), rsf.data(), N, C, s0);
+  cpu::rmsnorm_backward(dx.data(), none(dx), dw2.data(), dy.data(), x.data(), w.data(), rs.data(), N, C, s0);
+  cpu::rmsnorm_backward(dxf.data(), none(dxf), dw2f.data(), dyf.data(), xf.data(), wf.data(), rsf.data(), N, C, s0);
   LOOM_CHECK_CLOSE(tol::compare(outf, out, tol::kCpuF32, "rmsnorm out f32"));
   LOOM_CHECK_CLOSE(tol::compare(dxf, dx, tol::kCpuF32, "rmsnorm dinp f32"));
   LOOM_CHECK_CLOSE(tol::compare(dw2f, dw2, tol::kCpuF32, "rmsnorm dweight f32"));
+}
+
+TEST_CASE("norms: the backward's dresid is the norm's dinp followed by an add, bit for bit", "[norms]") {
+  // add_layernorm / add_rmsnorm pass the residual stream's gradient as dresid instead of adding
+  // it in a second pass: the result must be what that second pass gave (f32 and f64, fresh data)
+  const int64_t N = 37;
+  const int C = 1030;  // threaded paths
+  auto run = [&](auto zero) {
+    using T = decltype(zero);
+    const uint32_t seed = uint32_t(std::random_device{}());
+    INFO("seed " << seed);
+    std::mt19937 g(seed);
+    std::uniform_real_distribution<double> u(-2.0, 2.0);
+    auto fill = [&](int64_t n) {
+      vector<T> v(sz(n));
+      for (auto& e : v) e = T(u(g));
+      return v;
+    };
+    vector<T> x = fill(N * C), w = fill(C), b = fill(C), dy = fill(N * C), res = fill(N * C);
+    vector<T> out(sz(N * C)), mean(sz(N)), rstd(sz(N));
+    for (bool rms : {false, true}) {
+      vector<T> two = poisoned<T>(N * C), one = poisoned<T>(N * C), dw1(sz(C), T(0)), dw2(sz(C), T(0)),
+                db1(sz(C), T(0)), db2(sz(C), T(0));
+      if (rms) {
+        cpu::rmsnorm_forward(out.data(), rstd.data(), x.data(), w.data(), N, C, 1e-5, s0);
+        cpu::rmsnorm_backward(two.data(), none(two), dw2.data(), dy.data(), x.data(), w.data(), rstd.data(), N, C, s0);
+        cpu::rmsnorm_backward(one.data(), res.data(), dw1.data(), dy.data(), x.data(), w.data(), rstd.data(), N, C, s0);
+      } else {
+        cpu::layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), N, C, 1e-6, s0);
+        cpu::layernorm_backward(two.data(), none(two), dw2.data(), db2.data(), dy.data(), x.data(), w.data(),
+                                mean.data(), rstd.data(), N, C, s0);
+        cpu::layernorm_backward(one.data(), res.data(), dw1.data(), db1.data(), dy.data(), x.data(), w.data(),
+                                mean.data(), rstd.data(), N, C, s0);
+      }
+      cpu::axpby(two.data(), two.data(), 1.0, res.data(), 1.0, N * C, s0);  // the second pass
+      CHECK(one == two);
+      CHECK(dw1 == dw2);
+      CHECK(db1 == db2);
+    }
+  };
+  run(0.f);
+  run(0.0);
 }

@@ -105,7 +105,7 @@ void layernorm_forward(T* out, acc_t<T>* mean, acc_t<T>* rstd, const T* inp, con
 }
 
 template <class T>
-void layernorm_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* inp,
+void layernorm_backward(T* dinp, const T* dresid, T* dweight, T* dbias, const T* dout, const T* inp,
                         const T* weight, const acc_t<T>* mean, const acc_t<T>* rstd, int64_t N,
                         int C, Stream) {
   using A = acc_t<T>;
@@ -129,6 +129,7 @@ void layernorm_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* i
         const A xhat = (A(x[c]) - mean[n]) * rstd[n];
         const A g = A(dy[c]) * A(weight[c]);
         dx[c] = T(rstd[n] * (g - mean_g - xhat * mean_gxhat));
+        if (dresid) dx[c] = T(A(dx[c]) + A(dresid[n * C + c]));  // rounded twice, as a separate add
       }
     }
   }
@@ -158,7 +159,7 @@ void rmsnorm_forward(T* out, acc_t<T>* rstd, const T* inp, const T* weight, int6
 }
 
 template <class T>
-void rmsnorm_backward(T* dinp, T* dweight, const T* dout, const T* inp, const T* weight,
+void rmsnorm_backward(T* dinp, const T* dresid, T* dweight, const T* dout, const T* inp, const T* weight,
                       const acc_t<T>* rstd, int64_t N, int C, Stream) {
   using A = acc_t<T>;
   if (dinp) {
@@ -174,6 +175,7 @@ void rmsnorm_backward(T* dinp, T* dweight, const T* dout, const T* inp, const T*
         const A xhat = A(x[c]) * rstd[n];
         const A g = A(dy[c]) * A(weight[c]);
         dx[c] = T(rstd[n] * (g - xhat * mean_gxhat));
+        if (dresid) dx[c] = T(A(dx[c]) + A(dresid[n * C + c]));
       }
     }
   }
@@ -194,13 +196,13 @@ void residual_rmsnorm_forward(T* resid_out, T* out, acc_t<T>* rstd, const T* res
 #define LOOM_NORMS(T)                                                                          \
   template void layernorm_forward<T>(T*, acc_t<T>*, acc_t<T>*, const T*, const T*, const T*,    \
                                      int64_t, int, double, Stream);                             \
-  template void layernorm_backward<T>(T*, T*, T*, const T*, const T*, const T*,                 \
+  template void layernorm_backward<T>(T*, const T*, T*, T*, const T*, const T*, const T*,       \
                                       const acc_t<T>*, const acc_t<T>*, int64_t, int, Stream);  \
   template void residual_layernorm_forward<T>(T*, T*, acc_t<T>*, acc_t<T>*, const T*, const T*, \
                                               const T*, const T*, int64_t, int, double, Stream); \
   template void rmsnorm_forward<T>(T*, acc_t<T>*, const T*, const T*, int64_t, int, double,     \
                                    Stream);                                                     \
-  template void rmsnorm_backward<T>(T*, T*, const T*, const T*, const T*, const acc_t<T>*,      \
+  template void rmsnorm_backward<T>(T*, const T*, T*, const T*, const T*, const T*, const acc_t<T>*, \
                                     int64_t, int, Stream);                                      \
   template void residual_rmsnorm_forward<T>(T*, T*, acc_t<T>*, const T*, const T*, const T*,    \
                                             int64_t, int, double, Stream);

@@ -15,6 +15,9 @@
  *   LayerNorm: dinp = rstd (g - mean(g) - xhat mean(g xhat))    (=)
  *   RMSNorm:   dinp = rstd (g - xhat mean(g xhat))              (=)
  *   dweight += sum_rows(dout xhat),  dbias += sum_rows(dout)     (+=)
+ *   dresid (nullable): the gradient reaching the norm's input by the residual stream, added
+ *   as dinp = round_T(round_T(dinp) + dresid): bit for bit the separate add it replaces (one
+ *   read instead of two reads and a write; add_layernorm / add_rmsnorm, 2026-11-26).
  *   Parameter gradients are deterministic: each block keeps its partial sums (a thread owns
  *   fixed columns, so partials live in registers), blocks write partial rows [G, C] in fp32,
  *   and a finishing kernel adds them to dweight/dbias in a fixed order. No float atomics.
@@ -215,6 +218,7 @@ __global__ void norm_fwd_generic(FwdArgs a) {
 
 struct BwdArgs {
   void* dinp;             // [N, C]
+  const void* dresid;     // [N, C] or null: added to dinp (kernels.inc)
   float* pw;              // [G, C] partial dweight
   float* pb;              // [G, C] partial dbias (LayerNorm)
   const void* dout;       // [N, C]
@@ -280,6 +284,12 @@ norm_bwd(BwdArgs a) {
         float o[VEC];
 #pragma unroll
         for (int i = 0; i < VEC; i++) o[i] = rstd * (g[k][i] - mg - xh[k][i] * mgx);
+        if (a.dresid) {  // round, then add: bit for bit the norm's dinp followed by an add
+          float r[VEC];
+          load_vec<DT, VEC>(r, static_cast<const DT*>(a.dresid) + row * C + vi * VEC);
+#pragma unroll
+          for (int i = 0; i < VEC; i++) o[i] = to_float(from_float<DT>(o[i])) + r[i];
+        }
         store_vec<DT, VEC>(dinp + vi * VEC, o);
       }
     }
@@ -350,6 +360,7 @@ __global__ void norm_bwd_generic(BwdArgs a) {
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
       float xh = (to_float(inp[c]) - mean) * rstd, g = to_float(dout[c]) * to_float(w[c]);
       dinp[c] = from_float<DT>(rstd * (g - mg - xh * mgx));
+      if (a.dresid) dinp[c] = from_float<DT>(to_float(dinp[c]) + to_float(static_cast<const DT*>(a.dresid)[row * C + c]));
     }
   }
 }
@@ -467,7 +478,8 @@ void launch_bwd(T* dweight, T* dbias, BwdArgs a, Stream s) {
   using DT = dev_t<T>;
   if (a.N <= 0) return;
   if (a.C <= 0) throw std::runtime_error("norm backward: C must be > 0");
-  bool ok = aligned(a.dinp, 16) && aligned(a.dout, 16) && aligned(a.inp, 16) && aligned(a.w, 16);
+  bool ok = aligned(a.dinp, 16) && aligned(a.dout, 16) && aligned(a.inp, 16) && aligned(a.w, 16) &&
+            aligned(a.dresid, 16);
   int vec, tpr;
   pick<T>(a.C, ok, &vec, &tpr);
   // warp per row: as many vectors per lane as the row needs (C 768 bf16: 3 vectors of 8)
@@ -521,29 +533,29 @@ void residual_rmsnorm_forward(T* resid_out, T* out, acc_t<T>* rstd, const T* res
 }
 
 template <class T>
-void layernorm_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* inp, const T* weight,
-                        const acc_t<T>* mean, const acc_t<T>* rstd, int64_t N, int C, Stream s) {
-  BwdArgs a{dinp, nullptr, nullptr, dout, inp, weight, mean, rstd, N, C};
+void layernorm_backward(T* dinp, const T* dresid, T* dweight, T* dbias, const T* dout, const T* inp,
+                        const T* weight, const acc_t<T>* mean, const acc_t<T>* rstd, int64_t N, int C, Stream s) {
+  BwdArgs a{dinp, dresid, nullptr, nullptr, dout, inp, weight, mean, rstd, N, C};
   launch_bwd<T, false>(dweight, dbias, a, s);
 }
 
 template <class T>
-void rmsnorm_backward(T* dinp, T* dweight, const T* dout, const T* inp, const T* weight, const acc_t<T>* rstd,
-                      int64_t N, int C, Stream s) {
-  BwdArgs a{dinp, nullptr, nullptr, dout, inp, weight, nullptr, rstd, N, C};
+void rmsnorm_backward(T* dinp, const T* dresid, T* dweight, const T* dout, const T* inp, const T* weight,
+                      const acc_t<T>* rstd, int64_t N, int C, Stream s) {
+  BwdArgs a{dinp, dresid, nullptr, nullptr, dout, inp, weight, nullptr, rstd, N, C};
   launch_bwd<T, true>(dweight, nullptr, a, s);
 }
 
 #define LOOM_NORMS(T)                                                                                          \
   template void layernorm_forward<T>(T*, acc_t<T>*, acc_t<T>*, const T*, const T*, const T*, int64_t, int,     \
                                      double, Stream);                                                          \
-  template void layernorm_backward<T>(T*, T*, T*, const T*, const T*, const T*, const acc_t<T>*,               \
+  template void layernorm_backward<T>(T*, const T*, T*, T*, const T*, const T*, const T*, const acc_t<T>*,     \
                                       const acc_t<T>*, int64_t, int, Stream);                                  \
   template void residual_layernorm_forward<T>(T*, T*, acc_t<T>*, acc_t<T>*, const T*, const T*, const T*,      \
                                               const T*, int64_t, int, double, Stream);                         \
   template void rmsnorm_forward<T>(T*, acc_t<T>*, const T*, const T*, int64_t, int, double, Stream);           \
-  template void rmsnorm_backward<T>(T*, T*, const T*, const T*, const T*, const acc_t<T>*, int64_t, int,       \
-                                    Stream);                                                                   \
+  template void rmsnorm_backward<T>(T*, const T*, T*, const T*, const T*, const T*, const acc_t<T>*, int64_t,  \
+                                    int, Stream);                                                                 \
   template void residual_rmsnorm_forward<T>(T*, T*, acc_t<T>*, const T*, const T*, const T*, int64_t, int,     \
                                             double, Stream);
 LOOM_NORMS(float)

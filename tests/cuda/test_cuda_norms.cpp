@@ -32,6 +32,7 @@ TEMPLATE_TEST_CASE("norms: layernorm / rmsnorm (+residual) forward and backward"
         std::vector<float> rout(n), rres(n), rmean(c.N), rrstd(c.N);
         DBuf<T> out(n), ro(n);
         DBuf<float> mean(c.N), rstd(c.N);
+        std::vector<float> hin = hx;  // the normalized input (resid: the rounded sum)
         if (!resid) {
           if (rms) cpu::rmsnorm_forward(rout.data(), rrstd.data(), hx.data(), hw.data(), c.N, c.C, 1e-5, nullptr);
           else cpu::layernorm_forward(rout.data(), rmean.data(), rrstd.data(), hx.data(), hw.data(), hb.data(), c.N, c.C, 1e-6, nullptr);
@@ -42,6 +43,7 @@ TEMPLATE_TEST_CASE("norms: layernorm / rmsnorm (+residual) forward and backward"
           std::vector<float> sum(n);
           for (int64_t i = 0; i < n; i++) sum[i] = hr[i] + hx[i];
           sum = rounded<T>(sum);
+          hin = sum;
           if (rms) cpu::rmsnorm_forward(rout.data(), rrstd.data(), sum.data(), hw.data(), c.N, c.C, 1e-5, nullptr);
           else cpu::layernorm_forward(rout.data(), rmean.data(), rrstd.data(), sum.data(), hw.data(), hb.data(), c.N, c.C, 1e-6, nullptr);
           if (rms) cu::residual_rmsnorm_forward(ro.p, out.p, rstd.p, r.p, x.p, w.p, c.N, c.C, 1e-5, S());
@@ -51,19 +53,24 @@ TEMPLATE_TEST_CASE("norms: layernorm / rmsnorm (+residual) forward and backward"
         CHECK_CLOSE(out.get(), rout, t, "out");
         CHECK_CLOSE(rstd.get(), rrstd, t, "rstd");
         if (!rms) CHECK_CLOSE(mean.get(), rmean, t, "mean");
-        if (resid) continue;
-        // backward from the reference's statistics (the same for both)
+        // backward from the reference's statistics (the same for both); the residual pair also
+        // adds the gradient that reaches the sum by the residual stream (dresid: hr here)
         DBuf<float> smean(rmean), srstd(rrstd);
+        DBuf<T> xin(hin);
         auto hdw = rounded<T>(rnd(c.C, 55)), hdb = rounded<T>(rnd(c.C, 56));
         std::vector<float> rdx(n), rdw = hdw, rdb = hdb;
         DBuf<T> dx(n), dw(hdw), db(hdb);
+        dx.poison();
+        const float* rres_in = resid ? hr.data() : nullptr;
+        const T* dres_in = resid ? r.p : nullptr;
         if (rms) {
-          cpu::rmsnorm_backward(rdx.data(), rdw.data(), hd.data(), hx.data(), hw.data(), rrstd.data(), c.N, c.C, nullptr);
-          cu::rmsnorm_backward(dx.p, dw.p, dout.p, x.p, w.p, srstd.p, c.N, c.C, S());
+          cpu::rmsnorm_backward(rdx.data(), rres_in, rdw.data(), hd.data(), hin.data(), hw.data(), rrstd.data(), c.N,
+                                c.C, nullptr);
+          cu::rmsnorm_backward(dx.p, dres_in, dw.p, dout.p, xin.p, w.p, srstd.p, c.N, c.C, S());
         } else {
-          cpu::layernorm_backward(rdx.data(), rdw.data(), rdb.data(), hd.data(), hx.data(), hw.data(), rmean.data(),
-                                  rrstd.data(), c.N, c.C, nullptr);
-          cu::layernorm_backward(dx.p, dw.p, db.p, dout.p, x.p, w.p, smean.p, srstd.p, c.N, c.C, S());
+          cpu::layernorm_backward(rdx.data(), rres_in, rdw.data(), rdb.data(), hd.data(), hin.data(), hw.data(),
+                                  rmean.data(), rrstd.data(), c.N, c.C, nullptr);
+          cu::layernorm_backward(dx.p, dres_in, dw.p, db.p, dout.p, xin.p, w.p, smean.p, srstd.p, c.N, c.C, S());
           CHECK_CLOSE(db.get(), rdb, t, "dbias (+=)");
         }
         CHECK_CLOSE(dx.get(), rdx, t, "dinp");
@@ -85,7 +92,7 @@ TEST_CASE("norms: backward is deterministic at a large shape", "[norms]") {
   std::vector<float> first;
   for (int rep = 0; rep < 3; rep++) {
     DBuf<bf16> dw(std::vector<float>(C, 0.f)), db(std::vector<float>(C, 0.f));
-    cu::layernorm_backward(dx.p, dw.p, db.p, d.p, x.p, w.p, m.p, r.p, N, C, S());
+    cu::layernorm_backward(dx.p, static_cast<const bf16*>(nullptr), dw.p, db.p, d.p, x.p, w.p, m.p, r.p, N, C, S());
     auto g = dw.get();
     auto gb = db.get();
     g.insert(g.end(), gb.begin(), gb.end());
