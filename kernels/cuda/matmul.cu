@@ -32,6 +32,11 @@
  *   tuned against 28.5 / 28.6, contrastive 56.0 / 55.8 against 56.1 / 56.4, bench_vlm_sft 72.5 /
  *   72.0 against 71.9 / 72.0 (and its p90 up to 3x while new buckets were timed in the steps):
  *   within noise, for losses that would then differ from run to run.
+ * Tried and dropped (H200, 2026-11-26): column sums with 16-byte loads (8 bf16 per thread, a
+ *   block over 256 columns) and up to 256 row splits (~512 blocks) instead of 2-byte loads and
+ *   <= 64 splits. Correct (test_cuda_matmul with O 776 and 4100 rows), but the steps did not
+ *   move (same call, two rounds, before | after: bench_mim 25.33 / 25.45 | 25.38 / 25.40 ms,
+ *   contrastive 50.29 / 50.45 | 50.50 / 50.23, fixed-batch VLM 58.63 / 58.43 | 58.29 / 58.56).
  * Plans: matmul descriptors, layouts and the heuristic's algorithm are cached per shape,
  *   transposes, strides, epilogue and pointer alignment (the heuristic is ~10 us to ~3 ms of
  *   host time, far more than a small GEMM). A new shape first tries the algorithm of its
