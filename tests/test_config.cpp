@@ -289,6 +289,9 @@ TEST_CASE("config: constraints are checked when the config is resolved, naming k
       {{"--model.lm_kv_heads=3"}, "vlm_sft.cfg", "model.lm_heads = 4: must be a multiple of model.lm_kv_heads = 3"},
       {{"--model.lm_dim=36", "--model.lm_heads=4", "--model.lm_kv_heads=1"}, "vlm_sft.cfg", "model.lm_dim = 36: lm_dim / lm_heads = 9 must be even"},
       {{"--model.channels=2"}, "vlm_sft.cfg", "model.channels = 2: must be 1 (grey) or 3 (RGB)"},
+      // found by the config fuzz target: a huge channel count went on into the batch's pixel
+      // product (signed overflow) after its own error was recorded
+      {{"--model.channels=205722057220572205"}, "vlm_sft.cfg", "model.channels = 205722057220572205: must be 1 (grey) or 3"},
       {{"--model.channels=1"}, "vlm_sft.cfg", "model.channels = 1: the shapes dataset is RGB"},
       {{"--data.pack_max_length=16"}, "vlm_sft.cfg", "data.pack_max_length = 16: must exceed the 16 image tokens"},
       {{"--train.min_lr=1"}, "vlm_sft.cfg", "train.min_lr = 1: must be <= train.lr"},

@@ -91,7 +91,8 @@ void validate_config(const Config& c) {
     else r.multiple("model.image_size", "model.patch_size", "the ViT's patch grid");
   }
   int64_t ch = r.i("model.channels");
-  if (ch != 1 && ch != 3) r.bad("model.channels", std::to_string(ch), "must be 1 (grey) or 3 (RGB)");
+  const bool ch_ok = ch == 1 || ch == 3;  // the size products below use it only when it is
+  if (!ch_ok) r.bad("model.channels", std::to_string(ch), "must be 1 (grey) or 3 (RGB)");
   bool vit_ok = r.int_range("model.vit_dim", 1, kMaxDim) & r.int_range("model.vit_heads", 1, kMaxDim);
   r.int_range("model.vit_depth", 1, 1024);
   r.int_range("model.vit_mlp_ratio", 1, 64);
@@ -209,7 +210,7 @@ void validate_config(const Config& c) {
     r.bad("train.batch_size", std::to_string(r.i("train.batch_size")),
           "batch_size x data.pack_max_length = " + std::to_string(r.i("train.batch_size") * r.i("data.pack_max_length")) +
               " tokens per step must fit int32 (cu_seqlens)");
-  if (bs_ok && img_ok && r.i("train.batch_size") * ch * r.i("model.image_size") * r.i("model.image_size") > (int64_t(1) << 40))
+  if (bs_ok && img_ok && ch_ok && r.i("train.batch_size") * ch * r.i("model.image_size") * r.i("model.image_size") > (int64_t(1) << 40))
     r.bad("train.batch_size", std::to_string(r.i("train.batch_size")), "batch_size x channels x image_size^2 exceeds 2^40 pixels");
   if (r.float_range("train.lr", 0, true, INFINITY, false) && r.float_range("train.min_lr", 0, false, INFINITY, false) &&
       r.f("train.min_lr") > r.f("train.lr"))
