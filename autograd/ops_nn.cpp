@@ -316,7 +316,8 @@ Tensor layernorm(const Tensor& x, const Tensor& weight, const Tensor& bias, doub
       dispatch_float(g, [&](auto dev, auto zero) {
         using T = decltype(zero);
         using A = acc_t<T>;
-        KERNEL(dev, layernorm_backward)(dx.data<T>(), static_cast<const T*>(nullptr), dw_tmp.data<T>(), ptr<T>(db_tmp), g.data<T>(),
+        const T* no_resid = nullptr;
+        KERNEL(dev, layernorm_backward)(dx.data<T>(), no_resid, dw_tmp.data<T>(), ptr<T>(db_tmp), g.data<T>(),
                                         xc.data<T>(), weight.data<T>(), mean.data<A>(), rstd.data<A>(), N, C,
                                         stream_for(dev));
       });
@@ -406,7 +407,8 @@ Tensor rmsnorm(const Tensor& x, const Tensor& weight, double eps) {
       Tensor dw_tmp = dw.defined() ? dw : Tensor::zeros_like(weight);
       dispatch_float(g, [&](auto dev, auto zero) {
         using T = decltype(zero);
-        KERNEL(dev, rmsnorm_backward)(dx.data<T>(), static_cast<const T*>(nullptr), dw_tmp.data<T>(), g.data<T>(), xc.data<T>(),
+        const T* no_resid = nullptr;
+        KERNEL(dev, rmsnorm_backward)(dx.data<T>(), no_resid, dw_tmp.data<T>(), g.data<T>(), xc.data<T>(),
                                       weight.data<T>(), rstd.data<acc_t<T>>(), N, C, stream_for(dev));
       });
       accumulate_grad(x, dx, true);

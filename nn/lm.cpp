@@ -110,13 +110,13 @@ LM::LM(const LMConfig& c, const Init& init) : cfg(c), norm(c.dim, c.eps, init) {
 Tensor LM::hidden(const Tensor& x, const Tensor& pos, const SeqInfo& seq) const {
   LOOM_CHECK(x.dim() == 2 && x.size(1) == cfg.dim && pos.numel() == x.size(0),
              "LM: expected x [Ntok, %d] and pos [Ntok], got %s and %s", cfg.dim, x.desc().c_str(), pos.desc().c_str());
-  if (checkpoint_blocks || layers.empty()) {  // a checkpointed layer keeps one tensor in and one out
+  if (layers.empty()) return norm.forward(x);
+  if (checkpoint_blocks) {  // a checkpointed layer keeps one tensor in and one out
     Tensor h = x;
     for (auto& l : layers) {
       ProfileRange r("lm block");
       const LMBlock* blk = l.get();
-      h = checkpoint_blocks ? checkpoint([blk, pos, seq](const Tensor& in) { return blk->forward(in, pos, seq); }, h)
-                            : blk->forward(h, pos, seq);
+      h = checkpoint([blk, pos, seq](const Tensor& in) { return blk->forward(in, pos, seq); }, h);
     }
     return norm.forward(h);
   }

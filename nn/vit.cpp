@@ -18,8 +18,7 @@ ViTBlock::ViTBlock(int dim_, int heads_, int mlp_hidden, double eps, const Init&
 }
 
 Tensor ViTBlock::forward(const Tensor& x, const SeqInfo& rows) const {
-  std::vector<Tensor> r = forward_fused(x, norm1.forward(x), rows, nullptr);
-  return r[0];
+  return forward_fused(x, norm1.forward(x), rows, nullptr)[0];
 }
 
 std::vector<Tensor> ViTBlock::forward_fused(const Tensor& x, const Tensor& xn, const SeqInfo& rows,
@@ -44,13 +43,13 @@ std::vector<Tensor> ViTBlock::forward_fused(const Tensor& x, const Tensor& xn, c
 
 Tensor vit_stack(const std::vector<std::unique_ptr<ViTBlock>>& blocks, const LayerNorm& final, const Tensor& x,
                  const SeqInfo& rows, bool checkpoint_blocks) {
-  if (checkpoint_blocks || blocks.empty()) {
+  if (blocks.empty()) return final.forward(x);
+  if (checkpoint_blocks) {
     Tensor h = x;
     for (auto& b : blocks) {
       ProfileRange r("vit block");
       const ViTBlock* blk = b.get();
-      h = checkpoint_blocks ? checkpoint([blk, rows](const Tensor& in) { return blk->forward(in, rows); }, h)
-                            : blk->forward(h, rows);
+      h = checkpoint([blk, rows](const Tensor& in) { return blk->forward(in, rows); }, h);
     }
     return final.forward(h);
   }

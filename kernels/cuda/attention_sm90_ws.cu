@@ -549,10 +549,6 @@ void launch_ws(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const
   LAUNCH_CHECK();
 }
 
-}  // namespace
-
-namespace {
-
 // hd 64: three consumers with 128-key tiles (192-row blocks), or four with 64-key tiles (256-row
 // blocks). Per row the four-consumer blocks are slower (their 64-key slots: same call, H200,
 // 2026-11-26, forward ms three | four consumers: B8 H12 T1536 0.140 | 0.158, T2048 0.228 | 0.239),
@@ -562,22 +558,13 @@ namespace {
 // 0.082 -> 0.074 ms). So: the four-consumer blocks where ceil(blocks / SMs) x their time (1.4x a
 // 192-row block's, from the rows above) comes out shorter; causal and ragged batches (blocks of
 // unequal work) keep three. LOOM_ATTN_WS64=3 or 4 forces one (the tests run both).
-int ws_sm_count() {
-  static const int n = [] {
-    int dev = 0, v = 0;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
-    return v;
-  }();
-  return n;
-}
 bool ws64_four_consumers(int nseq, int max_seqlen, int H, bool dense, bool causal) {
   if (const char* e = std::getenv("LOOM_ATTN_WS64")) {  // read at every call: tests switch it
     if (e[0] == '3' && e[1] == 0) return false;
     if (e[0] == '4' && e[1] == 0) return true;
   }
   if (causal || !dense) return false;
-  const double sms = ws_sm_count(), pairs = double(nseq) * H;
+  const double sms = sm_count(), pairs = double(nseq) * H;
   const double waves3 = std::ceil(pairs * ceil_div(max_seqlen, 192) / sms);
   const double waves4 = std::ceil(pairs * ceil_div(max_seqlen, 256) / sms);
   return waves4 * 1.4 < waves3;

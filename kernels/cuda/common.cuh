@@ -70,6 +70,16 @@ struct alignas(sizeof(DT) * VEC) Pack {
 inline bool aligned(const void* p, size_t a) { return (reinterpret_cast<uintptr_t>(p) % a) == 0; }
 
 inline int ceil_div(long long a, long long b) { return int((a + b - 1) / b); }
+// Multiprocessors of the current device, asked once (launch-grid heuristics).
+inline int sm_count() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+    return v;
+  }();
+  return n;
+}
 
 // Shared handles (created once per process, on first use).
 cublasLtHandle_t cublaslt_handle();

@@ -388,16 +388,6 @@ __global__ void finish_partials(DT* __restrict__ dweight, DT* __restrict__ dbias
   }
 }
 
-int sm_count() {
-  static int n = [] {
-    int dev = 0, v = 0;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
-    return v;
-  }();
-  return n;
-}
-
 
 template <class T> constexpr int kVec = 16 / int(sizeof(T));
 
