@@ -61,7 +61,16 @@ Tensor mlp_gelu(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tenso
 // [C2, I] (no biases) -> [..., C2]. Saves x, gate(x) and up(x) but not their product: the
 // backward recomputes it (one elementwise pass) for w_down's gradient, so a layer keeps N*I
 // fewer elements between forward and backward than swiglu + linear would.
+// When w_gate and w_up lie side by side in memory (the optimizer's flat buffers place them so)
+// both run as one GEMM against [w_gate; w_up] (and one each in the backward).
 Tensor mlp_swiglu(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down);
+// A Llama layer's attention inputs: q = rope(x Wq^T), k = rope(x Wk^T), v = x Wv^T, as
+// [N, H, hd], [N, KV, hd], [N, KV, hd] (x [N, C], pos int32 [N]). When Wq, Wk, Wv lie side by
+// side in memory, one GEMM writes q|k|v per row and RoPE reads its windows (rope_forward_rows);
+// the backward gathers dq, dk, dv into that layout and runs one GEMM for dx and one for the
+// weights. Else linear_many + rope. The same values either way up to the GEMMs' summation order.
+std::vector<Tensor> qkv_rope(const Tensor& x, const Tensor& wq, const Tensor& wk, const Tensor& wv, const Tensor& pos,
+                             int heads, int kv_heads, int head_dim, double theta);
 // a [..., M, K] @ b [..., K, N] (b may be 2-D and shared); transposes read a^T / b^T.
 Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans_b = false);
 Tensor layernorm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps);

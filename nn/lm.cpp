@@ -32,12 +32,11 @@ std::vector<Tensor> LMBlock::forward_fused(const Tensor& x, const Tensor& h, con
                                            const RMSNorm* next) const {
   int64_t N = x.size(0);
   int hd = cfg.head_dim();
-  // q, k, v from one input: their backward sums dh inside the GEMMs (linear_many)
-  std::vector<Tensor> qkv = linear_many(h, {q_proj.weight, k_proj.weight, v_proj.weight});
-  Tensor q = rope(reshape(qkv[0], {N, cfg.heads, hd}), pos, cfg.rope_theta);
-  Tensor k = rope(reshape(qkv[1], {N, cfg.kv_heads, hd}), pos, cfg.rope_theta);
-  Tensor v = reshape(qkv[2], {N, cfg.kv_heads, hd});
-  Tensor a = attention(q, k, v, seq, /*causal=*/true, 1.0 / std::sqrt(double(hd)));
+  // q, k, v from one input, RoPE on q and k: one GEMM when the three weights lie side by side
+  // (the optimizer's flat buffer), else three (qkv_rope)
+  std::vector<Tensor> qkv = qkv_rope(h, q_proj.weight, k_proj.weight, v_proj.weight, pos, cfg.heads, cfg.kv_heads, hd,
+                                     cfg.rope_theta);
+  Tensor a = attention(qkv[0], qkv[1], qkv[2], seq, /*causal=*/true, 1.0 / std::sqrt(double(hd)));
   // r = x + o_proj(a) and its RMSNorm in one pass
   std::vector<Tensor> r = add_rmsnorm(x, o_proj.forward(reshape(a, {N, cfg.heads * hd})),
                                       post_attention_layernorm.weight, post_attention_layernorm.eps);

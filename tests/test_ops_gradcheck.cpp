@@ -187,6 +187,19 @@ TEST_CASE("gradcheck: linear and matmul", "[gradcheck]") {
     auto b = linear(gelu(linear(x, w1, b1)), w2, b2).to_vector<double>();
     for (size_t i = 0; i < a.size(); i++) CHECK(std::abs(a[i] - b[i]) <= 1e-12 * (1 + std::abs(b[i])));
   }
+  {  // no gradient wanted: fc1 keeps no pre-activation (the GELU runs on its output in place),
+     // the same bits as the forward that keeps it (f32: every rounding shows)
+    Tensor x = P({7, 5}).to(DType::F32), w1 = P({9, 5}).to(DType::F32).requires_grad_(),
+           b1 = P({9}).to(DType::F32), w2 = P({4, 9}).to(DType::F32), b2 = P({4}).to(DType::F32);
+    auto a = mlp_gelu(x, w1, b1, w2, b2).to_vector<double>();
+    std::vector<double> b;
+    {
+      NoGradGuard ng;
+      b = mlp_gelu(x, w1, b1, w2, b2).to_vector<double>();
+    }
+    REQUIRE(a.size() == b.size());
+    for (size_t i = 0; i < a.size(); i++) CHECK(a[i] == b[i]);
+  }
   // mlp_swiglu = linear(swiglu(linear(x), linear(x))), the product recomputed in backward
   check("mlp_swiglu [5,6] -> 9 -> 4", [](auto& in) { return mlp_swiglu(in[0], in[1], in[2], in[3]); },
         {P({5, 6}), P({9, 6}, 2.0), P({9, 6}), P({4, 9})});
@@ -408,4 +421,60 @@ TEST_CASE("gradcheck fails on a wrong backward (the harness can fail)", "[gradch
   INFO(r2.report);
   CHECK_FALSE(r2.ok);
   CHECK(r2.report.find("input 1") != std::string::npos);
+}
+
+TEST_CASE("joined products: q|k|v and gate|up as one GEMM when the weights lie side by side", "[gradcheck]") {
+  const int N = 7, C = 5, H = 2, KV = 1, hd = 4, I = 3;
+  const int R = (H + 2 * KV) * hd;  // rows of q|k|v, then gate and up
+  const double theta = 1e4;
+  Tensor pos = ids({0, 1, 2, 0, 1, 5, 3}, {N});
+  // the weights as windows of one buffer, the layout the optimizer's flat buffer gives a layer
+  Tensor buf = Tensor::randn({R + 2 * I, C}, rng(), 0.7, DType::F64);
+  auto window = [&](int64_t r0, int64_t rows) { return buf.narrow(0, r0, rows).requires_grad_(); };
+  Tensor wq = window(0, H * hd), wk = window(H * hd, KV * hd), wv = window((H + KV) * hd, KV * hd);
+  Tensor wg = window(R, I), wu = window(R + I, I), wd = P({C, I}), x = P({N, C});
+  auto attn_in = [&](const vector<Tensor>& in) {
+    auto o = qkv_rope(in[0], in[1], in[2], in[3], pos, H, KV, hd, theta);
+    return add(sum(mul(o[0], o[0])), add(sum(mul(o[1], o[2])), sum(scale(o[2], 3.0))));
+  };
+  auto mlp = [](const vector<Tensor>& in) { return mlp_swiglu(in[0], in[1], in[2], in[3]); };
+  // the joined path itself (its weights' gradients in buffers of their own: one GEMM per part)
+  check("qkv_rope, weights side by side", attn_in, {x, wq, wk, wv});
+  check("mlp_swiglu, gate and up side by side", mlp, {x, wg, wu, wd});
+  // against separate weights (linear_many + rope, two GEMMs), values and gradients, with the
+  // joined weights' gradients side by side too (one GEMM for all parts)
+  Tensor gbuf = Tensor::zeros({R + 2 * I, C}, DType::F64);
+  int64_t r0 = 0;
+  for (Tensor* w : {&wq, &wk, &wv, &wg, &wu}) {
+    w->set_grad(gbuf.narrow(0, r0, w->size(0)));
+    r0 += w->size(0);
+  }
+  vector<Tensor> sep;
+  for (const Tensor& w : {wq, wk, wv, wg, wu}) sep.push_back(w.clone().requires_grad_());
+  Tensor x2 = x.clone().requires_grad_();
+  x.set_grad(Tensor());
+  Tensor joined = add(attn_in({x, wq, wk, wv}), sum(mlp({x, wg, wu, wd})));
+  backward(joined);  // (one tape at a time)
+  Tensor apart = add(attn_in({x2, sep[0], sep[1], sep[2]}), sum(mlp({x2, sep[3], sep[4], wd.clone().requires_grad_()})));
+  backward(apart);
+  CHECK(std::abs(joined.item() - apart.item()) <= 1e-12 * (1 + std::abs(apart.item())));
+  auto close = [](const Tensor& a, const Tensor& b, const char* what) {
+    auto va = a.to_vector<double>(), vb = b.to_vector<double>();
+    REQUIRE(va.size() == vb.size());
+    double worst = 0;
+    for (size_t i = 0; i < va.size(); i++) worst = std::max(worst, std::abs(va[i] - vb[i]) / (1 + std::abs(vb[i])));
+    INFO(what);
+    CHECK(worst <= 1e-12);
+  };
+  close(x.grad(), x2.grad(), "dx");
+  const char* names[] = {"dWq", "dWk", "dWv", "dWgate", "dWup"};
+  int i = 0;
+  r0 = 0;
+  for (const Tensor& w : {wq, wk, wv, wg, wu}) {
+    // the gradient landed in the shared buffer (one GEMM), not in a copy
+    close(gbuf.narrow(0, r0, w.size(0)), sep[size_t(i)].grad(), names[i]);
+    r0 += w.size(0);
+    i++;
+  }
+  CHECK(tape_size() == 0);
 }

@@ -103,6 +103,22 @@ void swiglu_backward_product(T* dgate, T* dup, T* prod, const T* dout, const T* 
   swiglu_backward(dgate, dup, dout, gate, up, n, s);
 }
 
+// The joined layout (kernels.inc): row n of gu holds gate | up; the flat ops on each row.
+template <class T> void swiglu_forward_joined(T* out, const T* gu, int64_t N, int I, Stream s) {
+#pragma omp parallel for if (N * I > kParallelMin)
+  for (int64_t n = 0; n < N; n++) swiglu_forward(out + n * I, gu + n * 2 * I, gu + n * 2 * I + I, I, s);
+}
+
+template <class T>
+void swiglu_backward_joined(T* dgu, T* prod, const T* dout, const T* gu, int64_t N, int I, Stream s) {
+#pragma omp parallel for if (N * I > kParallelMin)
+  for (int64_t n = 0; n < N; n++) {
+    const T *g = gu + n * 2 * I, *u = g + I;
+    if (prod) swiglu_forward(prod + n * I, g, u, I, s);
+    swiglu_backward(dgu + n * 2 * I, dgu + n * 2 * I + I, dout + n * I, g, u, I, s);
+  }
+}
+
 template <class T> void softmax_forward(T* out, const T* inp, int64_t N, int C, Stream) {
   using A = acc_t<T>;
 #pragma omp parallel for if (N * C > kParallelMin)
@@ -144,6 +160,8 @@ void softmax_backward(T* dinp, const T* dout, const T* out, int64_t N, int C, St
   template void swiglu_forward<T>(T*, const T*, const T*, int64_t, Stream);                 \
   template void swiglu_backward<T>(T*, T*, const T*, const T*, const T*, int64_t, Stream);  \
   template void swiglu_backward_product<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, Stream); \
+  template void swiglu_forward_joined<T>(T*, const T*, int64_t, int, Stream);                       \
+  template void swiglu_backward_joined<T>(T*, T*, const T*, const T*, int64_t, int, Stream);         \
   template void softmax_forward<T>(T*, const T*, int64_t, int, Stream);                     \
   template void softmax_backward<T>(T*, const T*, const T*, int64_t, int, Stream);
 LOOM_ACTIVATIONS(float)

@@ -146,8 +146,11 @@ void linear_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* inp,
 template <class T>
 void linear_gelu_forward(T* out, T* pre, const T* inp, const T* weight, const T* bias, int64_t N, int I, int O,
                          Stream s) {
-  linear_forward(pre, inp, weight, bias, N, I, O, s);
-  gelu_forward(out, pre, N * O, s);
+  // pre null (no backward follows): the product goes to out and the GELU runs there in place;
+  // the same roundings as through pre
+  T* p = pre ? pre : out;
+  linear_forward(p, inp, weight, bias, N, I, O, s);
+  gelu_forward(out, p, N * O, s);
 }
 
 template <class T>

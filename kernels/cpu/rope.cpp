@@ -41,8 +41,8 @@ template <class A> std::vector<A> inverse_frequencies(int hd, double theta) {
 
 // sign = +1 rotates by +angle (forward), -1 by -angle (backward).
 template <class T>
-void rotate(T* out, const T* inp, const int32_t* pos, int64_t N, int H, int hd, double theta,
-            int sign) {
+void rotate(T* out, int64_t ldo, const T* inp, int64_t ldi, const int32_t* pos, int64_t N, int H, int hd,
+            double theta, int sign) {
   using A = acc_t<T>;
   const std::vector<A> inv_freq = inverse_frequencies<A>(hd, theta);
   const int half = hd / 2;
@@ -52,10 +52,11 @@ void rotate(T* out, const T* inp, const int32_t* pos, int64_t N, int H, int hd, 
       const A angle = A(pos[n]) * inv_freq[i];
       const A cos_a = std::cos(angle), sin_a = A(sign) * std::sin(angle);
       for (int h = 0; h < H; h++) {
-        const int64_t base = (n * H + h) * hd;
-        const A x1 = A(inp[base + i]), x2 = A(inp[base + i + half]);
-        out[base + i] = T(x1 * cos_a - x2 * sin_a);
-        out[base + i + half] = T(x2 * cos_a + x1 * sin_a);
+        const T* x = inp + n * ldi + h * hd;
+        T* y = out + n * ldo + h * hd;
+        const A x1 = A(x[i]), x2 = A(x[i + half]);
+        y[i] = T(x1 * cos_a - x2 * sin_a);
+        y[i + half] = T(x2 * cos_a + x1 * sin_a);
       }
     }
   }
@@ -66,18 +67,32 @@ void rotate(T* out, const T* inp, const int32_t* pos, int64_t N, int H, int hd, 
 template <class T>
 void rope_forward(T* out, const T* inp, const int32_t* pos, int64_t N, int H, int hd, double theta,
                   Stream) {
-  rotate(out, inp, pos, N, H, hd, theta, +1);
+  rotate(out, int64_t(H) * hd, inp, int64_t(H) * hd, pos, N, H, hd, theta, +1);
 }
 
 template <class T>
 void rope_backward(T* dinp, const T* dout, const int32_t* pos, int64_t N, int H, int hd,
                    double theta, Stream) {
-  rotate(dinp, dout, pos, N, H, hd, theta, -1);
+  rotate(dinp, int64_t(H) * hd, dout, int64_t(H) * hd, pos, N, H, hd, theta, -1);
+}
+
+template <class T>
+void rope_forward_rows(T* out, int64_t ldo, const T* inp, int64_t ldi, const int32_t* pos, int64_t N, int H, int hd,
+                       double theta, Stream) {
+  rotate(out, ldo, inp, ldi, pos, N, H, hd, theta, +1);
+}
+
+template <class T>
+void rope_backward_rows(T* dinp, int64_t ldo, const T* dout, int64_t ldi, const int32_t* pos, int64_t N, int H,
+                        int hd, double theta, Stream) {
+  rotate(dinp, ldo, dout, ldi, pos, N, H, hd, theta, -1);
 }
 
 #define LOOM_ROPE(T)                                                                            \
   template void rope_forward<T>(T*, const T*, const int32_t*, int64_t, int, int, double, Stream); \
-  template void rope_backward<T>(T*, const T*, const int32_t*, int64_t, int, int, double, Stream);
+  template void rope_backward<T>(T*, const T*, const int32_t*, int64_t, int, int, double, Stream); \
+  template void rope_forward_rows<T>(T*, int64_t, const T*, int64_t, const int32_t*, int64_t, int, int, double, Stream); \
+  template void rope_backward_rows<T>(T*, int64_t, const T*, int64_t, const int32_t*, int64_t, int, int, double, Stream);
 LOOM_ROPE(float)
 LOOM_ROPE(double)
 #undef LOOM_ROPE

@@ -130,6 +130,68 @@ void launch_pointwise(T* o0, T* o1, T* o2, const T* i0, const T* i1, const T* i2
   LAUNCH_CHECK();
 }
 
+// SwiGLU over a joined gate|up product (rows of 2I: gate in [0, I), up in [I, 2I)): element
+// (n, c) of the [N, I] side reads gu[n, c] and gu[n, I + c]; the functors above, so every value
+// is bit for bit the flat kernels'. VEC elements per step (I % VEC == 0, 16-byte aligned
+// pointers), else one. Forward: o = out [N, I]. Backward: o = dgu [N, 2I], prod [N, I] when PROD.
+template <class DT, int VEC, bool BACKWARD, bool PROD>
+__global__ void swiglu_joined_kernel(DT* __restrict__ o, DT* __restrict__ prod, const DT* __restrict__ dout,
+                                     const DT* __restrict__ gu, int64_t N, int I) {
+  using P = Pack<DT, VEC>;
+  const int cv = I / VEC;
+  const int64_t total = N * cv, stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t v = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; v < total; v += stride) {
+    const int64_t n = v / cv;
+    const int c = int(v - n * cv) * VEC;
+    const P g = *reinterpret_cast<const P*>(gu + n * 2 * I + c), u = *reinterpret_cast<const P*>(gu + n * 2 * I + I + c);
+    float unused;
+    if constexpr (!BACKWARD) {
+      P r;
+#pragma unroll
+      for (int k = 0; k < VEC; k++) {
+        float y;
+        SwigluF{}(y, unused, to_float(g.v[k]), to_float(u.v[k]), 0.f);
+        r.v[k] = from_float<DT>(y);
+      }
+      *reinterpret_cast<P*>(o + n * I + c) = r;
+    } else {
+      const P d = *reinterpret_cast<const P*>(dout + n * I + c);
+      P dg, du, pr;
+#pragma unroll
+      for (int k = 0; k < VEC; k++) {
+        float a, b;
+        SwigluB{}(a, b, to_float(d.v[k]), to_float(g.v[k]), to_float(u.v[k]));
+        dg.v[k] = from_float<DT>(a);
+        du.v[k] = from_float<DT>(b);
+        if constexpr (PROD) {
+          float y;
+          SwigluF{}(y, unused, to_float(g.v[k]), to_float(u.v[k]), 0.f);
+          pr.v[k] = from_float<DT>(y);
+        }
+      }
+      *reinterpret_cast<P*>(o + n * 2 * I + c) = dg;
+      *reinterpret_cast<P*>(o + n * 2 * I + I + c) = du;
+      if constexpr (PROD) *reinterpret_cast<P*>(prod + n * I + c) = pr;
+    }
+  }
+}
+
+template <bool BACKWARD, bool PROD, class T>
+void launch_swiglu_joined(T* o, T* prod, const T* dout, const T* gu, int64_t N, int I, Stream s) {
+  using DT = dev_t<T>;
+  constexpr int V = 16 / int(sizeof(T));
+  if (N <= 0 || I <= 0) return;
+  const bool vec = I % V == 0 && aligned(o, 16) && aligned(gu, 16) && (!BACKWARD || aligned(dout, 16)) &&
+                   (!PROD || aligned(prod, 16));
+  const int64_t work = N * (vec ? I / V : I);
+  const int g = int(std::min<int64_t>(std::max<int64_t>(1, (work + 255) / 256), 8192));
+  if (vec)
+    swiglu_joined_kernel<DT, V, BACKWARD, PROD><<<g, 256, 0, s>>>(dptr(o), dptr(prod), dptr(dout), dptr(gu), N, I);
+  else
+    swiglu_joined_kernel<DT, 1, BACKWARD, PROD><<<g, 256, 0, s>>>(dptr(o), dptr(prod), dptr(dout), dptr(gu), N, I);
+  LAUNCH_CHECK();
+}
+
 // Reduction over the threads of a row: a warp (WARP) or the whole block.
 template <bool WARP>
 __device__ __forceinline__ float row_reduce(float v, bool is_max, float* sh) {
@@ -209,6 +271,14 @@ void swiglu_backward_product(T* dgate, T* dup, T* prod, const T* dout, const T* 
   launch_pointwise<3, 3>(dgate, dup, prod, dout, gate, up, n, SwigluBP{}, s);
 }
 
+template <class T> void swiglu_forward_joined(T* out, const T* gu, int64_t N, int I, Stream s) {
+  launch_swiglu_joined<false, false>(out, (T*)nullptr, (const T*)nullptr, gu, N, I, s);
+}
+template <class T> void swiglu_backward_joined(T* dgu, T* prod, const T* dout, const T* gu, int64_t N, int I, Stream s) {
+  if (prod) launch_swiglu_joined<true, true>(dgu, prod, dout, gu, N, I, s);
+  else launch_swiglu_joined<true, false>(dgu, prod, dout, gu, N, I, s);
+}
+
 template <class T> void softmax_forward(T* out, const T* inp, int64_t N, int C, Stream s) {
   if (N <= 0) return;
   if (C <= 1024) softmax_fwd_kernel<dev_t<T>, true><<<ceil_div(N, 4), 128, 0, s>>>(dptr(out), dptr(inp), N, C);
@@ -232,6 +302,8 @@ template <class T> void softmax_backward(T* dinp, const T* dout, const T* out, i
   template void swiglu_forward<T>(T*, const T*, const T*, int64_t, Stream);                  \
   template void swiglu_backward<T>(T*, T*, const T*, const T*, const T*, int64_t, Stream);   \
   template void swiglu_backward_product<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, Stream); \
+  template void swiglu_forward_joined<T>(T*, const T*, int64_t, int, Stream);                        \
+  template void swiglu_backward_joined<T>(T*, T*, const T*, const T*, int64_t, int, Stream);          \
   template void softmax_forward<T>(T*, const T*, int64_t, int, Stream);                      \
   template void softmax_backward<T>(T*, const T*, const T*, int64_t, int, Stream);
 LOOM_ACT(float)

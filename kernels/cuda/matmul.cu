@@ -144,7 +144,8 @@ Plan& get_plan(const PlanKey& k) {
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al[1], 4));
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al[2], 4));
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al[3], 4));
-  if (k.epilogue == CUBLASLT_EPILOGUE_BIAS || k.epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS) {
+  if (k.epilogue == CUBLASLT_EPILOGUE_BIAS || k.epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS ||
+      k.epilogue == CUBLASLT_EPILOGUE_GELU_BIAS) {
     // The bias pointer is set per call; the heuristic only needs to know its type.
     cudaDataType_t bt = t;
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)));
@@ -201,7 +202,7 @@ Plan& get_plan(const PlanKey& k) {
 
 // Returns false (and does nothing) when cuBLASLt has no algorithm for this plan. `epilogue`:
 // CUBLASLT_EPILOGUE_DEFAULT / BIAS (bias given) / GELU_AUX_BIAS (bias and aux = the GELU input
-// written) / DGELU (aux = the GELU input read).
+// written) / GELU_BIAS (bias, no aux) / DGELU (aux = the GELU input read).
 template <class T>
 bool lt_matmul(T* C, const T* A, const T* B, const T* bias, int M, int N, int K, bool ta, bool tb,
                float alpha, float beta, int batch, int64_t sa, int64_t sb, int64_t sc, Stream s,
@@ -337,12 +338,14 @@ void linear_gelu_forward(T* out, T* pre, const T* inp, const T* weight, const T*
                          Stream s) {
   if (N <= 0 || O <= 0) return;
   if (N > INT32_MAX) throw std::runtime_error("linear_gelu_forward: N too large for one GEMM");
+  // pre null (a forward without a backward, e.g. the EMA target): GELU_BIAS writes out alone
   if (bias && lt_matmul(out, inp, weight, bias, int(N), O, I, false, true, 1.f, 0.f, 1, 0, 0, 0, s,
-                        CUBLASLT_EPILOGUE_GELU_AUX_BIAS, pre))
+                        pre ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_BIAS, pre))
     return;
-  say_once("linear_gelu_forward: no cuBLASLt GELU_AUX_BIAS algorithm for this shape; GEMM and GELU run apart");
-  linear_forward(pre, inp, weight, bias, N, I, O, s);
-  gelu_forward(out, pre, N * O, s);
+  say_once("linear_gelu_forward: no cuBLASLt GELU epilogue algorithm for this shape; GEMM and GELU run apart");
+  T* p = pre ? pre : out;
+  linear_forward(p, inp, weight, bias, N, I, O, s);
+  gelu_forward(out, p, N * O, s);
 }
 
 template <class T>

@@ -46,8 +46,8 @@ __device__ __forceinline__ void rope_cos_sin(float& cs, float& sn, int32_t pos, 
 }
 
 template <class DT, bool BACKWARD>
-__global__ void rope_kernel(DT* __restrict__ out, const DT* __restrict__ inp, const int32_t* __restrict__ pos,
-                            int64_t N, int H, int hd, double log_theta) {
+__global__ void rope_kernel(DT* __restrict__ out, int64_t ldo, const DT* __restrict__ inp, int64_t ldi,
+                            const int32_t* __restrict__ pos, int64_t N, int H, int hd, double log_theta) {
   const int half = hd / 2;
   for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < N * half;
        t += int64_t(gridDim.x) * blockDim.x) {
@@ -56,10 +56,10 @@ __global__ void rope_kernel(DT* __restrict__ out, const DT* __restrict__ inp, co
     float cs, sn;
     rope_cos_sin<BACKWARD>(cs, sn, pos[n], i, hd, log_theta);
     for (int h = 0; h < H; h++) {
-      int64_t base = (n * H + h) * hd;
-      float x0 = to_float(inp[base + i]), x1 = to_float(inp[base + i + half]);
-      out[base + i] = from_float<DT>(x0 * cs - x1 * sn);
-      out[base + i + half] = from_float<DT>(x1 * cs + x0 * sn);
+      const int64_t bi = n * ldi + h * hd, bo = n * ldo + h * hd;
+      float x0 = to_float(inp[bi + i]), x1 = to_float(inp[bi + i + half]);
+      out[bo + i] = from_float<DT>(x0 * cs - x1 * sn);
+      out[bo + i + half] = from_float<DT>(x1 * cs + x0 * sn);
     }
   }
 }
@@ -68,8 +68,8 @@ __global__ void rope_kernel(DT* __restrict__ out, const DT* __restrict__ inp, co
 // each (hd / 2 even, pointers aligned to two elements): half the load/store instructions of
 // the kernel above, whose 2-byte accesses kept it at about half the bandwidth.
 template <class DT, bool BACKWARD>
-__global__ void rope2_kernel(DT* __restrict__ out, const DT* __restrict__ inp, const int32_t* __restrict__ pos,
-                             int64_t N, int H, int hd, double log_theta) {
+__global__ void rope2_kernel(DT* __restrict__ out, int64_t ldo, const DT* __restrict__ inp, int64_t ldi,
+                             const int32_t* __restrict__ pos, int64_t N, int H, int hd, double log_theta) {
   const int half = hd / 2, pairs = half / 2;
   for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < N * pairs;
        t += int64_t(gridDim.x) * blockDim.x) {
@@ -79,9 +79,9 @@ __global__ void rope2_kernel(DT* __restrict__ out, const DT* __restrict__ inp, c
     rope_cos_sin<BACKWARD>(cs[0], sn[0], pos[n], i, hd, log_theta);
     rope_cos_sin<BACKWARD>(cs[1], sn[1], pos[n], i + 1, hd, log_theta);
     for (int h = 0; h < H; h++) {
-      const int64_t base = (n * H + h) * hd + i;
-      Pack<DT, 2> a = *reinterpret_cast<const Pack<DT, 2>*>(inp + base);
-      Pack<DT, 2> b = *reinterpret_cast<const Pack<DT, 2>*>(inp + base + half);
+      const int64_t bi = n * ldi + h * hd + i, bo = n * ldo + h * hd + i;
+      Pack<DT, 2> a = *reinterpret_cast<const Pack<DT, 2>*>(inp + bi);
+      Pack<DT, 2> b = *reinterpret_cast<const Pack<DT, 2>*>(inp + bi + half);
       Pack<DT, 2> oa, ob;
 #pragma unroll
       for (int k = 0; k < 2; k++) {
@@ -89,25 +89,26 @@ __global__ void rope2_kernel(DT* __restrict__ out, const DT* __restrict__ inp, c
         oa.v[k] = from_float<DT>(x0 * cs[k] - x1 * sn[k]);
         ob.v[k] = from_float<DT>(x1 * cs[k] + x0 * sn[k]);
       }
-      *reinterpret_cast<Pack<DT, 2>*>(out + base) = oa;
-      *reinterpret_cast<Pack<DT, 2>*>(out + base + half) = ob;
+      *reinterpret_cast<Pack<DT, 2>*>(out + bo) = oa;
+      *reinterpret_cast<Pack<DT, 2>*>(out + bo + half) = ob;
     }
   }
 }
 
 template <class T, bool BACKWARD>
-void launch(T* out, const T* inp, const int32_t* pos, int64_t N, int H, int hd, double theta, Stream s) {
+void launch(T* out, int64_t ldo, const T* inp, int64_t ldi, const int32_t* pos, int64_t N, int H, int hd, double theta,
+            Stream s) {
   if (hd % 2) throw std::runtime_error("rope: head dim must be even, got " + std::to_string(hd));
   int64_t n = N * (hd / 2);
   if (n <= 0 || H <= 0) return;
-  if ((hd / 2) % 2 == 0 && aligned(out, 2 * sizeof(T)) && aligned(inp, 2 * sizeof(T))) {
+  if ((hd / 2) % 2 == 0 && aligned(out, 2 * sizeof(T)) && aligned(inp, 2 * sizeof(T)) && ldo % 2 == 0 && ldi % 2 == 0) {
     const int g = int(std::min<int64_t>((n / 2 + 255) / 256, 8192));
-    rope2_kernel<dev_t<T>, BACKWARD><<<g, 256, 0, s>>>(dptr(out), dptr(inp), pos, N, H, hd, std::log(theta));
+    rope2_kernel<dev_t<T>, BACKWARD><<<g, 256, 0, s>>>(dptr(out), ldo, dptr(inp), ldi, pos, N, H, hd, std::log(theta));
     LAUNCH_CHECK();
     return;
   }
   int g = int(std::min<int64_t>((n + 255) / 256, 8192));
-  rope_kernel<dev_t<T>, BACKWARD><<<g, 256, 0, s>>>(dptr(out), dptr(inp), pos, N, H, hd, std::log(theta));
+  rope_kernel<dev_t<T>, BACKWARD><<<g, 256, 0, s>>>(dptr(out), ldo, dptr(inp), ldi, pos, N, H, hd, std::log(theta));
   LAUNCH_CHECK();
 }
 
@@ -115,16 +116,30 @@ void launch(T* out, const T* inp, const int32_t* pos, int64_t N, int H, int hd, 
 
 template <class T>
 void rope_forward(T* out, const T* inp, const int32_t* pos, int64_t N, int H, int hd, double theta, Stream s) {
-  launch<T, false>(out, inp, pos, N, H, hd, theta, s);
+  launch<T, false>(out, int64_t(H) * hd, inp, int64_t(H) * hd, pos, N, H, hd, theta, s);
 }
 template <class T>
 void rope_backward(T* dinp, const T* dout, const int32_t* pos, int64_t N, int H, int hd, double theta, Stream s) {
-  launch<T, true>(dinp, dout, pos, N, H, hd, theta, s);
+  launch<T, true>(dinp, int64_t(H) * hd, dout, int64_t(H) * hd, pos, N, H, hd, theta, s);
+}
+template <class T>
+void rope_forward_rows(T* out, int64_t ldo, const T* inp, int64_t ldi, const int32_t* pos, int64_t N, int H, int hd,
+                       double theta, Stream s) {
+  launch<T, false>(out, ldo, inp, ldi, pos, N, H, hd, theta, s);
+}
+template <class T>
+void rope_backward_rows(T* dinp, int64_t ldo, const T* dout, int64_t ldi, const int32_t* pos, int64_t N, int H,
+                        int hd, double theta, Stream s) {
+  launch<T, true>(dinp, ldo, dout, ldi, pos, N, H, hd, theta, s);
 }
 
 #define LOOM_ROPE(T)                                                                               \
   template void rope_forward<T>(T*, const T*, const int32_t*, int64_t, int, int, double, Stream);  \
-  template void rope_backward<T>(T*, const T*, const int32_t*, int64_t, int, int, double, Stream);
+  template void rope_backward<T>(T*, const T*, const int32_t*, int64_t, int, int, double, Stream);  \
+  template void rope_forward_rows<T>(T*, int64_t, const T*, int64_t, const int32_t*, int64_t, int, int, double,  \
+                                     Stream);                                                      \
+  template void rope_backward_rows<T>(T*, int64_t, const T*, int64_t, const int32_t*, int64_t, int, int, double, \
+                                      Stream);
 LOOM_ROPE(float)
 LOOM_ROPE(bf16)
 LOOM_ROPE(f16)

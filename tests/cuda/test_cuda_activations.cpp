@@ -59,6 +59,41 @@ TEMPLATE_TEST_CASE("activations: gelu, silu, swiglu forward and backward", "[act
   }
 }
 
+TEMPLATE_TEST_CASE("activations: swiglu over a joined gate|up product", "[activations]", float, bf16, f16) {
+  need_gpu();
+  using T = TestType;
+  const auto t = tol_of<T>();
+  struct Case { int64_t N; int I; int off; };
+  // I % 8 == 0 with aligned pointers takes the vector path; I = 13 or an offset the scalar one
+  for (Case c : {Case{1, 8, 0}, Case{5, 13, 0}, Case{37, 64, 0}, Case{9, 64, 1}, Case{300, 1536, 0}}) {
+    INFO("N " << c.N << " I " << c.I << " offset " << c.off);
+    const int64_t n = c.N * c.I, off = c.off;
+    auto hgu = rounded<T>(rnd(2 * n + off, 65, -4.f, 4.f)), hd = rounded<T>(rnd(n + off, 66));
+    DBuf<T> gu(hgu), d(hd), o(n + off), dgu(2 * n + off), p(n + off);
+    const float* GU = hgu.data() + off;
+    auto tail = [&](const DBuf<T>& b) { auto v = b.get(); return std::vector<float>(v.begin() + off, v.end()); };
+    // the reference: the flat CPU ops on each row's two halves
+    std::vector<float> r(n), rdgu(2 * n);
+    cpu::swiglu_forward_joined(r.data(), GU, c.N, c.I, nullptr);
+    for (int64_t row = 0; row < c.N; row++) {
+      std::vector<float> one(c.I);
+      cpu::swiglu_forward(one.data(), GU + row * 2 * c.I, GU + row * 2 * c.I + c.I, c.I, nullptr);
+      for (int i = 0; i < c.I; i++) REQUIRE(one[size_t(i)] == r[size_t(row * c.I + i)]);
+    }
+    cu::swiglu_forward_joined(o.p + off, gu.p + off, c.N, c.I, S());
+    CHECK_CLOSE(tail(o), r, t, "swiglu_forward_joined");
+    cpu::swiglu_backward_joined(rdgu.data(), (float*)nullptr, hd.data() + off, GU, c.N, c.I, nullptr);
+    cu::swiglu_backward_joined(dgu.p + off, (T*)nullptr, d.p + off, gu.p + off, c.N, c.I, S());
+    CHECK_CLOSE(tail(dgu), rdgu, t, "swiglu_backward_joined dgate|dup");
+    // with the product: the same gradients and the forward's output, bit for bit
+    const auto dg_alone = tail(dgu), fwd = o.get();  // (tails: the poisoned NaN before off is never equal)
+    dgu.poison();
+    cu::swiglu_backward_joined(dgu.p + off, p.p + off, d.p + off, gu.p + off, c.N, c.I, S());
+    CHECK(tail(dgu) == dg_alone);
+    CHECK(tail(p) == std::vector<float>(fwd.begin() + off, fwd.end()));
+  }
+}
+
 TEMPLATE_TEST_CASE("activations: softmax forward and backward", "[activations]", float, bf16, f16) {
   need_gpu();
   using T = TestType;

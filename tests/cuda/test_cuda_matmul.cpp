@@ -75,6 +75,10 @@ TEMPLATE_TEST_CASE("matmul: linear + GELU in the GEMM epilogue, forward and back
     cu::linear_gelu_forward(out.p, pre.p, x.p, w.p, b.p, c.N, c.I, c.O, S());
     CHECK_CLOSE(pre.get(), rpre, tol_of<T>(true), "linear_gelu_forward pre");
     CHECK_CLOSE(out.get(), rout, tol_of<T>(true), "linear_gelu_forward out");
+    // without pre (no backward follows): GELU_BIAS writes out alone, the same values
+    out.poison();
+    cu::linear_gelu_forward(out.p, (T*)nullptr, x.p, w.p, b.p, c.N, c.I, c.O, S());
+    CHECK_CLOSE(out.get(), rout, tol_of<T>(true), "linear_gelu_forward out, no pre");
     // backward of the next layer (C2 outputs) through this GELU: dpre[N,O] = (dout[N,C2] W2[C2,O]) gelu'(pre)
     const int C2 = 24;
     auto hd = rounded<T>(rnd(c.N * C2, 53)), hw2 = rounded<T>(rnd(int64_t(C2) * c.O, 54, -0.3f, 0.3f));

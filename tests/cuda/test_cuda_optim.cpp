@@ -304,3 +304,59 @@ TEST_CASE("CUDA ema_update_many: many tensors, several slices each, skipped step
     CHECK(cpy[i].to_vector<double>() == vector<double>(before[i].size(), 7.0));
   }
 }
+
+// The joined products of a Llama layer on the GPU (autograd/ops.h qkv_rope, mlp_swiglu): with the
+// weights and their gradients as windows of one buffer (the optimizer's flat buffers) one GEMM
+// runs for q|k|v and one for gate|up, with RoPE and SwiGLU on the joined rows; against the CPU
+// f64 ops on separate weights (linear_many + rope, two GEMMs). Values and every gradient.
+TEST_CASE("joined q|k|v and gate|up products on CUDA against separate weights on the CPU", "[optim]") {
+  need_gpu();
+  const int N = 53, C = 64, H = 3, KV = 1, hd = 16, I = 40;
+  const int R = (H + 2 * KV) * hd;
+  Rng rng(77);
+  std::vector<int32_t> pv(N);
+  for (int i = 0; i < N; i++) pv[size_t(i)] = (i * 7) % 23;
+  Tensor pos = Tensor::from_vector(pv, {N});
+  // inputs rounded to bf16 values (exact in every dtype below), so that the reference and the
+  // bf16 run start from the same numbers; magnitudes ~0.5 keep the long sums' absolute error
+  // (53-row weight gradients from bf16 intermediates) inside kCudaBF16's 2e-2
+  auto in = [&](const Shape& sh, double std) { return Tensor::randn(sh, rng, std, DType::F64).to(DType::BF16).to(DType::F64); };
+  Tensor x = in({N, C}, 0.5), buf = in({R + 2 * I, C}, 0.125), wd = in({C, I}, 0.15);
+  Tensor rq = in({N, H, hd}, 0.5), rk = in({N, KV, hd}, 0.5), rv = in({N, KV, hd}, 0.5), rm = in({N, C}, 0.5);
+  const int64_t rows[] = {H * hd, KV * hd, KV * hd, I, I};
+  struct Out { std::vector<Tensor> vals, grads; };
+  // joined: weights and gradients as windows of one buffer each (on `dev` in `dt`); else clones
+  auto run = [&](Device dev, DType dt, bool joined) {
+    auto mv = [&](const Tensor& t) { return t.to(dev).to(dt); };
+    Tensor b = mv(buf), gb = Tensor::zeros({R + 2 * I, C}, dt, dev), xd = mv(x).requires_grad_(), wdd = mv(wd).requires_grad_();
+    std::vector<Tensor> w;
+    int64_t r0 = 0;
+    for (int64_t n : rows) {
+      Tensor t = joined ? b.narrow(0, r0, n) : b.narrow(0, r0, n).clone();
+      t.requires_grad_();
+      if (joined) t.set_grad(gb.narrow(0, r0, n));
+      w.push_back(t);
+      r0 += n;
+    }
+    Tensor p = pos.to(dev);
+    auto qkv = qkv_rope(xd, w[0], w[1], w[2], p, H, KV, hd, 1e4);
+    Tensor m = mlp_swiglu(xd, w[3], w[4], wdd);
+    Tensor loss = add(add(sum(mul(qkv[0], mv(rq))), sum(mul(qkv[1], mv(rk)))),
+                      add(sum(mul(qkv[2], mv(rv))), sum(mul(m, mv(rm)))));
+    backward(loss);
+    Out o{{qkv[0], qkv[1], qkv[2], m}, {xd.grad(), wdd.grad()}};
+    for (auto& t : w) o.grads.push_back(t.grad());
+    return o;
+  };
+  Out ref = run(Device::CPU, DType::F64, false);
+  for (DType dt : {DType::F32, DType::BF16}) {
+    Out got = run(Device::CUDA, dt, true);
+    const tol::Tol& t = dt == DType::F32 ? tol::kCudaF32Gemm : tol::kCudaBF16;
+    const char* vn[] = {"q", "k", "v", "mlp"};
+    const char* gn[] = {"dx", "dWdown", "dWq", "dWk", "dWv", "dWgate", "dWup"};
+    for (size_t i = 0; i < ref.vals.size(); i++)
+      LOOM_CHECK_CLOSE(tol::compare(got.vals[i].to(Device::CPU).to_vector<double>(), ref.vals[i].to_vector<double>(), t, vn[i]));
+    for (size_t i = 0; i < ref.grads.size(); i++)
+      LOOM_CHECK_CLOSE(tol::compare(got.grads[i].to(Device::CPU).to_vector<double>(), ref.grads[i].to_vector<double>(), t, gn[i]));
+  }
+}

@@ -1,0 +1,186 @@
+// bench_gemm_shapes.cpp: the linear layers of the SPEC §3 training steps, one GEMM at a time,
+// as the step runs them (kernels/cuda/matmul.cu): the forward (bias or GELU epilogue), the input
+// gradient (dinp = dout W, beta 0) and the weight gradient (dW += dout^T inp, beta 1), each timed
+// alone (median of 20 event-timed runs after 5 warm-ups, bf16, random inputs), printed as JSON
+// lines with TFLOP/s, then a sum per workload weighted by how often a step runs each shape:
+//   {"impl":"loom","kernel":"gemm_shape","workload":"mim","layer":"enc.qkv","op":"dw",
+//    "M":6272,"I":768,"O":2304,"count":12,"ms":..,"tflops":..}
+// What it answers: which of a step's products run far from the GPU's GEMM rate, and what a
+// step's GEMMs would cost at that rate (the "sum" lines).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/kernels.h"
+
+namespace cu = loom::cuda;
+using loom::bf16;
+
+namespace {
+
+bf16* random_buffer(size_t n, uint64_t seed) {
+  const size_t block = std::min<size_t>(n, 1 << 20);
+  std::vector<bf16> h(block);
+  std::mt19937_64 g(seed);
+  std::uniform_real_distribution<float> d(-1.f, 1.f);
+  for (auto& x : h) x = bf16(d(g));
+  bf16* p = static_cast<bf16*>(cu::device_malloc(n * sizeof(bf16)));
+  for (size_t off = 0; off < n; off += block)
+    cu::memcpy_h2d(p + off, h.data(), std::min(block, n - off) * sizeof(bf16), cu::default_stream());
+  return p;
+}
+
+double median_ms(const std::function<void()>& f) {
+  cudaStream_t s = cu::default_stream();
+  for (int i = 0; i < 5; i++) f();
+  std::vector<double> ms;
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  for (int i = 0; i < 20; i++) {
+    cudaEventRecord(a, s);
+    f();
+    cudaEventRecord(b, s);
+    cudaEventSynchronize(b);
+    float t = 0;
+    cudaEventElapsedTime(&t, a, b);
+    ms.push_back(t);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+// One linear layer of a step: M rows through I -> O, `count` times a step; `gelu`: the
+// forward's GELU epilogue; `grad`: the step also runs its backward (not the EMA target).
+struct Shape {
+  const char* workload;
+  const char* layer;
+  int64_t M;
+  int I, O, count;
+  bool gelu, grad, bias;
+};
+
+}  // namespace
+
+int main() {
+  if (!cu::available()) {
+    std::fprintf(stderr, "no CUDA device\n");
+    return 4;
+  }
+  cudaStream_t s = cu::default_stream();
+  // MIM: B 128, 196 patches, 49 kept; ViT-B/16 (12 blocks) and the 384-wide predictor (4 blocks).
+  // VLM: SmolLM2-135M on 8 x 2048 tokens (30 layers), ViT-B/16 on 56 images (the SPEC batch's
+  // mean), the projector on their 49 tokens each.
+  const int64_t enc = 128 * 49, all = 128 * 196, lm = 16384, vit = 56 * 196;
+  std::vector<Shape> shapes = {
+      {"mim", "enc.patch", enc, 768, 768, 1, false, true, true},
+      {"mim", "enc.qkv", enc, 768, 2304, 12, false, true, true},
+      {"mim", "enc.proj", enc, 768, 768, 12, false, true, true},
+      {"mim", "enc.fc1", enc, 768, 3072, 12, true, true, true},
+      {"mim", "enc.fc2", enc, 3072, 768, 12, false, true, true},
+      {"mim", "pred_in", enc, 768, 384, 1, false, true, true},
+      {"mim", "pred.qkv", all, 384, 1152, 4, false, true, true},
+      {"mim", "pred.proj", all, 384, 384, 4, false, true, true},
+      {"mim", "pred.fc1", all, 384, 1536, 4, true, true, true},
+      {"mim", "pred.fc2", all, 1536, 384, 4, false, true, true},
+      {"mim", "pred_out", all, 384, 768, 1, false, true, true},
+      {"mim", "target.patch", all, 768, 768, 1, false, false, true},
+      {"mim", "target.qkv", all, 768, 2304, 12, false, false, true},
+      {"mim", "target.proj", all, 768, 768, 12, false, false, true},
+      {"mim", "target.fc1", all, 768, 3072, 12, true, false, true},
+      {"mim", "target.fc2", all, 3072, 768, 12, false, false, true},
+      {"vlm", "vit.patch", vit, 768, 768, 1, false, true, true},
+      {"vlm", "vit.qkv", vit, 768, 2304, 12, false, true, true},
+      {"vlm", "vit.proj", vit, 768, 768, 12, false, true, true},
+      {"vlm", "vit.fc1", vit, 768, 3072, 12, true, true, true},
+      {"vlm", "vit.fc2", vit, 3072, 768, 12, false, true, true},
+      {"vlm", "projector", 56 * 49, 3072, 576, 1, false, true, false},
+      {"vlm", "lm.q", lm, 576, 576, 30, false, true, false},
+      {"vlm", "lm.k", lm, 576, 192, 30, false, true, false},
+      {"vlm", "lm.v", lm, 576, 192, 30, false, true, false},
+      {"vlm", "lm.o", lm, 576, 576, 30, false, true, false},
+      {"vlm", "lm.gate", lm, 576, 1536, 30, false, true, false},
+      {"vlm", "lm.up", lm, 576, 1536, 30, false, true, false},
+      {"vlm", "lm.down", lm, 1536, 576, 30, false, true, false},
+      // not run by the step: q, k, v as one product and gate, up as one (weights side by side)
+      {"vlm_joined", "lm.qkv", lm, 576, 960, 30, false, true, false},
+      {"vlm_joined", "lm.gate_up", lm, 576, 3072, 30, false, true, false},
+  };
+  std::map<std::string, double> sum_ms, sum_flop;
+  for (const Shape& sh : shapes) {
+    const size_t in = size_t(sh.M) * sh.I, out = size_t(sh.M) * sh.O, w = size_t(sh.I) * sh.O;
+    bf16 *x = random_buffer(in, 1), *y = random_buffer(out, 2), *dy = random_buffer(out, 3),
+         *dx = random_buffer(in, 4), *W = random_buffer(w, 5), *dW = random_buffer(w, 6),
+         *b = random_buffer(size_t(sh.O), 7), *pre = sh.gelu ? random_buffer(out, 8) : nullptr;
+    const double flop = 2.0 * double(sh.M) * sh.I * sh.O;
+    auto one = [&](const char* op, const std::function<void()>& f) {
+      double ms = median_ms(f);
+      std::printf(
+          "{\"impl\":\"loom\",\"kernel\":\"gemm_shape\",\"workload\":\"%s\",\"layer\":\"%s\",\"op\":\"%s\",\"M\":%lld,"
+          "\"I\":%d,\"O\":%d,\"count\":%d,\"ms\":%.4f,\"tflops\":%.1f}\n",
+          sh.workload, sh.layer, op, (long long)sh.M, sh.I, sh.O, sh.count, ms, flop / ms / 1e9);
+      std::fflush(stdout);
+      std::string k = std::string(sh.workload) + " " + op;
+      sum_ms[k] += ms * sh.count;
+      sum_flop[k] += flop * sh.count;
+    };
+    if (sh.gelu)
+      one("fwd", [&] { cu::linear_gelu_forward(y, pre, x, W, b, sh.M, sh.I, sh.O, s); });
+    else
+      one("fwd", [&] { cu::linear_forward(y, x, W, sh.bias ? b : nullptr, sh.M, sh.I, sh.O, s); });
+    if (sh.grad) {
+      one("dx", [&] { cu::gemm(dx, dy, W, int(sh.M), sh.I, sh.O, false, false, 1.0, 0.0, 1, 0, 0, 0, s); });
+      one("dw", [&] { cu::gemm(dW, dy, x, sh.O, sh.I, int(sh.M), true, false, 1.0, 1.0, 1, 0, 0, 0, s); });
+    }
+    // a ViT's q, k, v (three D x D parts of qkv): as the step runs them (three GEMMs) and as one
+    // strided-batched GEMM whose input has batch stride 0 (the outputs stay three [M, D] blocks)
+    if (std::string(sh.layer).find(".qkv") != std::string::npos && sh.O == 3 * sh.I) {
+      const int D = sh.I;
+      const double f3 = flop;
+      auto extra = [&](const char* op, const std::function<void()>& f) {
+        try {
+          double ms = median_ms(f);
+          std::printf("{\"impl\":\"loom\",\"kernel\":\"gemm_shape_qkv\",\"workload\":\"%s\",\"layer\":\"%s\",\"op\":\"%s\","
+                      "\"M\":%lld,\"D\":%d,\"ms\":%.4f,\"tflops\":%.1f}\n",
+                      sh.workload, sh.layer, op, (long long)sh.M, D, ms, f3 / ms / 1e9);
+        } catch (const std::exception& e) {
+          std::printf("{\"kernel\":\"gemm_shape_qkv\",\"layer\":\"%s\",\"op\":\"%s\",\"error\":\"%s\"}\n", sh.layer, op, e.what());
+        }
+        std::fflush(stdout);
+      };
+      extra("fwd_3", [&] {
+        for (int p = 0; p < 3; p++) cu::linear_forward(y + p * sh.M * D, x, W + p * D * D, b + p * D, sh.M, D, D, s);
+      });
+      extra("fwd_batched", [&] {
+        cu::gemm(y, x, W, int(sh.M), D, D, false, true, 1.0, 0.0, 3, 0, int64_t(D) * D, sh.M * D, s);
+      });
+      if (sh.grad) {
+        extra("dw_3", [&] {
+          for (int p = 0; p < 3; p++)
+            cu::gemm(dW + p * D * D, dy + p * sh.M * D, x, D, D, int(sh.M), true, false, 1.0, 1.0, 1, 0, 0, 0, s);
+        });
+        extra("dw_batched", [&] {
+          cu::gemm(dW, dy, x, D, D, int(sh.M), true, false, 1.0, 1.0, 3, sh.M * D, 0, int64_t(D) * D, s);
+        });
+        extra("dx_3", [&] {
+          for (int p = 0; p < 3; p++)
+            cu::gemm(dx, dy + p * sh.M * D, W + p * D * D, int(sh.M), D, D, false, false, 1.0, p ? 1.0 : 0.0, 1, 0, 0, 0, s);
+        });
+      }
+    }
+    for (bf16* p : {x, y, dy, dx, W, dW, b, pre})
+      if (p) cu::device_free(p);
+  }
+  for (auto& kv : sum_ms)
+    std::printf("{\"impl\":\"loom\",\"kernel\":\"gemm_shape_sum\",\"what\":\"%s\",\"ms\":%.3f,\"tflops\":%.1f}\n",
+                kv.first.c_str(), kv.second, sum_flop[kv.first] / kv.second / 1e9);
+  return 0;
+}
