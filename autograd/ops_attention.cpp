@@ -57,7 +57,18 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const SeqInf
   if (any_requires_grad({q, k, v}))
     record("attention", {out}, [q, k, v, qc, kc, vc, out, lse, seq, Nq, Nk, H, KV, hd, causal, scale]() {
       Tensor g = grad_of(out).contiguous();
-      Tensor dq = Tensor::empty_like(qc), dk = Tensor::empty_like(kc), dv = Tensor::empty_like(vc);
+      // q, k and v of one shape (a ViT's): their gradients one after another in one buffer, so
+      // that the qkv projection's backward takes its three weight gradients in one batched GEMM
+      // (linear_parts)
+      Tensor dq, dk, dv;
+      if (qc.shape() == kc.shape()) {
+        Tensor d3 = Tensor::empty({3, qc.numel()}, qc.dtype(), qc.device());
+        dq = d3.narrow(0, 0, 1).view(qc.shape());
+        dk = d3.narrow(0, 1, 1).view(qc.shape());
+        dv = d3.narrow(0, 2, 1).view(qc.shape());
+      } else {
+        dq = Tensor::empty_like(qc), dk = Tensor::empty_like(kc), dv = Tensor::empty_like(vc);
+      }
       // delta [Nq, H]; the CUDA single pass also needs its fp32 dq accumulator [Nq, H, hd]
       Tensor ws = acc_empty({Nq, H, q.is_cuda() ? hd + 1 : 1}, q);
       dispatch_float(g, [&](auto dev, auto zero) {

@@ -105,13 +105,43 @@ struct LinearPart {
 // epilogue) into its own contiguous output. Backward: dx = sum_p g_p W_p accumulated by the
 // GEMMs themselves (beta = 1 after the first), so no separate add kernels; dW_p, db_p (+=)
 // land in their rows of the weights' gradient buffers.
+// Parts of equal width taken in turn from one weight (and bias), linear_split's case: one
+// batched GEMM writes them all into one [P, N, O] buffer, each part a contiguous block of it.
+bool one_batch(const std::vector<LinearPart>& parts) {
+  if (parts.size() < 2) return false;
+  for (size_t p = 0; p < parts.size(); p++)
+    if (!parts[p].weight.same(parts[0].weight) || !parts[p].bias.same(parts[0].bias) || parts[p].rows != parts[0].rows ||
+        parts[p].row0 != parts[0].row0 + int64_t(p) * parts[0].rows)
+      return false;
+  return parts[0].weight.is_contiguous() && (!parts[0].bias.defined() || parts[0].bias.is_contiguous());
+}
+
 std::vector<Tensor> linear_parts(const Tensor& x, const std::vector<LinearPart>& parts) {
   const int I = int(parts[0].weight.size(1));
   Tensor xc = x.contiguous();
   const int64_t N = xc.numel() / I;
   std::vector<Tensor> outs, wcs;
   bool needs_grad = x.requires_grad() && grad_enabled();
-  for (auto& p : parts) {
+  const bool batched = one_batch(parts);
+  Tensor all;  // batched: [P, N, O]
+  if (batched) {
+    const LinearPart& p0 = parts[0];
+    for (auto& p : parts) check_same("linear", {x, p.weight, p.bias});
+    LOOM_CHECK(p0.weight.dim() == 2 && x.size(-1) == I && p0.row0 >= 0 &&
+                   p0.row0 + int64_t(parts.size()) * p0.rows <= p0.weight.size(0) &&
+                   (!p0.bias.defined() || p0.bias.numel() == p0.weight.size(0)),
+               "linear: x %s with weight %s in %zu parts of %lld rows and bias %s", x.desc().c_str(),
+               p0.weight.desc().c_str(), parts.size(), (long long)p0.rows, p0.bias.desc().c_str());
+    all = Tensor::empty({int64_t(parts.size()), N, p0.rows}, x.dtype(), x.device());
+    dispatch_float(xc, [&](auto dev, auto zero) {
+      using T = decltype(zero);
+      KERNEL(dev, linear_forward_batched)(all.data<T>(), xc.data<T>(), p0.weight.data<T>() + p0.row0 * I,
+                                          p0.bias.defined() ? p0.bias.data<T>() + p0.row0 : (T*)nullptr, N, I,
+                                          int(p0.rows), int(parts.size()), stream_for(dev));
+    });
+  }
+  for (size_t pi = 0; pi < parts.size(); pi++) {
+    const LinearPart& p = parts[pi];
     check_same("linear", {x, p.weight, p.bias});
     LOOM_CHECK(p.weight.dim() == 2 && p.weight.size(1) == I && x.size(-1) == I && p.row0 >= 0 &&
                    p.row0 + p.rows <= p.weight.size(0) && (!p.bias.defined() || p.bias.numel() == p.weight.size(0)),
@@ -121,6 +151,11 @@ std::vector<Tensor> linear_parts(const Tensor& x, const std::vector<LinearPart>&
     wcs.push_back(wc);
     Shape os = x.shape();
     os.back() = p.rows;
+    if (batched) {
+      outs.push_back(all.narrow(0, int64_t(pi), 1).view(os));
+      needs_grad |= any_requires_grad({p.weight, p.bias});
+      continue;
+    }
     Tensor out = Tensor::empty(os, x.dtype(), x.device());
     dispatch_float(xc, [&](auto dev, auto zero) {
       using T = decltype(zero);
@@ -132,9 +167,30 @@ std::vector<Tensor> linear_parts(const Tensor& x, const std::vector<LinearPart>&
     needs_grad |= any_requires_grad({p.weight, p.bias});
   }
   if (needs_grad)
-    record("linear", outs, [x, xc, parts, wcs, outs, N, I]() {
+    record("linear", outs, [x, xc, parts, wcs, outs, N, I, batched]() {
       Tensor dx = x.requires_grad() ? Tensor::empty(x.shape(), x.dtype(), x.device()) : Tensor();
       bool dx_written = false;
+      // the parts' weight gradients in one batched GEMM when their output gradients lie one
+      // after another too (the attention backward writes dq, dk, dv so): dW_p += g_p^T x
+      bool dw_done = false;
+      if (batched) {
+        std::vector<Tensor> gs;
+        for (auto& o : outs) gs.push_back(grad_of(o));
+        Tensor dw = grad_buffer(parts[0].weight);
+        const int64_t O = parts[0].rows, step = N * O * int64_t(dtype_size(xc.dtype()));
+        bool spaced = dw.defined() && parts[0].weight.is_contiguous();
+        for (size_t p = 0; p < gs.size() && spaced; p++)
+          spaced = gs[p].defined() && gs[p].is_contiguous() &&
+                   static_cast<const char*>(gs[p].raw()) == static_cast<const char*>(gs[0].raw()) + int64_t(p) * step;
+        if (spaced) {
+          dispatch_float(gs[0], [&](auto dev, auto zero) {
+            using T = decltype(zero);
+            KERNEL(dev, gemm)(dw.data<T>() + parts[0].row0 * I, gs[0].data<T>(), xc.data<T>(), int(O), I, int(N), true,
+                              false, 1.0, 1.0, int(gs.size()), N * O, 0, O * I, stream_for(dev));
+          });
+          dw_done = true;
+        }
+      }
       for (size_t p = 0; p < parts.size(); p++) {
         Tensor g = grad_of(outs[p]);
         if (!g.defined()) continue;  // this part did not reach the loss
@@ -148,7 +204,7 @@ std::vector<Tensor> linear_parts(const Tensor& x, const std::vector<LinearPart>&
           if (dx.defined())
             KERNEL(dev, gemm)(dx.data<T>(), g.data<T>(), wp, int(N), I, lp.rows, false, false, 1.0,
                               dx_written ? 1.0 : 0.0, 1, 0, 0, 0, stream_for(dev));
-          KERNEL(dev, linear_backward)((T*)nullptr, dw.defined() ? dw.data<T>() + lp.row0 * I : (T*)nullptr,
+          KERNEL(dev, linear_backward)((T*)nullptr, dw.defined() && !dw_done ? dw.data<T>() + lp.row0 * I : (T*)nullptr,
                                        db.defined() ? db.data<T>() + lp.row0 : (T*)nullptr, g.data<T>(), xc.data<T>(),
                                        wp, N, I, lp.rows, stream_for(dev));
         });

@@ -144,6 +144,13 @@ void linear_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* inp,
 }
 
 template <class T>
+void linear_forward_batched(T* out, const T* inp, const T* weight, const T* bias, int64_t N, int I, int O, int batch,
+                            Stream s) {
+  for (int b = 0; b < batch; b++)
+    linear_forward(out + b * N * O, inp, weight + int64_t(b) * O * I, bias ? bias + int64_t(b) * O : nullptr, N, I, O, s);
+}
+
+template <class T>
 void linear_gelu_forward(T* out, T* pre, const T* inp, const T* weight, const T* bias, int64_t N, int I, int O,
                          Stream s) {
   // pre null (no backward follows): the product goes to out and the GELU runs there in place;
@@ -170,6 +177,7 @@ void linear_dgelu_backward(T* dpre, T* dbias, const T* dout, const T* weight, co
   template void linear_forward<T>(T*, const T*, const T*, const T*, int64_t, int, int, Stream); \
   template void linear_backward<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, int, int, \
                                    Stream);                                                   \
+  template void linear_forward_batched<T>(T*, const T*, const T*, const T*, int64_t, int, int, int, Stream); \
   template void linear_gelu_forward<T>(T*, T*, const T*, const T*, const T*, int64_t, int, int, Stream); \
   template void linear_dgelu_backward<T>(T*, T*, const T*, const T*, const T*, int64_t, int, int, Stream);
 LOOM_MATMUL(float)

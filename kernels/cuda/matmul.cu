@@ -149,6 +149,10 @@ Plan& get_plan(const PlanKey& k) {
     // The bias pointer is set per call; the heuristic only needs to know its type.
     cudaDataType_t bt = t;
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)));
+    if (k.batch > 1) {  // a bias per batch item, one after another (linear_forward_batched)
+      int64_t bs = k.N;
+      CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE, &bs, sizeof(bs)));
+    }
   }
   if (k.epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS || k.epilogue == CUBLASLT_EPILOGUE_DGELU) {
     // the GELU input ("aux"): laid out like the output, row-major [M, N] = column-major ld N
@@ -313,6 +317,18 @@ void linear_forward(T* out, const T* inp, const T* weight, const T* bias, int64_
 }
 
 template <class T>
+void linear_forward_batched(T* out, const T* inp, const T* weight, const T* bias, int64_t N, int I, int O, int batch,
+                            Stream s) {
+  if (N <= 0 || O <= 0 || batch <= 0) return;
+  if (N > INT32_MAX) throw std::runtime_error("linear_forward_batched: N too large for one GEMM");
+  if (batch > 1 && lt_matmul(out, inp, weight, bias, int(N), O, I, false, true, 1.f, 0.f, batch, 0, int64_t(O) * I,
+                             N * O, s))
+    return;
+  for (int b = 0; b < batch; b++)  // one item, or no batched algorithm: one GEMM each
+    linear_forward(out + b * N * O, inp, weight + int64_t(b) * O * I, bias ? bias + int64_t(b) * O : nullptr, N, I, O, s);
+}
+
+template <class T>
 void linear_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* inp, const T* weight, int64_t N,
                      int I, int O, Stream s) {
   if (N <= 0) return;
@@ -367,6 +383,7 @@ void linear_dgelu_backward(T* dpre, T* dbias, const T* dout, const T* weight, co
                         int64_t, int64_t, Stream);                                                     \
   template void linear_forward<T>(T*, const T*, const T*, const T*, int64_t, int, int, Stream);        \
   template void linear_backward<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, int, int, Stream); \
+  template void linear_forward_batched<T>(T*, const T*, const T*, const T*, int64_t, int, int, int, Stream); \
   template void linear_gelu_forward<T>(T*, T*, const T*, const T*, const T*, int64_t, int, int, Stream);  \
   template void linear_dgelu_backward<T>(T*, T*, const T*, const T*, const T*, int64_t, int, int, Stream);
 LOOM_MATMUL(float)

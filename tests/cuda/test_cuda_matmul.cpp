@@ -58,6 +58,30 @@ TEMPLATE_TEST_CASE("matmul: linear forward and backward", "[matmul]", float, bf1
   }
 }
 
+TEMPLATE_TEST_CASE("matmul: linear_forward_batched (parts of one weight, input batch stride 0)", "[matmul]", float, bf16,
+                   f16) {
+  need_gpu();
+  using T = TestType;
+  struct Case { int64_t N; int I, O, batch; };
+  for (Case c : {Case{1, 8, 16, 3}, Case{37, 48, 64, 3}, Case{300, 64, 40, 2}, Case{129, 24, 8, 1}}) {
+    INFO("N " << c.N << " I " << c.I << " O " << c.O << " batch " << c.batch);
+    const int64_t per = c.N * c.O;
+    auto hx = rounded<T>(rnd(c.N * c.I, 56)), hw = rounded<T>(rnd(int64_t(c.batch) * c.O * c.I, 57, -0.3f, 0.3f));
+    auto hb = rounded<T>(rnd(int64_t(c.batch) * c.O, 58));
+    DBuf<T> x(hx), w(hw), b(hb), out(c.batch * per);
+    for (bool bias : {true, false}) {
+      // the reference: one CPU linear per part
+      std::vector<float> ref(size_t(c.batch * per));
+      for (int p = 0; p < c.batch; p++)
+        cpu::linear_forward(ref.data() + p * per, hx.data(), hw.data() + int64_t(p) * c.O * c.I,
+                            bias ? hb.data() + int64_t(p) * c.O : nullptr, c.N, c.I, c.O, nullptr);
+      out.poison();
+      cu::linear_forward_batched(out.p, x.p, w.p, bias ? b.p : nullptr, c.N, c.I, c.O, c.batch, S());
+      CHECK_CLOSE(out.get(), ref, tol_of<T>(true), bias ? "linear_forward_batched bias" : "linear_forward_batched");
+    }
+  }
+}
+
 TEMPLATE_TEST_CASE("matmul: linear + GELU in the GEMM epilogue, forward and backward", "[matmul]", float, bf16, f16) {
   need_gpu();
   using T = TestType;
