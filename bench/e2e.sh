@@ -5,8 +5,8 @@
 # memory, and the ratio to each PyTorch row.
 #   bash bench/e2e.sh [BUILD_DIR]          writes $OUT (default bench/out)/e2e_*.jsonl, e2e_table.md
 # E2E_STEPS (default 30; the first 5 are warm-up and the capture of the CUDA graph) and
-# E2E_TORCH=0 (skip the reference) shorten it. The vlm_sft row (a new batch at every step) runs
-# twice as many steps and counts the first half as warm-up: its image count meets new matmul
+# E2E_TORCH=0 (skip the reference) shorten it. The vlm_sft rows with a new batch at every step
+# (vlm_sft, vlm_sft_ckpt) run twice as many steps and count the first half as warm-up: its image count meets new matmul
 # shapes in its first ~30 steps (kernels/cuda/matmul.cu, "Plans": such steps took up to 16 ms
 # longer, and none came after step 29 of 60), which a fixed batch meets in its first step.
 set -uo pipefail
@@ -35,7 +35,7 @@ run mim_ckpt "$STEPS" 5 bench_mim.cfg --train.grad_checkpointing=true
 run mim_contrastive "$STEPS" 5 bench_mim.cfg --model.contrastive=true
 run vlm_sft $((2 * STEPS)) "$STEPS" bench_vlm_sft.cfg
 run vlm_sft_fixed "$STEPS" 5 bench_vlm_sft.cfg --data.repeat_batch=true  # one batch every step, as the reference
-run vlm_sft_ckpt "$STEPS" 5 bench_vlm_sft.cfg --train.grad_checkpointing=true
+run vlm_sft_ckpt $((2 * STEPS)) "$STEPS" bench_vlm_sft.cfg --train.grad_checkpointing=true  # new batches too
 REF=../shared/reference/torch_ref.py
 [ -f "$REF" ] || REF=.deps/shared/reference/torch_ref.py
 rm -f "$OUT/torch_ref.jsonl"
