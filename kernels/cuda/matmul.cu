@@ -9,6 +9,10 @@
  *   linear_backward  dinp[N,I] = dout[N,O] W[O,I]                               (=)
  *                    dW[O,I]  += dout^T inp                                     (+=, beta 1)
  *                    dbias[O] += sum_rows dout                                  (+=)
+ *   linear_forward_batched  out[b] = inp W_b^T + bias_b, W_b / bias_b / out[b] one after another
+ *                    (parts of one weight: a ViT's q, k, v): one strided-batched GEMM whose input
+ *                    has batch stride 0 and whose bias epilogue steps by O per item
+ *                    (CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE)
  * cuBLASLt is column-major: a row-major X[r,c] is the column-major X^T. So C = op(A) op(B)
  *   is computed as C^T = op(B)^T op(A)^T: Lt's "A" is our B, its "B" is our A, m = N, n = M.
  * Precision: bf16 inputs use CUBLAS_COMPUTE_32F (tensor cores, fp32 accumulate). fp32 inputs
@@ -16,7 +20,9 @@
  *   _FAST_TF32 compute type), so the f32 path stays exact enough for the f32 fixtures.
  * Epilogues: linear_forward adds the bias in cuBLASLt's BIAS epilogue (one pass over out
  *   instead of two). linear_gelu_forward uses GELU_AUX_BIAS: out = gelu(acc + bias) and the
- *   pre-activation written beside it (aux) for the backward; linear_dgelu_backward uses DGELU:
+ *   pre-activation written beside it (aux) for the backward (GELU_BIAS, out alone, when no backward
+ *   follows: pre null; the aux store made fc1 1.5-1.7x as long as a product of the same FLOPs
+ *   without an epilogue, H100 2026-11-27); linear_dgelu_backward uses DGELU:
  *   dpre = (dout W) * gelu'(aux) in the GEMM's epilogue, then the bias column sum (+=). cuBLASLt's
  *   GELU is the tanh approximation, the one the CPU reference uses (tests/cuda compare them). dbias is a column-sum kernel, not cuBLASLt's
  *   BGRADB / DGELU_BGRAD epilogues. Both were measured in the SPEC MIM step (H100, 2026-11-24,
