@@ -87,8 +87,10 @@ Tensor softmax(const Tensor& x);  // over the last dim
 Tensor embedding(const Tensor& ids, const Tensor& table);
 
 // ---- indexing and layout (ops_index.cpp)
-// x [B, N, C], idx int32 [B, K] -> [B, K, C]
-Tensor gather_rows(const Tensor& x, const Tensor& idx);
+// x [B, N, C], idx int32 [B, K] -> [B, K, C]. distinct: the caller promises no index repeats
+// within a b (then the backward sets rows instead of adding them in k order: one thread per
+// element instead of one per (b, c) column)
+Tensor gather_rows(const Tensor& x, const Tensor& idx, bool distinct = false);
 // base [B, N, C] with rows idx [B, K] replaced by src [B, K, C] (indices distinct per b)
 Tensor scatter_rows(const Tensor& base, const Tensor& idx, const Tensor& src);
 // images [B, Ch, H, W] -> [B, (H/p)(W/p), p*p*Ch]   (SPEC §1 order)

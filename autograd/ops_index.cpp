@@ -3,7 +3,7 @@
 
 namespace loom {
 
-Tensor gather_rows(const Tensor& x, const Tensor& idx) {
+Tensor gather_rows(const Tensor& x, const Tensor& idx, bool distinct) {
   check_index("gather_rows", idx, x);
   LOOM_CHECK(x.dim() == 3 && idx.dim() == 2 && idx.size(0) == x.size(0),
              "gather_rows: expected x [B, N, C] and idx [B, K], got %s and %s", x.desc().c_str(), idx.desc().c_str());
@@ -15,11 +15,13 @@ Tensor gather_rows(const Tensor& x, const Tensor& idx) {
     KERNEL(dev, gather_rows)(out.data<T>(), xc.data<T>(), ic.data<int32_t>(), B, N, K, C, stream_for(dev));
   });
   if (any_requires_grad({x}))
-    record("gather_rows", {out}, [x, ic, out, B, N, K, C]() {
+    record("gather_rows", {out}, [x, ic, out, B, N, K, C, distinct]() {
       Tensor g = grad_of(out).contiguous(), dx = Tensor::zeros(x.shape(), x.dtype(), x.device());
       dispatch_float(g, [&](auto dev, auto zero) {
         using T = decltype(zero);
-        KERNEL(dev, scatter_rows)(dx.data<T>(), ic.data<int32_t>(), g.data<T>(), B, N, K, C, true, stream_for(dev));
+        // into zeros, distinct rows: setting them is adding them (one thread per element)
+        KERNEL(dev, scatter_rows)(dx.data<T>(), ic.data<int32_t>(), g.data<T>(), B, N, K, C, !distinct,
+                                  stream_for(dev));
       });
       accumulate_grad(x, dx, true);
     });

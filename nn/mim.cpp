@@ -59,7 +59,9 @@ Tensor LatentMIM::view_loss(const MIMView& v, Tensor* z_out) const {
   full = scatter_rows(full, v.keep, pred_in.forward(z));
   Tensor x = add(full, pred_pos);
   SeqInfo rows = SeqInfo::dense(B, N, x.device());
-  Tensor p = gather_rows(pred_out.forward(vit_stack(pred_blocks, pred_norm, x, rows, checkpoint_blocks)), v.masked);
+  // (masked: a permutation's tail, distinct per sample)
+  Tensor p = gather_rows(pred_out.forward(vit_stack(pred_blocks, pred_norm, x, rows, checkpoint_blocks)), v.masked,
+                         /*distinct=*/true);
   if (z_out) *z_out = z;
   // the loss in f32 for 16-bit activations (bf16, f16): softmax over M patches
   const bool half = p.dtype() == DType::BF16 || p.dtype() == DType::F16;

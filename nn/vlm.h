@@ -19,7 +19,12 @@ struct VLMBatch {
   Tensor ids, pos, targets;  // int32 [Ntok] (rows flattened)
   Tensor image_positions;  // int32 [Bi * image_tokens]: where image tokens go, in order
   SeqInfo seq;             // cu_seqlens over the flattened rows
+  // optional (the loader's batches have them): the rows whose target is >= 0, in order, and
+  // those targets, int32 [K]. Then only these K rows go through the tied head (VLM::loss).
+  Tensor loss_rows, loss_targets;
 };
+// loss_rows / loss_targets of a flattened target vector (the host side of a batch)
+void loss_rows_of(const std::vector<int32_t>& targets, std::vector<int32_t>& rows, std::vector<int32_t>& kept);
 
 class VLM : public Module {
  public:

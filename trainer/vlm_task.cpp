@@ -255,6 +255,10 @@ VLMBatch to_device(const VLMData& d, const PackedBatch& pb, Device dev, DType dt
   b.targets = Tensor::from_vector(pb.targets, {n}, dev);
   b.image_positions = Tensor::from_vector(pb.image_positions, {int64_t(pb.image_positions.size())}, dev);
   b.seq = SeqInfo::packed(pb.cu_seqlens, dev);
+  std::vector<int32_t> rows, kept;
+  loss_rows_of(pb.targets, rows, kept);
+  b.loss_rows = Tensor::from_vector(rows, {int64_t(rows.size())}, dev);
+  b.loss_targets = Tensor::from_vector(kept, {int64_t(kept.size())}, dev);
   return b;
 }
 
@@ -262,8 +266,12 @@ StagedBatch stage_batch(const VLMData& d, const PackedBatch& pb, const std::shar
   const int64_t n = int64_t(pb.ids.size()), ni = int64_t(pb.images.size());
   const size_t px = size_t(d.channels) * d.image_size * d.image_size;
   const int64_t nip = int64_t(pb.image_positions.size()), ncu = int64_t(pb.cu_seqlens.size());
+  std::vector<int32_t> rows, kept;
+  loss_rows_of(pb.targets, rows, kept);
+  const int64_t nk = int64_t(rows.size());
   StagedBatch b(pool, StagedBatch::bytes_for({{dtype, ni * int64_t(px)}, {DType::I32, n}, {DType::I32, n},
-                                              {DType::I32, n}, {DType::I32, nip}, {DType::I32, ncu}}));
+                                              {DType::I32, n}, {DType::I32, nip}, {DType::I32, ncu},
+                                              {DType::I32, nk}, {DType::I32, nk}}));
   void* img = b.add("images", dtype, {ni, d.channels, d.image_size, d.image_size});
   for (int64_t i = 0; i < ni; i++) {
     const float* src = d.images[size_t(pb.images[size_t(i)])].data();
@@ -284,6 +292,8 @@ StagedBatch stage_batch(const VLMData& d, const PackedBatch& pb, const std::shar
   put("targets", pb.targets);
   put("image_positions", pb.image_positions);
   put("cu_seqlens", pb.cu_seqlens);
+  put("loss_rows", rows);
+  put("loss_targets", kept);
   LOOM_CHECK(ncu >= 2 && pb.cu_seqlens[0] == 0, "packed batch: cu_seqlens must start at 0 and hold a sequence");
   b.meta["nseq"] = ncu - 1;
   b.meta["max_seqlen"] = pb.max_seqlen;
@@ -303,6 +313,10 @@ VLMBatch from_staged(const StagedBatch& b, const std::map<std::string, Tensor>& 
   v.seq.cu_k = v.seq.cu_q;
   v.seq.nseq = int(b.meta.at("nseq"));
   v.seq.max_seqlen = int(b.meta.at("max_seqlen"));
+  if (t.count("loss_rows")) {
+    v.loss_rows = t.at("loss_rows");
+    v.loss_targets = t.at("loss_targets");
+  }
   return v;
 }
 

@@ -25,7 +25,7 @@
  *   linear scan) took 14.5 ms on a SPEC VLM batch (16k tokens, ~3.2k image placeholders,
  *   H100); v2_chunked_runs finds run ends by binary search and spreads long runs over blocks.
  *   scatter_rows with accumulate: one thread per (b, c) walks k in order: no races even when
- *   an index repeats.
+ *   an index repeats; without (distinct indices) one thread per element (scatter_rows_set).
  * Napkin bytes: all of these move each element once (embedding backward: dout once, the
  *   sort 16 B per token).
  * Launch shape: grid-stride, 256 threads, one thread per output element (gathers read
@@ -169,6 +169,20 @@ __global__ void scatter_rows_kernel(DT* __restrict__ out, const int32_t* __restr
       float v = to_float(src[(int64_t(b) * K + k) * C + c]);
       *o = from_float<DT>(accumulate ? to_float(*o) + v : v);
     }
+  }
+}
+
+// scatter_rows without accumulation (indices distinct within a b): one thread per element of
+// src, like the gather. The loop over k above leaves only B * C threads: with B = 1 (a VLM
+// batch's image tokens, 576 wide) 576 threads walking thousands of rows each.
+template <class DT>
+__global__ void scatter_rows_set_kernel(DT* __restrict__ out, const int32_t* __restrict__ idx,
+                                        const DT* __restrict__ src, int B, int N, int K, int C) {
+  GRID_STRIDE(i, int64_t(B) * K * C) {
+    const int64_t bk = i / C;
+    const int c = int(i - bk * C);
+    const int b = int(bk / K);
+    out[(int64_t(b) * N + idx[bk]) * C + c] = src[i];
   }
 }
 
@@ -376,7 +390,10 @@ void gather_rows(T* out, const T* inp, const int32_t* idx, int B, int N, int K, 
 template <class T>
 void scatter_rows(T* out, const int32_t* idx, const T* src, int B, int N, int K, int C, bool accumulate, Stream s) {
   if (int64_t(B) * K * C <= 0) return;
-  scatter_rows_kernel<<<grid_for(int64_t(B) * C), 256, 0, s>>>(dptr(out), idx, dptr(src), B, N, K, C, accumulate);
+  if (!accumulate)
+    scatter_rows_set_kernel<<<grid_for(int64_t(B) * K * C), 256, 0, s>>>(dptr(out), idx, dptr(src), B, N, K, C);
+  else
+    scatter_rows_kernel<<<grid_for(int64_t(B) * C), 256, 0, s>>>(dptr(out), idx, dptr(src), B, N, K, C, accumulate);
   LAUNCH_CHECK();
 }
 
