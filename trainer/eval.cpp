@@ -79,7 +79,11 @@ EvalReport evaluate_vlm(const VLM& m, const VLMData& d, const RunContext& ctx, i
 }
 
 // The checkpoint's weights in the compute dtype, nothing trained.
-static void prepare_for_eval(Module& m, DType compute) {
+// The run's layout (pack_like_optimizer: its frozen parts apart, the trained ones in the
+// optimizer's flat order), then no gradients and one compute dtype.
+static void prepare_for_eval(Module& m, const Config& cfg, DType compute) {
+  freeze_prefixes(m, cfg.get_str("train.freeze"));
+  pack_like_optimizer(m, cfg, compute);
   m.requires_grad_(false);
   cast_frozen(m, compute);
 }
@@ -113,7 +117,7 @@ EvalReport run_eval(const std::string& path, const std::vector<std::string>& ove
                cfg.get_str("data.dataset").c_str());
     LatentMIM m(mc, Init{DType::F32, ctx.device, &init_rng});
     m.load_state_dict(load_checkpoint_model(ck), weights);
-    prepare_for_eval(m, ctx.compute);
+    prepare_for_eval(m, cfg, ctx.compute);
     return evaluate_mim(m.encoder, d, ctx, st.extra, st.step);
   }
   struct stat sb;
@@ -127,7 +131,7 @@ EvalReport run_eval(const std::string& path, const std::vector<std::string>& ove
   VLMConfig vc = vlm_config_from(cfg, d.tok->vocab_size(), d.image_token);
   VLM m(vc, Init{DType::F32, ctx.device, &init_rng});
   m.load_state_dict(load_checkpoint_model(ck), weights);
-  prepare_for_eval(m, ctx.compute);
+  prepare_for_eval(m, cfg, ctx.compute);
   std::printf("%s", d.baseline_text.c_str());
   return evaluate_vlm(m, d, ctx, cfg.get_int("eval.samples"), st.step);
 }

@@ -72,6 +72,24 @@ OptimConfig optim_config_from(const Config& cfg) {
   return oc;
 }
 
+void pack_like_optimizer(Module& m, const Config& cfg, DType dtype) {
+  for (auto& g : param_groups_from(m, cfg)) {
+    int64_t n = 0;
+    for (auto& [name, t] : g.params) n += t->numel();
+    if (n == 0) continue;
+    Tensor flat = Tensor::empty({n}, dtype, g.params[0].second->device());
+    int64_t off = 0;
+    for (auto& [name, t] : g.params) {
+      Tensor v = flat.narrow(0, off, t->numel()).view(t->shape());
+      v.copy_(*t);
+      const bool rg = t->requires_grad();
+      *t = v;
+      t->requires_grad_(rg);
+      off += t->numel();
+    }
+  }
+}
+
 void cast_frozen(Module& m, DType compute) {
   for (auto& [name, t] : m.named_parameters())
     if (!t->requires_grad() && t->dtype() != compute) *t = t->to(compute);
