@@ -42,7 +42,7 @@ Tensor mean(const Tensor& x);                     // scalar [1]
 Tensor sum_to(const Tensor& x, const Shape& shape);  // sum over broadcast dims (non-differentiable helper)
 Tensor mean_pool(const Tensor& x);                // [B, K, C] -> [B, C]
 
-// ---- dense layers (ops_nn.cpp)
+// ---- dense layers (ops_nn.cpp; qkv_rope and the joined branch of mlp_swiglu: ops_joined.cpp)
 // x [..., I], weight [O, I], bias [O] or undefined -> [..., O]
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor());
 // x [..., I], weight [P*O, I], bias [P*O] or undefined -> P tensors [..., O], part p = x W_p^T

@@ -30,4 +30,10 @@ inline Tensor acc_empty(const Shape& s, const Tensor& like) {
   return Tensor::empty(s, acc_dtype(like.dtype()), like.device());
 }
 
+// ops_joined.cpp: matrices one after another in memory as one [sum of rows, C] view (undefined
+// when they are not), and mlp_swiglu's branch for gate and up stacked so (wgu)
+Tensor stacked_view(const std::vector<Tensor>& ts);
+Tensor mlp_swiglu_joined(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, const Tensor& wgu,
+                         const Tensor& w_down);
+
 }  // namespace loom

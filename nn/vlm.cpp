@@ -44,6 +44,13 @@ void loss_rows_of(const std::vector<int32_t>& targets, std::vector<int32_t>& row
     }
 }
 
+void set_loss_rows(VLMBatch& b, const std::vector<int32_t>& targets, Device device) {
+  std::vector<int32_t> rows, kept;
+  loss_rows_of(targets, rows, kept);
+  b.loss_rows = Tensor::from_vector(rows, {int64_t(rows.size())}, device);
+  b.loss_targets = Tensor::from_vector(kept, {int64_t(kept.size())}, device);
+}
+
 Tensor VLM::loss(const VLMBatch& b, const Tensor& features) const {
   Tensor h = lm.hidden(embed(b, features), b.pos, b.seq);
   // Only the rows with a target go through the tied head: the mean over them is the same

@@ -25,6 +25,8 @@ struct VLMBatch {
 };
 // loss_rows / loss_targets of a flattened target vector (the host side of a batch)
 void loss_rows_of(const std::vector<int32_t>& targets, std::vector<int32_t>& rows, std::vector<int32_t>& kept);
+// b.loss_rows and b.loss_targets from the batch's targets on the host, copied to `device`
+void set_loss_rows(VLMBatch& b, const std::vector<int32_t>& targets, Device device);
 
 class VLM : public Module {
  public:

@@ -215,10 +215,7 @@ static CheckResult check_vlm(const SafeTensors& st, Device dev, DType dt) {
   b.seq = SeqInfo::packed(cu, dev);
   // the rows with a target and their targets, as the loader's batches carry them (VLM::loss
   // then takes only those rows through the tied head)
-  std::vector<int32_t> rows, kept;
-  loss_rows_of(b.targets.to_vector<int32_t>(), rows, kept);
-  b.loss_rows = Tensor::from_vector(rows, {int64_t(rows.size())}, dev);
-  b.loss_targets = Tensor::from_vector(kept, {int64_t(kept.size())}, dev);
+  set_loss_rows(b, b.targets.to_vector<int32_t>(), dev);
   Tensor loss = m.loss(b);
   backward(loss);
   CheckResult r;

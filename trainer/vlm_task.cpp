@@ -255,10 +255,7 @@ VLMBatch to_device(const VLMData& d, const PackedBatch& pb, Device dev, DType dt
   b.targets = Tensor::from_vector(pb.targets, {n}, dev);
   b.image_positions = Tensor::from_vector(pb.image_positions, {int64_t(pb.image_positions.size())}, dev);
   b.seq = SeqInfo::packed(pb.cu_seqlens, dev);
-  std::vector<int32_t> rows, kept;
-  loss_rows_of(pb.targets, rows, kept);
-  b.loss_rows = Tensor::from_vector(rows, {int64_t(rows.size())}, dev);
-  b.loss_targets = Tensor::from_vector(kept, {int64_t(kept.size())}, dev);
+  set_loss_rows(b, pb.targets, dev);
   return b;
 }
 

@@ -1,0 +1,177 @@
+// ops_joined.cpp: products that share an input run as one GEMM where their weights lie side
+// by side in memory (docs/DESIGN.md, "One training step on the GPU"): a Llama layer's q|k|v
+// with RoPE (qkv_rope) and gate|up with SwiGLU (mlp_swiglu's joined branch).
+#include "autograd/ops_util.h"
+
+namespace loom {
+
+// Matrices that lie one after another in memory (each contiguous, the same width, dtype and
+// device) as one [sum of rows, C] matrix over that memory: a borrowed view that keeps the first
+// one's storage alive; undefined when they do not. The optimizer's flat parameter and gradient
+// buffers place a layer's weights so, in the order the module registers them
+// (optim/optimizer.h): q_proj, k_proj, v_proj and gate_proj, up_proj of a Llama layer. The
+// products against them then run as one GEMM (mlp_swiglu, qkv_rope): one launch with more
+// tiles than each part alone (bench/bench_gemm_shapes.cpp: 576 -> 192 ran at 140-220 TFLOP/s,
+// the joined 576 -> 960 at 410-490, H100).
+Tensor stacked_view(const std::vector<Tensor>& ts) {
+  int64_t rows = 0;
+  for (size_t i = 0; i < ts.size(); i++) {
+    const Tensor& t = ts[i];
+    if (!t.defined() || t.dim() != 2 || !t.is_contiguous() || t.dtype() != ts[0].dtype() ||
+        t.device() != ts[0].device() || t.size(1) != ts[0].size(1))
+      return Tensor();
+    if (i > 0 && static_cast<const char*>(t.raw()) != static_cast<const char*>(ts[i - 1].raw()) + ts[i - 1].nbytes())
+      return Tensor();
+    rows += t.size(0);
+  }
+  return Tensor::wrap(ts[0].raw(), {rows, ts[0].size(1)}, ts[0].dtype(), ts[0].device(),
+                      std::shared_ptr<void>(ts[0].impl()->storage));
+}
+
+// dW_p += d[:, cols_p]^T x for the parts of a joined product d [N, sum of widths]: one GEMM
+// into the stacked gradient buffers when they lie side by side, else one per part (its columns
+// copied out first). x [N, C] contiguous.
+static void joined_weight_grads(const Tensor& d, const Tensor& xc, const std::vector<Tensor>& weights) {
+  std::vector<Tensor> dws;
+  bool all = true;
+  for (auto& w : weights) {
+    dws.push_back(grad_buffer(w));
+    all = all && dws.back().defined();
+  }
+  const int64_t N = d.size(0);
+  const int C = int(xc.size(-1));
+  Tensor joined = all ? stacked_view(dws) : Tensor();
+  dispatch_float(d, [&](auto dev, auto zero) {
+    using T = decltype(zero);
+    if (joined.defined()) {
+      KERNEL(dev, linear_backward)((T*)nullptr, joined.data<T>(), (T*)nullptr, d.data<T>(), xc.data<T>(), (const T*)nullptr,
+                                   N, C, int(d.size(1)), stream_for(dev));
+      return;
+    }
+    int64_t col = 0;
+    for (size_t p = 0; p < weights.size(); p++) {
+      const int rows = int(weights[p].size(0));
+      if (dws[p].defined()) {
+        Tensor part = d.narrow(1, col, rows).contiguous();
+        KERNEL(dev, linear_backward)((T*)nullptr, dws[p].data<T>(), (T*)nullptr, part.data<T>(), xc.data<T>(),
+                                     (const T*)nullptr, N, C, rows, stream_for(dev));
+      }
+      col += rows;
+    }
+  });
+}
+
+// mlp_swiglu with gate and up as one product: gu [N, 2I] = x [Wg; Wu]^T (one GEMM; row n holds
+// gate | up), h = swiglu over gu's two halves (swiglu_forward_joined), out = h Wd^T. Backward:
+// dh = go Wd, dgu = swiglu'(dh) in the same layout (with h again for Wd's gradient), then
+// dx = dgu [Wg; Wu] and d[Wg; Wu] += dgu^T x, one GEMM each (joined_weight_grads). The same
+// math as the separate products, summed in another order (dx over 2I at once).
+Tensor mlp_swiglu_joined(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, const Tensor& wgu,
+                                const Tensor& w_down) {
+  const int C = int(w_gate.size(1)), I = int(w_gate.size(0)), C2 = int(w_down.size(0));
+  Tensor xc = x.contiguous(), wdc = w_down.contiguous();
+  const int64_t N = xc.numel() / C;
+  Tensor gu = Tensor::empty({N, 2 * I}, x.dtype(), x.device());
+  Shape os = x.shape();
+  os.back() = C2;
+  Tensor out = Tensor::empty(os, x.dtype(), x.device());
+  dispatch_float(xc, [&](auto dev, auto zero) {
+    using T = decltype(zero);
+    KERNEL(dev, linear_forward)(gu.data<T>(), xc.data<T>(), wgu.data<T>(), (const T*)nullptr, N, C, 2 * I,
+                                stream_for(dev));
+    Tensor h = Tensor::empty({N, I}, x.dtype(), x.device());  // freed when the forward returns
+    KERNEL(dev, swiglu_forward_joined)(h.data<T>(), gu.data<T>(), N, I, stream_for(dev));
+    KERNEL(dev, linear_forward)(out.data<T>(), h.data<T>(), wdc.data<T>(), (const T*)nullptr, N, I, C2, stream_for(dev));
+  });
+  if (any_requires_grad({x, w_gate, w_up, w_down}))
+    record("linear", {out}, [x, xc, w_gate, w_up, wgu, w_down, wdc, out, gu, N, C, I, C2]() {
+      Tensor go = grad_of(out).contiguous();
+      Tensor dwd = grad_buffer(w_down);
+      LOOM_CHECK(!dwd.defined() || w_down.is_contiguous(), "mlp_swiglu: gradient of a strided weight");
+      Tensor dx = x.requires_grad() ? Tensor::empty(x.shape(), x.dtype(), x.device()) : Tensor();
+      Tensor dh = Tensor::empty({N, I}, go.dtype(), go.device()), dgu = Tensor::empty({N, 2 * I}, go.dtype(), go.device());
+      dispatch_float(go, [&](auto dev, auto zero) {
+        using T = decltype(zero);
+        KERNEL(dev, linear_backward)(dh.data<T>(), (T*)nullptr, (T*)nullptr, go.data<T>(), (const T*)nullptr,
+                                     wdc.data<T>(), N, I, C2, stream_for(dev));
+        if (dwd.defined()) {
+          Tensor h = Tensor::empty({N, I}, go.dtype(), go.device());
+          KERNEL(dev, swiglu_backward_joined)(dgu.data<T>(), h.data<T>(), dh.data<T>(), gu.data<T>(), N, I, stream_for(dev));
+          KERNEL(dev, linear_backward)((T*)nullptr, dwd.data<T>(), (T*)nullptr, go.data<T>(), h.data<T>(), wdc.data<T>(),
+                                       N, I, C2, stream_for(dev));
+        } else {
+          KERNEL(dev, swiglu_backward_joined)(dgu.data<T>(), (T*)nullptr, dh.data<T>(), gu.data<T>(), N, I,
+                                              stream_for(dev));
+        }
+        if (dx.defined())
+          KERNEL(dev, gemm)(dx.data<T>(), dgu.data<T>(), wgu.data<T>(), int(N), C, 2 * I, false, false, 1.0, 0.0, 1, 0, 0,
+                            0, stream_for(dev));
+      });
+      joined_weight_grads(dgu, xc, {w_gate, w_up});
+      if (dx.defined()) accumulate_grad(x, dx, true);
+    });
+  return out;
+}
+
+std::vector<Tensor> qkv_rope(const Tensor& x, const Tensor& wq, const Tensor& wk, const Tensor& wv, const Tensor& pos,
+                             int heads, int kv_heads, int head_dim, double theta) {
+  check_same("qkv_rope", {x, wq, wk, wv});
+  check_index("qkv_rope", pos, x);
+  const int64_t H = heads, KV = kv_heads, hd = head_dim;
+  LOOM_CHECK(x.dim() == 2 && wq.dim() == 2 && wq.size(0) == H * hd && wk.dim() == 2 && wk.size(0) == KV * hd &&
+                 wv.dim() == 2 && wv.size(0) == KV * hd && wq.size(1) == x.size(1) && wk.size(1) == x.size(1) &&
+                 wv.size(1) == x.size(1) && pos.numel() == x.size(0) && hd % 2 == 0,
+             "qkv_rope: x %s, q %s, k %s, v %s, pos %s for %d heads, %d kv heads of %d", x.desc().c_str(),
+             wq.desc().c_str(), wk.desc().c_str(), wv.desc().c_str(), pos.desc().c_str(), heads, kv_heads, head_dim);
+  const int64_t N = x.size(0);
+  const int C = int(x.size(1));
+  Tensor w = stacked_view({wq, wk, wv});
+  if (!w.defined()) {
+    std::vector<Tensor> p = linear_many(x, {wq, wk, wv});
+    return {rope(reshape(p[0], {N, H, hd}), pos, theta), rope(reshape(p[1], {N, KV, hd}), pos, theta),
+            reshape(p[2], {N, KV, hd})};
+  }
+  const int64_t W = (H + 2 * KV) * hd;  // row n of qkv: q (H hd) | k (KV hd) | v (KV hd)
+  Tensor xc = x.contiguous(), pc = pos.contiguous();
+  Tensor qkv = Tensor::empty({N, W}, x.dtype(), x.device());
+  Tensor q = Tensor::empty({N, H, hd}, x.dtype(), x.device()), k = Tensor::empty({N, KV, hd}, x.dtype(), x.device());
+  dispatch_float(xc, [&](auto dev, auto zero) {
+    using T = decltype(zero);
+    KERNEL(dev, linear_forward)(qkv.data<T>(), xc.data<T>(), w.data<T>(), (const T*)nullptr, N, C, int(W), stream_for(dev));
+    KERNEL(dev, rope_forward_rows)(q.data<T>(), H * hd, qkv.data<T>(), W, pc.data<int32_t>(), N, int(H), int(hd), theta,
+                                   stream_for(dev));
+    KERNEL(dev, rope_forward_rows)(k.data<T>(), KV * hd, qkv.data<T>() + H * hd, W, pc.data<int32_t>(), N, int(KV),
+                                   int(hd), theta, stream_for(dev));
+  });
+  Tensor v = qkv.narrow(1, (H + KV) * hd, KV * hd).contiguous().view({N, KV, hd});
+  if (any_requires_grad({x, wq, wk, wv}))
+    record("qkv_rope", {q, k, v}, [x, xc, wq, wk, wv, w, pc, q, k, v, N, C, H, KV, hd, W, theta]() {
+      Tensor gq = grad_of(q), gk = grad_of(k), gv = grad_of(v);
+      // dqkv in the forward's row layout: rope^-1 of dq and dk, dv copied into its window
+      Tensor dqkv = (gq.defined() && gk.defined() && gv.defined()) ? Tensor::empty({N, W}, xc.dtype(), xc.device())
+                                                                  : Tensor::zeros({N, W}, xc.dtype(), xc.device());
+      dispatch_float(dqkv, [&](auto dev, auto zero) {
+        using T = decltype(zero);
+        if (gq.defined())
+          KERNEL(dev, rope_backward_rows)(dqkv.data<T>(), W, gq.contiguous().data<T>(), H * hd, pc.data<int32_t>(), N,
+                                          int(H), int(hd), theta, stream_for(dev));
+        if (gk.defined())
+          KERNEL(dev, rope_backward_rows)(dqkv.data<T>() + H * hd, W, gk.contiguous().data<T>(), KV * hd,
+                                          pc.data<int32_t>(), N, int(KV), int(hd), theta, stream_for(dev));
+      });
+      if (gv.defined()) dqkv.narrow(1, (H + KV) * hd, KV * hd).copy_(gv.reshape({N, KV * hd}));
+      if (x.requires_grad()) {
+        Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
+        dispatch_float(dqkv, [&](auto dev, auto zero) {
+          using T = decltype(zero);
+          KERNEL(dev, gemm)(dx.data<T>(), dqkv.data<T>(), w.data<T>(), int(N), C, int(W), false, false, 1.0, 0.0, 1, 0, 0,
+                            0, stream_for(dev));
+        });
+        accumulate_grad(x, dx, true);
+      }
+      joined_weight_grads(dqkv, xc, {wq, wk, wv});
+    });
+  return {q, k, v};
+}
+
+}  // namespace loom
