@@ -63,10 +63,13 @@ Tensor LatentMIM::view_loss(const MIMView& v, Tensor* z_out) const {
   Tensor p = gather_rows(pred_out.forward(vit_stack(pred_blocks, pred_norm, x, rows, checkpoint_blocks)), v.masked,
                          /*distinct=*/true);
   if (z_out) *z_out = z;
-  // the loss in f32 for 16-bit activations (bf16, f16): softmax over M patches
-  const bool half = p.dtype() == DType::BF16 || p.dtype() == DType::F16;
-  Tensor pa = half ? cast(p, DType::F32) : p;
-  Tensor ta = half ? t.to(DType::F32) : t;
+  // bf16 goes in as it is: the kernel's two products run on bf16 tensor cores with fp32
+  // accumulation and its softmax and loss are fp32 (the reference's autocast bmm rounds the
+  // normalized rows to bf16 as well). f16 goes up to f32: its gradient here is ~1/(B M) small,
+  // below f16's normal range.
+  const bool up = p.dtype() == DType::F16;
+  Tensor pa = up ? cast(p, DType::F32) : p;
+  Tensor ta = up ? t.to(DType::F32) : t;
   return patch_disc_loss(pa, ta, cfg.tau);
 }
 
