@@ -24,6 +24,8 @@
 #include "nn/vlm.h"
 #include "trainer/run.h"
 #include "trainer/trainer.h"
+#include "data/chat.h"
+#include "trainer/vlm_task.h"
 
 using namespace loom;
 using Catch::Matchers::Contains;
@@ -443,6 +445,32 @@ TEST_CASE("data.repeat_batch trains the first batch at every step", "[trainer]")
   auto mon = steps_losses(mim(c, "true"), c), moff = steps_losses(mim(e, "false"), e);
   for (int i = 1; i < 4; i++) CHECK(mon[size_t(i)] == mon[0]);
   CHECK(moff[1] != moff[0]);
+}
+
+TEST_CASE("synthetic VLM samples: image tokens and the prompt carry no target, the rest do", "[trainer]") {
+  // the SPEC section 3 batches: 49 image tokens, then text whose first synth_prompt_len tokens are
+  // the prompt (no target, as in the reference's batches), then trained tokens
+  for (int prompt : {0, 16, 30}) {
+    const std::string dir = tmpdir("synth_prompt");
+    Config cfg = Config::load("bench_vlm_sft.cfg", {"--train.device=cpu", "--train.dtype=f32", "--data.train_samples=50",
+                                                    "--data.synth_prompt_len=" + std::to_string(prompt),
+                                                    "--train.out_dir=" + dir});
+    RunContext ctx = make_context(cfg);
+    ctx.out_dir = dir;
+    REQUIRE(::mkdir(dir.c_str(), 0755) == 0);
+    VLMData d = build_vlm_data(ctx, 49);
+    REQUIRE(d.train.size() == 50);
+    for (const Sample& s : d.train) {
+      REQUIRE(s.ids.size() == s.labels.size());
+      REQUIRE(s.ids.size() >= size_t(49 + 24));
+      for (size_t t = 0; t < s.ids.size(); t++) {
+        INFO("prompt " << prompt << " token " << t << " of " << s.ids.size());
+        if (t < size_t(49)) CHECK((s.ids[t] == d.image_token && s.labels[t] == kIgnoreLabel));
+        else if (t < size_t(49 + prompt)) CHECK((s.ids[t] != d.image_token && s.labels[t] == kIgnoreLabel));
+        else CHECK((s.ids[t] != d.image_token && s.labels[t] == s.ids[t]));
+      }
+    }
+  }
 }
 
 TEST_CASE("data.workers: a number is taken as given, 0 resolves to one loader thread on the CPU", "[trainer]") {

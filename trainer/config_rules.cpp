@@ -194,6 +194,7 @@ void validate_config(const Config& c) {
   r.int_range("data.workers", 0, 256);
   bool smin = r.int_range("data.synth_min_len", 1, 1 << 20), smax = r.int_range("data.synth_max_len", 1, 1 << 20);
   r.int_range("data.synth_median_len", 1, 1 << 20);
+  r.int_range("data.synth_prompt_len", 0, 1 << 20);
   r.float_range("data.synth_sigma", 0, false, 10, false);
   if (smin && smax && r.i("data.synth_max_len") < r.i("data.synth_min_len"))
     r.bad("data.synth_max_len", std::to_string(r.i("data.synth_max_len")),

@@ -209,8 +209,10 @@ VLMData build_vlm_data(const RunContext& ctx, int image_tokens) {
   d.pad_id = d.tok->token_id("<|endoftext|>");
   d.end_id = d.tok->token_id("<|im_end|>");
 
-  if (ds == "synthetic") {  // samples: image tokens + lognormal(median, sigma) text tokens, all trained
+  if (ds == "synthetic") {  // samples: image tokens + lognormal(median, sigma) text tokens, the first
+                           // synth_prompt_len of them a prompt without targets (as the reference's)
     Rng r(seed + 1);
+    const int prompt = cfg.get_int("data.synth_prompt_len");
     int n = ntrain > 0 ? ntrain : 4096, V = cfg.get_int("model.lm_vocab") > 0 ? cfg.get_int("model.lm_vocab") : d.tok->vocab_size();
     double med = cfg.get_int("data.synth_median_len"), sig = cfg.get_float("data.synth_sigma");
     for (int i = 0; i < n; i++) {
@@ -223,7 +225,7 @@ VLMData build_vlm_data(const RunContext& ctx, int image_tokens) {
       for (int t = 0; t < L; t++) {
         int32_t id = int32_t(4 + r.randint(V - 4));  // past the special tokens
         s.ids.push_back(id);
-        s.labels.push_back(id);
+        s.labels.push_back(t < prompt ? kIgnoreLabel : id);
       }
       d.train.push_back(std::move(s));
     }
