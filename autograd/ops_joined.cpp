@@ -135,31 +135,28 @@ std::vector<Tensor> qkv_rope(const Tensor& x, const Tensor& wq, const Tensor& wk
   Tensor xc = x.contiguous(), pc = pos.contiguous();
   Tensor qkv = Tensor::empty({N, W}, x.dtype(), x.device());
   Tensor q = Tensor::empty({N, H, hd}, x.dtype(), x.device()), k = Tensor::empty({N, KV, hd}, x.dtype(), x.device());
+  Tensor v = Tensor::empty({N, KV, hd}, x.dtype(), x.device());
   dispatch_float(xc, [&](auto dev, auto zero) {
     using T = decltype(zero);
     KERNEL(dev, linear_forward)(qkv.data<T>(), xc.data<T>(), w.data<T>(), (const T*)nullptr, N, C, int(W), stream_for(dev));
-    KERNEL(dev, rope_forward_rows)(q.data<T>(), H * hd, qkv.data<T>(), W, pc.data<int32_t>(), N, int(H), int(hd), theta,
-                                   stream_for(dev));
-    KERNEL(dev, rope_forward_rows)(k.data<T>(), KV * hd, qkv.data<T>() + H * hd, W, pc.data<int32_t>(), N, int(KV),
-                                   int(hd), theta, stream_for(dev));
+    KERNEL(dev, rope_qkv_split)(q.data<T>(), k.data<T>(), v.data<T>(), qkv.data<T>(), pc.data<int32_t>(), N, int(H),
+                                int(KV), int(hd), theta, stream_for(dev));
   });
-  Tensor v = qkv.narrow(1, (H + KV) * hd, KV * hd).contiguous().view({N, KV, hd});
   if (any_requires_grad({x, wq, wk, wv}))
     record("qkv_rope", {q, k, v}, [x, xc, wq, wk, wv, w, pc, q, k, v, N, C, H, KV, hd, W, theta]() {
-      Tensor gq = grad_of(q), gk = grad_of(k), gv = grad_of(v);
-      // dqkv in the forward's row layout: rope^-1 of dq and dk, dv copied into its window
-      Tensor dqkv = (gq.defined() && gk.defined() && gv.defined()) ? Tensor::empty({N, W}, xc.dtype(), xc.device())
-                                                                  : Tensor::zeros({N, W}, xc.dtype(), xc.device());
+      // dqkv in the forward's row layout: rope^-1 of dq and dk, dv copied, in one pass (a part
+      // without a gradient counts as zeros)
+      auto grad_or_zeros = [](const Tensor& t) {
+        Tensor g = grad_of(t);
+        return g.defined() ? g.contiguous() : Tensor::zeros(t.shape(), t.dtype(), t.device());
+      };
+      Tensor gq = grad_or_zeros(q), gk = grad_or_zeros(k), gv = grad_or_zeros(v);
+      Tensor dqkv = Tensor::empty({N, W}, xc.dtype(), xc.device());
       dispatch_float(dqkv, [&](auto dev, auto zero) {
         using T = decltype(zero);
-        if (gq.defined())
-          KERNEL(dev, rope_backward_rows)(dqkv.data<T>(), W, gq.contiguous().data<T>(), H * hd, pc.data<int32_t>(), N,
-                                          int(H), int(hd), theta, stream_for(dev));
-        if (gk.defined())
-          KERNEL(dev, rope_backward_rows)(dqkv.data<T>() + H * hd, W, gk.contiguous().data<T>(), KV * hd,
-                                          pc.data<int32_t>(), N, int(KV), int(hd), theta, stream_for(dev));
+        KERNEL(dev, rope_qkv_join)(dqkv.data<T>(), gq.data<T>(), gk.data<T>(), gv.data<T>(), pc.data<int32_t>(), N,
+                                   int(H), int(KV), int(hd), theta, stream_for(dev));
       });
-      if (gv.defined()) dqkv.narrow(1, (H + KV) * hd, KV * hd).copy_(gv.reshape({N, KV * hd}));
       if (x.requires_grad()) {
         Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
         dispatch_float(dqkv, [&](auto dev, auto zero) {

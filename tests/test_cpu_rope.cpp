@@ -78,3 +78,38 @@ TEST_CASE("rope: forward naive, float like the reference, backward gradcheck and
   vector<int32_t> pos = {0, 1};
   CHECK_THROWS_AS(cpu::rope_forward(y.data(), x.data(), pos.data(), 2, 1, 3, 1e4, s0), std::invalid_argument);
 }
+
+TEST_CASE("rope: q|k|v rows split and joined against the windows' rope and copies", "[rope]") {
+  // rope_qkv_split: q, k = rope of their windows of the joined rows, v = its window;
+  // rope_qkv_join: the rows = rope^-1(dq) | rope^-1(dk) | dv. The naive rope on the windows is
+  // the reference (the same math, so kSameMathF64).
+  struct Shape { int64_t N; int H, KV, hd; };
+  for (Shape sh : {Shape{7, 3, 1, 8}, Shape{1, 1, 1, 2}, Shape{20, 9, 3, 64}, Shape{5, 4, 2, 6}}) {
+    const int64_t N = sh.N;
+    const int H = sh.H, KV = sh.KV, hd = sh.hd;
+    const int64_t qw = int64_t(H) * hd, kw = int64_t(KV) * hd, W = qw + 2 * kw;
+    INFO("N=" << N << " H=" << H << " KV=" << KV << " hd=" << hd);
+    vector<double> qkv = uniform(N * W), dq = uniform(N * qw), dk = uniform(N * kw), dv = uniform(N * kw);
+    vector<int32_t> pos = randint(N, 0, 3000);
+    const double theta = 10000.0;
+    auto window = [&](const vector<double>& rows, int64_t col, int64_t w) {
+      vector<double> o(sz(N * w));
+      for (int64_t n = 0; n < N; n++)
+        for (int64_t j = 0; j < w; j++) o[sz(n * w + j)] = rows[sz(n * W + col + j)];
+      return o;
+    };
+    vector<double> q = poisoned<double>(N * qw), k = poisoned<double>(N * kw), v = poisoned<double>(N * kw);
+    cpu::rope_qkv_split(q.data(), k.data(), v.data(), qkv.data(), pos.data(), N, H, KV, hd, theta, s0);
+    LOOM_CHECK_CLOSE(tol::compare(q, naive_rope(window(qkv, 0, qw), pos, N, H, hd, theta), tol::kSameMathF64, "q"));
+    LOOM_CHECK_CLOSE(tol::compare(k, naive_rope(window(qkv, qw, kw), pos, N, KV, hd, theta), tol::kSameMathF64, "k"));
+    CHECK(v == window(qkv, qw + kw, kw));
+
+    vector<double> dqkv = poisoned<double>(N * W);
+    cpu::rope_qkv_join(dqkv.data(), dq.data(), dk.data(), dv.data(), pos.data(), N, H, KV, hd, theta, s0);
+    vector<int32_t> neg(pos.size());  // the rotation by -angle: rope at -pos
+    for (size_t i = 0; i < pos.size(); i++) neg[i] = -pos[i];
+    LOOM_CHECK_CLOSE(tol::compare(window(dqkv, 0, qw), naive_rope(dq, neg, N, H, hd, theta), tol::kSameMathF64, "dq"));
+    LOOM_CHECK_CLOSE(tol::compare(window(dqkv, qw, kw), naive_rope(dk, neg, N, KV, hd, theta), tol::kSameMathF64, "dk"));
+    CHECK(window(dqkv, qw + kw, kw) == dv);
+  }
+}

@@ -88,11 +88,34 @@ void rope_backward_rows(T* dinp, int64_t ldo, const T* dout, int64_t ldi, const 
   rotate(dinp, ldo, dout, ldi, pos, N, H, hd, theta, -1);
 }
 
+// The joined rows of a q|k|v product, split: q and k rotated, v copied (and back).
+template <class T>
+void rope_qkv_split(T* q, T* k, T* v, const T* qkv, const int32_t* pos, int64_t N, int H, int KV, int hd,
+                    double theta, Stream) {
+  const int64_t W = int64_t(H + 2 * KV) * hd, qw = int64_t(H) * hd, kw = int64_t(KV) * hd;
+  rotate(q, qw, qkv, W, pos, N, H, hd, theta, +1);
+  rotate(k, kw, qkv + qw, W, pos, N, KV, hd, theta, +1);
+  for (int64_t n = 0; n < N; n++)
+    for (int64_t j = 0; j < kw; j++) v[n * kw + j] = qkv[n * W + qw + kw + j];
+}
+
+template <class T>
+void rope_qkv_join(T* dqkv, const T* dq, const T* dk, const T* dv, const int32_t* pos, int64_t N, int H, int KV,
+                   int hd, double theta, Stream) {
+  const int64_t W = int64_t(H + 2 * KV) * hd, qw = int64_t(H) * hd, kw = int64_t(KV) * hd;
+  rotate(dqkv, W, dq, qw, pos, N, H, hd, theta, -1);
+  rotate(dqkv + qw, W, dk, kw, pos, N, KV, hd, theta, -1);
+  for (int64_t n = 0; n < N; n++)
+    for (int64_t j = 0; j < kw; j++) dqkv[n * W + qw + kw + j] = dv[n * kw + j];
+}
+
 #define LOOM_ROPE(T)                                                                            \
   template void rope_forward<T>(T*, const T*, const int32_t*, int64_t, int, int, double, Stream); \
   template void rope_backward<T>(T*, const T*, const int32_t*, int64_t, int, int, double, Stream); \
   template void rope_forward_rows<T>(T*, int64_t, const T*, int64_t, const int32_t*, int64_t, int, int, double, Stream); \
-  template void rope_backward_rows<T>(T*, int64_t, const T*, int64_t, const int32_t*, int64_t, int, int, double, Stream);
+  template void rope_backward_rows<T>(T*, int64_t, const T*, int64_t, const int32_t*, int64_t, int, int, double, Stream); \
+  template void rope_qkv_split<T>(T*, T*, T*, const T*, const int32_t*, int64_t, int, int, int, double, Stream); \
+  template void rope_qkv_join<T>(T*, const T*, const T*, const T*, const int32_t*, int64_t, int, int, int, double, Stream);
 LOOM_ROPE(float)
 LOOM_ROPE(double)
 #undef LOOM_ROPE

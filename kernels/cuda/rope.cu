@@ -45,6 +45,14 @@ __device__ __forceinline__ void rope_cos_sin(float& cs, float& sn, int32_t pos, 
   sn = BACKWARD ? -float(sd) : float(sd);
 }
 
+// The rotation of one pair, rounded the same way in every kernel below: one multiply, then
+// one fused multiply-add (explicit intrinsics, so the compiler cannot contract the two
+// products differently from one kernel to the next; the kernels then agree bit for bit).
+__device__ __forceinline__ void rotate_pair(float& y0, float& y1, float x0, float x1, float cs, float sn) {
+  y0 = __fmaf_rn(x0, cs, __fmul_rn(-x1, sn));
+  y1 = __fmaf_rn(x1, cs, __fmul_rn(x0, sn));
+}
+
 template <class DT, bool BACKWARD>
 __global__ void rope_kernel(DT* __restrict__ out, int64_t ldo, const DT* __restrict__ inp, int64_t ldi,
                             const int32_t* __restrict__ pos, int64_t N, int H, int hd, double log_theta) {
@@ -57,9 +65,10 @@ __global__ void rope_kernel(DT* __restrict__ out, int64_t ldo, const DT* __restr
     rope_cos_sin<BACKWARD>(cs, sn, pos[n], i, hd, log_theta);
     for (int h = 0; h < H; h++) {
       const int64_t bi = n * ldi + h * hd, bo = n * ldo + h * hd;
-      float x0 = to_float(inp[bi + i]), x1 = to_float(inp[bi + i + half]);
-      out[bo + i] = from_float<DT>(x0 * cs - x1 * sn);
-      out[bo + i + half] = from_float<DT>(x1 * cs + x0 * sn);
+      float y0, y1;
+      rotate_pair(y0, y1, to_float(inp[bi + i]), to_float(inp[bi + i + half]), cs, sn);
+      out[bo + i] = from_float<DT>(y0);
+      out[bo + i + half] = from_float<DT>(y1);
     }
   }
 }
@@ -85,9 +94,10 @@ __global__ void rope2_kernel(DT* __restrict__ out, int64_t ldo, const DT* __rest
       Pack<DT, 2> oa, ob;
 #pragma unroll
       for (int k = 0; k < 2; k++) {
-        const float x0 = to_float(a.v[k]), x1 = to_float(b.v[k]);
-        oa.v[k] = from_float<DT>(x0 * cs[k] - x1 * sn[k]);
-        ob.v[k] = from_float<DT>(x1 * cs[k] + x0 * sn[k]);
+        float y0, y1;
+        rotate_pair(y0, y1, to_float(a.v[k]), to_float(b.v[k]), cs[k], sn[k]);
+        oa.v[k] = from_float<DT>(y0);
+        ob.v[k] = from_float<DT>(y1);
       }
       *reinterpret_cast<Pack<DT, 2>*>(out + bo) = oa;
       *reinterpret_cast<Pack<DT, 2>*>(out + bo + half) = ob;
@@ -112,7 +122,91 @@ void launch(T* out, int64_t ldo, const T* inp, int64_t ldi, const int32_t* pos, 
   LAUNCH_CHECK();
 }
 
+// The rows of a joined q|k|v product split into q, k (rotated) and v (copied), or, in the
+// backward, dq, dk, dv joined into dqkv's rows (rotated by -angle, dv copied). A block takes
+// kQkvTokens tokens: first the cos/sin of each (token, i) pair into shared memory (once for
+// all the token's q and k heads), then every (token, head, 16-byte chunk) of the first half
+// of a head with its partner chunk in the second half, 16-byte loads and stores throughout.
+constexpr int kQkvTokens = 8;
+
+template <class DT, bool BACKWARD>
+__global__ void __launch_bounds__(256)
+    rope_qkv_kernel(DT* __restrict__ joined, DT* __restrict__ q, DT* __restrict__ k, DT* __restrict__ v,
+                    const int32_t* __restrict__ pos, int64_t N, int H, int KV, int hd, double log_theta) {
+  constexpr int VEC = 16 / sizeof(DT);
+  extern __shared__ float2 cs_sh[];  // [kQkvTokens][half]: cos, sin
+  const int half = hd / 2, heads = H + 2 * KV, chunks = half / VEC, per_token = heads * chunks;
+  const int64_t n0 = int64_t(blockIdx.x) * kQkvTokens, W = int64_t(heads) * hd;
+  const int tokens = int(min(int64_t(kQkvTokens), N - n0));
+  for (int e = threadIdx.x; e < tokens * half; e += blockDim.x) {
+    const int t = e / half, i = e - t * half;
+    float cs, sn;
+    rope_cos_sin<BACKWARD>(cs, sn, pos[n0 + t], i, hd, log_theta);
+    cs_sh[e] = make_float2(cs, sn);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < tokens * per_token; e += blockDim.x) {
+    const int t = e / per_token, r = e - t * per_token, h = r / chunks, i = (r - h * chunks) * VEC;
+    const int64_t n = n0 + t;
+    DT* part = h < H ? q + (n * H + h) * hd : h < H + KV ? k + (n * KV + h - H) * hd : v + (n * KV + h - H - KV) * hd;
+    DT* row = joined + n * W + int64_t(h) * hd;
+    const DT* src = BACKWARD ? part : row;
+    DT* dst = BACKWARD ? row : part;
+    Pack<DT, VEC> a = *reinterpret_cast<const Pack<DT, VEC>*>(src + i);
+    Pack<DT, VEC> b = *reinterpret_cast<const Pack<DT, VEC>*>(src + i + half);
+    if (h < H + KV) {
+#pragma unroll
+      for (int j = 0; j < VEC; j++) {
+        const float2 c = cs_sh[t * half + i + j];
+        float y0, y1;
+        rotate_pair(y0, y1, to_float(a.v[j]), to_float(b.v[j]), c.x, c.y);
+        a.v[j] = from_float<DT>(y0);
+        b.v[j] = from_float<DT>(y1);
+      }
+    }
+    *reinterpret_cast<Pack<DT, VEC>*>(dst + i) = a;
+    *reinterpret_cast<Pack<DT, VEC>*>(dst + i + half) = b;
+  }
+}
+
+template <class T, bool BACKWARD>
+void launch_qkv(T* joined, T* q, T* k, T* v, const int32_t* pos, int64_t N, int H, int KV, int hd, double theta,
+                Stream s) {
+  if (hd % 2) throw std::runtime_error("rope: head dim must be even, got " + std::to_string(hd));
+  if (N <= 0) return;
+  const int64_t W = int64_t(H + 2 * KV) * hd, qw = int64_t(H) * hd, kw = int64_t(KV) * hd;
+  constexpr int VEC = 16 / sizeof(T);
+  if ((hd / 2) % VEC == 0 && aligned(joined, 16) && aligned(q, 16) && aligned(k, 16) && aligned(v, 16)) {
+    const int64_t g = (N + kQkvTokens - 1) / kQkvTokens;
+    const size_t smem = size_t(kQkvTokens) * (hd / 2) * sizeof(float2);
+    rope_qkv_kernel<dev_t<T>, BACKWARD><<<unsigned(g), 256, smem, s>>>(dptr(joined), dptr(q), dptr(k), dptr(v), pos,
+                                                                      N, H, KV, hd, std::log(theta));
+    LAUNCH_CHECK();
+    return;
+  }
+  // otherwise (hd / 2 not a multiple of the vector, unaligned pointers): the two rotations and
+  // a 2-D copy
+  launch<T, BACKWARD>(BACKWARD ? joined : q, BACKWARD ? W : qw, BACKWARD ? q : joined, BACKWARD ? qw : W, pos, N, H, hd,
+                      theta, s);
+  launch<T, BACKWARD>(BACKWARD ? joined + qw : k, BACKWARD ? W : kw, BACKWARD ? k : joined + qw, BACKWARD ? kw : W, pos,
+                      N, KV, hd, theta, s);
+  const size_t es = sizeof(T);
+  if (BACKWARD) CUDA_CHECK(cudaMemcpy2DAsync(joined + qw + kw, W * es, v, kw * es, kw * es, N, cudaMemcpyDeviceToDevice, s));
+  else CUDA_CHECK(cudaMemcpy2DAsync(v, kw * es, joined + qw + kw, W * es, kw * es, N, cudaMemcpyDeviceToDevice, s));
+}
+
 }  // namespace
+
+template <class T>
+void rope_qkv_split(T* q, T* k, T* v, const T* qkv, const int32_t* pos, int64_t N, int H, int KV, int hd,
+                    double theta, Stream s) {
+  launch_qkv<T, false>(const_cast<T*>(qkv), q, k, v, pos, N, H, KV, hd, theta, s);
+}
+template <class T>
+void rope_qkv_join(T* dqkv, const T* dq, const T* dk, const T* dv, const int32_t* pos, int64_t N, int H, int KV,
+                   int hd, double theta, Stream s) {
+  launch_qkv<T, true>(dqkv, const_cast<T*>(dq), const_cast<T*>(dk), const_cast<T*>(dv), pos, N, H, KV, hd, theta, s);
+}
 
 template <class T>
 void rope_forward(T* out, const T* inp, const int32_t* pos, int64_t N, int H, int hd, double theta, Stream s) {
@@ -139,7 +233,10 @@ void rope_backward_rows(T* dinp, int64_t ldo, const T* dout, int64_t ldi, const 
   template void rope_forward_rows<T>(T*, int64_t, const T*, int64_t, const int32_t*, int64_t, int, int, double,  \
                                      Stream);                                                      \
   template void rope_backward_rows<T>(T*, int64_t, const T*, int64_t, const int32_t*, int64_t, int, int, double, \
-                                      Stream);
+                                      Stream);                                                     \
+  template void rope_qkv_split<T>(T*, T*, T*, const T*, const int32_t*, int64_t, int, int, int, double, Stream); \
+  template void rope_qkv_join<T>(T*, const T*, const T*, const T*, const int32_t*, int64_t, int, int, int, double, \
+                                 Stream);
 LOOM_ROPE(float)
 LOOM_ROPE(bf16)
 LOOM_ROPE(f16)

@@ -14,7 +14,9 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <map>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -358,5 +360,64 @@ TEST_CASE("joined q|k|v and gate|up products on CUDA against separate weights on
       LOOM_CHECK_CLOSE(tol::compare(got.vals[i].to(Device::CPU).to_vector<double>(), ref.vals[i].to_vector<double>(), t, vn[i]));
     for (size_t i = 0; i < ref.grads.size(); i++)
       LOOM_CHECK_CLOSE(tol::compare(got.grads[i].to(Device::CPU).to_vector<double>(), ref.grads[i].to_vector<double>(), t, gn[i]));
+  }
+}
+
+TEST_CASE("Tensor::copy_ into a window of a CUDA tensor, from every kind of source", "[cuda][tensor]") {
+  // A window (narrow) of a contiguous CUDA tensor takes one 2-D copy; a contiguous CUDA source
+  // of its dtype goes straight into it, the others (CPU, another dtype, strided) through a
+  // contiguous temporary. The columns outside the window keep their poison.
+  need_gpu();
+  Rng rng(uint64_t(std::random_device{}()));
+  const int64_t R = 37, C = 21, c0 = 5, w = 9;
+  for (DType dt : {DType::F32, DType::BF16}) {
+    Tensor host = Tensor::randn({R, w}, rng, 1.0, DType::F32).to(dt);   // the values, as dt
+    Tensor wide = Tensor::randn({R, w + 7}, rng, 1.0, DType::F32).to(dt);
+    wide.narrow(1, 3, w).copy_(host);                                   // a strided source of the same values
+    const std::vector<std::pair<const char*, Tensor>> sources = {
+        {"CUDA contiguous", host.to(Device::CUDA)},
+        {"CPU", host},
+        {"CUDA f64", host.to(DType::F64).to(Device::CUDA)},
+        {"CUDA strided", wide.to(Device::CUDA).narrow(1, 3, w)}};
+    for (const auto& [what, src] : sources) {
+      INFO(what << ", " << dtype_name(dt));
+      Tensor dst = Tensor::full({R, C}, std::nan(""), dt, Device::CUDA);
+      dst.narrow(1, c0, w).copy_(src);
+      std::vector<double> got = dst.to(Device::CPU).to_vector<double>(), want = host.to_vector<double>();
+      for (int64_t r = 0; r < R; r++)
+        for (int64_t c = 0; c < C; c++) {
+          const double g = got[size_t(r * C + c)];
+          if (c < c0 || c >= c0 + w) CHECK(std::isnan(g));
+          else CHECK(g == want[size_t(r * w + c - c0)]);
+        }
+    }
+  }
+}
+
+TEST_CASE("Tensor::contiguous of strided CUDA views: windows, transposes, broadcasts", "[cuda][tensor]") {
+  // into a contiguous tensor of the same device and dtype in one pass: a window by one 2-D copy,
+  // other layouts by the strided kernel; the values against the same views on the CPU
+  need_gpu();
+  Rng rng(uint64_t(std::random_device{}()));
+  for (DType dt : {DType::F32, DType::BF16}) {
+    Tensor host = Tensor::randn({6, 11, 13}, rng, 1.0, DType::F32).to(dt), dev = host.to(Device::CUDA);
+    Tensor row = Tensor::randn({1, 13}, rng, 1.0, DType::F32).to(dt);
+    const std::vector<std::pair<const char*, std::function<Tensor(const Tensor&)>>> views = {
+        {"window of the last dim", [](const Tensor& t) { return t.narrow(2, 4, 7); }},
+        {"window of the middle dim", [](const Tensor& t) { return t.narrow(1, 2, 5); }},
+        {"window of both", [](const Tensor& t) { return t.narrow(1, 1, 9).narrow(2, 3, 1); }},
+        {"transpose", [](const Tensor& t) { return t.transpose(1, 2); }}};
+    for (const auto& [what, view] : views) {
+      INFO(what << ", " << dtype_name(dt));
+      Tensor v = view(dev);
+      REQUIRE_FALSE(v.is_contiguous());
+      Tensor c = v.contiguous();
+      CHECK(c.is_contiguous());
+      CHECK(c.to(Device::CPU).to_vector<double>() == view(host).contiguous().to_vector<double>());
+    }
+    INFO("broadcast, " << dtype_name(dt));
+    Tensor b = row.to(Device::CUDA).expand({5, 13}).contiguous();
+    std::vector<double> got = b.to(Device::CPU).to_vector<double>(), want = row.to_vector<double>();
+    for (int i = 0; i < 5 * 13; i++) CHECK(got[size_t(i)] == want[size_t(i % 13)]);
   }
 }
