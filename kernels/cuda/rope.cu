@@ -24,6 +24,22 @@
  *   thread with 2-element accesses (hd / 2 even), the default: in the same trace both rope
  *   kernels left the step's top 25 (each under 0.9 ms a step, from 0.97 and 0.92 ms); the
  *   VLM step 71.9 / 71.9 -> 71.8 / 71.6 ms (H100, same call, two rounds: within its noise).
+ * Joined q|k|v rows (rope_qkv_split / rope_qkv_join, the Llama layer's joined product): per
+ *   token the rows hold H heads of q, KV of k, KV of v; split writes q, k rotated and v copied,
+ *   join writes dqkv's rows from dq, dk (rotated by -angle) and dv. One pass: a block takes 8
+ *   tokens, puts cos/sin of each (token, pair) in shared memory (one sincos for all the
+ *   token's q and k heads), then moves each head's first-half 16-byte chunk with its partner
+ *   chunk in the second half. Napkin (SPEC VLM: 16384 tokens, 9 + 3 + 3 heads of 64, bf16):
+ *   31.5 MB read + 31.5 MB written, ~21 us at 3 TB/s; measured 23.5 us a call (H100,
+ *   2026-11-27, CUPTI trace). It replaced two rope2_kernel calls plus v's copy out of the
+ *   rows (forward) and two rope2_kernel calls plus dv's copy into them (backward): 2.53 ->
+ *   1.41 ms a VLM step; the first form of it (two pairs per thread, 4-byte accesses, cos/sin
+ *   in registers) ran 33 us a call. Head dims whose half is no multiple of the 16-byte vector,
+ *   or unaligned pointers, take the row rotations and a 2-D copy.
+ *   Every kernel here rounds a rotation the same way (rotate_pair: a multiply, then one fma,
+ *   written with intrinsics so that the compiler cannot contract differently per kernel): the
+ *   one-pass kernel and the row kernels agree bit for bit (a test checks it), and so do the
+ *   VLM's deterministic losses before and after the joined form (20 steps, H100).
  * Test: tests/cuda/test_cuda_rope.cpp [rope]:
  *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_rope.cpp
  */
