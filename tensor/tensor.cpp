@@ -456,8 +456,9 @@ void Tensor::copy_(const Tensor& src) {
   // 1. make the source contiguous on its own device
   if (!s.is_contiguous()) {
     // into a contiguous tensor of its device and dtype: one pass, no temporary (a window on the
-    // GPU: one 2-D copy, ~2x the generic strided kernel's speed on 384-byte rows)
-    if (is_contiguous() && s.device() == device() && s.dtype() == dtype()) {
+    // GPU: one 2-D copy, ~2x the generic strided kernel's speed on 384-byte rows); not when
+    // both are views of one storage (they could overlap: the temporary below keeps that safe)
+    if (is_contiguous() && s.device() == device() && s.dtype() == dtype() && s.impl()->storage != impl()->storage) {
       Window2D w;
       if (device() == Device::CUDA && window_2d(s, &w))
         cuda::memcpy_2d(raw(), size_t(w.width) * es, s.raw(), size_t(w.pitch) * es, size_t(w.width) * es,
@@ -470,7 +471,8 @@ void Tensor::copy_(const Tensor& src) {
     s = c;
   }
   // (a strided CUDA destination takes its 2-D copy straight from a contiguous CUDA source)
-  const bool direct = !is_contiguous() && device() == Device::CUDA && s.device() == Device::CUDA && s.dtype() == dtype();
+  const bool direct = !is_contiguous() && device() == Device::CUDA && s.device() == Device::CUDA &&
+                      s.dtype() == dtype() && s.impl()->storage != impl()->storage;
   Tensor d = is_contiguous() ? *this : direct ? s : empty(shape(), dtype(), device());
   // 2. dtype conversion (on the source device when possible)
   if (s.dtype() != d.dtype()) {

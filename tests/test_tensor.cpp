@@ -148,6 +148,14 @@ TEST_CASE("contiguous() of strided views equals a naive copy", "[tensor]") {
     dst.copy_(c.view);
     CHECK(dst.to_vector<double>() == ref);
   }
+  SECTION("copy_ from a view of the destination's own storage reads it all before writing") {
+    // an in-place transpose: the source overlaps the destination, so it must go through a
+    // temporary (a strided source of another storage is copied in one pass)
+    Tensor sq = random_f64({5, 5}, 6);
+    auto before = naive_copy(sq.transpose(0, 1));
+    sq.copy_(sq.transpose(0, 1));
+    CHECK(sq.to_vector<double>() == before);
+  }
   SECTION("copy_ into a strided destination writes through its strides only") {
     Tensor big = Tensor::full({6, 5}, kNaN, DType::F64);
     Tensor src = random_f64({5, 3}, 5);
