@@ -491,7 +491,7 @@ void Tensor::copy_(const Tensor& src) {
     s = c;
   }
   // 3. device transfer into d
-  size_t nb = size_t(numel()) * dtype_size(dtype());
+  size_t nb = size_t(numel()) * es;
   if (s.device() == Device::CPU && d.device() == Device::CPU) std::memcpy(d.raw(), s.raw(), nb);
   else if (s.device() == Device::CPU) cuda::memcpy_h2d(d.raw(), s.raw(), nb, cuda::default_stream());
   else if (d.device() == Device::CPU) cuda::memcpy_d2h(d.raw(), s.raw(), nb, cuda::default_stream());

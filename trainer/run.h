@@ -144,7 +144,7 @@ std::vector<ParamGroup> param_groups_from(Module& m, const Config& cfg);
 // The trained parameters laid out as the optimizer lays them out (one buffer of `dtype` per
 // group of param_groups_from, in its order), without an optimizer: an evaluation of a
 // checkpoint then runs the very products the run ran (a Llama layer's q|k|v and gate|up join
-// into one GEMM where their weights lie side by side, autograd/ops_nn.cpp), so it reproduces
+// into one GEMM where their weights lie side by side, autograd/ops_joined.cpp), so it reproduces
 // the run's end-of-training numbers bit for bit.
 void pack_like_optimizer(Module& m, const Config& cfg, DType dtype);
 // the [model] ViT keys and the [train] optimizer keys

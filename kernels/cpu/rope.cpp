@@ -76,18 +76,6 @@ void rope_backward(T* dinp, const T* dout, const int32_t* pos, int64_t N, int H,
   rotate(dinp, int64_t(H) * hd, dout, int64_t(H) * hd, pos, N, H, hd, theta, -1);
 }
 
-template <class T>
-void rope_forward_rows(T* out, int64_t ldo, const T* inp, int64_t ldi, const int32_t* pos, int64_t N, int H, int hd,
-                       double theta, Stream) {
-  rotate(out, ldo, inp, ldi, pos, N, H, hd, theta, +1);
-}
-
-template <class T>
-void rope_backward_rows(T* dinp, int64_t ldo, const T* dout, int64_t ldi, const int32_t* pos, int64_t N, int H,
-                        int hd, double theta, Stream) {
-  rotate(dinp, ldo, dout, ldi, pos, N, H, hd, theta, -1);
-}
-
 // The joined rows of a q|k|v product, split: q and k rotated, v copied (and back).
 template <class T>
 void rope_qkv_split(T* q, T* k, T* v, const T* qkv, const int32_t* pos, int64_t N, int H, int KV, int hd,
@@ -112,8 +100,6 @@ void rope_qkv_join(T* dqkv, const T* dq, const T* dk, const T* dv, const int32_t
 #define LOOM_ROPE(T)                                                                            \
   template void rope_forward<T>(T*, const T*, const int32_t*, int64_t, int, int, double, Stream); \
   template void rope_backward<T>(T*, const T*, const int32_t*, int64_t, int, int, double, Stream); \
-  template void rope_forward_rows<T>(T*, int64_t, const T*, int64_t, const int32_t*, int64_t, int, int, double, Stream); \
-  template void rope_backward_rows<T>(T*, int64_t, const T*, int64_t, const int32_t*, int64_t, int, int, double, Stream); \
   template void rope_qkv_split<T>(T*, T*, T*, const T*, const int32_t*, int64_t, int, int, int, double, Stream); \
   template void rope_qkv_join<T>(T*, const T*, const T*, const T*, const int32_t*, int64_t, int, int, int, double, Stream);
 LOOM_ROPE(float)

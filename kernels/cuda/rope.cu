@@ -202,13 +202,16 @@ void launch_qkv(T* joined, T* q, T* k, T* v, const int32_t* pos, int64_t N, int 
   }
   // otherwise (hd / 2 not a multiple of the vector, unaligned pointers): the two rotations and
   // a 2-D copy
-  launch<T, BACKWARD>(BACKWARD ? joined : q, BACKWARD ? W : qw, BACKWARD ? q : joined, BACKWARD ? qw : W, pos, N, H, hd,
-                      theta, s);
-  launch<T, BACKWARD>(BACKWARD ? joined + qw : k, BACKWARD ? W : kw, BACKWARD ? k : joined + qw, BACKWARD ? kw : W, pos,
-                      N, KV, hd, theta, s);
   const size_t es = sizeof(T);
-  if (BACKWARD) CUDA_CHECK(cudaMemcpy2DAsync(joined + qw + kw, W * es, v, kw * es, kw * es, N, cudaMemcpyDeviceToDevice, s));
-  else CUDA_CHECK(cudaMemcpy2DAsync(v, kw * es, joined + qw + kw, W * es, kw * es, N, cudaMemcpyDeviceToDevice, s));
+  if constexpr (BACKWARD) {
+    launch<T, true>(joined, W, q, qw, pos, N, H, hd, theta, s);
+    launch<T, true>(joined + qw, W, k, kw, pos, N, KV, hd, theta, s);
+    CUDA_CHECK(cudaMemcpy2DAsync(joined + qw + kw, W * es, v, kw * es, kw * es, N, cudaMemcpyDeviceToDevice, s));
+  } else {
+    launch<T, false>(q, qw, joined, W, pos, N, H, hd, theta, s);
+    launch<T, false>(k, kw, joined + qw, W, pos, N, KV, hd, theta, s);
+    CUDA_CHECK(cudaMemcpy2DAsync(v, kw * es, joined + qw + kw, W * es, kw * es, N, cudaMemcpyDeviceToDevice, s));
+  }
 }
 
 }  // namespace
@@ -232,24 +235,10 @@ template <class T>
 void rope_backward(T* dinp, const T* dout, const int32_t* pos, int64_t N, int H, int hd, double theta, Stream s) {
   launch<T, true>(dinp, int64_t(H) * hd, dout, int64_t(H) * hd, pos, N, H, hd, theta, s);
 }
-template <class T>
-void rope_forward_rows(T* out, int64_t ldo, const T* inp, int64_t ldi, const int32_t* pos, int64_t N, int H, int hd,
-                       double theta, Stream s) {
-  launch<T, false>(out, ldo, inp, ldi, pos, N, H, hd, theta, s);
-}
-template <class T>
-void rope_backward_rows(T* dinp, int64_t ldo, const T* dout, int64_t ldi, const int32_t* pos, int64_t N, int H,
-                        int hd, double theta, Stream s) {
-  launch<T, true>(dinp, ldo, dout, ldi, pos, N, H, hd, theta, s);
-}
 
 #define LOOM_ROPE(T)                                                                               \
   template void rope_forward<T>(T*, const T*, const int32_t*, int64_t, int, int, double, Stream);  \
   template void rope_backward<T>(T*, const T*, const int32_t*, int64_t, int, int, double, Stream);  \
-  template void rope_forward_rows<T>(T*, int64_t, const T*, int64_t, const int32_t*, int64_t, int, int, double,  \
-                                     Stream);                                                      \
-  template void rope_backward_rows<T>(T*, int64_t, const T*, int64_t, const int32_t*, int64_t, int, int, double, \
-                                      Stream);                                                     \
   template void rope_qkv_split<T>(T*, T*, T*, const T*, const int32_t*, int64_t, int, int, int, double, Stream); \
   template void rope_qkv_join<T>(T*, const T*, const T*, const T*, const int32_t*, int64_t, int, int, int, double, \
                                  Stream);
