@@ -60,7 +60,10 @@ Tensor fused_linear_cross_entropy(const Tensor& h, const Tensor& W, const Tensor
   Tensor gs = loss_scale();
   if (gs.defined() && (gs.device() != h.device() || h.dtype() == DType::F64)) gs = Tensor();  // f32 accumulators only
   {
-    Tensor ws = acc_empty({chunk, V}, h);  // the only [*, V] buffer: chunk rows, never N
+    // the only [*, V] buffer: chunk rows, never N. The CUDA kernels keep 16-bit logits in
+    // their own type (half the accumulator's bytes); the CPU reference computes in f32/f64.
+    const bool half = h.device() == Device::CUDA && (h.dtype() == DType::BF16 || h.dtype() == DType::F16);
+    Tensor ws = acc_empty({half ? (chunk * V + 1) / 2 : chunk * V}, h);
     dispatch_float(hc, [&](auto dev, auto zero) {
       using T = decltype(zero);
       using A = acc_t<T>;

@@ -54,9 +54,10 @@ class LM : public Module {
   std::vector<std::unique_ptr<LMBlock>> layers;
   bool checkpoint_blocks = false;  // gradient checkpointing: recompute each block in backward
   RMSNorm norm;
-  // rows of the fused linear cross-entropy per chunk: its workspace is loss_chunk x V fp32 at
-  // the end of the forward, where the activations peak (2048 x 49152: 0.4 GB; 4096 ran 2%
-  // faster in the loss op but held 0.8 GB; kernels/cuda/cross_entropy.cu)
+  // rows of the fused linear cross-entropy per chunk: its workspace, loss_chunk x V logits
+  // (fp32; bf16 / f16 on CUDA), lives at the end of the forward, where the activations peak
+  // (2048 x 49152: 0.2 GB in bf16; with fp32 logits 4096 ran 2% faster in the loss op but held
+  // 0.8 GB; kernels/cuda/cross_entropy.cu)
   int64_t loss_chunk = 2048;
 
  private:

@@ -9,40 +9,41 @@
  *   loss       = sum_r (lse_r - x_{r,y_r}) / count    (0 when count == 0)
  *   dx_rj      = dloss * (exp(x_rj - lse_r) - [j == y_r]) / count     (ignored rows: 0)
  * Fused linear + CE (dloss = *grad_scale, 1 when null; the autograd op scales afterwards):
- *   for each chunk of c rows:   logits[c,V] = h_c W^T           (GEMM, fp32 out, workspace)
- *                               dlogits     = softmax - onehot, / count   (in place)
+ *   for each chunk of c rows:   logits[c,V] = h_c W^T           (GEMM into the workspace, in X)
+ *                               dlogits     = softmax - onehot, / count   (in place, in X)
  *                               dh_c [c,D]  = dlogits W          (GEMM, =)
  *                               dW   [V,D] += dlogits^T h_c      (GEMM; the first chunk =)
- *
+ *   X, the type of the logits: fp32 for f32, T itself for bf16 and f16 (as the reference's
+ *   autocast head, whose bf16 logits go up to fp32 only inside the loss).
  * Pointers:
  *   logits, dlogits [N, V] T      targets [N] int32 (< 0 ignored; >= V makes the loss NaN:
  *   the device cannot throw and a host check would need a sync)
  *   loss [1] A =                  lse [N] A = (saved for backward)     dloss [1] A (device)
- *   h, dh [N, D] T                W, dW [V, D] T                  workspace [chunk, V] A
+ *   h, dh [N, D] T                W, dW [V, D] T                  workspace [chunk, V] X
  *
  * Device-side counting: the number of valid rows is counted by a one-block kernel into a
  *   small buffer from the caching allocator (device_malloc, no cudaMalloc after warm-up);
  *   the loss is a per-row array summed by one block in a fixed order: deterministic, no
  *   atomics, no host synchronization anywhere.
  *
- * bf16 in the fused op: the row kernel writes the chunk's dlogits as bf16 *into the first
- *   half of each fp32 workspace row* (row r's bf16 values start at byte 8 r V, leading dim
- *   2V bf16 elements), reading a tile of the row into registers and passing a barrier
- *   before writing it, so no extra [c, V] buffer exists. The two backward GEMMs then run on
- *   the bf16 tensor cores with fp32 accumulation (cublasGemmEx, CUBLAS_COMPUTE_32F). dW
- *   accumulates across chunks in its own type (bf16: one rounding per chunk, 4 chunks at
- *   N 16384 / chunk 4096). f32 stays f32 end to end (no TF32), so the f32 tests are tight.
- *
+ * 16-bit T in the fused op: the logits GEMM writes T (fp32 accumulation, one rounding at the
+ *   store), the row kernel reads them into fp32 registers and writes the dlogits over them in
+ *   T, and the two backward GEMMs run on the 16-bit tensor cores with fp32 accumulation
+ *   (cublasGemmEx, CUBLAS_COMPUTE_32F). Until 2026-11-27 the logits were fp32 and the dlogits
+ *   were packed into the first half of each fp32 row; T logits halve the GEMM's store and
+ *   the row kernel's reads and the workspace. dW accumulates across chunks in its own type
+ *   (bf16: one rounding per chunk). f32 stays f32 end to end (no TF32), so the f32 tests are
+ *   tight.
  * Napkin math (N 16384, V 49152, D 576, bf16, H100/H200):
  *   GEMMs 6 N V D = 2.78 TFLOP  -> ~4.2 ms at ~660 TFLOP/s.
- *   Row kernel: reads the fp32 logits once (3.2 GB; the row stays in registers, below) and
- *   writes 1.6 GB of bf16 dlogits = 4.8 GB -> ~1.5 ms at 3.3 TB/s (H100), 1.0 ms at 4.8 TB/s
- *   (H200); the two-pass kernel reads them twice (8 GB).
- *   Memory: workspace chunk x V x 4 B = 805 MB at chunk 4096 (PyTorch's materialized path
- *   holds ~9 GB).
- *
- * Launch shape: one 512-thread block per row holding the row in registers (up to 24 float4
- *   per thread: V <= 49152, V % 4 == 0), else one 256-thread block per row in two passes;
+ *   Row kernel: reads the bf16 logits once (1.6 GB; the row stays in registers, below) and
+ *   writes 1.6 GB of bf16 dlogits = 3.2 GB -> ~1.0 ms at 3.3 TB/s (H100); with fp32 logits it
+ *   was 4.8 GB. The two-pass kernel reads them twice.
+ *   Memory: workspace chunk x V x sizeof(X) = 201 MB at chunk 2048 in bf16 (PyTorch's
+ *   materialized path holds ~9 GB).
+ * Launch shape: one 512-thread block per row holding the row in registers (up to 96 values
+ *   per thread in 16-byte vectors: V <= 49152, V a multiple of the vector), else one
+ *   256-thread block per row in two passes;
  *   counting / loss reduction: one 1024-thread block.
  *
  * Versions: v1 two-pass row kernel; v2 register-resident row kernel (lce_rows_reg), the
@@ -62,6 +63,7 @@
  */
 #include <cmath>
 #include <string>
+#include <type_traits>
 
 #include "kernels/cuda/common.cuh"
 
@@ -177,77 +179,70 @@ __global__ void ce_backward_rows(T* __restrict__ dlogits, const float* __restric
   }
 }
 
-// The fused op's row kernel, on one chunk row of fp32 logits in the workspace: lse, the
-// row's loss term, then dlogits = (softmax - onehot) / count written in place as TOut.
-// TOut = float: element by element. TOut = bf16: packed into the first half of the row,
-// tile by tile with a barrier between a tile's reads and its writes (see the header).
-template <class TOut>
-__global__ void lce_rows(float* __restrict__ ws, float* __restrict__ row_loss,
-                         const int32_t* __restrict__ targets, const float* __restrict__ count,
-                         const float* __restrict__ grad_scale, int V) {
-  constexpr int kItems = 4;  // elements per thread per tile
-  float* x = ws + int64_t(blockIdx.x) * V;
+// The fused op's row kernel, on one chunk row of logits in the workspace (X = float for f32,
+// the 16-bit T itself for bf16 / f16): lse, the row's loss term, then dlogits = (softmax -
+// onehot) / count written over the row in place, element for element in the same type.
+template <class X>
+__global__ void lce_rows(X* __restrict__ ws, float* __restrict__ row_loss, const int32_t* __restrict__ targets,
+                         const float* __restrict__ count, const float* __restrict__ grad_scale, int V) {
+  X* x = ws + int64_t(blockIdx.x) * V;
   const int t = targets[blockIdx.x];
   MaxSum ms{-INFINITY, 0.f};
-  for (int j = threadIdx.x; j < V; j += blockDim.x) ms = add_value(ms, x[j]);
+  for (int j = threadIdx.x; j < V; j += blockDim.x) ms = add_value(ms, to_float(x[j]));
   ms = block_maxsum(ms);
   const float lse = ms.m + log2f(ms.s) * kLn2;
-  if (threadIdx.x == 0)
-    row_loss[blockIdx.x] = t < 0 ? 0.f : (t < V ? lse - x[t] : NAN);
+  if (threadIdx.x == 0) row_loss[blockIdx.x] = t < 0 ? 0.f : (t < V ? lse - to_float(x[t]) : NAN);
   __syncthreads();  // x[t] is read before any thread overwrites it
   const float cnt = *count;
   const float scale = (t >= 0 && cnt > 0.f) ? (grad_scale ? *grad_scale : 1.f) / cnt : 0.f;
   const float lse2 = lse * kLog2e;
-  TOut* dx = reinterpret_cast<TOut*>(x);
-  const int tile = blockDim.x * kItems;
-  for (int base = 0; base < V; base += tile) {
-    float g[kItems];
-#pragma unroll
-    for (int i = 0; i < kItems; i++) {
-      const int j = base + threadIdx.x + i * blockDim.x;
-      g[i] = j < V ? scale * (exp2f(x[j] * kLog2e - lse2) - (j == t ? 1.f : 0.f)) : 0.f;
-    }
-    if (sizeof(TOut) < sizeof(float)) __syncthreads();  // packing: all reads of this tile first
-#pragma unroll
-    for (int i = 0; i < kItems; i++) {
-      const int j = base + threadIdx.x + i * blockDim.x;
-      if (j < V) dx[j] = from_float<TOut>(g[i]);
-    }
-  }
+  for (int j = threadIdx.x; j < V; j += blockDim.x)  // each thread rewrites only what it read
+    x[j] = from_float<X>(scale * (exp2f(to_float(x[j]) * kLog2e - lse2) - (j == t ? 1.f : 0.f)));
 }
 
 // The same row kernel with the whole row held in registers: one 512-thread block per row, each
-// thread loading kVec float4s (V <= 2048 kVec, V % 4 == 0) before anything is written, so the
-// fp32 logits are read from DRAM once instead of twice (the two-pass kernel above reads them
-// for the max/sum and again for the gradient; a 196 KB row does not stay in L2 between the
-// passes). Each thread reduces its registers to (max, sum of exp(x - max)), which
-// block_maxsum combines exactly across the block. Writes: bf16 packed 4 at a time (8 bytes)
-// into the first half of the row, or fp32 float4 in place; block_maxsum's barriers separate
-// every read of the row from the first write.
+// thread loading kLoads 16-byte vectors (E = 16 / sizeof(X) values each; V <= 512 kLoads E,
+// V % E == 0) before anything is written, so the logits are read from DRAM once instead of
+// twice (the two-pass kernel above reads them for the max/sum and again for the gradient; a
+// 96-196 KB row does not stay in L2 between the passes). Each thread reduces its registers to
+// (max, sum of exp(x - max)), which block_maxsum combines exactly across the block; its
+// barriers separate every read of the row from the first write. The gradient goes back over
+// the same vectors in place.
 constexpr int kRegThreads = 512;
-template <class TOut, int kVec>
+template <class X, int kLoads>
 __global__ void __launch_bounds__(kRegThreads, 1)
-lce_rows_reg(float* __restrict__ ws, float* __restrict__ row_loss, const int32_t* __restrict__ targets,
+lce_rows_reg(X* __restrict__ ws, float* __restrict__ row_loss, const int32_t* __restrict__ targets,
              const float* __restrict__ count, const float* __restrict__ grad_scale, int V) {
-  float* x = ws + int64_t(blockIdx.x) * V;
+  constexpr int E = 16 / int(sizeof(X));
+  X* x = ws + int64_t(blockIdx.x) * V;
   const int t = targets[blockIdx.x];
-  const int nv = V / 4;  // float4s in the row
-  float4 v[kVec];
+  const int nv = V / E;  // vectors in the row
+  float v[kLoads][E];
 #pragma unroll
-  for (int i = 0; i < kVec; i++) {
+  for (int i = 0; i < kLoads; i++) {
     const int q = i * kRegThreads + threadIdx.x;
-    v[i] = q < nv ? reinterpret_cast<const float4*>(x)[q] : make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
+    if (q < nv) {
+      const uint4 raw = reinterpret_cast<const uint4*>(x)[q];
+      const X* e = reinterpret_cast<const X*>(&raw);
+#pragma unroll
+      for (int k = 0; k < E; k++) v[i][k] = to_float(e[k]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < E; k++) v[i][k] = -INFINITY;
+    }
   }
-  const float xt = (threadIdx.x == 0 && t >= 0 && t < V) ? x[t] : 0.f;
+  const float xt = (threadIdx.x == 0 && t >= 0 && t < V) ? to_float(x[t]) : 0.f;
   MaxSum ms{-INFINITY, 0.f};  // this thread's values: max, then the sum of exp(x - max)
 #pragma unroll
-  for (int i = 0; i < kVec; i++) ms.m = fmaxf(ms.m, fmaxf(fmaxf(v[i].x, v[i].y), fmaxf(v[i].z, v[i].w)));
+  for (int i = 0; i < kLoads; i++)
+#pragma unroll
+    for (int k = 0; k < E; k++) ms.m = fmaxf(ms.m, v[i][k]);
   if (ms.m > -INFINITY) {
     const float m2 = ms.m * kLog2e;
 #pragma unroll
-    for (int i = 0; i < kVec; i++)
-      ms.s += exp2f(v[i].x * kLog2e - m2) + exp2f(v[i].y * kLog2e - m2) + exp2f(v[i].z * kLog2e - m2) +
-              exp2f(v[i].w * kLog2e - m2);
+    for (int i = 0; i < kLoads; i++)
+#pragma unroll
+      for (int k = 0; k < E; k++) ms.s += exp2f(v[i][k] * kLog2e - m2);
   }
   ms = block_maxsum(ms);  // its barriers: every read of the row above precedes any write below
   const float lse = ms.m + log2f(ms.s) * kLn2;
@@ -256,40 +251,35 @@ lce_rows_reg(float* __restrict__ ws, float* __restrict__ row_loss, const int32_t
   const float scale = (t >= 0 && cnt > 0.f) ? (grad_scale ? *grad_scale : 1.f) / cnt : 0.f;
   const float lse2 = lse * kLog2e;
 #pragma unroll
-  for (int i = 0; i < kVec; i++) {
+  for (int i = 0; i < kLoads; i++) {
     const int q = i * kRegThreads + threadIdx.x;
     if (q >= nv) continue;
-    const int j = 4 * q;
-    float g0 = scale * (exp2f(v[i].x * kLog2e - lse2) - (j == t ? 1.f : 0.f));
-    float g1 = scale * (exp2f(v[i].y * kLog2e - lse2) - (j + 1 == t ? 1.f : 0.f));
-    float g2 = scale * (exp2f(v[i].z * kLog2e - lse2) - (j + 2 == t ? 1.f : 0.f));
-    float g3 = scale * (exp2f(v[i].w * kLog2e - lse2) - (j + 3 == t ? 1.f : 0.f));
-    if constexpr (sizeof(TOut) == sizeof(float)) {
-      reinterpret_cast<float4*>(x)[q] = make_float4(g0, g1, g2, g3);
-    } else {
-      TOut o[4] = {from_float<TOut>(g0), from_float<TOut>(g1), from_float<TOut>(g2), from_float<TOut>(g3)};
-      reinterpret_cast<uint2*>(x)[q] = *reinterpret_cast<const uint2*>(o);
-    }
+    uint4 raw;
+    X* o = reinterpret_cast<X*>(&raw);
+#pragma unroll
+    for (int k = 0; k < E; k++)
+      o[k] = from_float<X>(scale * (exp2f(v[i][k] * kLog2e - lse2) - (E * q + k == t ? 1.f : 0.f)));
+    reinterpret_cast<uint4*>(x)[q] = raw;
   }
 }
 
-// Launch the row kernel for c rows: the register-resident one where the row fits (V % 4 == 0,
-// V <= 2048 * 24 = 49152, SmolLM2's vocabulary exactly), the two-pass one otherwise.
-template <class TOut>
-void launch_lce_rows(float* ws, float* row_loss, const int32_t* targets, const float* count,
-                     const float* grad_scale, int c, int V, cudaStream_t s) {
-  const int nvec = (V / 4 + kRegThreads - 1) / kRegThreads;  // float4s per thread
-  if (V % 4 == 0 && nvec <= 24) {
+// Launch the row kernel for c rows: the register-resident one where the row fits (V % E == 0,
+// V <= 512 * 96 = 49152, SmolLM2's vocabulary exactly), the two-pass one otherwise.
+template <class X>
+void launch_lce_rows(X* ws, float* row_loss, const int32_t* targets, const float* count, const float* grad_scale,
+                     int c, int V, cudaStream_t s) {
+  constexpr int E = 16 / int(sizeof(X));
+  const int nload = (V / E + kRegThreads - 1) / kRegThreads;  // vectors per thread
+  if (V % E == 0 && nload * E <= 96 && aligned(ws, 16)) {
 #define LOOM_LCE_REG(K)                                                                              \
-  if (nvec <= K) {                                                                                   \
-    lce_rows_reg<TOut, K><<<c, kRegThreads, 0, s>>>(ws, row_loss, targets, count, grad_scale, V);     \
+  if (nload * E <= K * 4) {                                                                          \
+    lce_rows_reg<X, K * 4 / E><<<c, kRegThreads, 0, s>>>(ws, row_loss, targets, count, grad_scale, V); \
     return;                                                                                          \
   }
-    LOOM_LCE_REG(1) LOOM_LCE_REG(2) LOOM_LCE_REG(4) LOOM_LCE_REG(8) LOOM_LCE_REG(12) LOOM_LCE_REG(16)
-    LOOM_LCE_REG(24)
+    LOOM_LCE_REG(2) LOOM_LCE_REG(4) LOOM_LCE_REG(8) LOOM_LCE_REG(12) LOOM_LCE_REG(16) LOOM_LCE_REG(24)
 #undef LOOM_LCE_REG
   }
-  lce_rows<TOut><<<c, kRowThreads, 0, s>>>(ws, row_loss, targets, count, grad_scale, V);
+  lce_rows<X><<<c, kRowThreads, 0, s>>>(ws, row_loss, targets, count, grad_scale, V);
 }
 
 __global__ void scaled_sum(float* __restrict__ loss, const float* __restrict__ row_loss,
@@ -372,19 +362,20 @@ void fused_linear_cross_entropy(acc_t<T>* loss, T* dh, T* dW, const T* h, const 
   if (N == 0) {  // dW = 0 and loss = 0 (the sum over no rows)
     CUDA_CHECK(cudaMemsetAsync(dW, 0, sizeof(T) * size_t(V) * D, s));
   }
-  // dlogits: fp32 in place (ld V) for f32; bf16 packed in the same rows (ld 2V) for bf16.
-  const int64_t ld_dl = sizeof(T) == 4 ? V : 2 * int64_t(V);
+  // logits and then dlogits in place, [c, V] of X: fp32 for f32, T itself for bf16 / f16
+  using X = std::conditional_t<sizeof(T) == 2, dev_t<T>, float>;
+  constexpr cudaDataType tX = sizeof(T) == 2 ? tT : CUDA_R_32F;
+  X* ws = reinterpret_cast<X*>(workspace);
   for (int64_t r0 = 0; r0 < N; r0 += chunk) {
     const int c = int(std::min<int64_t>(chunk, N - r0));
     // logits[c,V] = h_c[c,D] W[V,D]^T
-    gemm_rm(s, c, V, D, h + r0 * D, tT, D, false, W, tT, D, true, workspace, CUDA_R_32F, V, 1.f, 0.f);
-    launch_lce_rows<dev_t<T>>(workspace, row_loss + r0, targets + r0, count, grad_scale, c, V, s);
+    gemm_rm(s, c, V, D, h + r0 * D, tT, D, false, W, tT, D, true, ws, tX, V, 1.f, 0.f);
+    launch_lce_rows<X>(ws, row_loss + r0, targets + r0, count, grad_scale, c, V, s);
     LAUNCH_CHECK();
     // dh_c[c,D] = dlogits[c,V] W[V,D]
-    gemm_rm(s, c, D, V, workspace, tT, ld_dl, false, W, tT, D, false, dh + r0 * D, tT, D, 1.f, 0.f);
+    gemm_rm(s, c, D, V, ws, tT, V, false, W, tT, D, false, dh + r0 * D, tT, D, 1.f, 0.f);
     // dW[V,D] (+)= dlogits^T[V,c] h_c[c,D]; the first chunk overwrites (beta 0 never reads dW)
-    gemm_rm(s, V, D, c, workspace, tT, ld_dl, true, h + r0 * D, tT, D, false, dW, tT, D, 1.f,
-            r0 == 0 ? 0.f : 1.f);
+    gemm_rm(s, V, D, c, ws, tT, V, true, h + r0 * D, tT, D, false, dW, tT, D, 1.f, r0 == 0 ? 0.f : 1.f);
   }
   scaled_sum<<<1, 1024, 0, s>>>(loss, row_loss, count, N);
   LAUNCH_CHECK();

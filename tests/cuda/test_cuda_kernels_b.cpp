@@ -300,6 +300,28 @@ void run_lce(int64_t N, int V, int D, int64_t chunk, double p_ignore, uint32_t s
   }
   INFO(std::string(tname<T>()) + " N=" + std::to_string(N) + " V=" + std::to_string(V) + " D=" +
        std::to_string(D) + " chunk=" + std::to_string(chunk) + " grad_scale=" + std::to_string(grad_scale));
+  if (sizeof(T) == 2) {
+    // 16-bit T: the kernel rounds the logits to T before the softmax (as the reference's
+    // autocast head); the loss of those rounded logits, in double, is what it must match
+    double sum = 0;
+    int64_t cnt = 0;
+    std::vector<float> row(V);
+    for (int64_t r = 0; r < N; r++) {
+      if (tg[r] < 0) continue;
+      for (int j = 0; j < V; j++) {
+        double a = 0;
+        for (int d = 0; d < D; d++) a += double(hs[r * D + d]) * Ws[int64_t(j) * D + d];
+        row[j] = float(a);
+      }
+      row = seen<T>(row);
+      double m = -INFINITY, e = 0;
+      for (float x : row) m = std::max(m, double(x));
+      for (float x : row) e += std::exp(double(x) - m);
+      sum += m + std::log(e) - row[tg[r]];
+      cnt++;
+    }
+    loss_ref = cnt ? float(sum / cnt) : 0.f;
+  }
   LOOM_CHECK_CLOSE(tol::compare(dl.down(), std::vector<float>{loss_ref}, tol::kCudaF32Gemm, "lce loss"));
   LOOM_CHECK_CLOSE(tol::compare(to_f(ddh.down()), dh_ref, gemm_tol<T>(), "lce dh"));
   LOOM_CHECK_CLOSE(tol::compare(to_f(ddW.down()), dW_ref, gemm_tol<T>(), "lce dW"));
@@ -475,12 +497,18 @@ TEST_CASE("fused_linear_cross_entropy against the CPU reference", "[cuda][losses
   run_lce<f16>(70, 1100, 64, 128, 0.1, 18, 1024.f);  // fp16 loss scaling: gradients for dloss = 1024
   run_lce<float>(23, 301, 40, 5, 0.25, 19, 8.f);
   run_lce<float>(9, 64, 24, 4, 1.0, 16);       // every target ignored
-  // the register-resident row kernel (V % 4 == 0, V <= 49152): SmolLM2's vocabulary exactly,
-  // a row that leaves the last float4 slots of some threads empty, and fp32 in place
+  // the register-resident row kernel (V a multiple of the 16-byte vector, 4 fp32 or 8 16-bit
+  // values, V <= 49152): SmolLM2's vocabulary exactly; V 4100 in f16 and 49156 in bf16 are no
+  // multiple of 8 (two-pass kernel); fp32 in place
   run_lce<bf16>(6, 49152, 16, 4, 0.2, 20);
   run_lce<f16>(5, 4100, 16, 2, 0.1, 21);
   run_lce<float>(7, 8192, 16, 3, 0.2, 22);
-  run_lce<bf16>(3, 49156, 16, 2, 0.0, 23);     // one float4 past the register path: two-pass kernel
+  run_lce<bf16>(3, 49156, 16, 2, 0.0, 23);
+  // 16-bit logits in registers: one vector per thread (V 1024), and 3 of 4 vectors with the
+  // last ones past the row (V 12288); V 49160, a multiple of 8 beyond the register path: two-pass
+  run_lce<bf16>(5, 1024, 16, 3, 0.2, 24);
+  run_lce<f16>(4, 12288, 16, 4, 0.0, 25);
+  run_lce<bf16>(3, 49160, 16, 2, 0.1, 26);
 }
 
 TEST_CASE("patch_disc_loss against the CPU reference", "[cuda][contrastive]") {
