@@ -51,7 +51,7 @@ Tensor LatentMIM::view_loss(const MIMView& v, Tensor* z_out) const {
   Tensor t;
   {
     NoGradGuard ng;
-    t = gather_rows(target.forward(v.images), v.masked);  // [B, N-K, D]
+    t = target.forward(v.images, Tensor(), v.masked);  // [B, N-K, D]: its last block on those tokens alone
   }
   profile_phase("EMA target forward (no grad)");  // records no op: its own row in the profile
   // sync-free unmask: scatter the visible tokens into a full sequence of mask tokens
@@ -59,9 +59,9 @@ Tensor LatentMIM::view_loss(const MIMView& v, Tensor* z_out) const {
   full = scatter_rows(full, v.keep, pred_in.forward(z));
   Tensor x = add(full, pred_pos);
   SeqInfo rows = SeqInfo::dense(B, N, x.device());
-  // (masked: a permutation's tail, distinct per sample)
-  Tensor p = gather_rows(pred_out.forward(vit_stack(pred_blocks, pred_norm, x, rows, checkpoint_blocks)), v.masked,
-                         /*distinct=*/true);
+  // (masked: a permutation's tail, distinct per sample); the last block, the norm and pred_out
+  // run on the masked tokens alone
+  Tensor p = pred_out.forward(vit_stack(pred_blocks, pred_norm, x, rows, checkpoint_blocks, v.masked));
   if (z_out) *z_out = z;
   // bf16 goes in as it is: the kernel's two products run on bf16 tensor cores with fp32
   // accumulation and its softmax and loss are fp32 (the reference's autocast bmm rounds the

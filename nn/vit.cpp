@@ -17,12 +17,12 @@ ViTBlock::ViTBlock(int dim_, int heads_, int mlp_hidden, double eps, const Init&
   child("fc2", fc2);
 }
 
-Tensor ViTBlock::forward(const Tensor& x, const SeqInfo& rows) const {
-  return forward_fused(x, norm1.forward(x), rows, nullptr)[0];
+Tensor ViTBlock::forward(const Tensor& x, const SeqInfo& rows, const Tensor& out_rows) const {
+  return forward_fused(x, norm1.forward(x), rows, nullptr, out_rows)[0];
 }
 
 std::vector<Tensor> ViTBlock::forward_fused(const Tensor& x, const Tensor& xn, const SeqInfo& rows,
-                                            const LayerNorm* next) const {
+                                            const LayerNorm* next, const Tensor& out_rows) const {
   int64_t B = x.size(0), N = x.size(1);
   int hd = dim / heads;
   // qkv split as [3, heads, head_dim] per token (SPEC §1): the weight's rows are q, k, v in
@@ -31,10 +31,16 @@ std::vector<Tensor> ViTBlock::forward_fused(const Tensor& x, const Tensor& xn, c
   Tensor q = reshape(qkv_parts[0], {B * N, heads, hd});
   Tensor k = reshape(qkv_parts[1], {B * N, heads, hd});
   Tensor v = reshape(qkv_parts[2], {B * N, heads, hd});
-  Tensor a = attention(q, k, v, rows, /*causal=*/false, 1.0 / std::sqrt(double(hd)));
+  Tensor a = reshape(attention(q, k, v, rows, /*causal=*/false, 1.0 / std::sqrt(double(hd))), {B, N, dim});
+  // only the tokens asked for go on (the MIM's target and predictor need the masked ones)
+  Tensor xr = x;
+  if (out_rows.defined()) {
+    a = gather_rows(a, out_rows, /*distinct=*/true);
+    xr = gather_rows(x, out_rows, /*distinct=*/true);
+  }
   // h = x + proj(a) and norm2(h) in one pass; fc2(gelu(fc1(.))) with the GELU in the GEMMs'
   // epilogues (mlp_gelu)
-  std::vector<Tensor> h = add_layernorm(x, proj.forward(reshape(a, {B, N, dim})), norm2.weight, norm2.bias, norm2.eps);
+  std::vector<Tensor> h = add_layernorm(xr, proj.forward(a), norm2.weight, norm2.bias, norm2.eps);
   Tensor m = mlp_gelu(h[1], fc1.weight, fc1.bias, fc2.weight, fc2.bias);
   // the block's output and the next norm of it in one pass (forward(): no next norm)
   if (!next) return {add(h[0], m)};
@@ -42,21 +48,24 @@ std::vector<Tensor> ViTBlock::forward_fused(const Tensor& x, const Tensor& xn, c
 }
 
 Tensor vit_stack(const std::vector<std::unique_ptr<ViTBlock>>& blocks, const LayerNorm& final, const Tensor& x,
-                 const SeqInfo& rows, bool checkpoint_blocks) {
-  if (blocks.empty()) return final.forward(x);
+                 const SeqInfo& rows, bool checkpoint_blocks, const Tensor& out_rows) {
+  if (blocks.empty()) return final.forward(out_rows.defined() ? gather_rows(x, out_rows, /*distinct=*/true) : x);
   if (checkpoint_blocks) {
     Tensor h = x;
-    for (auto& b : blocks) {
+    for (size_t i = 0; i < blocks.size(); i++) {
       ProfileRange r("vit block");
-      const ViTBlock* blk = b.get();
-      h = checkpoint([blk, rows](const Tensor& in) { return blk->forward(in, rows); }, h);
+      const ViTBlock* blk = blocks[i].get();
+      Tensor sel = i + 1 == blocks.size() ? out_rows : Tensor();
+      h = checkpoint([blk, rows, sel](const Tensor& in) { return blk->forward(in, rows, sel); }, h);
     }
     return final.forward(h);
   }
   std::vector<Tensor> h = {x, blocks[0]->norm1.forward(x)};
   for (size_t i = 0; i < blocks.size(); i++) {
     ProfileRange r("vit block");
-    h = blocks[i]->forward_fused(h[0], h[1], rows, i + 1 < blocks.size() ? &blocks[i + 1]->norm1 : &final);
+    const bool last = i + 1 == blocks.size();
+    h = blocks[i]->forward_fused(h[0], h[1], rows, last ? &final : &blocks[i + 1]->norm1,
+                                 last ? out_rows : Tensor());
   }
   return h[1];
 }
@@ -110,11 +119,11 @@ Tensor ViT::embed(const Tensor& images) const {
   return add(patch_embed_proj.forward(patchify(images, cfg.patch_size)), pos_embed);
 }
 
-Tensor ViT::forward(const Tensor& images, const Tensor& keep) const {
+Tensor ViT::forward(const Tensor& images, const Tensor& keep, const Tensor& out_rows) const {
   Tensor x = embed(images);
   if (keep.defined()) x = gather_rows(x, keep);
   SeqInfo rows = SeqInfo::dense(int(x.size(0)), int(x.size(1)), x.device());
-  return vit_stack(blocks, norm, x, rows, checkpoint_blocks);
+  return vit_stack(blocks, norm, x, rows, checkpoint_blocks, out_rows);
 }
 
 }  // namespace loom

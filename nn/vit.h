@@ -35,13 +35,18 @@ Tensor init_positions(const Init& init, int grid, int dim, const std::string& ho
 class ViTBlock : public Module {
  public:
   ViTBlock(int dim, int heads, int mlp_hidden, double eps, const Init& init);
-  // x [B, N, D] -> [B, N, D]; bidirectional attention within each of the B rows
-  Tensor forward(const Tensor& x, const SeqInfo& rows) const;
+  // x [B, N, D] -> [B, N, D]; bidirectional attention within each of the B rows.
+  // out_rows int32 [B, M] (distinct within a row; undefined: all): only those tokens come out,
+  // [B, M, D], the same values as gather_rows of the full output: every token is still a key
+  // and a value of the attention, and everything after it (projection, residual, norm, MLP)
+  // runs on the M tokens alone.
+  Tensor forward(const Tensor& x, const SeqInfo& rows, const Tensor& out_rows = Tensor()) const;
   // The same block inside a stack: xn = norm1(x) comes from the block before, and the block's
   // last residual add runs with the next norm (the next block's norm1, or the stack's final
   // norm) in one pass: -> {x_out, next(x_out)}, the same values as forward() then
   // next->forward (next null: {x_out} alone, which is forward()).
-  std::vector<Tensor> forward_fused(const Tensor& x, const Tensor& xn, const SeqInfo& rows, const LayerNorm* next) const;
+  std::vector<Tensor> forward_fused(const Tensor& x, const Tensor& xn, const SeqInfo& rows, const LayerNorm* next,
+                                    const Tensor& out_rows = Tensor()) const;
   int dim, heads;
   LayerNorm norm1, norm2;
   Linear qkv, proj, fc1, fc2;
@@ -49,15 +54,18 @@ class ViTBlock : public Module {
 
 // x through a stack of blocks and then `final`: final(blocks(x)). Without gradient
 // checkpointing each residual add runs with the norm after it (forward_fused); with it, block
-// by block (a checkpointed block keeps one tensor in and one out).
+// by block (a checkpointed block keeps one tensor in and one out). out_rows [B, M] (distinct
+// within a row): only those tokens of the output, from the last block on (ViTBlock::forward).
 Tensor vit_stack(const std::vector<std::unique_ptr<ViTBlock>>& blocks, const LayerNorm& final, const Tensor& x,
-                 const SeqInfo& rows, bool checkpoint_blocks);
+                 const SeqInfo& rows, bool checkpoint_blocks, const Tensor& out_rows = Tensor());
 
 class ViT : public Module {
  public:
   ViT(const ViTConfig& c, const Init& init);
-  // images [B, C, H, W]; keep int32 [B, K] (undefined: all patches) -> [B, K or N, D]
-  Tensor forward(const Tensor& images, const Tensor& keep = Tensor()) const;
+  // images [B, C, H, W]; keep int32 [B, K] (undefined: all patches) -> [B, K or N, D];
+  // out_rows int32 [B, M] (distinct within a row, positions among the kept tokens): only
+  // those tokens of the output, [B, M, D] (vit_stack)
+  Tensor forward(const Tensor& images, const Tensor& keep = Tensor(), const Tensor& out_rows = Tensor()) const;
   // patch embedding + positions only: [B, N, D]
   Tensor embed(const Tensor& images) const;
   ViTConfig cfg;
