@@ -38,6 +38,10 @@
  *
  * Launch shape: row norms one warp per row; patch rows one block (8 warps) per sample, warp
  *   per row; InfoNCE one warp per row / column; loss sums one 1024-thread block.
+ * Tried and dropped (H100, 2026-11-27): raw with its rows padded to a multiple of 4 floats, to
+ *   move cuBLAS off the align1 kernels it picks at M 147 (cutlass_75 ..._align1, 136 + 116 us a
+ *   MIM step in a CUPTI trace): the same kernels and times (bench_losses 0.3858 against 0.3827
+ *   ms); the odd M itself decides the alignment.
  * Versions: v1 only (cuBLAS batched GEMMs + warp-per-row kernels). Measured on H200, bf16
  *   (bench/bench_losses.cpp): patch_disc B128 M147 D768 forward+backward 0.38 ms; InfoNCE
  *   B128 D768 0.039 ms.

@@ -38,6 +38,11 @@
  *   tuned against 28.5 / 28.6, contrastive 56.0 / 55.8 against 56.1 / 56.4, bench_vlm_sft 72.5 /
  *   72.0 against 71.9 / 72.0 (and its p90 up to 3x while new buckets were timed in the steps):
  *   within noise, for losses that would then differ from run to run.
+ * Tried and dropped (H100, 2026-11-27): the column sums and their finish in one launch, the last
+ *   block of each column group (an atomic counter per group, set back to 0 by that block, one
+ *   counter array per stream) adding the splits in the same order: the same bits, but bench_mim
+ *   26.02 / 26.01 ms against 25.98 / 26.01 and contrastive 51.21 against 51.28 (same call); the
+ *   last block's loads and serial adds took as long as the second launch they replaced.
  * Tried and dropped (H200, 2026-11-26): column sums with 16-byte loads (8 bf16 per thread, a
  *   block over 256 columns) and up to 256 row splits (~512 blocks) instead of 2-byte loads and
  *   <= 64 splits. Correct (test_cuda_matmul with O 776 and 4100 rows), but the steps did not
