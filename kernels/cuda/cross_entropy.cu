@@ -47,10 +47,12 @@
  *   counting / loss reduction: one 1024-thread block.
  *
  * Versions: v1 two-pass row kernel; v2 register-resident row kernel (lce_rows_reg), the
- *   default where the row fits. Measured on H100 (bench_losses, same call, 2026-11-24, N 16384
- *   V 49152 D 576 bf16): fused op 8.21 -> 6.56 ms at chunk 2048 (7.92 -> 6.45 at 4096); in the
+ *   default where the row fits; v3 16-bit logits in their own type (2026-11-27; fixed-batch
+ *   SPEC VLM step 59.0 -> 58.2 ms on an H100, same call, the tree before beside it).
+ *   Measured on H100 (bench_losses, same call, 2026-11-24, N 16384 V 49152 D 576 bf16, fp32
+ *   logits): fused op 8.21 -> 6.56 ms at chunk 2048 (7.92 -> 6.45 at 4096); in the
  *   SPEC VLM step (CUPTI trace) the row kernels went from 3.28 to 1.71 ms a step.
- *   Measured on H200 (bench/bench_losses.cpp, N 16384 V 49152 D 576 bf16, median of 20):
+ *   Measured on H200 (bench/bench_losses.cpp, N 16384 V 49152 D 576 bf16, fp32 logits, median of 20):
  *     chunk 4096: 7.09 ms (392 TFLOP/s), peak extra memory 0.82 GB (dh, dW, workspace)
  *     chunk 2048: 7.26 ms, 0.45 GB (2% slower for 45% less memory: the LM's default since
  *     2026-11-23, because the workspace lives at the activations' peak; nn/lm.h loss_chunk)
