@@ -39,7 +39,7 @@
  *   Row kernel: reads the bf16 logits once (1.6 GB; the row stays in registers, below) and
  *   writes 1.6 GB of bf16 dlogits = 3.2 GB -> ~1.0 ms at 3.3 TB/s (H100); with fp32 logits it
  *   was 4.8 GB. The two-pass kernel reads them twice.
- *   Memory: workspace chunk x V x sizeof(X) = 201 MB at chunk 2048 in bf16 (PyTorch's
+ *   Memory: workspace chunk x V x sizeof(X) = 403 MB at chunk 4096 in bf16 (PyTorch's
  *   materialized path holds ~9 GB).
  * Launch shape: one 512-thread block per row holding the row in registers (up to 96 values
  *   per thread in 16-byte vectors: V <= 49152, V a multiple of the vector), else one
@@ -54,8 +54,9 @@
  *   SPEC VLM step (CUPTI trace) the row kernels went from 3.28 to 1.71 ms a step.
  *   Measured on H200 (bench/bench_losses.cpp, N 16384 V 49152 D 576 bf16, fp32 logits, median of 20):
  *     chunk 4096: 7.09 ms (392 TFLOP/s), peak extra memory 0.82 GB (dh, dW, workspace)
- *     chunk 2048: 7.26 ms, 0.45 GB (2% slower for 45% less memory: the LM's default since
- *     2026-11-23, because the workspace lives at the activations' peak; nn/lm.h loss_chunk)
+ *     chunk 2048: 7.26 ms, 0.45 GB (2% slower for 45% less memory: the LM's default from
+ *     2026-11-23, because the workspace lives at the activations' peak, until the bf16 logits
+ *     of 2026-11-27 made 4096 rows as small; nn/lm.h loss_chunk)
  *     PyTorch materialized linear + cross_entropy, same run: 13.92 ms, 9.1 GB
  *   bf16 dlogits for the backward GEMMs (chosen): the fp32 alternative would need fp32 copies
  *   of W and h for cuBLAS (no mixed f32 x bf16 GEMM) and run at the fp32 SIMT rate.
