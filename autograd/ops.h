@@ -68,7 +68,8 @@ Tensor mlp_swiglu(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, con
 // [N, H, hd], [N, KV, hd], [N, KV, hd] (x [N, C], pos int32 [N]). When Wq, Wk, Wv lie side by
 // side in memory, one GEMM writes q|k|v per row and one pass splits the rows into q, k rotated
 // and v (rope_qkv_split); the backward joins dq, dk, dv into that layout in one pass
-// (rope_qkv_join) and runs one GEMM for dx and one for the weights. Else linear_many + rope. The same values either way up to the GEMMs' summation order.
+// (rope_qkv_join) and runs one GEMM for dx and one for the weights. Else linear_many + rope.
+// The same values either way up to the GEMMs' summation order.
 std::vector<Tensor> qkv_rope(const Tensor& x, const Tensor& wq, const Tensor& wk, const Tensor& wv, const Tensor& pos,
                              int heads, int kv_heads, int head_dim, double theta);
 // a [..., M, K] @ b [..., K, N] (b may be 2-D and shared); transposes read a^T / b^T.
