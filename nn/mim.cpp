@@ -73,21 +73,56 @@ Tensor LatentMIM::view_loss(const MIMView& v, Tensor* z_out) const {
   return patch_disc_loss(pa, ta, cfg.tau);
 }
 
+// Views of one shape stacked along the batch (no gradient flows into images or indices).
+static Tensor stack_batch(const std::vector<Tensor>& xs) {
+  Shape s = xs[0].shape();
+  const int64_t n = s[0];
+  s[0] = n * int64_t(xs.size());
+  Tensor out = Tensor::empty(s, xs[0].dtype(), xs[0].device());
+  for (size_t i = 0; i < xs.size(); i++) out.narrow(0, int64_t(i) * n, n).copy_(xs[i]);
+  return out;
+}
+
 Tensor LatentMIM::forward(const std::vector<MIMView>& views) const {
   LOOM_CHECK(!views.empty() && (!cfg.contrastive || views.size() == 2),
              "LatentMIM: %zu views (the contrastive variant needs exactly 2)", views.size());
-  Tensor loss;
+  // Views of one shape run as one batch of V*B samples: every op of view_loss is per sample
+  // except the patch-discrimination mean, and over V parts of equal size the mean of all
+  // predictions is the mean of the views' means. One pass of twice the rows instead of two:
+  // half the launches, and products with twice M fill the GPU's waves better.
+  bool one_batch = batch_views && views.size() > 1;
+  for (auto& v : views)
+    one_batch = one_batch && v.images.shape() == views[0].images.shape() && v.keep.shape() == views[0].keep.shape() &&
+                v.masked.shape() == views[0].masked.shape() && !v.images.requires_grad();
   std::vector<Tensor> pooled;
-  for (auto& v : views) {
-    Tensor z;
-    Tensor l = view_loss(v, &z);
-    loss = loss.defined() ? add(loss, l) : l;
-    if (cfg.contrastive) {
-      Tensor za = (z.dtype() == DType::BF16 || z.dtype() == DType::F16) ? cast(z, DType::F32) : z;
-      pooled.push_back(l2_normalize(mean_pool(za)));
+  auto pool = [&](const Tensor& z) {
+    Tensor za = (z.dtype() == DType::BF16 || z.dtype() == DType::F16) ? cast(z, DType::F32) : z;
+    return l2_normalize(mean_pool(za));
+  };
+  Tensor loss;
+  if (one_batch) {
+    std::vector<Tensor> im, keep, masked;
+    for (auto& v : views) {
+      im.push_back(v.images);
+      keep.push_back(v.keep);
+      masked.push_back(v.masked);
     }
+    Tensor z;
+    loss = view_loss({stack_batch(im), stack_batch(keep), stack_batch(masked)}, &z);
+    if (cfg.contrastive) {
+      Tensor p = pool(z);  // [V*B, D]; the pooling is per sample as well
+      const int64_t B = views[0].keep.size(0);
+      for (size_t i = 0; i < views.size(); i++) pooled.push_back(narrow(p, 0, int64_t(i) * B, B));
+    }
+  } else {
+    for (auto& v : views) {
+      Tensor z;
+      Tensor l = view_loss(v, &z);
+      loss = loss.defined() ? add(loss, l) : l;
+      if (cfg.contrastive) pooled.push_back(pool(z));
+    }
+    loss = scale(loss, 1.0 / double(views.size()));
   }
-  loss = scale(loss, 1.0 / double(views.size()));
   if (cfg.contrastive) loss = add(loss, scale(infonce_loss(pooled[0], pooled[1], cfg.tau), cfg.contrastive_weight));
   return loss;
 }

@@ -30,7 +30,8 @@ class LatentMIM : public Module {
   LatentMIM(const MIMConfig& c, const Init& init);
   // loss of one view; z [B, K, D] (the encoder's output) is returned for pooling
   Tensor view_loss(const MIMView& v, Tensor* z_out) const;
-  // mean of the views' losses (+ contrastive_weight * InfoNCE of two views when contrastive)
+  // mean of the views' losses (+ contrastive_weight * InfoNCE of two views when contrastive);
+  // views of one shape run through view_loss as one batch (batch_views)
   Tensor forward(const std::vector<MIMView>& views) const;
   // state-dict: encoder.*, target.*, pred_in.*, mask_token, pred_pos, pred_blocks.*, pred_norm.*, pred_out.*
   MIMConfig cfg;
@@ -39,6 +40,7 @@ class LatentMIM : public Module {
   Tensor mask_token, pred_pos;
   std::vector<std::unique_ptr<ViTBlock>> pred_blocks;
   bool checkpoint_blocks = false;  // gradient checkpointing of the predictor blocks
+  bool batch_views = true;         // views of one shape as one batch (false: one pass per view)
   LayerNorm pred_norm;
   Linear pred_out;
 
