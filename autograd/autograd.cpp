@@ -173,6 +173,19 @@ Tensor grad_of(const Tensor& x) { return x.grad(); }
 // contribution to it is added out of place into a new buffer (copy on write). In a residual
 // block this replaces a copy per add with nothing. Leaves (parameters, inputs) never alias:
 // their .grad belongs to the caller.
+Tensor pending_grad(const Tensor& x) {
+  if (!x.defined() || !x.requires_grad() || x.impl()->tape_id < 0) return Tensor();  // leaves: the caller's buffer
+  Tensor cur = x.grad();
+  if (!cur.defined() || !cur.is_contiguous() || cur.dtype() != x.dtype() || cur.shape() != x.shape()) return Tensor();
+  return cur;
+}
+
+void replace_grad(const Tensor& x, const Tensor& g) {
+  LOOM_CHECK(x.impl()->tape_id >= 0 && g.shape() == x.shape() && g.dtype() == x.dtype() && g.is_contiguous(),
+             "replace_grad: gradient %s for tensor %s", g.desc().c_str(), x.desc().c_str());
+  x.impl()->grad = g.impl();  // a new buffer holding the old gradient plus this node's: owned
+}
+
 void accumulate_grad(const Tensor& x, const Tensor& g, bool fresh) {
   if (!x.defined() || !x.requires_grad() || !g.defined()) return;
   LOOM_CHECK(g.shape() == x.shape(), "gradient %s for tensor %s", g.desc().c_str(), x.desc().c_str());

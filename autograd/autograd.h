@@ -58,6 +58,13 @@ Tensor grad_of(const Tensor& x);
 // holds, which x may then take over; otherwise it is copied (a gradient passed through to two
 // inputs must not become one shared buffer).
 void accumulate_grad(const Tensor& x, const Tensor& g, bool fresh = false);
+// For a backward kernel that can add a gradient into its output (the norms' dresid): x's
+// gradient so far when x is an activation whose gradient the kernel may fold in (contiguous,
+// x's dtype), else undefined. The caller then hands its output to x with replace_grad, which
+// holds that sum: one pass instead of the output plus an add (a residual stream's two
+// gradients, the pass-through of the next residual add and the norm's own).
+Tensor pending_grad(const Tensor& x);
+void replace_grad(const Tensor& x, const Tensor& g);
 // x's gradient buffer for a `+=` kernel, created as zeros when absent. Undefined when x does
 // not require grad (the kernel then skips that output: pass a null pointer).
 Tensor grad_buffer(const Tensor& x);

@@ -43,8 +43,10 @@ Tensor sum_to(const Tensor& x, const Shape& shape);  // sum over broadcast dims 
 Tensor mean_pool(const Tensor& x);                // [B, K, C] -> [B, C]
 
 // ---- dense layers (ops_nn.cpp; qkv_rope and the joined branch of mlp_swiglu: ops_joined.cpp)
-// x [..., I], weight [O, I], bias [O] or undefined -> [..., O]
-Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor());
+// x [..., I], weight [O, I], bias [O] or undefined -> [..., O]; with `residual` [..., O]:
+// residual + x W^T + b, the residual block's add carried by the product (cuBLASLt's C with
+// beta = 1: no separate add pass, the sum rounded once)
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor(), const Tensor& residual = Tensor());
 // x [..., I], weight [P*O, I], bias [P*O] or undefined -> P tensors [..., O], part p = x W_p^T
 // + b_p with W_p rows [p*O, (p+1)*O): the fused QKV projection, split without copies (each
 // part its own GEMM with the bias in the epilogue, each output contiguous).
@@ -56,14 +58,18 @@ std::vector<Tensor> linear_many(const Tensor& x, const std::vector<Tensor>& weig
 // (biases may be undefined) -> [..., C2]. The GELU runs in fc1's GEMM epilogue and its backward
 // in the epilogue of fc2's input-gradient GEMM; only x and the pre-activation are saved (the
 // activation is recomputed in backward: one elementwise pass instead of N*H kept).
-Tensor mlp_gelu(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2);
+// With `residual` [..., C2]: residual + fc2(gelu(fc1(x))), the add in fc2's product (linear).
+Tensor mlp_gelu(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,
+                const Tensor& residual = Tensor());
 // The Llama MLP down(silu(gate(x)) * up(x)): x [..., C], w_gate and w_up [I, C], w_down
 // [C2, I] (no biases) -> [..., C2]. Saves x, gate(x) and up(x) but not their product: the
 // backward recomputes it (one elementwise pass) for w_down's gradient, so a layer keeps N*I
 // fewer elements between forward and backward than swiglu + linear would.
 // When w_gate and w_up lie side by side in memory (the optimizer's flat buffers place them so)
 // both run as one GEMM against [w_gate; w_up] (and one each in the backward).
-Tensor mlp_swiglu(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down);
+// With `residual` [..., C2]: residual + down(...), the add in down's product (as linear's).
+Tensor mlp_swiglu(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down,
+                  const Tensor& residual = Tensor());
 // A Llama layer's attention inputs: q = rope(x Wq^T), k = rope(x Wk^T), v = x Wv^T, as
 // [N, H, hd], [N, KV, hd], [N, KV, hd] (x [N, C], pos int32 [N]). When Wq, Wk, Wv lie side by
 // side in memory, one GEMM writes q|k|v per row and one pass splits the rows into q, k rotated

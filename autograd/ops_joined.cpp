@@ -65,9 +65,10 @@ static void joined_weight_grads(const Tensor& d, const Tensor& xc, const std::ve
 // gate | up), h = swiglu over gu's two halves (swiglu_forward_joined), out = h Wd^T. Backward:
 // dh = go Wd, dgu = swiglu'(dh) in the same layout (with h again for Wd's gradient), then
 // dx = dgu [Wg; Wu] and d[Wg; Wu] += dgu^T x, one GEMM each (joined_weight_grads). The same
-// math as the separate products, summed in another order (dx over 2I at once).
+// math as the separate products, summed in another order (dx over 2I at once). `residual`: as
+// mlp_swiglu's.
 Tensor mlp_swiglu_joined(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, const Tensor& wgu,
-                                const Tensor& w_down) {
+                         const Tensor& w_down, const Tensor& residual) {
   const int C = int(w_gate.size(1)), I = int(w_gate.size(0)), C2 = int(w_down.size(0));
   Tensor xc = x.contiguous(), wdc = w_down.contiguous();
   const int64_t N = xc.numel() / C;
@@ -75,17 +76,26 @@ Tensor mlp_swiglu_joined(const Tensor& x, const Tensor& w_gate, const Tensor& w_
   Shape os = x.shape();
   os.back() = C2;
   Tensor out = Tensor::empty(os, x.dtype(), x.device());
+  Tensor rc = residual.defined() ? residual.contiguous() : Tensor();
   dispatch_float(xc, [&](auto dev, auto zero) {
     using T = decltype(zero);
     KERNEL(dev, linear_forward)(gu.data<T>(), xc.data<T>(), wgu.data<T>(), (const T*)nullptr, N, C, 2 * I,
                                 stream_for(dev));
     Tensor h = Tensor::empty({N, I}, x.dtype(), x.device());  // freed when the forward returns
     KERNEL(dev, swiglu_forward_joined)(h.data<T>(), gu.data<T>(), N, I, stream_for(dev));
-    KERNEL(dev, linear_forward)(out.data<T>(), h.data<T>(), wdc.data<T>(), (const T*)nullptr, N, I, C2, stream_for(dev));
+    if (rc.defined())
+      KERNEL(dev, linear_forward_add)(out.data<T>(), h.data<T>(), wdc.data<T>(), (const T*)nullptr, rc.data<T>(), N, I,
+                                      C2, stream_for(dev));
+    else
+      KERNEL(dev, linear_forward)(out.data<T>(), h.data<T>(), wdc.data<T>(), (const T*)nullptr, N, I, C2,
+                                  stream_for(dev));
   });
-  if (any_requires_grad({x, w_gate, w_up, w_down}))
-    record("linear", {out}, [x, xc, w_gate, w_up, wgu, w_down, wdc, out, gu, N, C, I, C2]() {
+  const bool mlp_grad = any_requires_grad({x, w_gate, w_up, w_down});
+  if (mlp_grad || any_requires_grad({residual}))
+    record("linear", {out}, [x, xc, w_gate, w_up, wgu, w_down, wdc, residual, mlp_grad, out, gu, N, C, I, C2]() {
       Tensor go = grad_of(out).contiguous();
+      accumulate_grad(residual, go);  // passed on (aliased)
+      if (!mlp_grad) return;
       Tensor dwd = grad_buffer(w_down);
       LOOM_CHECK(!dwd.defined() || w_down.is_contiguous(), "mlp_swiglu: gradient of a strided weight");
       Tensor dx = x.requires_grad() ? Tensor::empty(x.shape(), x.dtype(), x.device()) : Tensor();

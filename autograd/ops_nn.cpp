@@ -4,8 +4,8 @@
 namespace loom {
 
 // ------------------------------------------------------------------ linear / matmul
-Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
-  check_same("linear", {x, weight, bias});
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& residual) {
+  check_same("linear", {x, weight, bias, residual});
   LOOM_CHECK(weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1),
              "linear: expected x [..., %lld] for weight %s, got %s", (long long)weight.size(1),
              weight.desc().c_str(), x.desc().c_str());
@@ -16,14 +16,22 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   int64_t N = xc.numel() / I;
   Shape os = x.shape();
   os.back() = O;
+  LOOM_CHECK(!residual.defined() || residual.shape() == os, "linear: residual %s for an output [%s]",
+             residual.desc().c_str(), shape_str(os).c_str());
   Tensor out = Tensor::empty(os, x.dtype(), x.device());
+  Tensor rc = residual.defined() ? residual.contiguous() : Tensor();
   dispatch_float(xc, [&](auto dev, auto zero) {
     using T = decltype(zero);
-    KERNEL(dev, linear_forward)(out.data<T>(), xc.data<T>(), wc.data<T>(), ptr<T>(bias), N, I, O, stream_for(dev));
+    if (rc.defined())
+      KERNEL(dev, linear_forward_add)(out.data<T>(), xc.data<T>(), wc.data<T>(), ptr<T>(bias), rc.data<T>(), N, I, O,
+                                      stream_for(dev));
+    else
+      KERNEL(dev, linear_forward)(out.data<T>(), xc.data<T>(), wc.data<T>(), ptr<T>(bias), N, I, O, stream_for(dev));
   });
-  if (any_requires_grad({x, weight, bias}))
-    record("linear", {out}, [x, xc, weight, wc, bias, out, N, I, O]() {
+  if (any_requires_grad({x, weight, bias, residual}))
+    record("linear", {out}, [x, xc, weight, wc, bias, residual, out, N, I, O]() {
       Tensor g = grad_of(out).contiguous();
+      accumulate_grad(residual, g);  // the residual's gradient is out's, passed on (aliased)
       Tensor dx = x.requires_grad() ? Tensor::empty(x.shape(), x.dtype(), x.device()) : Tensor();
       Tensor dw = grad_buffer(weight), db = grad_buffer(bias);
       LOOM_CHECK(!dw.defined() || weight.is_contiguous(), "linear: gradient of a strided weight");
@@ -177,8 +185,9 @@ std::vector<Tensor> linear_many(const Tensor& x, const std::vector<Tensor>& weig
   return linear_parts(x, ps);
 }
 
-Tensor mlp_gelu(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2) {
-  check_same("mlp_gelu", {x, w1, b1, w2, b2});
+Tensor mlp_gelu(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,
+                const Tensor& residual) {
+  check_same("mlp_gelu", {x, w1, b1, w2, b2, residual});
   LOOM_CHECK(w1.dim() == 2 && w2.dim() == 2 && x.dim() >= 1 && x.size(-1) == w1.size(1) && w2.size(1) == w1.size(0) &&
                  (!b1.defined() || b1.numel() == w1.size(0)) && (!b2.defined() || b2.numel() == w2.size(0)),
              "mlp_gelu: x %s, fc1 %s (bias %s), fc2 %s (bias %s) do not chain", x.desc().c_str(), w1.desc().c_str(),
@@ -193,16 +202,25 @@ Tensor mlp_gelu(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tenso
   Tensor h = Tensor::empty({N, H}, x.dtype(), x.device());
   Shape os = x.shape();
   os.back() = C2;
+  LOOM_CHECK(!residual.defined() || residual.shape() == os, "mlp_gelu: residual %s for an output [%s]",
+             residual.desc().c_str(), shape_str(os).c_str());
   Tensor out = Tensor::empty(os, x.dtype(), x.device());
+  Tensor rc = residual.defined() ? residual.contiguous() : Tensor();
   dispatch_float(xc, [&](auto dev, auto zero) {
     using T = decltype(zero);
     KERNEL(dev, linear_gelu_forward)(h.data<T>(), grad ? pre.data<T>() : (T*)nullptr, xc.data<T>(), w1c.data<T>(),
                                      ptr<T>(b1), N, C, H, stream_for(dev));
-    KERNEL(dev, linear_forward)(out.data<T>(), h.data<T>(), w2c.data<T>(), ptr<T>(b2), N, H, C2, stream_for(dev));
+    if (rc.defined())
+      KERNEL(dev, linear_forward_add)(out.data<T>(), h.data<T>(), w2c.data<T>(), ptr<T>(b2), rc.data<T>(), N, H, C2,
+                                      stream_for(dev));
+    else
+      KERNEL(dev, linear_forward)(out.data<T>(), h.data<T>(), w2c.data<T>(), ptr<T>(b2), N, H, C2, stream_for(dev));
   });
-  if (grad)
-    record("linear", {out}, [x, xc, w1, w1c, b1, w2, w2c, b2, out, pre, N, C, H, C2]() {
+  if (grad || any_requires_grad({residual}))
+    record("linear", {out}, [x, xc, w1, w1c, b1, w2, w2c, b2, residual, out, pre, N, C, H, C2]() {
       Tensor g = grad_of(out).contiguous();
+      accumulate_grad(residual, g);  // passed on (aliased)
+      if (!pre.defined()) return;    // only the residual wanted a gradient
       Tensor dw1 = grad_buffer(w1), db1 = grad_buffer(b1), dw2 = grad_buffer(w2), db2 = grad_buffer(b2);
       LOOM_CHECK((!dw1.defined() || w1.is_contiguous()) && (!dw2.defined() || w2.is_contiguous()),
                  "mlp_gelu: gradient of a strided weight");
@@ -230,32 +248,45 @@ Tensor mlp_gelu(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tenso
   return out;
 }
 
-Tensor mlp_swiglu(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down) {
-  check_same("mlp_swiglu", {x, w_gate, w_up, w_down});
+Tensor mlp_swiglu(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down,
+                  const Tensor& residual) {
+  check_same("mlp_swiglu", {x, w_gate, w_up, w_down, residual});
   LOOM_CHECK(w_gate.dim() == 2 && w_up.shape() == w_gate.shape() && w_down.dim() == 2 && x.dim() >= 1 &&
                  x.size(-1) == w_gate.size(1) && w_down.size(1) == w_gate.size(0),
              "mlp_swiglu: x %s, gate %s, up %s, down %s do not chain", x.desc().c_str(), w_gate.desc().c_str(),
              w_up.desc().c_str(), w_down.desc().c_str());
   const int C = int(w_gate.size(1)), I = int(w_gate.size(0)), C2 = int(w_down.size(0));
+  Shape os = x.shape();
+  os.back() = C2;
+  LOOM_CHECK(!residual.defined() || residual.shape() == os, "mlp_swiglu: residual %s for an output [%s]",
+             residual.desc().c_str(), shape_str(os).c_str());
   // gate and up side by side in memory: one GEMM for both (mlp_swiglu_joined)
-  if (Tensor wgu = stacked_view({w_gate, w_up}); wgu.defined()) return mlp_swiglu_joined(x, w_gate, w_up, wgu, w_down);
+  if (Tensor wgu = stacked_view({w_gate, w_up}); wgu.defined())
+    return mlp_swiglu_joined(x, w_gate, w_up, wgu, w_down, residual);
   Tensor xc = x.contiguous(), wgc = w_gate.contiguous(), wuc = w_up.contiguous(), wdc = w_down.contiguous();
   const int64_t N = xc.numel() / C;
   Tensor g = Tensor::empty({N, I}, x.dtype(), x.device()), u = Tensor::empty({N, I}, x.dtype(), x.device());
-  Shape os = x.shape();
-  os.back() = C2;
   Tensor out = Tensor::empty(os, x.dtype(), x.device());
+  Tensor rc = residual.defined() ? residual.contiguous() : Tensor();
   dispatch_float(xc, [&](auto dev, auto zero) {
     using T = decltype(zero);
     KERNEL(dev, linear_forward)(g.data<T>(), xc.data<T>(), wgc.data<T>(), (const T*)nullptr, N, C, I, stream_for(dev));
     KERNEL(dev, linear_forward)(u.data<T>(), xc.data<T>(), wuc.data<T>(), (const T*)nullptr, N, C, I, stream_for(dev));
     Tensor h = Tensor::empty({N, I}, x.dtype(), x.device());  // freed when the forward returns
     KERNEL(dev, swiglu_forward)(h.data<T>(), g.data<T>(), u.data<T>(), N * I, stream_for(dev));
-    KERNEL(dev, linear_forward)(out.data<T>(), h.data<T>(), wdc.data<T>(), (const T*)nullptr, N, I, C2, stream_for(dev));
+    if (rc.defined())
+      KERNEL(dev, linear_forward_add)(out.data<T>(), h.data<T>(), wdc.data<T>(), (const T*)nullptr, rc.data<T>(), N, I,
+                                      C2, stream_for(dev));
+    else
+      KERNEL(dev, linear_forward)(out.data<T>(), h.data<T>(), wdc.data<T>(), (const T*)nullptr, N, I, C2,
+                                  stream_for(dev));
   });
-  if (any_requires_grad({x, w_gate, w_up, w_down}))
-    record("linear", {out}, [x, xc, w_gate, wgc, w_up, wuc, w_down, wdc, out, g, u, N, C, I, C2]() {
+  const bool mlp_grad = any_requires_grad({x, w_gate, w_up, w_down});
+  if (mlp_grad || any_requires_grad({residual}))
+    record("linear", {out}, [x, xc, w_gate, wgc, w_up, wuc, w_down, wdc, residual, mlp_grad, out, g, u, N, C, I, C2]() {
       Tensor go = grad_of(out).contiguous();
+      accumulate_grad(residual, go);  // passed on (aliased)
+      if (!mlp_grad) return;
       Tensor dwg = grad_buffer(w_gate), dwu = grad_buffer(w_up), dwd = grad_buffer(w_down);
       LOOM_CHECK((!dwg.defined() || w_gate.is_contiguous()) && (!dwu.defined() || w_up.is_contiguous()) &&
                      (!dwd.defined() || w_down.is_contiguous()),
@@ -369,15 +400,16 @@ Tensor layernorm(const Tensor& x, const Tensor& weight, const Tensor& bias, doub
       Tensor dw = grad_buffer(weight), db = grad_buffer(bias);
       Tensor dw_tmp = dw.defined() ? dw : Tensor::zeros_like(weight);
       Tensor db_tmp = bias.defined() ? (db.defined() ? db : Tensor::zeros_like(bias)) : Tensor();
+      Tensor pend = pending_grad(x);  // a residual stream's other gradient, added by the kernel
       dispatch_float(g, [&](auto dev, auto zero) {
         using T = decltype(zero);
         using A = acc_t<T>;
-        const T* no_resid = nullptr;
-        KERNEL(dev, layernorm_backward)(dx.data<T>(), no_resid, dw_tmp.data<T>(), ptr<T>(db_tmp), g.data<T>(),
+        KERNEL(dev, layernorm_backward)(dx.data<T>(), ptr<T>(pend), dw_tmp.data<T>(), ptr<T>(db_tmp), g.data<T>(),
                                         xc.data<T>(), weight.data<T>(), mean.data<A>(), rstd.data<A>(), N, C,
                                         stream_for(dev));
       });
-      accumulate_grad(x, dx, true);
+      if (pend.defined()) replace_grad(x, dx);
+      else accumulate_grad(x, dx, true);
     });
   return out;
 }
@@ -461,13 +493,14 @@ Tensor rmsnorm(const Tensor& x, const Tensor& weight, double eps) {
       Tensor g = grad_of(out).contiguous(), dx = Tensor::empty_like(xc);
       Tensor dw = grad_buffer(weight);
       Tensor dw_tmp = dw.defined() ? dw : Tensor::zeros_like(weight);
+      Tensor pend = pending_grad(x);  // as layernorm
       dispatch_float(g, [&](auto dev, auto zero) {
         using T = decltype(zero);
-        const T* no_resid = nullptr;
-        KERNEL(dev, rmsnorm_backward)(dx.data<T>(), no_resid, dw_tmp.data<T>(), g.data<T>(), xc.data<T>(),
+        KERNEL(dev, rmsnorm_backward)(dx.data<T>(), ptr<T>(pend), dw_tmp.data<T>(), g.data<T>(), xc.data<T>(),
                                       weight.data<T>(), rstd.data<acc_t<T>>(), N, C, stream_for(dev));
       });
-      accumulate_grad(x, dx, true);
+      if (pend.defined()) replace_grad(x, dx);
+      else accumulate_grad(x, dx, true);
     });
   return out;
 }

@@ -34,6 +34,6 @@ inline Tensor acc_empty(const Shape& s, const Tensor& like) {
 // when they are not), and mlp_swiglu's branch for gate and up stacked so (wgu)
 Tensor stacked_view(const std::vector<Tensor>& ts);
 Tensor mlp_swiglu_joined(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, const Tensor& wgu,
-                         const Tensor& w_down);
+                         const Tensor& w_down, const Tensor& residual);
 
 }  // namespace loom

@@ -37,14 +37,14 @@ std::vector<Tensor> LMBlock::forward_fused(const Tensor& x, const Tensor& h, con
   std::vector<Tensor> qkv = qkv_rope(h, q_proj.weight, k_proj.weight, v_proj.weight, pos, cfg.heads, cfg.kv_heads, hd,
                                      cfg.rope_theta);
   Tensor a = attention(qkv[0], qkv[1], qkv[2], seq, /*causal=*/true, 1.0 / std::sqrt(double(hd)));
-  // r = x + o_proj(a) and its RMSNorm in one pass
-  std::vector<Tensor> r = add_rmsnorm(x, o_proj.forward(reshape(a, {N, cfg.heads * hd})),
-                                      post_attention_layernorm.weight, post_attention_layernorm.eps);
-  // the MLP: its backward recomputes silu(gate) * up instead of keeping it (mlp_swiglu)
-  Tensor m = mlp_swiglu(r[1], gate_proj.weight, up_proj.weight, down_proj.weight);
-  // the layer's output and the next norm of it in one pass
-  if (!next) return {add(r[0], m)};
-  return add_rmsnorm(r[0], m, next->weight, next->eps);
+  // r = x + o_proj(a) with the residual read by the product (cuBLASLt's C, beta = 1), then its
+  // RMSNorm; out = r + down(...) likewise. The MLP's backward recomputes silu(gate) * up instead
+  // of keeping it (mlp_swiglu); each norm's backward adds the residual stream's other gradient.
+  Tensor r = linear(reshape(a, {N, cfg.heads * hd}), o_proj.weight, o_proj.bias, x);
+  Tensor out = mlp_swiglu(rmsnorm(r, post_attention_layernorm.weight, post_attention_layernorm.eps), gate_proj.weight,
+                          up_proj.weight, down_proj.weight, r);
+  if (!next) return {out};
+  return {out, rmsnorm(out, next->weight, next->eps)};
 }
 
 Tensor LMBlock::forward_cached(const Tensor& x, const Tensor& pos, Tensor& k_cache, Tensor& v_cache,
@@ -119,7 +119,7 @@ Tensor LM::hidden(const Tensor& x, const Tensor& pos, const SeqInfo& seq) const 
     }
     return norm.forward(h);
   }
-  // each layer's last residual add with the norm after it (forward_fused): the same values
+  // each layer hands the next its normed input (forward_fused): the same values
   std::vector<Tensor> h = {x, layers[0]->input_layernorm.forward(x)};
   for (size_t i = 0; i < layers.size(); i++) {
     ProfileRange r("lm block");

@@ -25,9 +25,10 @@ class LMBlock : public Module {
   LMBlock(const LMConfig& c, const Init& init);
   // x [Ntok, D], pos int32 [Ntok] -> [Ntok, D]
   Tensor forward(const Tensor& x, const Tensor& pos, const SeqInfo& seq) const;
-  // Inside the stack: h = input_layernorm(x) from the layer before, and the last residual add
-  // with the next norm (the next layer's input_layernorm or the final norm) in one pass:
-  // -> {x_out, next(x_out)} (next null: {x_out}, which is forward()).
+  // Inside the stack: h = input_layernorm(x) from the layer before, and the layer ends with
+  // the next norm (the next layer's input_layernorm or the final norm): -> {x_out,
+  // next(x_out)} (next null: {x_out}, which is forward()). Both residual adds run inside the
+  // products (linear's and mlp_swiglu's residual).
   std::vector<Tensor> forward_fused(const Tensor& x, const Tensor& h, const Tensor& pos, const SeqInfo& seq,
                                     const RMSNorm* next) const;
   // one sequence: x [n, D] are the tokens after the cache->len cached ones; appends their

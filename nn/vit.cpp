@@ -38,13 +38,13 @@ std::vector<Tensor> ViTBlock::forward_fused(const Tensor& x, const Tensor& xn, c
     a = gather_rows(a, out_rows, /*distinct=*/true);
     xr = gather_rows(x, out_rows, /*distinct=*/true);
   }
-  // h = x + proj(a) and norm2(h) in one pass; fc2(gelu(fc1(.))) with the GELU in the GEMMs'
-  // epilogues (mlp_gelu)
-  std::vector<Tensor> h = add_layernorm(xr, proj.forward(a), norm2.weight, norm2.bias, norm2.eps);
-  Tensor m = mlp_gelu(h[1], fc1.weight, fc1.bias, fc2.weight, fc2.bias);
-  // the block's output and the next norm of it in one pass (forward(): no next norm)
-  if (!next) return {add(h[0], m)};
-  return add_layernorm(h[0], m, next->weight, next->bias, next->eps);
+  // h = x + proj(a) with the residual read by the product itself (cuBLASLt's C, beta = 1), then
+  // norm2(h); out = h + fc2(gelu(fc1(.))) likewise, the GELU in fc1's epilogue (mlp_gelu). In
+  // the backward each norm adds the residual stream's other gradient in its own pass.
+  Tensor h = linear(a, proj.weight, proj.bias, xr);
+  Tensor out = mlp_gelu(layernorm(h, norm2.weight, norm2.bias, norm2.eps), fc1.weight, fc1.bias, fc2.weight, fc2.bias, h);
+  if (!next) return {out};  // forward(): no next norm
+  return {out, layernorm(out, next->weight, next->bias, next->eps)};
 }
 
 Tensor vit_stack(const std::vector<std::unique_ptr<ViTBlock>>& blocks, const LayerNorm& final, const Tensor& x,

@@ -41,10 +41,11 @@ class ViTBlock : public Module {
   // and a value of the attention, and everything after it (projection, residual, norm, MLP)
   // runs on the M tokens alone.
   Tensor forward(const Tensor& x, const SeqInfo& rows, const Tensor& out_rows = Tensor()) const;
-  // The same block inside a stack: xn = norm1(x) comes from the block before, and the block's
-  // last residual add runs with the next norm (the next block's norm1, or the stack's final
-  // norm) in one pass: -> {x_out, next(x_out)}, the same values as forward() then
-  // next->forward (next null: {x_out} alone, which is forward()).
+  // The same block inside a stack: xn = norm1(x) comes from the block before, and the block
+  // ends with the next norm (the next block's norm1, or the stack's final norm): -> {x_out,
+  // next(x_out)}, the same values as forward() then next->forward (next null: {x_out} alone,
+  // which is forward()). Both residual adds run inside the products (linear's and mlp_gelu's
+  // residual).
   std::vector<Tensor> forward_fused(const Tensor& x, const Tensor& xn, const SeqInfo& rows, const LayerNorm* next,
                                     const Tensor& out_rows = Tensor()) const;
   int dim, heads;
@@ -53,7 +54,7 @@ class ViTBlock : public Module {
 };
 
 // x through a stack of blocks and then `final`: final(blocks(x)). Without gradient
-// checkpointing each residual add runs with the norm after it (forward_fused); with it, block
+// checkpointing each block hands the next one its normed input (forward_fused); with it, block
 // by block (a checkpointed block keeps one tensor in and one out). out_rows [B, M] (distinct
 // within a row): only those tokens of the output, from the last block on (ViTBlock::forward).
 Tensor vit_stack(const std::vector<std::unique_ptr<ViTBlock>>& blocks, const LayerNorm& final, const Tensor& x,

@@ -200,6 +200,37 @@ TEST_CASE("gradcheck: linear and matmul", "[gradcheck]") {
     REQUIRE(a.size() == b.size());
     for (size_t i = 0; i < a.size(); i++) CHECK(a[i] == b[i]);
   }
+  // The residual adds carried by the products (linear's and mlp_gelu's residual), and a block
+  // as the ViT runs it: h = r + proj(x), o = h + mlp(norm(h)). h's two gradients (the second
+  // add's pass-through and the norm's) meet in the norm's backward kernel (pending_grad), and
+  // so do o's before the RMSNorm; a norm that dropped or doubled the pending one fails here.
+  check("linear with residual [5,6] -> 4", [](auto& in) { return linear(in[0], in[1], in[2], in[3]); },
+        {P({5, 6}), P({4, 6}), P({4}), P({5, 4})});
+  check("linear with residual, 3-D, no bias", [](auto& in) { return linear(in[0], in[1], Tensor(), in[2]); },
+        {P({2, 3, 5}), P({4, 5}), P({2, 3, 4})});
+  check("mlp_gelu with residual", [](auto& in) { return mlp_gelu(in[0], in[1], in[2], in[3], in[4], in[5]); },
+        {P({5, 6}), P({9, 6}), P({9}), P({4, 9}), P({4}), P({5, 4})});
+  check("a residual block: the norms fold the residual stream's other gradient",
+        [](auto& in) {
+          Tensor h = linear(in[0], in[1], in[2], in[3]);
+          Tensor o = mlp_gelu(layernorm(h, in[4], in[5], 1e-5), in[6], in[7], in[8], in[9], h);
+          return mul(o, rmsnorm(o, in[10], 1e-5));
+        },
+        {P({5, 6}), P({4, 6}), P({4}), P({5, 4}), U({4}, 0.5, 1.5), P({4}), P({7, 4}), P({7}), P({4, 7}), P({4}),
+         U({4}, 0.5, 1.5)});
+  check("mlp_swiglu with residual", [](auto& in) { return mlp_swiglu(in[0], in[1], in[2], in[3], in[4]); },
+        {P({5, 6}), P({9, 6}, 2.0), P({9, 6}), P({4, 9}), P({5, 4})});
+  {  // the same values as the add done apart
+    Tensor x = P({6, 5}), w = P({3, 5}), b = P({3}), r = P({6, 3}), w1 = P({8, 3}), w2 = P({3, 8});
+    NoGradGuard ng;
+    auto a = linear(x, w, b, r).to_vector<double>(), a2 = add(r, linear(x, w, b)).to_vector<double>();
+    auto m = mlp_gelu(r, w1, Tensor(), w2, Tensor(), r).to_vector<double>();
+    auto m2 = add(r, mlp_gelu(r, w1, Tensor(), w2, Tensor())).to_vector<double>();
+    for (size_t i = 0; i < a.size(); i++) CHECK(std::abs(a[i] - a2[i]) <= 1e-12 * (1 + std::abs(a2[i])));
+    for (size_t i = 0; i < m.size(); i++) CHECK(std::abs(m[i] - m2[i]) <= 1e-12 * (1 + std::abs(m2[i])));
+  }
+  REQUIRE_THROWS_WITH(linear(P({5, 6}), P({4, 6}), Tensor(), P({5, 3})), Catch::Contains("residual"));
+  clear_tape();
   // mlp_swiglu = linear(swiglu(linear(x), linear(x))), the product recomputed in backward
   check("mlp_swiglu [5,6] -> 9 -> 4", [](auto& in) { return mlp_swiglu(in[0], in[1], in[2], in[3]); },
         {P({5, 6}), P({9, 6}, 2.0), P({9, 6}), P({4, 9})});
@@ -441,6 +472,9 @@ TEST_CASE("joined products: q|k|v and gate|up as one GEMM when the weights lie s
   // the joined path itself (its weights' gradients in buffers of their own: one GEMM per part)
   check("qkv_rope, weights side by side", attn_in, {x, wq, wk, wv});
   check("mlp_swiglu, gate and up side by side", mlp, {x, wg, wu, wd});
+  check("mlp_swiglu, gate and up side by side, with residual",
+        [](const vector<Tensor>& in) { return mlp_swiglu(in[0], in[1], in[2], in[3], in[4]); },
+        {x, wg, wu, wd, P({N, C})});
   // against separate weights (linear_many + rope, two GEMMs), values and gradients, with the
   // joined weights' gradients side by side too (one GEMM for all parts)
   Tensor gbuf = Tensor::zeros({R + 2 * I, C}, DType::F64);

@@ -4,6 +4,7 @@
 // I input features, O output features.
 //   gemm             C[b] = alpha op(A[b]) op(B[b]) + beta C[b]          (row-major, batched)
 //   linear_forward   out[N,O] = inp[N,I] weight[O,I]^T + bias[O]
+//   linear_forward_add  out[N,O] = resid[N,O] + inp weight^T + bias[O]   (a residual block's add)
 //   linear_backward  dinp[N,I] = dout[N,O] weight[O,I]            (=)
 //   linear_gelu_forward / linear_dgelu_backward: the same products with the GELU of
 //                    activations.cpp applied after (see kernels.inc)
@@ -131,6 +132,17 @@ void linear_forward(T* out, const T* inp, const T* weight, const T* bias, int64_
 }
 
 template <class T>
+void linear_forward_add(T* out, const T* inp, const T* weight, const T* bias, const T* resid, int64_t N, int I,
+                        int O, Stream) {
+  eigen_single_threaded();
+  CMapMat<T> x(inp, N, I), w(weight, O, I);
+  MapMat<T> y(out, N, O);
+  if (out != resid) y = CMapMat<T>(resid, N, O);
+  split_product(y, x, w.transpose(), T(1), T(1));
+  if (bias) y.rowwise() += CMapRow<T>(bias, O);
+}
+
+template <class T>
 void linear_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* inp,
                      const T* weight, int64_t N, int I, int O, Stream) {
   eigen_single_threaded();
@@ -175,6 +187,7 @@ void linear_dgelu_backward(T* dpre, T* dbias, const T* dout, const T* weight, co
   template void gemm<T>(T*, const T*, const T*, int, int, int, bool, bool, double, double, int, \
                         int64_t, int64_t, int64_t, Stream);                                   \
   template void linear_forward<T>(T*, const T*, const T*, const T*, int64_t, int, int, Stream); \
+  template void linear_forward_add<T>(T*, const T*, const T*, const T*, const T*, int64_t, int, int, Stream); \
   template void linear_backward<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, int, int, \
                                    Stream);                                                   \
   template void linear_forward_batched<T>(T*, const T*, const T*, const T*, int64_t, int, int, int, Stream); \

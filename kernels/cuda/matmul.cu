@@ -218,10 +218,14 @@ Plan& get_plan(const PlanKey& k) {
 // Returns false (and does nothing) when cuBLASLt has no algorithm for this plan. `epilogue`:
 // CUBLASLT_EPILOGUE_DEFAULT / BIAS (bias given) / GELU_AUX_BIAS (bias and aux = the GELU input
 // written) / GELU_BIAS (bias, no aux) / DGELU (aux = the GELU input read).
+// `cin`: the C read when beta != 0, when it is not the output itself (linear_forward_add's
+// residual; same layout as the output, D = C_out).
 template <class T>
 bool lt_matmul(T* C, const T* A, const T* B, const T* bias, int M, int N, int K, bool ta, bool tb,
                float alpha, float beta, int batch, int64_t sa, int64_t sb, int64_t sc, Stream s,
-               cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT, const void* aux = nullptr) {
+               cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT, const void* aux = nullptr,
+               const T* cin = nullptr) {
+  if (!cin) cin = C;
   PlanKey k;
   std::memset(&k, 0, sizeof k);  // padding bytes take part in the hash and compare
   k.dtype = std::is_same_v<T, float> ? 0 : std::is_same_v<T, bf16> ? 1 : 2;
@@ -229,7 +233,7 @@ bool lt_matmul(T* C, const T* A, const T* B, const T* bias, int M, int N, int K,
   k.sa = batch > 1 ? sa : 0; k.sb = batch > 1 ? sb : 0; k.sc = batch > 1 ? sc : 0;
   if (epilogue == CUBLASLT_EPILOGUE_DEFAULT && bias) epilogue = CUBLASLT_EPILOGUE_BIAS;
   k.epilogue = epilogue;
-  k.align_a = alignment(A); k.align_b = alignment(B); k.align_c = alignment(C);
+  k.align_a = alignment(A); k.align_b = alignment(B); k.align_c = std::min(alignment(C), alignment(cin));
   k.align_bias = bias ? alignment(bias) : 0;
   k.align_aux = aux ? alignment(aux) : 0;
   Plan& p = get_plan(k);
@@ -243,7 +247,7 @@ bool lt_matmul(T* C, const T* A, const T* B, const T* bias, int M, int N, int K,
   }
   size_t ws = 0;
   void* w = cublaslt_workspace(&ws);
-  CUBLAS_CHECK(cublasLtMatmul(cublaslt_handle(), p.op, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c,
+  CUBLAS_CHECK(cublasLtMatmul(cublaslt_handle(), p.op, &alpha, B, p.a, A, p.b, &beta, cin, p.c, C, p.c,
                               &p.algo, w, ws, s));
   return true;
 }
@@ -328,6 +332,25 @@ void linear_forward(T* out, const T* inp, const T* weight, const T* bias, int64_
 }
 
 template <class T>
+void linear_forward_add(T* out, const T* inp, const T* weight, const T* bias, const T* resid, int64_t N, int I, int O,
+                        Stream s) {
+  if (N <= 0 || O <= 0) return;
+  if (N > INT32_MAX) throw std::runtime_error("linear_forward_add: N too large for one GEMM");
+  if (lt_matmul(out, inp, weight, bias, int(N), O, I, false, true, 1.f, 1.f, 1, 0, 0, 0, s, CUBLASLT_EPILOGUE_DEFAULT,
+                nullptr, resid))
+    return;
+  say_once("linear_forward_add: no cuBLASLt algorithm reads the residual for this shape; copying it first");
+  if (out != resid) memcpy_d2d(out, resid, size_t(N) * O * sizeof(T), s);
+  gemm(out, inp, weight, int(N), O, I, false, true, 1.0, 1.0, 1, 0, 0, 0, s);
+  if (bias) {
+    int64_t n = N * O;
+    int g = int(std::min<int64_t>(4096, (n + 255) / 256));
+    add_bias_kernel<<<g, 256, 0, s>>>(dptr(out), dptr(bias), N, O);
+    LAUNCH_CHECK();
+  }
+}
+
+template <class T>
 void linear_forward_batched(T* out, const T* inp, const T* weight, const T* bias, int64_t N, int I, int O, int batch,
                             Stream s) {
   if (N <= 0 || O <= 0 || batch <= 0) return;
@@ -393,6 +416,7 @@ void linear_dgelu_backward(T* dpre, T* dbias, const T* dout, const T* weight, co
   template void gemm<T>(T*, const T*, const T*, int, int, int, bool, bool, double, double, int, int64_t, \
                         int64_t, int64_t, Stream);                                                     \
   template void linear_forward<T>(T*, const T*, const T*, const T*, int64_t, int, int, Stream);        \
+  template void linear_forward_add<T>(T*, const T*, const T*, const T*, const T*, int64_t, int, int, Stream); \
   template void linear_backward<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, int, int, Stream); \
   template void linear_forward_batched<T>(T*, const T*, const T*, const T*, int64_t, int, int, int, Stream); \
   template void linear_gelu_forward<T>(T*, T*, const T*, const T*, const T*, int64_t, int, int, Stream);  \

@@ -58,6 +58,36 @@ TEMPLATE_TEST_CASE("matmul: linear forward and backward", "[matmul]", float, bf1
   }
 }
 
+// The residual read as cuBLASLt's C (beta = 1), into a separate output (poisoned first, so an
+// output that skipped the residual or the product shows) and in place (out == resid); N 1000 O
+// 17 has rows of an odd width.
+TEMPLATE_TEST_CASE("matmul: linear_forward_add (the residual in the product)", "[matmul]", float, bf16, f16) {
+  need_gpu();
+  using T = TestType;
+  struct Case { int64_t N; int I, O; };
+  for (Case c : {Case{1, 8, 3}, Case{37, 48, 40}, Case{300, 64, 200}, Case{1000, 33, 17}}) {
+    auto hx = rounded<T>(rnd(c.N * c.I, 60)), hw = rounded<T>(rnd(int64_t(c.O) * c.I, 61));
+    auto hb = rounded<T>(rnd(c.O, 62)), hr = rounded<T>(rnd(c.N * c.O, 63, -4.f, 4.f));
+    DBuf<T> x(hx), w(hw), b(hb), r(hr), out(c.N * c.O);
+    for (bool bias : {true, false})
+      for (bool in_place : {false, true}) {
+        INFO("N " << c.N << " I " << c.I << " O " << c.O << (bias ? " bias" : "") << (in_place ? " in place" : ""));
+        std::vector<float> ref(c.N * c.O);
+        cpu::linear_forward_add(ref.data(), hx.data(), hw.data(), bias ? hb.data() : nullptr, hr.data(), c.N, c.I, c.O,
+                                nullptr);
+        if (in_place) {
+          out.put(hr);
+          cu::linear_forward_add(out.p, x.p, w.p, bias ? b.p : nullptr, out.p, c.N, c.I, c.O, S());
+        } else {
+          out.poison();
+          cu::linear_forward_add(out.p, x.p, w.p, bias ? b.p : nullptr, r.p, c.N, c.I, c.O, S());
+        }
+        CHECK_CLOSE(out.get(), ref, tol_of<T>(true), "linear_forward_add");
+        CHECK(r.get() == hr);  // the residual is only read
+      }
+  }
+}
+
 TEMPLATE_TEST_CASE("matmul: linear_forward_batched (parts of one weight, input batch stride 0)", "[matmul]", float, bf16,
                    f16) {
   need_gpu();
