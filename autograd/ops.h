@@ -80,10 +80,13 @@ std::vector<Tensor> qkv_rope(const Tensor& x, const Tensor& wq, const Tensor& wk
                              int heads, int kv_heads, int head_dim, double theta);
 // a [..., M, K] @ b [..., K, N] (b may be 2-D and shared); transposes read a^T / b^T.
 Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans_b = false);
+// The norms' backward adds a gradient already waiting on x (a residual stream's other one:
+// pending_grad) inside its own pass.
 Tensor layernorm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps);
 Tensor rmsnorm(const Tensor& x, const Tensor& weight, double eps);
-// The residual stream's add and the next norm in one pass: {h = x + y, layernorm(h)} and
-// {h = x + y, rmsnorm(h)}.
+// A residual add and the next norm in one pass: {h = x + y, layernorm(h)} and {h = x + y,
+// rmsnorm(h)}, for a y that no product makes (the ViT and Llama blocks add inside their
+// products instead: linear's residual).
 std::vector<Tensor> add_layernorm(const Tensor& x, const Tensor& y, const Tensor& weight, const Tensor& bias, double eps);
 std::vector<Tensor> add_rmsnorm(const Tensor& x, const Tensor& y, const Tensor& weight, double eps);
 Tensor gelu(const Tensor& x);   // tanh approximation

@@ -6,6 +6,11 @@
  *   gemm     C[b] = alpha op(A[b]) op(B[b]) + beta C[b]     op(A) [M,K], op(B) [K,N], C [M,N]
  *            beta == 0 never reads C (cuBLAS does not touch C then; the test poisons C with NaN)
  *   linear_forward   out[N,O] = inp[N,I] W[O,I]^T + bias[O]                      (=)
+ *   linear_forward_add  out = resid + inp W^T + bias: cuBLASLt with beta = 1 and C = resid
+ *                    (D = out; the sum rounded once; in place when out == resid), the
+ *                    residual add of a block carried by its product. H200, 2026-11-27, same
+ *                    call against linear_forward + add_layernorm: MIM step 24.50 -> 24.21 ms,
+ *                    VLM 54.40 -> 54.12 (bench/RESULTS.md).
  *   linear_backward  dinp[N,I] = dout[N,O] W[O,I]                               (=)
  *                    dW[O,I]  += dout^T inp                                     (+=, beta 1)
  *                    dbias[O] += sum_rows dout                                  (+=)
