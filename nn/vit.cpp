@@ -111,17 +111,30 @@ ViT::ViT(const ViTConfig& c, const Init& init)
   child("norm", norm);
 }
 
-Tensor ViT::embed(const Tensor& images) const {
+static void check_images(const ViTConfig& cfg, const Tensor& images) {
   LOOM_CHECK(images.dim() == 4 && images.size(1) == cfg.channels && images.size(2) == cfg.image_size &&
                  images.size(3) == cfg.image_size,
              "ViT: expected images [B, %d, %d, %d], got %s", cfg.channels, cfg.image_size, cfg.image_size,
              images.desc().c_str());
+}
+
+Tensor ViT::embed(const Tensor& images) const {
+  check_images(cfg, images);
   return add(patch_embed_proj.forward(patchify(images, cfg.patch_size)), pos_embed);
 }
 
 Tensor ViT::forward(const Tensor& images, const Tensor& keep, const Tensor& out_rows) const {
-  Tensor x = embed(images);
-  if (keep.defined()) x = gather_rows(x, keep);
+  Tensor x;
+  if (keep.defined()) {
+    // Only the kept patches are embedded: their pixels are gathered first, the product runs on
+    // K rows instead of N, and each row's position is looked up by its index and added inside
+    // the product (linear's residual). The same values as embedding every patch and gathering.
+    check_images(cfg, images);
+    Tensor patches = gather_rows(patchify(images, cfg.patch_size), keep);
+    x = linear(patches, patch_embed_proj.weight, patch_embed_proj.bias, embedding(keep, pos_embed));
+  } else {
+    x = embed(images);
+  }
   SeqInfo rows = SeqInfo::dense(int(x.size(0)), int(x.size(1)), x.device());
   return vit_stack(blocks, norm, x, rows, checkpoint_blocks, out_rows);
 }

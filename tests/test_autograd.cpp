@@ -205,6 +205,39 @@ TEST_CASE("ViT output rows: the last block on chosen tokens equals gathering the
     }
 }
 
+// ViT::forward with kept patches embeds only those (their pixels gathered, the product on K
+// rows, positions looked up by index and added in the product): the same output and parameter
+// gradients, pos_embed's among them, as embedding every patch and gathering the kept rows.
+TEST_CASE("ViT kept patches: embedding only those equals gathering the full embedding", "[autograd]") {
+  Rng rng(50);
+  ViTConfig c;
+  c.image_size = 12;
+  c.patch_size = 4;
+  c.dim = 16;
+  c.depth = 1;
+  c.heads = 2;
+  c.mlp_ratio = 2;
+  ViT vit(c, Init{DType::F64, Device::CPU, &rng});
+  Tensor images = Tensor::randn({2, 3, 12, 12}, rng, 1.0, DType::F64);
+  Tensor keep = Tensor::from_vector(vector<int32_t>{8, 0, 3, 5, 2, 1, 7, 4, 6, 0}, {2, 5});
+  Tensor R = Tensor::randn({2, 5, 16}, rng, 1.0, DType::F64);
+  zero_grads(vit);
+  Tensor x = gather_rows(vit.embed(images), keep);
+  Tensor ref = vit_stack(vit.blocks, vit.norm, x, SeqInfo::dense(2, 5, Device::CPU), false);
+  backward(sum(mul(ref, R)));
+  auto g_ref = grads_of(vit);
+  zero_grads(vit);
+  Tensor out = vit.forward(images, keep);
+  backward(sum(mul(out, R)));
+  auto g_out = grads_of(vit);
+  REQUIRE(out.shape() == ref.shape());
+  LOOM_CHECK_CLOSE(tol::compare(out.to_vector<double>(), ref.to_vector<double>(), tol::kSameMathF64, "out"));
+  for (auto& [name, a] : g_ref) {
+    INFO("parameter " << name);
+    LOOM_CHECK_CLOSE(tol::compare(g_out.at(name), a, tol::kSameMathF64, name.c_str()));
+  }
+}
+
 // LatentMIM runs views of one shape as one batch (batch_views): the same loss and parameter
 // gradients as one pass per view, plain and contrastive, each view with its own images and
 // masks. Checked to fail when both pooled parts come from the first view's rows, and when the
