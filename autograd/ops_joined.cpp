@@ -83,12 +83,7 @@ Tensor mlp_swiglu_joined(const Tensor& x, const Tensor& w_gate, const Tensor& w_
                                 stream_for(dev));
     Tensor h = Tensor::empty({N, I}, x.dtype(), x.device());  // freed when the forward returns
     KERNEL(dev, swiglu_forward_joined)(h.data<T>(), gu.data<T>(), N, I, stream_for(dev));
-    if (rc.defined())
-      KERNEL(dev, linear_forward_add)(out.data<T>(), h.data<T>(), wdc.data<T>(), (const T*)nullptr, rc.data<T>(), N, I,
-                                      C2, stream_for(dev));
-    else
-      KERNEL(dev, linear_forward)(out.data<T>(), h.data<T>(), wdc.data<T>(), (const T*)nullptr, N, I, C2,
-                                  stream_for(dev));
+    linear_out(dev, out.data<T>(), h.data<T>(), wdc.data<T>(), (const T*)nullptr, ptr<T>(rc), N, I, C2);
   });
   const bool mlp_grad = any_requires_grad({x, w_gate, w_up, w_down});
   if (mlp_grad || any_requires_grad({residual}))

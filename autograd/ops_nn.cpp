@@ -22,11 +22,7 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const T
   Tensor rc = residual.defined() ? residual.contiguous() : Tensor();
   dispatch_float(xc, [&](auto dev, auto zero) {
     using T = decltype(zero);
-    if (rc.defined())
-      KERNEL(dev, linear_forward_add)(out.data<T>(), xc.data<T>(), wc.data<T>(), ptr<T>(bias), rc.data<T>(), N, I, O,
-                                      stream_for(dev));
-    else
-      KERNEL(dev, linear_forward)(out.data<T>(), xc.data<T>(), wc.data<T>(), ptr<T>(bias), N, I, O, stream_for(dev));
+    linear_out(dev, out.data<T>(), xc.data<T>(), wc.data<T>(), ptr<T>(bias), ptr<T>(rc), N, I, O);
   });
   if (any_requires_grad({x, weight, bias, residual}))
     record("linear", {out}, [x, xc, weight, wc, bias, residual, out, N, I, O]() {
@@ -210,11 +206,7 @@ Tensor mlp_gelu(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tenso
     using T = decltype(zero);
     KERNEL(dev, linear_gelu_forward)(h.data<T>(), grad ? pre.data<T>() : (T*)nullptr, xc.data<T>(), w1c.data<T>(),
                                      ptr<T>(b1), N, C, H, stream_for(dev));
-    if (rc.defined())
-      KERNEL(dev, linear_forward_add)(out.data<T>(), h.data<T>(), w2c.data<T>(), ptr<T>(b2), rc.data<T>(), N, H, C2,
-                                      stream_for(dev));
-    else
-      KERNEL(dev, linear_forward)(out.data<T>(), h.data<T>(), w2c.data<T>(), ptr<T>(b2), N, H, C2, stream_for(dev));
+    linear_out(dev, out.data<T>(), h.data<T>(), w2c.data<T>(), ptr<T>(b2), ptr<T>(rc), N, H, C2);
   });
   if (grad || any_requires_grad({residual}))
     record("linear", {out}, [x, xc, w1, w1c, b1, w2, w2c, b2, residual, out, pre, N, C, H, C2]() {
@@ -274,12 +266,7 @@ Tensor mlp_swiglu(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, con
     KERNEL(dev, linear_forward)(u.data<T>(), xc.data<T>(), wuc.data<T>(), (const T*)nullptr, N, C, I, stream_for(dev));
     Tensor h = Tensor::empty({N, I}, x.dtype(), x.device());  // freed when the forward returns
     KERNEL(dev, swiglu_forward)(h.data<T>(), g.data<T>(), u.data<T>(), N * I, stream_for(dev));
-    if (rc.defined())
-      KERNEL(dev, linear_forward_add)(out.data<T>(), h.data<T>(), wdc.data<T>(), (const T*)nullptr, rc.data<T>(), N, I,
-                                      C2, stream_for(dev));
-    else
-      KERNEL(dev, linear_forward)(out.data<T>(), h.data<T>(), wdc.data<T>(), (const T*)nullptr, N, I, C2,
-                                  stream_for(dev));
+    linear_out(dev, out.data<T>(), h.data<T>(), wdc.data<T>(), (const T*)nullptr, ptr<T>(rc), N, I, C2);
   });
   const bool mlp_grad = any_requires_grad({x, w_gate, w_up, w_down});
   if (mlp_grad || any_requires_grad({residual}))

@@ -8,6 +8,14 @@ namespace loom {
 // typed pointer, or null for an undefined tensor (optional kernel arguments)
 template <class T> inline T* ptr(const Tensor& t) { return t.defined() ? t.data<T>() : nullptr; }
 
+// out[N,O] = x W^T + b, plus resid when it is given (linear_forward_add: the residual read by
+// the product) else linear_forward; inside a dispatch_float lambda
+template <class T, class Dev>
+void linear_out(Dev dev, T* out, const T* x, const T* w, const T* b, const T* resid, int64_t N, int I, int O) {
+  if (resid) KERNEL(dev, linear_forward_add)(out, x, w, b, resid, N, I, O, stream_for(dev));
+  else KERNEL(dev, linear_forward)(out, x, w, b, N, I, O, stream_for(dev));
+}
+
 // the common dtype and device of an op's floating inputs (undefined ones skipped)
 inline void check_same(const char* op, std::initializer_list<Tensor> ts) {
   const Tensor* first = nullptr;

@@ -52,6 +52,28 @@ std::map<string, vector<double>> grads_of(Module& m) {
   return g;
 }
 
+// the tests' ViT: 12 px images of 4 px patches (9 tokens), 16 wide, 2 heads, MLP 32
+ViTConfig tiny_vit(int depth) {
+  ViTConfig c;
+  c.image_size = 12;
+  c.patch_size = 4;
+  c.channels = 3;
+  c.dim = 16;
+  c.depth = depth;
+  c.heads = 2;
+  c.mlp_ratio = 2;
+  return c;
+}
+
+// every parameter's gradient equal to same-math tolerance in f64 (another summation order)
+void check_same_grads(const std::map<string, vector<double>>& got, const std::map<string, vector<double>>& want) {
+  REQUIRE(got.size() == want.size());
+  for (auto& [name, a] : want) {
+    INFO("parameter " << name);
+    LOOM_CHECK_CLOSE(tol::compare(got.at(name), a, tol::kSameMathF64, name.c_str()));
+  }
+}
+
 void zero_grads(Module& m) {
   for (auto& [name, t] : m.named_parameters()) t->impl()->grad.reset();
 }
@@ -100,15 +122,7 @@ TEST_CASE("backward walks the tape in reverse and skips nodes without a gradient
 TEST_CASE("parameter gradients accumulate: two passes give exactly twice one pass", "[autograd]") {
   SECTION("ViT, 2 blocks, f64") {
     Rng rng(2);
-    ViTConfig c;
-    c.image_size = 12;
-    c.patch_size = 4;
-    c.channels = 3;
-    c.dim = 16;
-    c.depth = 2;
-    c.heads = 2;
-    c.mlp_ratio = 2;
-    ViT vit(c, Init{DType::F64, Device::CPU, &rng});
+    ViT vit(tiny_vit(2), Init{DType::F64, Device::CPU, &rng});
     Tensor images = Tensor::randn({2, 3, 12, 12}, rng, 1.0, DType::F64);
     Tensor R = Tensor::randn({2, 9, 16}, rng, 1.0, DType::F64);
     auto pass = [&]() { backward(sum(mul(vit.forward(images), R))); };
@@ -175,14 +189,7 @@ TEST_CASE("ViT output rows: the last block on chosen tokens equals gathering the
     for (bool ckpt : {false, true}) {
       INFO("depth " << depth << (ckpt ? ", checkpointed" : ""));
       Rng rng(40 + depth);
-      ViTConfig c;
-      c.image_size = 12;
-      c.patch_size = 4;
-      c.dim = 16;
-      c.depth = depth;
-      c.heads = 2;
-      c.mlp_ratio = 2;
-      ViT vit(c, Init{DType::F64, Device::CPU, &rng});
+      ViT vit(tiny_vit(depth), Init{DType::F64, Device::CPU, &rng});
       vit.checkpoint_blocks = ckpt;
       Tensor images = Tensor::randn({2, 3, 12, 12}, rng, 1.0, DType::F64);
       Tensor keep = Tensor::from_vector(vector<int32_t>{8, 0, 3, 5, 1, 7, 2, 4, 6, 0, 1, 2, 3, 5}, {2, 7});
@@ -198,10 +205,7 @@ TEST_CASE("ViT output rows: the last block on chosen tokens equals gathering the
       auto g_part = grads_of(vit);
       REQUIRE(part.shape() == full.shape());
       LOOM_CHECK_CLOSE(tol::compare(part.to_vector<double>(), full.to_vector<double>(), tol::kSameMathF64, "out"));
-      for (auto& [name, a] : g_full) {
-        INFO("parameter " << name);
-        LOOM_CHECK_CLOSE(tol::compare(g_part.at(name), a, tol::kSameMathF64, name.c_str()));
-      }
+      check_same_grads(g_part, g_full);
     }
 }
 
@@ -210,14 +214,7 @@ TEST_CASE("ViT output rows: the last block on chosen tokens equals gathering the
 // gradients, pos_embed's among them, as embedding every patch and gathering the kept rows.
 TEST_CASE("ViT kept patches: embedding only those equals gathering the full embedding", "[autograd]") {
   Rng rng(50);
-  ViTConfig c;
-  c.image_size = 12;
-  c.patch_size = 4;
-  c.dim = 16;
-  c.depth = 1;
-  c.heads = 2;
-  c.mlp_ratio = 2;
-  ViT vit(c, Init{DType::F64, Device::CPU, &rng});
+  ViT vit(tiny_vit(1), Init{DType::F64, Device::CPU, &rng});
   Tensor images = Tensor::randn({2, 3, 12, 12}, rng, 1.0, DType::F64);
   Tensor keep = Tensor::from_vector(vector<int32_t>{8, 0, 3, 5, 2, 1, 7, 4, 6, 0}, {2, 5});
   Tensor R = Tensor::randn({2, 5, 16}, rng, 1.0, DType::F64);
@@ -232,10 +229,7 @@ TEST_CASE("ViT kept patches: embedding only those equals gathering the full embe
   auto g_out = grads_of(vit);
   REQUIRE(out.shape() == ref.shape());
   LOOM_CHECK_CLOSE(tol::compare(out.to_vector<double>(), ref.to_vector<double>(), tol::kSameMathF64, "out"));
-  for (auto& [name, a] : g_ref) {
-    INFO("parameter " << name);
-    LOOM_CHECK_CLOSE(tol::compare(g_out.at(name), a, tol::kSameMathF64, name.c_str()));
-  }
+  check_same_grads(g_out, g_ref);
 }
 
 // LatentMIM runs views of one shape as one batch (batch_views): the same loss and parameter
@@ -247,12 +241,7 @@ TEST_CASE("LatentMIM: views as one batch equal one pass per view", "[autograd]")
     INFO((contrastive ? "contrastive" : "two plain views"));
     Rng rng(60 + int(contrastive));
     MIMConfig c;
-    c.vit.image_size = 12;
-    c.vit.patch_size = 4;
-    c.vit.dim = 16;
-    c.vit.depth = 2;
-    c.vit.heads = 2;
-    c.vit.mlp_ratio = 2;
+    c.vit = tiny_vit(2);
     c.pred_dim = 8;
     c.pred_depth = 1;
     c.pred_heads = 2;
@@ -273,11 +262,7 @@ TEST_CASE("LatentMIM: views as one batch equal one pass per view", "[autograd]")
     auto [l_one, g_one] = run(false);
     auto [l_batch, g_batch] = run(true);
     LOOM_CHECK_CLOSE(tol::compare(vector<double>{l_batch}, vector<double>{l_one}, tol::kSameMathF64, "loss"));
-    REQUIRE(g_batch.size() == g_one.size());
-    for (auto& [name, a] : g_one) {
-      INFO("parameter " << name);
-      LOOM_CHECK_CLOSE(tol::compare(g_batch.at(name), a, tol::kSameMathF64, name.c_str()));
-    }
+    check_same_grads(g_batch, g_one);
   }
 }
 
