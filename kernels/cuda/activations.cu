@@ -82,6 +82,7 @@ struct SwigluBP {  // inputs: dout, gate, up -> dgate, dup, prod
 // [0, nvec*VEC); the tail is scalar.
 template <class DT, int VEC, int NIN, int NOUT, class F>
 __global__ void pointwise(DT* o0, DT* o1, DT* o2, const DT* i0, const DT* i1, const DT* i2, int64_t n, F f) {
+  pdl_entry();
   // the functor's outputs y0 (y1, y2) from the inputs at one index
   auto apply = [&](float (&y)[3], float a, float b, float c) {
     if constexpr (NOUT > 2) f(y[0], y[1], y[2], a, b, c);
@@ -124,9 +125,11 @@ void launch_pointwise(T* o0, T* o1, T* o2, const T* i0, const T* i1, const T* i2
   int64_t work = vec ? (n + V - 1) / V : n;
   int g = int(std::min<int64_t>(std::max<int64_t>(1, (work + 255) / 256), 8192));
   if (vec)
-    pointwise<DT, V, NIN, NOUT><<<g, 256, 0, s>>>(dptr(o0), dptr(o1), dptr(o2), dptr(i0), dptr(i1), dptr(i2), n, f);
+    launch_kernel(pointwise<DT, V, NIN, NOUT, F>, g, 256, 0, s, dptr(o0), dptr(o1), dptr(o2), dptr(i0), dptr(i1),
+                  dptr(i2), n, f);
   else
-    pointwise<DT, 1, NIN, NOUT><<<g, 256, 0, s>>>(dptr(o0), dptr(o1), dptr(o2), dptr(i0), dptr(i1), dptr(i2), n, f);
+    launch_kernel(pointwise<DT, 1, NIN, NOUT, F>, g, 256, 0, s, dptr(o0), dptr(o1), dptr(o2), dptr(i0), dptr(i1),
+                  dptr(i2), n, f);
   LAUNCH_CHECK();
 }
 
@@ -137,6 +140,7 @@ void launch_pointwise(T* o0, T* o1, T* o2, const T* i0, const T* i1, const T* i2
 template <class DT, int VEC, bool BACKWARD, bool PROD>
 __global__ void swiglu_joined_kernel(DT* __restrict__ o, DT* __restrict__ prod, const DT* __restrict__ dout,
                                      const DT* __restrict__ gu, int64_t N, int I) {
+  pdl_entry();
   using P = Pack<DT, VEC>;
   const int cv = I / VEC;
   const int64_t total = N * cv, stride = int64_t(gridDim.x) * blockDim.x;
@@ -186,9 +190,11 @@ void launch_swiglu_joined(T* o, T* prod, const T* dout, const T* gu, int64_t N, 
   const int64_t work = N * (vec ? I / V : I);
   const int g = int(std::min<int64_t>(std::max<int64_t>(1, (work + 255) / 256), 8192));
   if (vec)
-    swiglu_joined_kernel<DT, V, BACKWARD, PROD><<<g, 256, 0, s>>>(dptr(o), dptr(prod), dptr(dout), dptr(gu), N, I);
+    launch_kernel(swiglu_joined_kernel<DT, V, BACKWARD, PROD>, g, 256, 0, s, dptr(o), dptr(prod), dptr(dout), dptr(gu),
+                  N, I);
   else
-    swiglu_joined_kernel<DT, 1, BACKWARD, PROD><<<g, 256, 0, s>>>(dptr(o), dptr(prod), dptr(dout), dptr(gu), N, I);
+    launch_kernel(swiglu_joined_kernel<DT, 1, BACKWARD, PROD>, g, 256, 0, s, dptr(o), dptr(prod), dptr(dout), dptr(gu),
+                  N, I);
   LAUNCH_CHECK();
 }
 
@@ -208,6 +214,7 @@ __device__ __forceinline__ float row_reduce(float v, bool is_max, float* sh) {
 
 template <class DT, bool WARP>
 __global__ void softmax_fwd_kernel(DT* __restrict__ out, const DT* __restrict__ inp, int64_t N, int C) {
+  pdl_entry();
   __shared__ float sh[32];
   const int64_t row = WARP ? int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5) : blockIdx.x;
   const int t = WARP ? threadIdx.x & 31 : threadIdx.x, nt = WARP ? 32 : blockDim.x;
@@ -231,6 +238,7 @@ __global__ void softmax_fwd_kernel(DT* __restrict__ out, const DT* __restrict__ 
 template <class DT, bool WARP>
 __global__ void softmax_bwd_kernel(DT* __restrict__ dinp, const DT* __restrict__ dout, const DT* __restrict__ out,
                                    int64_t N, int C) {
+  pdl_entry();
   __shared__ float sh[32];
   const int64_t row = WARP ? int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5) : blockIdx.x;
   const int t = WARP ? threadIdx.x & 31 : threadIdx.x, nt = WARP ? 32 : blockDim.x;
@@ -281,16 +289,18 @@ template <class T> void swiglu_backward_joined(T* dgu, T* prod, const T* dout, c
 
 template <class T> void softmax_forward(T* out, const T* inp, int64_t N, int C, Stream s) {
   if (N <= 0) return;
-  if (C <= 1024) softmax_fwd_kernel<dev_t<T>, true><<<ceil_div(N, 4), 128, 0, s>>>(dptr(out), dptr(inp), N, C);
-  else softmax_fwd_kernel<dev_t<T>, false><<<unsigned(N), 256, 0, s>>>(dptr(out), dptr(inp), N, C);
+  if (C <= 1024) launch_kernel(softmax_fwd_kernel<dev_t<T>, true>, ceil_div(N, 4), 128, 0, s, dptr(out), dptr(inp), N,
+                               C);
+  else launch_kernel(softmax_fwd_kernel<dev_t<T>, false>, unsigned(N), 256, 0, s, dptr(out), dptr(inp), N, C);
   LAUNCH_CHECK();
 }
 template <class T> void softmax_backward(T* dinp, const T* dout, const T* out, int64_t N, int C, Stream s) {
   if (N <= 0) return;
   if (C <= 1024)
-    softmax_bwd_kernel<dev_t<T>, true><<<ceil_div(N, 4), 128, 0, s>>>(dptr(dinp), dptr(dout), dptr(out), N, C);
+    launch_kernel(softmax_bwd_kernel<dev_t<T>, true>, ceil_div(N, 4), 128, 0, s, dptr(dinp), dptr(dout), dptr(out), N,
+                  C);
   else
-    softmax_bwd_kernel<dev_t<T>, false><<<unsigned(N), 256, 0, s>>>(dptr(dinp), dptr(dout), dptr(out), N, C);
+    launch_kernel(softmax_bwd_kernel<dev_t<T>, false>, unsigned(N), 256, 0, s, dptr(dinp), dptr(dout), dptr(out), N, C);
   LAUNCH_CHECK();
 }
 

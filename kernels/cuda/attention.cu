@@ -122,6 +122,7 @@ using namespace attn;
 template <class T>
 __global__ void attn_delta(float* __restrict__ delta, const T* __restrict__ dout,
                            const T* __restrict__ out, int64_t rows, int hd) {
+  pdl_entry();
   const int64_t w = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (w >= rows) return;
   const T* a = dout + w * hd;
@@ -137,6 +138,7 @@ __global__ void attn_delta(float* __restrict__ delta, const T* __restrict__ dout
 template <class T>
 __global__ void zero_outside(T* __restrict__ x, float* __restrict__ stat, const int32_t* __restrict__ cu,
                              int nseq, int64_t rows, int width, int nstat) {
+  pdl_entry();
   const int64_t r = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (r >= rows || (r >= cu[0] && r < cu[nseq])) return;
   for (int i = threadIdx.x % 32; i < width; i += 32) x[r * width + i] = from_float<T>(0.f);
@@ -193,7 +195,7 @@ void forward_loom(T* out, acc_t<T>* lse, const T* q, const T* k, const T* v,
       }
       fwd_v2(o, lse, qq, kk, vv, cu_q, cu_k, nseq, max_seqlen, H, KV, hd, causal, scale_log2, s);
     }
-    zero_outside<<<ceil_div(Nq, 8), 256, 0, s>>>(dptr(out), lse, cu_q, nseq, Nq, H * hd, H);
+    launch_kernel(zero_outside<dev_t<T>>, ceil_div(Nq, 8), 256, 0, s, dptr(out), lse, cu_q, nseq, Nq, H * hd, H);
     LAUNCH_CHECK();
     return;
   }
@@ -227,7 +229,7 @@ void backward_loom(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, c
     return;
   }
   if (Nq > 0) {
-    attn_delta<<<ceil_div(Nq * H, 8), 256, 0, s>>>(delta, dptr(dout), dptr(out), Nq * H, hd);
+    launch_kernel(attn_delta<dev_t<T>>, ceil_div(Nq * H, 8), 256, 0, s, delta, dptr(dout), dptr(out), Nq * H, hd);
     LAUNCH_CHECK();
   }
   if (std::is_same<T, bf16>::value && v2_supports(hd)) {
@@ -243,13 +245,13 @@ void backward_loom(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, c
       bwd_v2(a, b, c, o, qq, kk, vv, lse, delta, cu_q, cu_k, nseq, max_seqlen, H, KV, hd, causal, sc, s);
     }
     if (Nq > 0) {
-      zero_outside<<<ceil_div(Nq, 8), 256, 0, s>>>(dptr(dq), nullptr, cu_q, nseq, Nq, H * hd, 0);
+      launch_kernel(zero_outside<dev_t<T>>, ceil_div(Nq, 8), 256, 0, s, dptr(dq), nullptr, cu_q, nseq, Nq, H * hd, 0);
       LAUNCH_CHECK();
     }
     if (Nk > 0) {
-      zero_outside<<<ceil_div(Nk, 8), 256, 0, s>>>(dptr(dk), nullptr, cu_k, nseq, Nk, KV * hd, 0);
+      launch_kernel(zero_outside<dev_t<T>>, ceil_div(Nk, 8), 256, 0, s, dptr(dk), nullptr, cu_k, nseq, Nk, KV * hd, 0);
       LAUNCH_CHECK();
-      zero_outside<<<ceil_div(Nk, 8), 256, 0, s>>>(dptr(dv), nullptr, cu_k, nseq, Nk, KV * hd, 0);
+      launch_kernel(zero_outside<dev_t<T>>, ceil_div(Nk, 8), 256, 0, s, dptr(dv), nullptr, cu_k, nseq, Nk, KV * hd, 0);
       LAUNCH_CHECK();
     }
     return;

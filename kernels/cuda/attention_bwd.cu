@@ -46,6 +46,7 @@ attn_bwd_dq_v2(bf* __restrict__ dq, const bf* __restrict__ dout, const bf* __res
                const float* __restrict__ delta, const int32_t* __restrict__ cu_q,
                const int32_t* __restrict__ cu_k, int H, int KV, bool causal, float scale,
                float scale_log2) {
+  pdl_entry();
   constexpr int BR = 16 * NW * MT, NT = NW * 32;
   extern __shared__ __align__(128) unsigned char smem[];
   bf* sQ = reinterpret_cast<bf*>(smem);  // [BR][HD], later the dq staging
@@ -179,6 +180,7 @@ attn_bwd_dkdv_v2(bf* __restrict__ dk, bf* __restrict__ dv, const bf* __restrict_
                  const float* __restrict__ lse, const float* __restrict__ delta,
                  const int32_t* __restrict__ cu_q, const int32_t* __restrict__ cu_k, int H, int KV,
                  bool causal, float scale, float scale_log2) {
+  pdl_entry();
   constexpr int BC = 16 * NW, NT = NW * 32;
   extern __shared__ __align__(128) unsigned char smem[];
   bf* sK = reinterpret_cast<bf*>(smem);  // [BC][HD], later the dk staging
@@ -252,8 +254,8 @@ void bwd_v2_hd(bf* dq, bf* dk, bf* dv, const bf* dout, const bf* q, const bf* k,
     static bool once = (set_smem(attn_bwd_dq_v2<HD, NW, MT, BC>, smem), true);
     (void)once;
     dim3 grid(ceil_div(max_seqlen, BR), H, nseq);
-    attn_bwd_dq_v2<HD, NW, MT, BC><<<grid, NW * 32, smem, s>>>(dq, dout, q, k, v, lse, delta, cu_q,
-                                                               cu_k, H, KV, causal, scale, scale_log2);
+    launch_kernel(attn_bwd_dq_v2<HD, NW, MT, BC>, grid, NW * 32, smem, s, dq, dout, q, k, v, lse, delta, cu_q, cu_k, H,
+                  KV, causal, scale, scale_log2);
     LAUNCH_CHECK();
   }
   {  // dk, dv: 128 keys per block (64 at hd 128), query tiles of 64 (32 at hd 128)
@@ -262,8 +264,8 @@ void bwd_v2_hd(bf* dq, bf* dk, bf* dv, const bf* dout, const bf* q, const bf* k,
     static bool once = (set_smem(attn_bwd_dkdv_v2<HD, NW, BRQ>, smem), true);
     (void)once;
     dim3 grid(ceil_div(max_seqlen, BC), KV, nseq);
-    attn_bwd_dkdv_v2<HD, NW, BRQ><<<grid, NW * 32, smem, s>>>(dk, dv, dout, q, k, v, lse, delta, cu_q,
-                                                             cu_k, H, KV, causal, scale, scale_log2);
+    launch_kernel(attn_bwd_dkdv_v2<HD, NW, BRQ>, grid, NW * 32, smem, s, dk, dv, dout, q, k, v, lse, delta, cu_q, cu_k,
+                  H, KV, causal, scale, scale_log2);
     LAUNCH_CHECK();
   }
 }

@@ -66,6 +66,7 @@ attn_bwd_v2_atomic_dq(bf* __restrict__ dk, bf* __restrict__ dv, float* __restric
                       const float* __restrict__ delta, const int32_t* __restrict__ cu_q,
                       const int32_t* __restrict__ cu_k, int nseq, int H, int KV, int n_kt,
                       int chunk, bool causal, float scale, float scale_log2) {
+  pdl_entry();
   constexpr int BC = 16 * NW, NT = NW * 32;
   constexpr int WN = NW / WM, QM = BRQ / WM, QN = HD / WN;  // a warp's block of dQ: QM x QN
   static_assert(NW % WM == 0 && QM % 16 == 0 && QN % 16 == 0, "dQ warp blocks are whole 16x16 tiles");
@@ -183,6 +184,7 @@ attn_bwd_v2_atomic_dq(bf* __restrict__ dk, bf* __restrict__ dv, float* __restric
 template <int HD>
 __global__ void attn_bwd_prep(float* __restrict__ delta, float* __restrict__ dq_acc, const bf* __restrict__ dout,
                               const bf* __restrict__ out, int64_t rows) {
+  pdl_entry();
   constexpr int TPR = HD / 8;
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, r = i / TPR;
   const int c = int(i % TPR);
@@ -209,6 +211,7 @@ __global__ void attn_bwd_prep(float* __restrict__ delta, float* __restrict__ dq_
 __global__ void attn_bwd_finish(bf* __restrict__ dq, const float* __restrict__ acc, int64_t n, float scale,
                                 bf* __restrict__ dk, bf* __restrict__ dv, const int32_t* __restrict__ cu_k,
                                 int nseq, int64_t Nk, int kv_width) {
+  pdl_entry();
   const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, i = t * 4;
   if (i < n) {
     const float4 a = *reinterpret_cast<const float4*>(acc + i);
@@ -239,9 +242,8 @@ void bwd_atomic_launch(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* 
   // chunks of (kv head, sequence) pairs whose Q, dO (bf16) and dq_acc (fp32) rows share L2
   const int n_kt = ceil_div(max_seqlen, BC), pairs = KV * nseq;
   const int chunk = chunk_pairs(pairs, double(H / KV) * std::max(max_seqlen, 1) * HD * 8.0);
-  attn_bwd_v2_atomic_dq<HD, NW, BRQ, WM><<<pairs * n_kt, NW * 32, smem, s>>>(
-      dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, H, KV, n_kt, chunk,
-      causal, scale, scale * kLog2e);
+  launch_kernel(attn_bwd_v2_atomic_dq<HD, NW, BRQ, WM>, pairs * n_kt, NW * 32, smem, s, dk, dv, dq_acc, dout, q, k, v,
+                lse, delta, cu_q, cu_k, nseq, H, KV, n_kt, chunk, causal, scale, scale * kLog2e);
   LAUNCH_CHECK();
 }
 
@@ -255,7 +257,7 @@ void bwd_v2_atomic_hd(bf* dq, bf* dk, bf* dv, float* dq_acc, float* delta, const
                    bool causal, float scale, cudaStream_t s) {
   const int64_t rows = Nq * H, n = rows * HD;
   if (rows > 0) {
-    attn_bwd_prep<HD><<<ceil_div(rows * (HD / 8), 256), 256, 0, s>>>(delta, dq_acc, dout, out, rows);
+    launch_kernel(attn_bwd_prep<HD>, ceil_div(rows * (HD / 8), 256), 256, 0, s, delta, dq_acc, dout, out, rows);
     LAUNCH_CHECK();
   }
   if (nseq > 0 && max_seqlen > 0 && bwd_sm90_ws_available(HD, causal, max_seqlen, Nq, Nk, q, k, v, dout, dq_acc)) {
@@ -270,8 +272,8 @@ void bwd_v2_atomic_hd(bf* dq, bf* dk, bf* dv, float* dq_acc, float* delta, const
       bwd_atomic_launch<HD, 4, 64, 2>(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, scale, s);
   }
   if (n > 0 || Nk > 0) {
-    attn_bwd_finish<<<std::max(1, ceil_div(n / 4, 256)), 256, 0, s>>>(dq, dq_acc, n, scale, dk, dv, cu_k, nseq, Nk,
-                                                                      KV * HD);
+    launch_kernel(attn_bwd_finish, std::max(1, ceil_div(n / 4, 256)), 256, 0, s, dq, dq_acc, n, scale, dk, dv, cu_k,
+                  nseq, Nk, KV * HD);
     LAUNCH_CHECK();
   }
 }

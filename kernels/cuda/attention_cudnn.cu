@@ -114,6 +114,7 @@ __global__ void cudnn_prep(int32_t* __restrict__ meta, const int32_t* __restrict
                            T* __restrict__ x0, float* __restrict__ stat0, int64_t rows0, int width0, int nstat0,
                            const int32_t* __restrict__ cu0, T* __restrict__ x1, T* __restrict__ x2,
                            int64_t rows1, int width1, const int32_t* __restrict__ cu1) {
+  pdl_entry();
   if (blockIdx.x == 0) {
     int32_t *sq = meta, *sk = meta + B, *oq = meta + 2 * B, *ok = oq + B + 1, *ol = ok + B + 1;
     for (int b = threadIdx.x; b <= B; b += blockDim.x) {
@@ -149,6 +150,7 @@ __global__ void cudnn_prep(int32_t* __restrict__ meta, const int32_t* __restrict
 // masked rows are overwritten here. One block per sequence; launched only when cu_q != cu_k.
 __global__ void cudnn_fix_unseen(bf* __restrict__ out, float* __restrict__ lse, const int32_t* __restrict__ cu_q,
                                  const int32_t* __restrict__ cu_k, int H, int hd) {
+  pdl_entry();
   const int i = blockIdx.x, q0 = cu_q[i], Lq = cu_q[i + 1] - q0, Lk = cu_k[i + 1] - cu_k[i];
   const int64_t n = Lq > Lk ? int64_t(Lq - Lk) : 0, w = int64_t(H) * hd;
   for (int64_t idx = threadIdx.x; idx < n * w; idx += blockDim.x) out[int64_t(q0) * w + idx] = __float2bfloat16(0.f);
@@ -156,10 +158,12 @@ __global__ void cudnn_fix_unseen(bf* __restrict__ out, float* __restrict__ lse, 
 }
 
 __global__ void f32_to_bf16(bf* __restrict__ y, const float* __restrict__ x, int64_t n) {
+  pdl_entry();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     y[i] = __float2bfloat16(x[i]);
 }
 __global__ void bf16_to_f32(float* __restrict__ y, const bf* __restrict__ x, int64_t n) {
+  pdl_entry();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     y[i] = __bfloat162float(x[i]);
 }
@@ -193,8 +197,8 @@ template <class T>
 void run_prep(Plan& P, const Key& k, const int32_t* cu_q, const int32_t* cu_k, int nseq, T* x0, float* stat0,
               int64_t rows0, int width0, int nstat0, const int32_t* cu0, T* x1, T* x2, int64_t rows1, int width1,
               const int32_t* cu1, cudaStream_t s) {
-  cudnn_prep<dev_t<T>><<<32, 256, 0, s>>>(P.meta, cu_q, cu_k, nseq, k.B, k.H, k.KV, k.hd, dptr(x0), stat0, rows0,
-                                          width0, nstat0, cu0, dptr(x1), dptr(x2), rows1, width1, cu1);
+  launch_kernel(cudnn_prep<dev_t<T>>, 32, 256, 0, s, P.meta, cu_q, cu_k, nseq, k.B, k.H, k.KV, k.hd, dptr(x0), stat0,
+                rows0, width0, nstat0, cu0, dptr(x1), dptr(x2), rows1, width1, cu1);
   LAUNCH_CHECK();
 }
 
@@ -234,7 +238,7 @@ void fwd_bf16(Plan& P, const Key& k, bf* out, float* lse, const bf* q, const bf*
   add_ragged_entries(P, k, uids, ptrs);
   execute(P, uids, ptrs, s);
   if (k.causal && cu_q != cu_k) {  // never dense (one cu_seqlens)
-    cudnn_fix_unseen<<<nseq, 256, 0, s>>>(out, lse, cu_q, cu_k, k.H, k.hd);
+    launch_kernel(cudnn_fix_unseen, nseq, 256, 0, s, out, lse, cu_q, cu_k, k.H, k.hd);
     LAUNCH_CHECK();
   }
 }
@@ -262,13 +266,13 @@ struct Bf16Copy {
   Bf16Copy(const float* x, int64_t n_, cudaStream_t s) : n(n_) {
     p = static_cast<bf*>(device_malloc(sizeof(bf) * size_t(std::max<int64_t>(n, 1))));
     if (x && n > 0) {
-      f32_to_bf16<<<std::min(ceil_div(n, 256), 4096), 256, 0, s>>>(p, x, n);
+      launch_kernel(f32_to_bf16, std::min(ceil_div(n, 256), 4096), 256, 0, s, p, x, n);
       LAUNCH_CHECK();
     }
   }
   void widen(float* y, cudaStream_t s) const {
     if (n > 0) {
-      bf16_to_f32<<<std::min(ceil_div(n, 256), 4096), 256, 0, s>>>(y, p, n);
+      launch_kernel(bf16_to_f32, std::min(ceil_div(n, 256), 4096), 256, 0, s, y, p, n);
       LAUNCH_CHECK();
     }
   }

@@ -43,6 +43,7 @@ __global__ void __launch_bounds__(NW * 32)
 attn_fwd_v2(bf* __restrict__ out, float* __restrict__ lse, const bf* __restrict__ q,
             const bf* __restrict__ k, const bf* __restrict__ v, const int32_t* __restrict__ cu_q,
             const int32_t* __restrict__ cu_k, int H, int KV, bool causal, float scale_log2) {
+  pdl_entry();
   constexpr int BR = 16 * NW * MT, NT = NW * 32;
   extern __shared__ __align__(128) unsigned char smem[];
   bf* sQ = reinterpret_cast<bf*>(smem);  // [BR][HD], later the output staging
@@ -213,7 +214,8 @@ void fwd_v2_hd(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const
   static bool once = (set_smem(attn_fwd_v2<HD, NW, MT, BC, QREG>, smem), true);
   (void)once;
   dim3 grid(ceil_div(max_seqlen, BR), H, nseq);
-  attn_fwd_v2<HD, NW, MT, BC, QREG><<<grid, NW * 32, smem, s>>>(out, lse, q, k, v, cu_q, cu_k, H, KV, causal, scale_log2);
+  launch_kernel(attn_fwd_v2<HD, NW, MT, BC, QREG>, grid, NW * 32, smem, s, out, lse, q, k, v, cu_q, cu_k, H, KV, causal,
+                scale_log2);
   LAUNCH_CHECK();
 }
 

@@ -69,6 +69,7 @@ attn_fwd_sm90(bf* __restrict__ out, float* __restrict__ lse, const bf* __restric
               const bf* __restrict__ k, const bf* __restrict__ v, const int32_t* __restrict__ cu_q,
               const int32_t* __restrict__ cu_k, int dense, int64_t Nq, int H, int KV, bool causal,
               float scale_log2) {
+  pdl_entry();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int BR = 64 * NWG, NT = NWG * 128;
   extern __shared__ unsigned char smem_raw[];
@@ -176,8 +177,8 @@ void launch(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const in
   }();
   (void)once;
   dim3 grid(ceil_div(max_seqlen, BR), H, nseq);
-  attn_fwd_sm90<HD, NWG, BC><<<grid, NWG * 128, smem, s>>>(
-      out, lse, q, k, v, cu_q, cu_k, dense_seqlen(cu_q, cu_k, nseq, max_seqlen, Nq, Nk), Nq, H, KV, causal, scale_log2);
+  launch_kernel(attn_fwd_sm90<HD, NWG, BC>, grid, NWG * 128, smem, s, out, lse, q, k, v, cu_q, cu_k,
+                dense_seqlen(cu_q, cu_k, nseq, max_seqlen, Nq, Nk), Nq, H, KV, causal, scale_log2);
   LAUNCH_CHECK();
 }
 

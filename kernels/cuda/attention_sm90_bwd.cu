@@ -158,6 +158,7 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
                  const __grid_constant__ CUtensorMap tm_dq, const int32_t* __restrict__ cu_q,
                  const int32_t* __restrict__ cu_k, int dense, int nseq, int H, int KV, int n_kt, int chunk,
                  bool causal, float scale, float scale_log2) {
+  pdl_entry();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = BwdSmem<HD, STAGES>;
   constexpr bool OWN = L::OWN;
@@ -492,10 +493,9 @@ void launch_bwd(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, cons
   // chunks of (kv head, sequence) pairs whose Q, dO (bf16) and dq_acc (fp32) rows share L2
   const int n_kt = ceil_div(max_seqlen, BC), pairs = KV * nseq;
   const int chunk = chunk_pairs(pairs, double(H / KV) * std::max(max_seqlen, 1) * HD * 8.0);
-  attn_bwd_sm90_ws<HD, STAGES><<<pairs * n_kt, 384, smem, s>>>(dk, dv, dq_acc, dout, q, k, v, lse, delta, tq,
-                                                               tdo, tk, tv, tdq, cu_q, cu_k,
-                                                               dense_seqlen(cu_q, cu_k, nseq, max_seqlen, Nq, Nk),
-                                                               nseq, H, KV, n_kt, chunk, causal, scale, scale * kLog2e);
+  launch_kernel(attn_bwd_sm90_ws<HD, STAGES>, pairs * n_kt, 384, smem, s, dk, dv, dq_acc, dout, q, k, v, lse, delta, tq,
+                tdo, tk, tv, tdq, cu_q, cu_k, dense_seqlen(cu_q, cu_k, nseq, max_seqlen, Nq, Nk), nseq, H, KV, n_kt,
+                chunk, causal, scale, scale * kLog2e);
   LAUNCH_CHECK();
 }
 

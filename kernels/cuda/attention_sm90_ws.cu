@@ -256,6 +256,7 @@ attn_fwd_sm90_ws(bf* __restrict__ out, float* __restrict__ lse, const bf* __rest
                  const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                  const int32_t* __restrict__ cu_q, const int32_t* __restrict__ cu_k, int dense, int64_t Nq, int H,
                  int KV, int chunk, bool causal, float scale_log2) {
+  pdl_entry();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int BR = 64 * NC, NT = 128 * (NC + 1);
   extern __shared__ unsigned char smem_raw[];
@@ -543,9 +544,9 @@ void launch_ws(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const
   (void)once;
   const CUtensorMap tq = make_map(q, Nq, H, HD, 64), tk = make_map(k, Nk, KV, HD, BC), tv = make_map(v, Nk, KV, HD, BC);
   dim3 grid(ceil_div(max_seqlen, 64 * NC), H, nseq);
-  attn_fwd_sm90_ws<HD, BC, STAGES, NC><<<grid, 128 * (NC + 1), smem, s>>>(
-      out, lse, q, k, v, tq, tk, tv, cu_q, cu_k, dense_seqlen(cu_q, cu_k, nseq, max_seqlen, Nq, Nk), Nq, H, KV,
-      fwd_chunk_pairs(H, KV, nseq, max_seqlen, HD, causal), causal, scale_log2);
+  launch_kernel(attn_fwd_sm90_ws<HD, BC, STAGES, NC>, grid, 128 * (NC + 1), smem, s, out, lse, q, k, v, tq, tk, tv,
+                cu_q, cu_k, dense_seqlen(cu_q, cu_k, nseq, max_seqlen, Nq, Nk), Nq, H, KV,
+                fwd_chunk_pairs(H, KV, nseq, max_seqlen, HD, causal), causal, scale_log2);
   LAUNCH_CHECK();
 }
 

@@ -46,6 +46,7 @@ __global__ void attn_fwd_v1(T* __restrict__ out, float* __restrict__ lse, const 
                             const T* __restrict__ k, const T* __restrict__ v,
                             const int32_t* __restrict__ cu_q, const int32_t* __restrict__ cu_k,
                             int nseq, int64_t Nq, int H, int KV, int hd, bool causal, float scale_log2) {
+  pdl_entry();
   const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   const int h = blockIdx.y, lane = threadIdx.x % 32, g = h / (H / KV);
   if (row >= Nq) return;
@@ -100,6 +101,7 @@ __global__ void attn_bwd_dq_v1(T* __restrict__ dq, const T* __restrict__ dout, c
                                const float* __restrict__ lse, const float* __restrict__ delta,
                                const int32_t* __restrict__ cu_q, const int32_t* __restrict__ cu_k,
                                int nseq, int64_t Nq, int H, int KV, int hd, bool causal, float scale) {
+  pdl_entry();
   const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   const int h = blockIdx.y, lane = threadIdx.x % 32, g = h / (H / KV);
   if (row >= Nq) return;
@@ -154,6 +156,7 @@ __global__ void attn_bwd_dkdv_v1(T* __restrict__ dk, T* __restrict__ dv, const T
                                  const float* __restrict__ lse, const float* __restrict__ delta,
                                  const int32_t* __restrict__ cu_q, const int32_t* __restrict__ cu_k,
                                  int nseq, int64_t Nk, int H, int KV, int hd, bool causal, float scale) {
+  pdl_entry();
   const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   const int g = blockIdx.y, lane = threadIdx.x % 32, group = H / KV;
   if (row >= Nk) return;
@@ -214,8 +217,8 @@ void fwd_v1_dpl(T* out, float* lse, const T* q, const T* k, const T* v, const in
             const int32_t* cu_k, int nseq, int64_t Nq, int H, int KV, int hd, bool causal,
             float scale_log2, cudaStream_t s) {
   dim3 grid(ceil_div(Nq, 4), H);
-  attn_fwd_v1<dev_t<T>, DPL><<<grid, 128, 0, s>>>(dptr(out), lse, dptr(q), dptr(k), dptr(v), cu_q,
-                                                  cu_k, nseq, Nq, H, KV, hd, causal, scale_log2);
+  launch_kernel(attn_fwd_v1<dev_t<T>, DPL>, grid, 128, 0, s, dptr(out), lse, dptr(q), dptr(k), dptr(v), cu_q, cu_k,
+                nseq, Nq, H, KV, hd, causal, scale_log2);
   LAUNCH_CHECK();
 }
 
@@ -223,13 +226,11 @@ template <class T, int DPL>
 void bwd_v1_dpl(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, const T* v, const float* lse,
             const float* delta, const int32_t* cu_q, const int32_t* cu_k, int nseq, int64_t Nq,
             int64_t Nk, int H, int KV, int hd, bool causal, float scale, cudaStream_t s) {
-  attn_bwd_dq_v1<dev_t<T>, DPL><<<dim3(ceil_div(Nq, 4), H), 128, 0, s>>>(
-      dptr(dq), dptr(dout), dptr(q), dptr(k), dptr(v), lse, delta, cu_q, cu_k, nseq, Nq, H, KV, hd,
-      causal, scale);
+  launch_kernel(attn_bwd_dq_v1<dev_t<T>, DPL>, dim3(ceil_div(Nq, 4), H), 128, 0, s, dptr(dq), dptr(dout), dptr(q),
+                dptr(k), dptr(v), lse, delta, cu_q, cu_k, nseq, Nq, H, KV, hd, causal, scale);
   LAUNCH_CHECK();
-  attn_bwd_dkdv_v1<dev_t<T>, DPL><<<dim3(ceil_div(Nk, 4), KV), 128, 0, s>>>(
-      dptr(dk), dptr(dv), dptr(dout), dptr(q), dptr(k), dptr(v), lse, delta, cu_q, cu_k, nseq, Nk,
-      H, KV, hd, causal, scale);
+  launch_kernel(attn_bwd_dkdv_v1<dev_t<T>, DPL>, dim3(ceil_div(Nk, 4), KV), 128, 0, s, dptr(dk), dptr(dv), dptr(dout),
+                dptr(q), dptr(k), dptr(v), lse, delta, cu_q, cu_k, nseq, Nk, H, KV, hd, causal, scale);
   LAUNCH_CHECK();
 }
 

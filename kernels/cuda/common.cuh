@@ -9,8 +9,11 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "kernels/kernels.h"
 
@@ -34,8 +37,66 @@ namespace loom::cuda {
     if (_s != CUBLAS_STATUS_SUCCESS)                                                       \
       ::loom::cuda::fail("cuBLAS", #expr, cublasGetStatusString(_s), __FILE__, __LINE__);  \
   } while (0)
-// after every <<<>>>: catches bad launch configurations at the launch site
+// after every launch: catches bad launch configurations at the launch site
 #define LAUNCH_CHECK() CUDA_CHECK(cudaGetLastError())
+
+// Programmatic dependent launch (sm_90+). A kernel launched by launch_kernel() below may be scheduled
+// while the kernel before it in its stream is still finishing, instead of after it has fully
+// drained: the launch latency and the block scheduling overlap the previous kernel's last wave.
+// The price is a rule every kernel of kernels/cuda keeps: its first statement is pdl_entry(),
+// which waits (griddepcontrol.wait) until the previous kernel has completed and its writes are
+// visible, before this kernel reads or writes any global memory; then it lets the kernel after
+// it be scheduled (griddepcontrol.launch_dependents; that one waits in its own pdl_entry()).
+// Kernels launched without the attribute (<<<>>>, cuBLAS, cuDNN) and copies and memsets keep
+// the full stream order, and so does a kernel whose predecessor is not a kernel. The wait
+// returns at once when the launch had no programmatic dependency. Under CUDA graph capture the
+// attribute becomes a programmatic edge of the graph. LOOM_PDL=0 turns it off (A/B timings).
+__device__ __forceinline__ void pdl_entry() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// On when the device is sm_90 or newer and LOOM_PDL is not "0"; asked once per process.
+inline bool pdl_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("LOOM_PDL");
+    if (e && std::strcmp(e, "0") == 0) return false;
+    int dev = 0, major = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    return major >= 9;
+  }();
+  return on;
+}
+
+// kernel<<<grid, block, smem, s>>>(args...) with programmatic dependent launch allowed. The
+// arguments are converted to the kernel's parameter types, as <<<>>> converts them. A bad
+// configuration throws here with the grid, block and shared-memory size in the message (the
+// error is cleared first, as LAUNCH_CHECK's cudaGetLastError would clear it).
+template <class... KArgs, class... Args>
+inline void launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+                   Args&&... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    char what[160];
+    std::snprintf(what, sizeof what, "kernel launch, grid (%u, %u, %u), block (%u, %u, %u), %zu B shared",
+                  grid.x, grid.y, grid.z, block.x, block.y, block.z, smem);
+    fail("CUDA", what, cudaGetErrorString(e), __FILE__, __LINE__);
+  }
+}
 
 // bf16 is layout-compatible with __nv_bfloat16, f16 with __half
 template <class T> struct device_type { using type = T; };

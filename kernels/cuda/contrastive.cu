@@ -135,6 +135,7 @@ __device__ void warp_write_row(float* row, int n, G g) {
 // rnorm[r] = 1 / max(||x_r||, 1e-12), one warp per row of [rows, D].
 template <class T>
 __global__ void row_rnorm(float* __restrict__ rnorm, const T* __restrict__ x, int64_t rows, int D) {
+  pdl_entry();
   const int64_t r = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (r >= rows) return;
   const T* xr = x + r * D;
@@ -152,6 +153,7 @@ __global__ void row_rnorm(float* __restrict__ rnorm, const T* __restrict__ x, in
 template <class TOut>
 __global__ void patch_rows(float* __restrict__ raw, float* __restrict__ rp, float* __restrict__ rt,
                            int B, int M, float inv_tau) {
+  pdl_entry();
   extern __shared__ float row_loss[];  // [M]
   const int b = blockIdx.x, warp = threadIdx.x / 32, nw = blockDim.x / 32, lane = threadIdx.x % 32;
   const float* rtb = rt + int64_t(b) * M;
@@ -187,6 +189,7 @@ __global__ void patch_rows(float* __restrict__ raw, float* __restrict__ rp, floa
 template <class T>
 __global__ void scale_rows_neg(T* __restrict__ out, const T* __restrict__ x, const float* __restrict__ s,
                                int64_t rows, int D) {
+  pdl_entry();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= rows * D) return;
   out[i] = from_float<T>(-s[i / D] * to_float(x[i]));
@@ -194,6 +197,7 @@ __global__ void scale_rows_neg(T* __restrict__ out, const T* __restrict__ x, con
 
 // loss = scale * sum of v[0..n), one block, fixed order
 __global__ void sum_scaled(float* __restrict__ loss, const float* __restrict__ v, int64_t n, float scale) {
+  pdl_entry();
   float s = 0.f;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) s += v[i];
   s = block_sum(s);
@@ -203,6 +207,7 @@ __global__ void sum_scaled(float* __restrict__ loss, const float* __restrict__ v
 // InfoNCE: warp w < B: lse of row w; warp B + j: lse of column j.
 __global__ void infonce_lse(float* __restrict__ rlse, float* __restrict__ clse,
                             const float* __restrict__ L, int B) {
+  pdl_entry();
   const int w = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   if (w >= 2 * B) return;
   if (w < B) {
@@ -217,6 +222,7 @@ __global__ void infonce_lse(float* __restrict__ rlse, float* __restrict__ clse,
 
 __global__ void infonce_loss_sum(float* __restrict__ loss, const float* __restrict__ L,
                                  const float* __restrict__ rlse, const float* __restrict__ clse, int B) {
+  pdl_entry();
   float s = 0.f;
   for (int i = threadIdx.x; i < B; i += blockDim.x) {
     const float d = L[int64_t(i) * B + i];
@@ -230,6 +236,7 @@ __global__ void infonce_loss_sum(float* __restrict__ loss, const float* __restri
 template <class TOut>
 __global__ void infonce_grad(float* __restrict__ L, const float* __restrict__ rlse,
                              const float* __restrict__ clse, int B, float inv_tau) {
+  pdl_entry();
   const int i = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   if (i >= B) return;
   float* row = L + int64_t(i) * B;
@@ -254,19 +261,19 @@ void patch_disc_loss(acc_t<T>* loss, T* dpred, const T* pred, const T* target, i
   float* rp = raw + BM * M;      // [B, M]
   float* rt = rp + BM;           // [B, M]
   // rp over pred rows and rt over target rows (two launches: the inputs are separate arrays)
-  row_rnorm<<<ceil_div(BM, 8), 256, 0, s>>>(rp, dptr(pred), BM, D);
+  launch_kernel(row_rnorm<dev_t<T>>, ceil_div(BM, 8), 256, 0, s, rp, dptr(pred), BM, D);
   LAUNCH_CHECK();
-  row_rnorm<<<ceil_div(BM, 8), 256, 0, s>>>(rt, dptr(target), BM, D);
+  launch_kernel(row_rnorm<dev_t<T>>, ceil_div(BM, 8), 256, 0, s, rt, dptr(target), BM, D);
   LAUNCH_CHECK();
   // raw[b] = pred[b] target[b]^T
   gemm_rm_batched(s, M, M, D, pred, tT, D, int64_t(M) * D, false, target, tT, D, int64_t(M) * D,
                   true, raw, CUDA_R_32F, M, int64_t(M) * M, 1.f, 0.f, B);
-  patch_rows<dev_t<T>><<<B, 256, sizeof(float) * M, s>>>(raw, rp, rt, B, M, float(1.0 / tau));
+  launch_kernel(patch_rows<dev_t<T>>, B, 256, sizeof(float) * M, s, raw, rp, rt, B, M, float(1.0 / tau));
   LAUNCH_CHECK();
-  sum_scaled<<<1, 1024, 0, s>>>(loss, rt, BM, 1.f / float(BM));
+  launch_kernel(sum_scaled, 1, 1024, 0, s, loss, rt, BM, 1.f / float(BM));
   LAUNCH_CHECK();
   // dpred = -s pred, then dpred[b] += W'[b] target[b]
-  scale_rows_neg<<<ceil_div(BM * D, 256), 256, 0, s>>>(dptr(dpred), dptr(pred), rp, BM, D);
+  launch_kernel(scale_rows_neg<dev_t<T>>, ceil_div(BM * D, 256), 256, 0, s, dptr(dpred), dptr(pred), rp, BM, D);
   LAUNCH_CHECK();
   const int64_t ldw = sizeof(T) == 4 ? M : 2 * int64_t(M);  // bf16 W' packed in fp32 rows
   gemm_rm_batched(s, M, D, M, raw, tT, ldw, ldw * M, false, target, tT, D, int64_t(M) * D, false,
@@ -286,11 +293,11 @@ void infonce_loss(acc_t<T>* loss, T* da, T* db, const T* a, const T* b, int B, i
   const float inv_tau = float(1.0 / tau);
   gemm_rm_batched(s, B, B, D, a, tT, D, 0, false, b, tT, D, 0, true, L, CUDA_R_32F, B, 0, inv_tau,
                   0.f, 1);
-  infonce_lse<<<ceil_div(2 * B, 8), 256, 0, s>>>(rlse, clse, L, B);
+  launch_kernel(infonce_lse, ceil_div(2 * B, 8), 256, 0, s, rlse, clse, L, B);
   LAUNCH_CHECK();
-  infonce_loss_sum<<<1, 1024, 0, s>>>(loss, L, rlse, clse, B);
+  launch_kernel(infonce_loss_sum, 1, 1024, 0, s, loss, L, rlse, clse, B);
   LAUNCH_CHECK();
-  infonce_grad<dev_t<T>><<<ceil_div(B, 8), 256, 0, s>>>(L, rlse, clse, B, inv_tau);
+  launch_kernel(infonce_grad<dev_t<T>>, ceil_div(B, 8), 256, 0, s, L, rlse, clse, B, inv_tau);
   LAUNCH_CHECK();
   const int64_t ldg = sizeof(T) == 4 ? B : 2 * int64_t(B);
   // da = G b ; db = G^T a

@@ -131,6 +131,7 @@ __device__ float block_sum(float v) {
 // lse[r] = log sum_j exp(logits[r, j]); one block per row.
 template <class T>
 __global__ void ce_lse_rows(float* __restrict__ lse, const T* __restrict__ logits, int V) {
+  pdl_entry();
   const T* x = logits + int64_t(blockIdx.x) * V;
   MaxSum ms{-INFINITY, 0.f};
   for (int j = threadIdx.x; j < V; j += blockDim.x) ms = add_value(ms, to_float(x[j]));
@@ -143,6 +144,7 @@ template <class T>
 __global__ void ce_mean_loss(float* __restrict__ loss, const float* __restrict__ lse,
                              const T* __restrict__ logits, const int32_t* __restrict__ targets,
                              int64_t N, int V) {
+  pdl_entry();
   float sum = 0.f, cnt = 0.f;
   for (int64_t r = threadIdx.x; r < N; r += blockDim.x) {
     const int t = targets[r];
@@ -157,6 +159,7 @@ __global__ void ce_mean_loss(float* __restrict__ loss, const float* __restrict__
 
 // One block: count[0] = number of rows with target >= 0 (exact in fp32 up to 2^24 rows).
 __global__ void count_valid(float* __restrict__ count, const int32_t* __restrict__ targets, int64_t N) {
+  pdl_entry();
   float c = 0.f;
   for (int64_t r = threadIdx.x; r < N; r += blockDim.x) c += targets[r] >= 0 ? 1.f : 0.f;
   c = block_sum(c);
@@ -169,6 +172,7 @@ __global__ void ce_backward_rows(T* __restrict__ dlogits, const float* __restric
                                  const T* __restrict__ logits, const float* __restrict__ lse,
                                  const int32_t* __restrict__ targets,
                                  const float* __restrict__ count, int V) {
+  pdl_entry();
   const int64_t r = blockIdx.x;
   const int t = targets[r];
   const float cnt = *count;
@@ -188,6 +192,7 @@ __global__ void ce_backward_rows(T* __restrict__ dlogits, const float* __restric
 template <class X>
 __global__ void lce_rows(X* __restrict__ ws, float* __restrict__ row_loss, const int32_t* __restrict__ targets,
                          const float* __restrict__ count, const float* __restrict__ grad_scale, int V) {
+  pdl_entry();
   X* x = ws + int64_t(blockIdx.x) * V;
   const int t = targets[blockIdx.x];
   MaxSum ms{-INFINITY, 0.f};
@@ -216,6 +221,7 @@ template <class X, int kLoads>
 __global__ void __launch_bounds__(kRegThreads, 1)
 lce_rows_reg(X* __restrict__ ws, float* __restrict__ row_loss, const int32_t* __restrict__ targets,
              const float* __restrict__ count, const float* __restrict__ grad_scale, int V) {
+  pdl_entry();
   constexpr int E = 16 / int(sizeof(X));
   X* x = ws + int64_t(blockIdx.x) * V;
   const int t = targets[blockIdx.x];
@@ -276,17 +282,18 @@ void launch_lce_rows(X* ws, float* row_loss, const int32_t* targets, const float
   if (V % E == 0 && nload * E <= 96 && aligned(ws, 16)) {
 #define LOOM_LCE_REG(K)                                                                              \
   if (nload * E <= K * 4) {                                                                          \
-    lce_rows_reg<X, K * 4 / E><<<c, kRegThreads, 0, s>>>(ws, row_loss, targets, count, grad_scale, V); \
+    launch_kernel(lce_rows_reg<X, K * 4 / E>, c, kRegThreads, 0, s, ws, row_loss, targets, count, grad_scale, V); \
     return;                                                                                          \
   }
     LOOM_LCE_REG(2) LOOM_LCE_REG(4) LOOM_LCE_REG(8) LOOM_LCE_REG(12) LOOM_LCE_REG(16) LOOM_LCE_REG(24)
 #undef LOOM_LCE_REG
   }
-  lce_rows<X><<<c, kRowThreads, 0, s>>>(ws, row_loss, targets, count, grad_scale, V);
+  launch_kernel(lce_rows<X>, c, kRowThreads, 0, s, ws, row_loss, targets, count, grad_scale, V);
 }
 
 __global__ void scaled_sum(float* __restrict__ loss, const float* __restrict__ row_loss,
                            const float* __restrict__ count, int64_t N) {
+  pdl_entry();
   float s = 0.f;
   for (int64_t r = threadIdx.x; r < N; r += blockDim.x) s += row_loss[r];
   s = block_sum(s);
@@ -326,10 +333,10 @@ void cross_entropy_forward(acc_t<T>* loss, acc_t<T>* lse, const T* logits, const
                            int64_t N, int V, Stream s) {
   check_rows("cross_entropy_forward", N, V);
   if (N > 0) {
-    ce_lse_rows<<<unsigned(N), kRowThreads, 0, s>>>(lse, dptr(logits), V);
+    launch_kernel(ce_lse_rows<dev_t<T>>, unsigned(N), kRowThreads, 0, s, lse, dptr(logits), V);
     LAUNCH_CHECK();
   }
-  ce_mean_loss<<<1, 1024, 0, s>>>(loss, lse, dptr(logits), targets, N, V);
+  launch_kernel(ce_mean_loss<dev_t<T>>, 1, 1024, 0, s, loss, lse, dptr(logits), targets, N, V);
   LAUNCH_CHECK();
 }
 
@@ -339,10 +346,10 @@ void cross_entropy_backward(T* dlogits, const acc_t<T>* dloss, const T* logits, 
   check_rows("cross_entropy_backward", N, V);
   if (N == 0) return;
   float* count = static_cast<float*>(device_malloc(sizeof(float)));
-  count_valid<<<1, 1024, 0, s>>>(count, targets, N);
+  launch_kernel(count_valid, 1, 1024, 0, s, count, targets, N);
   LAUNCH_CHECK();
-  ce_backward_rows<<<unsigned(N), kRowThreads, 0, s>>>(dptr(dlogits), dloss, dptr(logits), lse,
-                                                       targets, count, V);
+  launch_kernel(ce_backward_rows<dev_t<T>>, unsigned(N), kRowThreads, 0, s, dptr(dlogits), dloss, dptr(logits), lse,
+                targets, count, V);
   LAUNCH_CHECK();
   device_free(count);  // stream-ordered reuse (see runtime.cu)
 }
@@ -360,7 +367,7 @@ void fused_linear_cross_entropy(acc_t<T>* loss, T* dh, T* dW, const T* h, const 
   float* scratch = static_cast<float*>(device_malloc(sizeof(float) * (4 + N)));
   float* count = scratch;
   float* row_loss = scratch + 4;
-  count_valid<<<1, 1024, 0, s>>>(count, targets, N);
+  launch_kernel(count_valid, 1, 1024, 0, s, count, targets, N);
   LAUNCH_CHECK();
   if (N == 0) {  // dW = 0 and loss = 0 (the sum over no rows)
     CUDA_CHECK(cudaMemsetAsync(dW, 0, sizeof(T) * size_t(V) * D, s));
@@ -380,7 +387,7 @@ void fused_linear_cross_entropy(acc_t<T>* loss, T* dh, T* dW, const T* h, const 
     // dW[V,D] (+)= dlogits^T[V,c] h_c[c,D]; the first chunk overwrites (beta 0 never reads dW)
     gemm_rm(s, V, D, c, ws, tT, V, true, h + r0 * D, tT, D, false, dW, tT, D, 1.f, r0 == 0 ? 0.f : 1.f);
   }
-  scaled_sum<<<1, 1024, 0, s>>>(loss, row_loss, count, N);
+  launch_kernel(scaled_sum, 1, 1024, 0, s, loss, row_loss, count, N);
   LAUNCH_CHECK();
   device_free(scratch);
 }

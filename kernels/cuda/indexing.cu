@@ -56,6 +56,7 @@ inline int grid_for(int64_t n, int threads = 256) {
 template <class DT>
 __global__ void embedding_fwd_kernel(DT* __restrict__ out, const int32_t* __restrict__ ids,
                                      const DT* __restrict__ table, int64_t N, int C, int V) {
+  pdl_entry();
   GRID_STRIDE(i, N * C) {
     int64_t n = i / C;
     int c = int(i - n * C);
@@ -66,6 +67,7 @@ __global__ void embedding_fwd_kernel(DT* __restrict__ out, const int32_t* __rest
 
 __global__ void embedding_keys(int32_t* __restrict__ keys, int32_t* __restrict__ vals, const int32_t* __restrict__ ids,
                                int64_t N, int V) {
+  pdl_entry();
   GRID_STRIDE(n, N) {
     int id = ids[n];
     keys[n] = (id >= 0 && id < V) ? id : V;  // out-of-range ids sort last and are skipped
@@ -95,6 +97,7 @@ template <class DT>
 __global__ void embedding_bwd_chunks(float* __restrict__ partial, const DT* __restrict__ dout,
                                      const int32_t* __restrict__ keys, const int32_t* __restrict__ rows, int64_t N,
                                      int C, int V) {
+  pdl_entry();
   const int64_t c0 = int64_t(blockIdx.x) * kEmbChunk, c1 = min(N, c0 + kEmbChunk);
   for (int slot = 0; slot < 2; slot++) {
     int64_t p0;
@@ -124,6 +127,7 @@ template <class DT>
 __global__ void embedding_bwd_runs(DT* __restrict__ dtable, const DT* __restrict__ dout, const float* __restrict__ partial,
                                    const int32_t* __restrict__ keys, const int32_t* __restrict__ rows, int64_t N,
                                    int C, int V) {
+  pdl_entry();
   int64_t i = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5;
   int lane = threadIdx.x & 31;
   if (i >= N) return;
@@ -150,6 +154,7 @@ __global__ void embedding_bwd_runs(DT* __restrict__ dtable, const DT* __restrict
 template <class DT>
 __global__ void gather_rows_kernel(DT* __restrict__ out, const DT* __restrict__ inp, const int32_t* __restrict__ idx,
                                    int B, int N, int K, int C) {
+  pdl_entry();
   GRID_STRIDE(i, int64_t(B) * K * C) {
     int64_t bk = i / C;
     int c = int(i - bk * C);
@@ -161,6 +166,7 @@ __global__ void gather_rows_kernel(DT* __restrict__ out, const DT* __restrict__ 
 template <class DT>
 __global__ void scatter_rows_kernel(DT* __restrict__ out, const int32_t* __restrict__ idx, const DT* __restrict__ src,
                                     int B, int N, int K, int C, bool accumulate) {
+  pdl_entry();
   GRID_STRIDE(i, int64_t(B) * C) {
     int b = int(i / C);
     int c = int(i - int64_t(b) * C);
@@ -178,6 +184,7 @@ __global__ void scatter_rows_kernel(DT* __restrict__ out, const int32_t* __restr
 template <class DT>
 __global__ void scatter_rows_set_kernel(DT* __restrict__ out, const int32_t* __restrict__ idx,
                                         const DT* __restrict__ src, int B, int N, int K, int C) {
+  pdl_entry();
   GRID_STRIDE(i, int64_t(B) * K * C) {
     const int64_t bk = i / C;
     const int c = int(i - bk * C);
@@ -188,6 +195,7 @@ __global__ void scatter_rows_set_kernel(DT* __restrict__ out, const int32_t* __r
 
 template <class DT>
 __global__ void zero_rows_kernel(DT* __restrict__ out, const int32_t* __restrict__ idx, int B, int N, int K, int C) {
+  pdl_entry();
   GRID_STRIDE(i, int64_t(B) * K * C) {
     int64_t bk = i / C;
     int c = int(i - bk * C);
@@ -199,6 +207,7 @@ __global__ void zero_rows_kernel(DT* __restrict__ out, const int32_t* __restrict
 // patchify: i indexes the patch layout (forward: out; backward: dout); BACKWARD writes img.
 template <class DT, bool BACKWARD>
 __global__ void patchify_kernel(DT* __restrict__ dst, const DT* __restrict__ src, int B, int Ch, int H, int W, int p) {
+  pdl_entry();
   const int Wp = W / p, np = (H / p) * Wp, F = p * p * Ch;
   GRID_STRIDE(i, int64_t(B) * np * F) {
     int f = int(i % F);
@@ -219,6 +228,7 @@ __global__ void patchify_kernel(DT* __restrict__ dst, const DT* __restrict__ src
 // written in order (the per-element kernel above reads across the channel planes).
 template <class DT>
 __global__ void patchify_rows_kernel(DT* __restrict__ out, const DT* __restrict__ img, int Ch, int H, int W, int p) {
+  pdl_entry();
   extern __shared__ unsigned char patch_smem[];
   DT* sm = reinterpret_cast<DT*>(patch_smem);  // [Ch][p][W]
   const int Wp = W / p, Hp = H / p, F = p * p * Ch;
@@ -240,6 +250,7 @@ __global__ void patchify_rows_kernel(DT* __restrict__ out, const DT* __restrict_
 // pixel shuffle: i indexes the shuffled layout; BACKWARD writes the grid layout.
 template <class DT, bool BACKWARD>
 __global__ void pixel_shuffle_kernel(DT* __restrict__ dst, const DT* __restrict__ src, int B, int G, int D, int s) {
+  pdl_entry();
   const int Gs = G / s, F = s * s * D;
   GRID_STRIDE(i, int64_t(B) * Gs * Gs * F) {
     int f = int(i % F);
@@ -255,6 +266,7 @@ __global__ void pixel_shuffle_kernel(DT* __restrict__ dst, const DT* __restrict_
 
 template <class DT>
 __global__ void mean_pool_fwd_kernel(DT* __restrict__ out, const DT* __restrict__ inp, int B, int K, int C) {
+  pdl_entry();
   GRID_STRIDE(i, int64_t(B) * C) {
     int b = int(i / C), c = int(i % C);
     float acc = 0.f;
@@ -265,6 +277,7 @@ __global__ void mean_pool_fwd_kernel(DT* __restrict__ out, const DT* __restrict_
 
 template <class DT>
 __global__ void mean_pool_bwd_kernel(DT* __restrict__ dinp, const DT* __restrict__ dout, int B, int K, int C) {
+  pdl_entry();
   GRID_STRIDE(i, int64_t(B) * K * C) {
     int c = int(i % C);
     int b = int(i / (int64_t(K) * C));
@@ -275,6 +288,7 @@ __global__ void mean_pool_bwd_kernel(DT* __restrict__ dinp, const DT* __restrict
 template <class DT>  // warp per row, 4 rows per 128-thread block
 __global__ void l2norm_fwd_kernel(DT* __restrict__ out, float* __restrict__ rnorm, const DT* __restrict__ inp,
                                   int64_t N, int C, float eps) {
+  pdl_entry();
   int64_t row = int64_t(blockIdx.x) * 4 + (threadIdx.x >> 5);
   int lane = threadIdx.x & 31;
   if (row >= N) return;
@@ -290,6 +304,7 @@ __global__ void l2norm_fwd_kernel(DT* __restrict__ out, float* __restrict__ rnor
 template <class DT>
 __global__ void l2norm_bwd_kernel(DT* __restrict__ dinp, const DT* __restrict__ dout, const DT* __restrict__ inp,
                                   const float* __restrict__ rnorm, int64_t N, int C) {
+  pdl_entry();
   int64_t row = int64_t(blockIdx.x) * 4 + (threadIdx.x >> 5);
   int lane = threadIdx.x & 31;
   if (row >= N) return;
@@ -315,6 +330,7 @@ __global__ void l2norm_bwd_kernel(DT* __restrict__ dinp, const DT* __restrict__ 
 
 template <class DT>
 __global__ void argmax_kernel(int32_t* __restrict__ out, const DT* __restrict__ inp, int64_t N, int C) {
+  pdl_entry();
   int64_t row = int64_t(blockIdx.x) * 4 + (threadIdx.x >> 5);
   int lane = threadIdx.x & 31;
   if (row >= N) return;
@@ -345,7 +361,7 @@ __global__ void argmax_kernel(int32_t* __restrict__ out, const DT* __restrict__ 
 template <class T>
 void embedding_forward(T* out, const int32_t* ids, const T* table, int64_t N, int C, int V, Stream s) {
   if (N <= 0 || C <= 0) return;
-  embedding_fwd_kernel<<<grid_for(N * C), 256, 0, s>>>(dptr(out), ids, dptr(table), N, C, V);
+  launch_kernel(embedding_fwd_kernel<dev_t<T>>, grid_for(N * C), 256, 0, s, dptr(out), ids, dptr(table), N, C, V);
   LAUNCH_CHECK();
 }
 
@@ -368,14 +384,15 @@ void embedding_backward(T* dtable, const T* dout, const int32_t* ids, int64_t N,
   int32_t* keys_out = keys_in + N;
   int32_t* vals_in = keys_out + N;
   int32_t* vals_out = vals_in + N;
-  embedding_keys<<<grid_for(N), 256, 0, s>>>(keys_in, vals_in, ids, N, V);
+  launch_kernel(embedding_keys, grid_for(N), 256, 0, s, keys_in, vals_in, ids, N, V);
   LAUNCH_CHECK();
   CUDA_CHECK(cub::DeviceRadixSort::SortPairs(ws + arrays + partial_bytes, temp_bytes, keys_in, keys_out, vals_in,
                                              vals_out, int(N), 0, bits, s));
-  embedding_bwd_chunks<<<unsigned(chunks), 256, 0, s>>>(partial, dptr(dout), keys_out, vals_out, N, C, V);
+  launch_kernel(embedding_bwd_chunks<dev_t<T>>, unsigned(chunks), 256, 0, s, partial, dptr(dout), keys_out, vals_out, N,
+                C, V);
   LAUNCH_CHECK();
-  embedding_bwd_runs<<<ceil_div(N * 32, 256), 256, 0, s>>>(dptr(dtable), dptr(dout), partial, keys_out, vals_out, N, C,
-                                                           V);
+  launch_kernel(embedding_bwd_runs<dev_t<T>>, ceil_div(N * 32, 256), 256, 0, s, dptr(dtable), dptr(dout), partial,
+                keys_out, vals_out, N, C, V);
   LAUNCH_CHECK();
   device_free(ws);  // stream-ordered reuse
 }
@@ -383,7 +400,8 @@ void embedding_backward(T* dtable, const T* dout, const int32_t* ids, int64_t N,
 template <class T>
 void gather_rows(T* out, const T* inp, const int32_t* idx, int B, int N, int K, int C, Stream s) {
   if (int64_t(B) * K * C <= 0) return;
-  gather_rows_kernel<<<grid_for(int64_t(B) * K * C), 256, 0, s>>>(dptr(out), dptr(inp), idx, B, N, K, C);
+  launch_kernel(gather_rows_kernel<dev_t<T>>, grid_for(int64_t(B) * K * C), 256, 0, s, dptr(out), dptr(inp), idx, B, N,
+                K, C);
   LAUNCH_CHECK();
 }
 
@@ -391,15 +409,17 @@ template <class T>
 void scatter_rows(T* out, const int32_t* idx, const T* src, int B, int N, int K, int C, bool accumulate, Stream s) {
   if (int64_t(B) * K * C <= 0) return;
   if (!accumulate)
-    scatter_rows_set_kernel<<<grid_for(int64_t(B) * K * C), 256, 0, s>>>(dptr(out), idx, dptr(src), B, N, K, C);
+    launch_kernel(scatter_rows_set_kernel<dev_t<T>>, grid_for(int64_t(B) * K * C), 256, 0, s, dptr(out), idx, dptr(src),
+                  B, N, K, C);
   else
-    scatter_rows_kernel<<<grid_for(int64_t(B) * C), 256, 0, s>>>(dptr(out), idx, dptr(src), B, N, K, C, accumulate);
+    launch_kernel(scatter_rows_kernel<dev_t<T>>, grid_for(int64_t(B) * C), 256, 0, s, dptr(out), idx, dptr(src), B, N,
+                  K, C, accumulate);
   LAUNCH_CHECK();
 }
 
 template <class T> void zero_rows(T* out, const int32_t* idx, int B, int N, int K, int C, Stream s) {
   if (int64_t(B) * K * C <= 0) return;
-  zero_rows_kernel<<<grid_for(int64_t(B) * K * C), 256, 0, s>>>(dptr(out), idx, B, N, K, C);
+  launch_kernel(zero_rows_kernel<dev_t<T>>, grid_for(int64_t(B) * K * C), 256, 0, s, dptr(out), idx, B, N, K, C);
   LAUNCH_CHECK();
 }
 
@@ -421,16 +441,17 @@ template <class T> void patchify(T* out, const T* img, int B, int Ch, int H, int
   if (n <= 0) return;
   const size_t smem = sizeof(T) * size_t(Ch) * p * W;
   if (smem <= 48 * 1024 && int64_t(B) * (H / p) < (int64_t(1) << 31))
-    patchify_rows_kernel<dev_t<T>><<<unsigned(int64_t(B) * (H / p)), 256, smem, s>>>(dptr(out), dptr(img), Ch, H, W, p);
+    launch_kernel(patchify_rows_kernel<dev_t<T>>, unsigned(int64_t(B) * (H / p)), 256, smem, s, dptr(out), dptr(img),
+                  Ch, H, W, p);
   else
-    patchify_kernel<dev_t<T>, false><<<grid_for(n), 256, 0, s>>>(dptr(out), dptr(img), B, Ch, H, W, p);
+    launch_kernel(patchify_kernel<dev_t<T>, false>, grid_for(n), 256, 0, s, dptr(out), dptr(img), B, Ch, H, W, p);
   LAUNCH_CHECK();
 }
 template <class T> void patchify_backward(T* dimg, const T* dout, int B, int Ch, int H, int W, int p, Stream s) {
   check_patch(H, W, p);
   int64_t n = int64_t(B) * Ch * H * W;
   if (n <= 0) return;
-  patchify_kernel<dev_t<T>, true><<<grid_for(n), 256, 0, s>>>(dptr(dimg), dptr(dout), B, Ch, H, W, p);
+  launch_kernel(patchify_kernel<dev_t<T>, true>, grid_for(n), 256, 0, s, dptr(dimg), dptr(dout), B, Ch, H, W, p);
   LAUNCH_CHECK();
 }
 
@@ -438,44 +459,45 @@ template <class T> void pixel_shuffle(T* out, const T* inp, int B, int G, int D,
   check_shuffle(G, s);
   int64_t n = int64_t(B) * G * G * D;
   if (n <= 0) return;
-  pixel_shuffle_kernel<dev_t<T>, false><<<grid_for(n), 256, 0, s_>>>(dptr(out), dptr(inp), B, G, D, s);
+  launch_kernel(pixel_shuffle_kernel<dev_t<T>, false>, grid_for(n), 256, 0, s_, dptr(out), dptr(inp), B, G, D, s);
   LAUNCH_CHECK();
 }
 template <class T> void pixel_shuffle_backward(T* dinp, const T* dout, int B, int G, int D, int s, Stream s_) {
   check_shuffle(G, s);
   int64_t n = int64_t(B) * G * G * D;
   if (n <= 0) return;
-  pixel_shuffle_kernel<dev_t<T>, true><<<grid_for(n), 256, 0, s_>>>(dptr(dinp), dptr(dout), B, G, D, s);
+  launch_kernel(pixel_shuffle_kernel<dev_t<T>, true>, grid_for(n), 256, 0, s_, dptr(dinp), dptr(dout), B, G, D, s);
   LAUNCH_CHECK();
 }
 
 template <class T> void mean_pool_forward(T* out, const T* inp, int B, int K, int C, Stream s) {
   if (int64_t(B) * C <= 0) return;
-  mean_pool_fwd_kernel<<<grid_for(int64_t(B) * C), 256, 0, s>>>(dptr(out), dptr(inp), B, K, C);
+  launch_kernel(mean_pool_fwd_kernel<dev_t<T>>, grid_for(int64_t(B) * C), 256, 0, s, dptr(out), dptr(inp), B, K, C);
   LAUNCH_CHECK();
 }
 template <class T> void mean_pool_backward(T* dinp, const T* dout, int B, int K, int C, Stream s) {
   if (int64_t(B) * K * C <= 0) return;
-  mean_pool_bwd_kernel<<<grid_for(int64_t(B) * K * C), 256, 0, s>>>(dptr(dinp), dptr(dout), B, K, C);
+  launch_kernel(mean_pool_bwd_kernel<dev_t<T>>, grid_for(int64_t(B) * K * C), 256, 0, s, dptr(dinp), dptr(dout), B, K,
+                C);
   LAUNCH_CHECK();
 }
 
 template <class T>
 void l2norm_forward(T* out, acc_t<T>* rnorm, const T* inp, int64_t N, int C, double eps, Stream s) {
   if (N <= 0) return;
-  l2norm_fwd_kernel<<<ceil_div(N, 4), 128, 0, s>>>(dptr(out), rnorm, dptr(inp), N, C, float(eps));
+  launch_kernel(l2norm_fwd_kernel<dev_t<T>>, ceil_div(N, 4), 128, 0, s, dptr(out), rnorm, dptr(inp), N, C, float(eps));
   LAUNCH_CHECK();
 }
 template <class T>
 void l2norm_backward(T* dinp, const T* dout, const T* inp, const acc_t<T>* rnorm, int64_t N, int C, Stream s) {
   if (N <= 0) return;
-  l2norm_bwd_kernel<<<ceil_div(N, 4), 128, 0, s>>>(dptr(dinp), dptr(dout), dptr(inp), rnorm, N, C);
+  launch_kernel(l2norm_bwd_kernel<dev_t<T>>, ceil_div(N, 4), 128, 0, s, dptr(dinp), dptr(dout), dptr(inp), rnorm, N, C);
   LAUNCH_CHECK();
 }
 
 template <class T> void argmax_rows(int32_t* out, const T* inp, int64_t N, int C, Stream s) {
   if (N <= 0) return;
-  argmax_kernel<<<ceil_div(N, 4), 128, 0, s>>>(out, dptr(inp), N, C);
+  launch_kernel(argmax_kernel<dev_t<T>>, ceil_div(N, 4), 128, 0, s, out, dptr(inp), N, C);
   LAUNCH_CHECK();
 }
 

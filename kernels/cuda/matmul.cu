@@ -270,6 +270,7 @@ void say_once(const char* what) {
 // out[N,O] += bias[O] (the fallback when cuBLASLt has no BIAS-epilogue algorithm)
 template <class DT>
 __global__ void add_bias_kernel(DT* __restrict__ out, const DT* __restrict__ bias, int64_t N, int O) {
+  pdl_entry();
   int64_t n = N * O;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     out[i] = from_float<DT>(to_float(out[i]) + to_float(bias[i % O]));
@@ -279,6 +280,7 @@ __global__ void add_bias_kernel(DT* __restrict__ out, const DT* __restrict__ bia
 template <class DT>
 __global__ void colsum_partial(float* __restrict__ partial, const DT* __restrict__ x, int64_t N, int O,
                                int64_t rows_per_split) {
+  pdl_entry();
   __shared__ float red[8][33];
   int c = blockIdx.x * 32 + threadIdx.x;
   int64_t r0 = blockIdx.y * rows_per_split;
@@ -297,6 +299,7 @@ __global__ void colsum_partial(float* __restrict__ partial, const DT* __restrict
 
 template <class DT>
 __global__ void colsum_finish(DT* __restrict__ dbias, const float* __restrict__ partial, int splits, int O) {
+  pdl_entry();
   int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= O) return;
   float s = 0.f;
@@ -331,7 +334,7 @@ void linear_forward(T* out, const T* inp, const T* weight, const T* bias, int64_
     say_once("linear_forward: no cuBLASLt BIAS-epilogue algorithm for this shape; adding the bias in a separate kernel");
     int64_t n = N * O;
     int g = int(std::min<int64_t>(4096, (n + 255) / 256));
-    add_bias_kernel<<<g, 256, 0, s>>>(dptr(out), dptr(bias), N, O);
+    launch_kernel(add_bias_kernel<dev_t<T>>, g, 256, 0, s, dptr(out), dptr(bias), N, O);
     LAUNCH_CHECK();
   }
 }
@@ -350,7 +353,7 @@ void linear_forward_add(T* out, const T* inp, const T* weight, const T* bias, co
   if (bias) {
     int64_t n = N * O;
     int g = int(std::min<int64_t>(4096, (n + 255) / 256));
-    add_bias_kernel<<<g, 256, 0, s>>>(dptr(out), dptr(bias), N, O);
+    launch_kernel(add_bias_kernel<dev_t<T>>, g, 256, 0, s, dptr(out), dptr(bias), N, O);
     LAUNCH_CHECK();
   }
 }
@@ -378,9 +381,10 @@ void linear_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* inp,
     int splits = int(std::min<int64_t>(64, std::max<int64_t>(1, (N + 255) / 256)));
     int64_t rows = (N + splits - 1) / splits;
     float* partial = static_cast<float*>(device_malloc(sizeof(float) * size_t(splits) * O));
-    colsum_partial<<<dim3(ceil_div(O, 32), splits), dim3(32, 8), 0, s>>>(partial, dptr(dout), N, O, rows);
+    launch_kernel(colsum_partial<dev_t<T>>, dim3(ceil_div(O, 32), splits), dim3(32, 8), 0, s, partial, dptr(dout), N, O,
+                  rows);
     LAUNCH_CHECK();
-    colsum_finish<<<ceil_div(O, 256), 256, 0, s>>>(dptr(dbias), partial, splits, O);
+    launch_kernel(colsum_finish<dev_t<T>>, ceil_div(O, 256), 256, 0, s, dptr(dbias), partial, splits, O);
     LAUNCH_CHECK();
     device_free(partial);  // stream-ordered reuse
   }

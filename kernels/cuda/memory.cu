@@ -85,12 +85,14 @@ bool is_contiguous(const Layout& l) {
 // ---------------------------------------------------------------- kernels
 template <class T>
 __global__ void fill_kernel(T* out, T value, int64_t n) {
+  pdl_entry();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     out[i] = value;
 }
 
 template <class To, class From>
 __global__ void convert_kernel(To* __restrict__ out, const From* __restrict__ in, int64_t n) {
+  pdl_entry();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     out[i] = cast_to<To>(in[i]);
 }
@@ -108,6 +110,7 @@ __device__ __forceinline__ int64_t strided_offset(int64_t i, const Layout& l) {
 
 template <class T>  // T: any storage type (a copy moves bits)
 __global__ void copy_strided_kernel(T* __restrict__ out, const T* __restrict__ in, Layout l, int64_t n) {
+  pdl_entry();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     out[i] = in[strided_offset(i, l)];
 }
@@ -124,6 +127,7 @@ __device__ __forceinline__ float apply(BinaryOp op, float a, float b) {
 template <class DT, bool kContiguous>
 __global__ void binary_kernel(DT* __restrict__ out, const DT* __restrict__ a, Layout la,
                               const DT* __restrict__ b, Layout lb, BinaryOp op, int64_t n) {
+  pdl_entry();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     int64_t ia = i, ib = i;
     if constexpr (!kContiguous) {
@@ -141,6 +145,7 @@ __global__ void binary_kernel(DT* __restrict__ out, const DT* __restrict__ a, La
 template <class DT, int VEC>
 __global__ void binary_periodic_kernel(DT* __restrict__ out, const DT* __restrict__ a, int64_t pa,
                                        const DT* __restrict__ b, int64_t pb, BinaryOp op, int64_t n) {
+  pdl_entry();
   const int64_t nv = n / VEC;
   for (int64_t v = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; v < nv; v += int64_t(gridDim.x) * blockDim.x) {
     const int64_t i = v * VEC;
@@ -156,6 +161,7 @@ __global__ void binary_periodic_kernel(DT* __restrict__ out, const DT* __restric
 
 template <class DT>
 __global__ void unary_kernel(DT* __restrict__ out, const DT* __restrict__ in, UnaryOp op, int64_t n) {
+  pdl_entry();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     float x = to_float(in[i]), y;
     switch (op) {
@@ -172,6 +178,7 @@ __global__ void unary_kernel(DT* __restrict__ out, const DT* __restrict__ in, Un
 
 template <class DT>  // out may alias a or b: each element is read before it is written
 __global__ void axpby_kernel(DT* out, const DT* a, float alpha, const DT* b, float beta, int64_t n) {
+  pdl_entry();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     float v = alpha * to_float(a[i]);
     if (b) v += beta * to_float(b[i]);
@@ -182,6 +189,7 @@ __global__ void axpby_kernel(DT* out, const DT* a, float alpha, const DT* b, flo
 // axpby with VEC elements per access (16 bytes); n a multiple of VEC, pointers aligned.
 template <class DT, int VEC>
 __global__ void axpby_vec_kernel(DT* out, const DT* a, float alpha, const DT* b, float beta, int64_t n) {
+  pdl_entry();
   const int64_t nv = n / VEC;
   for (int64_t v = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; v < nv; v += int64_t(gridDim.x) * blockDim.x) {
     Pack<DT, VEC> x = reinterpret_cast<const Pack<DT, VEC>*>(a)[v], y;
@@ -198,6 +206,7 @@ __global__ void axpby_vec_kernel(DT* out, const DT* a, float alpha, const DT* b,
 
 template <class DT>
 __global__ void axpy_dev_kernel(DT* y, const float* __restrict__ alpha, const DT* __restrict__ x, int64_t n) {
+  pdl_entry();
   float a = *alpha;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     y[i] = from_float<DT>(to_float(y[i]) + a * to_float(x[i]));
@@ -213,6 +222,7 @@ struct ReducePlan {
 
 template <class DT>
 __global__ void reduce_thread_per_out(DT* __restrict__ out, const DT* __restrict__ in, ReducePlan p) {
+  pdl_entry();
   for (int64_t o = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; o < p.nout; o += int64_t(gridDim.x) * blockDim.x) {
     int64_t base = strided_offset(o, p.kept);
     float acc = 0.f;
@@ -223,6 +233,7 @@ __global__ void reduce_thread_per_out(DT* __restrict__ out, const DT* __restrict
 
 template <class DT>
 __global__ void reduce_block_per_out(DT* __restrict__ out, const DT* __restrict__ in, ReducePlan p) {
+  pdl_entry();
   for (int64_t o = blockIdx.x; o < p.nout; o += gridDim.x) {
     int64_t base = strided_offset(o, p.kept);
     float acc = 0.f;
@@ -234,6 +245,7 @@ __global__ void reduce_block_per_out(DT* __restrict__ out, const DT* __restrict_
 
 template <class DT>
 __global__ void sum_partials(float* __restrict__ partial, const DT* __restrict__ in, int64_t n) {
+  pdl_entry();
   float acc = 0.f;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     acc += to_float(in[i]);
@@ -242,6 +254,7 @@ __global__ void sum_partials(float* __restrict__ partial, const DT* __restrict__
 }
 
 __global__ void sum_final(float* __restrict__ out, const float* __restrict__ partial, int np) {
+  pdl_entry();
   float acc = 0.f;
   for (int i = threadIdx.x; i < np; i += blockDim.x) acc += partial[i];
   acc = block_sum(acc);
@@ -259,13 +272,13 @@ template <class T> T host_value(double v) {
 // ---------------------------------------------------------------- launchers
 template <class T> void fill(T* out, double value, int64_t n, Stream s) {
   if (n <= 0) return;
-  fill_kernel<T><<<grid_for(n), kThreads, 0, s>>>(out, host_value<T>(value), n);
+  launch_kernel(fill_kernel<T>, grid_for(n), kThreads, 0, s, out, host_value<T>(value), n);
   LAUNCH_CHECK();
 }
 
 template <class To, class From> void convert(To* out, const From* in, int64_t n, Stream s) {
   if (n <= 0) return;
-  convert_kernel<<<grid_for(n), kThreads, 0, s>>>(dptr(out), dptr(in), n);
+  launch_kernel(convert_kernel<dev_t<To>, dev_t<From>>, grid_for(n), kThreads, 0, s, dptr(out), dptr(in), n);
   LAUNCH_CHECK();
 }
 
@@ -276,7 +289,7 @@ template <class T> void copy_strided(T* out, const T* in, Layout l, Stream s) {
     CUDA_CHECK(cudaMemcpyAsync(out, in, size_t(n) * sizeof(T), cudaMemcpyDeviceToDevice, s));
     return;
   }
-  copy_strided_kernel<T><<<grid_for(n), kThreads, 0, s>>>(out, in, l, n);
+  launch_kernel(copy_strided_kernel<T>, grid_for(n), kThreads, 0, s, out, in, l, n);
   LAUNCH_CHECK();
 }
 
@@ -303,18 +316,20 @@ void binary(T* out, const T* a, Layout la, const T* b, Layout lb, BinaryOp op, S
   const int64_t pa = period_of(la), pb = period_of(lb);
   if (pa > 0 && pb > 0 && n % V == 0 && pa % V == 0 && pb % V == 0 && aligned(out, 16) && aligned(a, 16) &&
       aligned(b, 16)) {
-    binary_periodic_kernel<dev_t<T>, V><<<grid_for(n / V), kThreads, 0, s>>>(dptr(out), dptr(a), pa, dptr(b), pb,
-                                                                             op, n);
+    launch_kernel(binary_periodic_kernel<dev_t<T>, V>, grid_for(n / V), kThreads, 0, s, dptr(out), dptr(a), pa, dptr(b),
+                  pb, op, n);
   } else if (is_contiguous(la) && is_contiguous(lb) && lb.numel() == n)
-    binary_kernel<dev_t<T>, true><<<grid_for(n), kThreads, 0, s>>>(dptr(out), dptr(a), la, dptr(b), lb, op, n);
+    launch_kernel(binary_kernel<dev_t<T>, true>, grid_for(n), kThreads, 0, s, dptr(out), dptr(a), la, dptr(b), lb, op,
+                  n);
   else
-    binary_kernel<dev_t<T>, false><<<grid_for(n), kThreads, 0, s>>>(dptr(out), dptr(a), la, dptr(b), lb, op, n);
+    launch_kernel(binary_kernel<dev_t<T>, false>, grid_for(n), kThreads, 0, s, dptr(out), dptr(a), la, dptr(b), lb, op,
+                  n);
   LAUNCH_CHECK();
 }
 
 template <class T> void unary(T* out, const T* in, UnaryOp op, int64_t n, Stream s) {
   if (n <= 0) return;
-  unary_kernel<<<grid_for(n), kThreads, 0, s>>>(dptr(out), dptr(in), op, n);
+  launch_kernel(unary_kernel<dev_t<T>>, grid_for(n), kThreads, 0, s, dptr(out), dptr(in), op, n);
   LAUNCH_CHECK();
 }
 
@@ -323,16 +338,17 @@ void axpby(T* out, const T* a, double alpha, const T* b, double beta, int64_t n,
   if (n <= 0) return;
   constexpr int V = 16 / int(sizeof(T));
   if (n % V == 0 && aligned(out, 16) && aligned(a, 16) && (!b || aligned(b, 16)))
-    axpby_vec_kernel<dev_t<T>, V><<<grid_for(n / V), kThreads, 0, s>>>(dptr(out), dptr(a), float(alpha), dptr(b),
-                                                                       float(beta), n);
+    launch_kernel(axpby_vec_kernel<dev_t<T>, V>, grid_for(n / V), kThreads, 0, s, dptr(out), dptr(a), float(alpha),
+                  dptr(b), float(beta), n);
   else
-    axpby_kernel<<<grid_for(n), kThreads, 0, s>>>(dptr(out), dptr(a), float(alpha), dptr(b), float(beta), n);
+    launch_kernel(axpby_kernel<dev_t<T>>, grid_for(n), kThreads, 0, s, dptr(out), dptr(a), float(alpha), dptr(b),
+                  float(beta), n);
   LAUNCH_CHECK();
 }
 
 template <class T> void axpy_dev(T* y, const acc_t<T>* alpha_dev, const T* x, int64_t n, Stream s) {
   if (n <= 0) return;
-  axpy_dev_kernel<<<grid_for(n), kThreads, 0, s>>>(dptr(y), alpha_dev, dptr(x), n);
+  launch_kernel(axpy_dev_kernel<dev_t<T>>, grid_for(n), kThreads, 0, s, dptr(y), alpha_dev, dptr(x), n);
   LAUNCH_CHECK();
 }
 
@@ -353,9 +369,10 @@ template <class T> void reduce_sum_to(T* out, Layout ob, const T* in, Layout il,
   if (p.nout <= 0) return;
   if (p.nred == 0) { fill(out, 0.0, p.nout, s); return; }
   if (p.nout >= 8192 || p.nred < 256)
-    reduce_thread_per_out<<<grid_for(p.nout), kThreads, 0, s>>>(dptr(out), dptr(in), p);
+    launch_kernel(reduce_thread_per_out<dev_t<T>>, grid_for(p.nout), kThreads, 0, s, dptr(out), dptr(in), p);
   else
-    reduce_block_per_out<<<int(p.nout < 65535 ? p.nout : 65535), kThreads, 0, s>>>(dptr(out), dptr(in), p);
+    launch_kernel(reduce_block_per_out<dev_t<T>>,
+                  int(p.nout < 65535 ? p.nout : 65535), kThreads, 0, s, dptr(out), dptr(in), p);
   LAUNCH_CHECK();
 }
 
@@ -364,9 +381,9 @@ template <class T> void sum_all(acc_t<T>* out, const T* in, int64_t n, Stream s)
   // the same on every run.
   int g = int(std::min<int64_t>(1024, std::max<int64_t>(1, (n + 4 * kThreads - 1) / (4 * kThreads))));
   float* partial = static_cast<float*>(device_malloc(sizeof(float) * g));
-  sum_partials<<<g, kThreads, 0, s>>>(partial, dptr(in), n);
+  launch_kernel(sum_partials<dev_t<T>>, g, kThreads, 0, s, partial, dptr(in), n);
   LAUNCH_CHECK();
-  sum_final<<<1, 1024, 0, s>>>(out, partial, g);
+  launch_kernel(sum_final, 1, 1024, 0, s, out, partial, g);
   LAUNCH_CHECK();
   device_free(partial);  // stream-ordered reuse (runtime.cu)
 }

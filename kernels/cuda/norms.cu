@@ -125,6 +125,7 @@ struct FwdArgs {
 template <class DT, int VEC, int TPR, bool RMS, bool RESID>
 __global__ void __launch_bounds__(TPR == 32 ? 128 : TPR)
 norm_fwd(FwdArgs a) {
+  pdl_entry();
   __shared__ float2 sh[32];
   constexpr int kRowsPerBlock = TPR == 32 ? 4 : 1;
   const int t = TPR == 32 ? (threadIdx.x & 31) : threadIdx.x;
@@ -185,6 +186,7 @@ norm_fwd(FwdArgs a) {
 // v1_generic_block_per_row, forward: any C, three passes over the row in global memory.
 template <class DT, bool RMS, bool RESID>
 __global__ void norm_fwd_generic(FwdArgs a) {
+  pdl_entry();
   __shared__ float2 sh[32];
   const int64_t row = blockIdx.x;
   const int C = a.C;
@@ -237,6 +239,7 @@ struct BwdArgs {
 template <class DT, int VEC, int TPR, bool RMS, int CH = kChunks>
 __global__ void __launch_bounds__(TPR == 32 ? 256 : TPR)
 norm_bwd(BwdArgs a) {
+  pdl_entry();
   __shared__ float2 sh[32];
   constexpr int kGroups = TPR == 32 ? 8 : 1;
   constexpr int kCap = TPR * CH * VEC;
@@ -337,6 +340,7 @@ norm_bwd(BwdArgs a) {
 // memory (pw/pb zeroed first; each thread owns columns c = tid + j*blockDim).
 template <class DT, bool RMS>
 __global__ void norm_bwd_generic(BwdArgs a) {
+  pdl_entry();
   __shared__ float2 sh[32];
   const int C = a.C;
   float* pw = a.pw + int64_t(blockIdx.x) * C;
@@ -369,6 +373,7 @@ __global__ void norm_bwd_generic(BwdArgs a) {
 template <class DT>
 __global__ void finish_partials(DT* __restrict__ dweight, DT* __restrict__ dbias, const float* __restrict__ pw,
                                 const float* __restrict__ pb, int G, int C) {
+  pdl_entry();
   __shared__ float red[2][8][33];
   int c = blockIdx.x * 32 + threadIdx.x;
   float sw = 0.f, sb = 0.f;
@@ -403,9 +408,9 @@ void pick(int C, bool vec_ok, int* vec, int* tpr) {
 template <class DT, int VEC, bool RMS, bool RESID>
 void launch_fwd_vec(int tpr, const FwdArgs& a, Stream s) {
   switch (tpr) {
-    case 32: norm_fwd<DT, VEC, 32, RMS, RESID><<<ceil_div(a.N, 4), 128, 0, s>>>(a); break;
-    case 128: norm_fwd<DT, VEC, 128, RMS, RESID><<<unsigned(a.N), 128, 0, s>>>(a); break;
-    default: norm_fwd<DT, VEC, 1024, RMS, RESID><<<unsigned(a.N), 1024, 0, s>>>(a); break;
+    case 32: launch_kernel(norm_fwd<DT, VEC, 32, RMS, RESID>, ceil_div(a.N, 4), 128, 0, s, a); break;
+    case 128: launch_kernel(norm_fwd<DT, VEC, 128, RMS, RESID>, unsigned(a.N), 128, 0, s, a); break;
+    default: launch_kernel(norm_fwd<DT, VEC, 1024, RMS, RESID>, unsigned(a.N), 1024, 0, s, a); break;
   }
   LAUNCH_CHECK();
 }
@@ -420,7 +425,7 @@ void launch_fwd(const FwdArgs& a, Stream s) {
   int vec, tpr;
   pick<T>(a.C, ok, &vec, &tpr);
   if (tpr == 0) {
-    norm_fwd_generic<DT, RMS, RESID><<<unsigned(a.N), 256, 0, s>>>(a);
+    launch_kernel(norm_fwd_generic<DT, RMS, RESID>, unsigned(a.N), 256, 0, s, a);
     LAUNCH_CHECK();
   } else if (vec == 1) {
     launch_fwd_vec<DT, 1, RMS, RESID>(tpr, a, s);
@@ -483,11 +488,11 @@ void launch_bwd(T* dweight, T* dbias, BwdArgs a, Stream s) {
   a.pw = part;
   a.pb = RMS ? nullptr : part + size_t(G) * a.C;
   if (tpr == 0) CUDA_CHECK(cudaMemsetAsync(part, 0, sizeof(float) * 2 * size_t(G) * a.C, s));
-  kernel<<<G, threads, 0, s>>>(a);
+  launch_kernel(kernel, G, threads, 0, s, a);
   LAUNCH_CHECK();
   if (dweight || dbias) {
-    finish_partials<DT><<<ceil_div(a.C, 32), dim3(32, 8), 0, s>>>(dptr(dweight), RMS ? nullptr : dptr(dbias),
-                                                               a.pw, a.pb, G, a.C);
+    launch_kernel(finish_partials<DT>, ceil_div(a.C, 32), dim3(32, 8), 0, s, dptr(dweight), RMS ? nullptr : dptr(dbias),
+                  a.pw, a.pb, G, a.C);
     LAUNCH_CHECK();
   }
   device_free(part);  // stream-ordered reuse

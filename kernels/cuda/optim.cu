@@ -74,6 +74,7 @@ template <class GT, int VEC>
 __global__ void adamw_kernel(float* __restrict__ master, GT* __restrict__ copy, float* __restrict__ m,
                              float* __restrict__ v, const GT* __restrict__ grad, const float* __restrict__ ctl,
                              int64_t n, AdamConst c) {
+  pdl_entry();
   float scale;
   if (!adam_control(c, scale, ctl)) return;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
@@ -106,6 +107,7 @@ template <class GT>
 __global__ void sgd_kernel(float* __restrict__ master, GT* __restrict__ copy, float* __restrict__ buf,
                            const GT* __restrict__ grad, const float* __restrict__ ctl, int64_t n, float lr,
                            float mu, float wd) {
+  pdl_entry();
   if (ctl && ctl[1] == 0.f) return;
   const float scale = ctl ? ctl[0] : 1.f;
   if (ctl) lr *= ctl[3];
@@ -126,6 +128,7 @@ __global__ void sgd_kernel(float* __restrict__ master, GT* __restrict__ copy, fl
 template <class GT>
 __global__ void ema_kernel(float* __restrict__ target, GT* __restrict__ copy, const float* __restrict__ source,
                            const float* __restrict__ ctl, int64_t n, float decay) {
+  pdl_entry();
   if (ctl && ctl[1] == 0.f) return;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     float t = decay * target[i] + (1.f - decay) * source[i];
@@ -152,6 +155,7 @@ struct EmaLaunch {
 
 template <class GT>
 __global__ void ema_many_kernel(const __grid_constant__ EmaLaunch<GT> L, const float* __restrict__ ctl, float decay) {
+  pdl_entry();
   if (ctl && ctl[1] == 0.f) return;
   int lo = 0, hi = L.count - 1;  // the tensor whose block range holds blockIdx.x
   while (lo < hi) {
@@ -184,6 +188,7 @@ __device__ float block_sum(float v) {
 // 16-byte loads when `grad` is aligned (VEC = 16 / sizeof(GT)), scalar tail.
 template <class GT, int VEC>
 __global__ void sumsq_partials(float* __restrict__ partial, const GT* __restrict__ grad, int64_t n) {
+  pdl_entry();
   float acc = 0.f;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x, nv = n / VEC;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < nv; i += stride) {
@@ -200,6 +205,7 @@ __global__ void sumsq_partials(float* __restrict__ partial, const GT* __restrict
 }
 
 __global__ void sumsq_finish(float* __restrict__ out, const float* __restrict__ partial, int np) {
+  pdl_entry();
   float acc = 0.f;
   for (int i = threadIdx.x; i < np; i += blockDim.x) acc += partial[i];
   acc = block_sum(acc);
@@ -208,6 +214,7 @@ __global__ void sumsq_finish(float* __restrict__ out, const float* __restrict__ 
 
 __global__ void step_control_kernel(float* ctl, float* norm, const float* norm_sq, const float* loss, float max_norm,
                                     float* loss_scale, int growth_interval) {
+  pdl_entry();
   const float S = loss_scale ? loss_scale[0] : 1.f;
   float nrm = norm_sq ? sqrtf(*norm_sq) / S : 0.f;
   if (norm) *norm = nrm;
@@ -245,11 +252,11 @@ void adamw_update(M* master, G* copy, M* m, M* v, const G* grad, const float* ct
   bool vec = aligned(master, 16) && aligned(m, 16) && aligned(v, 16) && aligned(grad, V * sizeof(G)) &&
              (!copy || aligned(copy, V * sizeof(G)));
   if (vec)
-    adamw_kernel<dev_t<G>, V><<<elementwise_grid(n / V), 256, 0, s>>>(master, dptr(copy), m, v, dptr(grad),
-                                                                       ctl, n, c);
+    launch_kernel(adamw_kernel<dev_t<G>, V>, elementwise_grid(n / V), 256, 0, s, master, dptr(copy), m, v, dptr(grad),
+                  ctl, n, c);
   else
-    adamw_kernel<dev_t<G>, 1><<<elementwise_grid(n), 256, 0, s>>>(master, dptr(copy), m, v, dptr(grad), ctl,
-                                                                   n, c);
+    launch_kernel(adamw_kernel<dev_t<G>, 1>, elementwise_grid(n), 256, 0, s, master, dptr(copy), m, v, dptr(grad), ctl,
+                  n, c);
   LAUNCH_CHECK();
 }
 
@@ -257,15 +264,15 @@ template <class M, class G>
 void sgd_update(M* master, G* copy, M* buf, const G* grad, const float* ctl, int64_t n, float lr, float momentum,
                 float weight_decay, Stream s) {
   if (n <= 0) return;
-  sgd_kernel<<<elementwise_grid(n), 256, 0, s>>>(master, dptr(copy), buf, dptr(grad), ctl, n, lr, momentum,
-                                                weight_decay);
+  launch_kernel(sgd_kernel<dev_t<G>>, elementwise_grid(n), 256, 0, s, master, dptr(copy), buf, dptr(grad), ctl, n, lr,
+                momentum, weight_decay);
   LAUNCH_CHECK();
 }
 
 template <class M, class G>
 void ema_update(M* target, G* copy, const M* source, const float* ctl, int64_t n, double decay, Stream s) {
   if (n <= 0) return;
-  ema_kernel<<<elementwise_grid(n), 256, 0, s>>>(target, dptr(copy), source, ctl, n, float(decay));
+  launch_kernel(ema_kernel<dev_t<G>>, elementwise_grid(n), 256, 0, s, target, dptr(copy), source, ctl, n, float(decay));
   LAUNCH_CHECK();
 }
 
@@ -277,7 +284,7 @@ void ema_update_many(const EmaTensor<M, G>* tensors, int count, const float* ctl
   auto flush = [&] {
     if (L.count == 0) return;
     L.first[L.count] = blocks;
-    ema_many_kernel<dev_t<G>><<<blocks, 256, 0, s>>>(L, ctl, float(decay));
+    launch_kernel(ema_many_kernel<dev_t<G>>, blocks, 256, 0, s, L, ctl, float(decay));
     LAUNCH_CHECK();
     L.count = 0;
     blocks = 0;
@@ -308,17 +315,17 @@ template <class G> void grad_norm_squared(float* out, const G* grad, int64_t n, 
   int g = int(std::min<int64_t>(1024, std::max<int64_t>(1, (n + 4095) / 4096)));
   float* partial = static_cast<float*>(device_malloc(sizeof(float) * g));
   constexpr int V = 16 / int(sizeof(G));
-  if (aligned(grad, 16)) sumsq_partials<dev_t<G>, V><<<g, 256, 0, s>>>(partial, dptr(grad), n);
-  else sumsq_partials<dev_t<G>, 1><<<g, 256, 0, s>>>(partial, dptr(grad), n);
+  if (aligned(grad, 16)) launch_kernel(sumsq_partials<dev_t<G>, V>, g, 256, 0, s, partial, dptr(grad), n);
+  else launch_kernel(sumsq_partials<dev_t<G>, 1>, g, 256, 0, s, partial, dptr(grad), n);
   LAUNCH_CHECK();
-  sumsq_finish<<<1, 1024, 0, s>>>(out, partial, g);
+  launch_kernel(sumsq_finish, 1, 1024, 0, s, out, partial, g);
   LAUNCH_CHECK();
   device_free(partial);  // stream-ordered reuse
 }
 
 void step_control(float* ctl, float* norm, const float* norm_sq, const float* loss, float max_norm,
                   float* loss_scale, int growth_interval, Stream s) {
-  step_control_kernel<<<1, 1, 0, s>>>(ctl, norm, norm_sq, loss, max_norm, loss_scale, growth_interval);
+  launch_kernel(step_control_kernel, 1, 1, 0, s, ctl, norm, norm_sq, loss, max_norm, loss_scale, growth_interval);
   LAUNCH_CHECK();
 }
 

@@ -72,6 +72,7 @@ __device__ __forceinline__ void rotate_pair(float& y0, float& y1, float x0, floa
 template <class DT, bool BACKWARD>
 __global__ void rope_kernel(DT* __restrict__ out, int64_t ldo, const DT* __restrict__ inp, int64_t ldi,
                             const int32_t* __restrict__ pos, int64_t N, int H, int hd, double log_theta) {
+  pdl_entry();
   const int half = hd / 2;
   for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < N * half;
        t += int64_t(gridDim.x) * blockDim.x) {
@@ -95,6 +96,7 @@ __global__ void rope_kernel(DT* __restrict__ out, int64_t ldo, const DT* __restr
 template <class DT, bool BACKWARD>
 __global__ void rope2_kernel(DT* __restrict__ out, int64_t ldo, const DT* __restrict__ inp, int64_t ldi,
                              const int32_t* __restrict__ pos, int64_t N, int H, int hd, double log_theta) {
+  pdl_entry();
   const int half = hd / 2, pairs = half / 2;
   for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < N * pairs;
        t += int64_t(gridDim.x) * blockDim.x) {
@@ -129,12 +131,14 @@ void launch(T* out, int64_t ldo, const T* inp, int64_t ldi, const int32_t* pos, 
   if (n <= 0 || H <= 0) return;
   if ((hd / 2) % 2 == 0 && aligned(out, 2 * sizeof(T)) && aligned(inp, 2 * sizeof(T)) && ldo % 2 == 0 && ldi % 2 == 0) {
     const int g = int(std::min<int64_t>((n / 2 + 255) / 256, 8192));
-    rope2_kernel<dev_t<T>, BACKWARD><<<g, 256, 0, s>>>(dptr(out), ldo, dptr(inp), ldi, pos, N, H, hd, std::log(theta));
+    launch_kernel(rope2_kernel<dev_t<T>, BACKWARD>, g, 256, 0, s, dptr(out), ldo, dptr(inp), ldi, pos, N, H, hd,
+                  std::log(theta));
     LAUNCH_CHECK();
     return;
   }
   int g = int(std::min<int64_t>((n + 255) / 256, 8192));
-  rope_kernel<dev_t<T>, BACKWARD><<<g, 256, 0, s>>>(dptr(out), ldo, dptr(inp), ldi, pos, N, H, hd, std::log(theta));
+  launch_kernel(rope_kernel<dev_t<T>, BACKWARD>, g, 256, 0, s, dptr(out), ldo, dptr(inp), ldi, pos, N, H, hd,
+                std::log(theta));
   LAUNCH_CHECK();
 }
 
@@ -149,6 +153,7 @@ template <class DT, bool BACKWARD>
 __global__ void __launch_bounds__(256)
     rope_qkv_kernel(DT* __restrict__ joined, DT* __restrict__ q, DT* __restrict__ k, DT* __restrict__ v,
                     const int32_t* __restrict__ pos, int64_t N, int H, int KV, int hd, double log_theta) {
+  pdl_entry();
   constexpr int VEC = 16 / sizeof(DT);
   extern __shared__ float2 cs_sh[];  // [kQkvTokens][half]: cos, sin
   const int half = hd / 2, heads = H + 2 * KV, chunks = half / VEC, per_token = heads * chunks;
@@ -195,8 +200,8 @@ void launch_qkv(T* joined, T* q, T* k, T* v, const int32_t* pos, int64_t N, int 
   if ((hd / 2) % VEC == 0 && aligned(joined, 16) && aligned(q, 16) && aligned(k, 16) && aligned(v, 16)) {
     const int64_t g = (N + kQkvTokens - 1) / kQkvTokens;
     const size_t smem = size_t(kQkvTokens) * (hd / 2) * sizeof(float2);
-    rope_qkv_kernel<dev_t<T>, BACKWARD><<<unsigned(g), 256, smem, s>>>(dptr(joined), dptr(q), dptr(k), dptr(v), pos,
-                                                                      N, H, KV, hd, std::log(theta));
+    launch_kernel(rope_qkv_kernel<dev_t<T>, BACKWARD>, unsigned(g), 256, smem, s, dptr(joined), dptr(q), dptr(k),
+                  dptr(v), pos, N, H, KV, hd, std::log(theta));
     LAUNCH_CHECK();
     return;
   }
