@@ -45,6 +45,11 @@
  *     warp-per-row kernel: C 768 bf16 holds 3 of its 4 slots): 128 registers, 2 blocks per
  *     SM; layernorm_bwd 16384x768 0.066 -> 0.056 ms, 1.15 -> 1.36 TB/s (H100, same call,
  *     2026-11-24); the SPEC MIM contrastive step 55.1 -> 54.3 ms, the VLM step 72.35 -> 71.95.
+ *   dresid loaded with the row (packed, before the reduction; it used to be loaded after it,
+ *     a second memory latency per row), 2 blocks per SM required up to 3 vectors per lane
+ *     (LayerNorm C 768 at 128 registers then spills 68 bytes): fixed-batch VLM step 53.05 /
+ *     52.99 -> 52.82 / 52.76 ms, bench_mim and contrastive unchanged (H200, same call, tree
+ *     before built beside it, 2026-11-27), bit for bit the same losses.
  * Measured alternatives that lost (rmsnorm_fwd 16384x576, against v2's 2.27-2.39 TB/s in the
  * same runs; dated in docs/kernels/norms.md):
  *   8 threads x 9 vectors per row, 4 rows per warp (95 registers): 2.10-2.17 TB/s (-8%);
@@ -235,9 +240,10 @@ struct BwdArgs {
 // v2_row_in_registers, backward. TPR == 32: 8 warps per block, each warp loops over rows
 // blockIdx*8 + warp, += gridDim*8; TPR > 32: the block loops over rows blockIdx, += gridDim.
 // CH: the vectors a thread holds (kChunks, or fewer when the row needs fewer: every held
-// vector costs 4 VEC registers, and the warp-per-row kernel's occupancy is register-bound).
+// vector costs 4 VEC registers, and the warp-per-row kernel's occupancy is register-bound:
+// up to 3 vectors a lane it is held to 2 blocks of 256 threads per SM, 128 registers).
 template <class DT, int VEC, int TPR, bool RMS, int CH = kChunks>
-__global__ void __launch_bounds__(TPR == 32 ? 256 : TPR)
+__global__ void __launch_bounds__(TPR == 32 ? 256 : TPR, TPR == 32 && CH <= 3 ? 2 : 1)
 norm_bwd(BwdArgs a) {
   pdl_entry();
   __shared__ float2 sh[32];
@@ -255,6 +261,14 @@ norm_bwd(BwdArgs a) {
   for (int64_t row = int64_t(blockIdx.x) * kGroups + grp; row < a.N; row += int64_t(gridDim.x) * kGroups) {
     const DT* dout = static_cast<const DT*>(a.dout) + row * C;
     const DT* inp = static_cast<const DT*>(a.inp) + row * C;
+    const DT* dres = a.dresid ? static_cast<const DT*>(a.dresid) + row * C : nullptr;
+    // dresid is loaded with the row, as packed 16-bit vectors, so that its load does not wait
+    // for the reduction: one memory latency per row instead of two.
+    Pack<DT, VEC> pr[CH];
+    if (dres)
+#pragma unroll
+      for (int k = 0; k < CH; k++)
+        if (k * TPR + t < nv) pr[k] = *reinterpret_cast<const Pack<DT, VEC>*>(dres + (k * TPR + t) * VEC);
     const float mean = RMS ? 0.f : a.mean[row], rstd = a.rstd[row];
     float g[CH][VEC], xh[CH][VEC];
     float sg = 0.f, sgx = 0.f;
@@ -287,12 +301,9 @@ norm_bwd(BwdArgs a) {
         float o[VEC];
 #pragma unroll
         for (int i = 0; i < VEC; i++) o[i] = rstd * (g[k][i] - mg - xh[k][i] * mgx);
-        if (a.dresid) {  // round, then add: bit for bit the norm's dinp followed by an add
-          float r[VEC];
-          load_vec<DT, VEC>(r, static_cast<const DT*>(a.dresid) + row * C + vi * VEC);
+        if (dres)  // round, then add: bit for bit the norm's dinp followed by an add
 #pragma unroll
-          for (int i = 0; i < VEC; i++) o[i] = to_float(from_float<DT>(o[i])) + r[i];
-        }
+          for (int i = 0; i < VEC; i++) o[i] = to_float(from_float<DT>(o[i])) + to_float(pr[k].v[i]);
         store_vec<DT, VEC>(dinp + vi * VEC, o);
       }
     }
