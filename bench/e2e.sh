@@ -5,7 +5,10 @@
 # memory, and the ratio to each PyTorch row.
 #   bash bench/e2e.sh [BUILD_DIR]          writes $OUT (default bench/out)/e2e_*.jsonl, e2e_table.md
 # E2E_STEPS (default 30; the first 5 are warm-up and the capture of the CUDA graph) and
-# E2E_TORCH=0 (skip the reference) shorten it. The vlm_sft rows with a new batch at every step
+# E2E_TORCH=0 (skip the reference) shorten it; E2E_ROWS (a comma list of loom's rows below,
+# e.g. mim,mim_contrastive,vlm_sft,vlm_sft_fixed; default all) and E2E_COMPILE (the
+# reference's --compile list, default 0,1) run a part of the table when a call has less time.
+# The vlm_sft rows with a new batch at every step
 # (vlm_sft, vlm_sft_ckpt) run twice as many steps and count the first half as warm-up: its image count meets new matmul
 # shapes in its first ~30 steps (kernels/cuda/matmul.cu, "Plans": such steps took up to 16 ms
 # longer, and none came after step 29 of 60), which a fixed batch meets in its first step.
@@ -15,8 +18,10 @@ OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 STEPS=${E2E_STEPS:-30}
 : > "$OUT/e2e_loom.jsonl"
+ROWS=${E2E_ROWS:-all}
 run() {  # name, steps, warm-up steps (not in the table), config, overrides...
   local name=$1 steps=$2 warm=$3 cfg=$4; shift 4
+  case ",$ROWS," in ,all,|*",$name,"*) ;; *) return 0 ;; esac
   local dir="$OUT/e2e_$name"
   rm -rf "$dir"
   timeout 400 "$B/train" "$cfg" --train.steps="$steps" --train.log_every=5 --train.out_dir="$dir" "$@" > "$OUT/e2e_$name.log" 2>&1
@@ -40,7 +45,7 @@ REF=../shared/reference/torch_ref.py
 [ -f "$REF" ] || REF=.deps/shared/reference/torch_ref.py
 rm -f "$OUT/torch_ref.jsonl"
 if [ "${E2E_TORCH:-1}" = 1 ] && [ -f "$REF" ] && python3 -c "import torch" 2>/dev/null; then
-  timeout ${E2E_TORCH_TIMEOUT:-900} python3 "$REF" bench --workload mim,mim_contrastive,vlm --compile 0,1 --vlm-variants packed \
+  timeout ${E2E_TORCH_TIMEOUT:-900} python3 "$REF" bench --workload mim,mim_contrastive,vlm --compile "${E2E_COMPILE:-0,1}" --vlm-variants packed \
     --out "$OUT" > "$OUT/e2e_torch.log" 2>&1 || tail -20 "$OUT/e2e_torch.log"
 else
   echo "PyTorch reference not run"
