@@ -166,13 +166,8 @@ void clear_tape() {
 
 Tensor grad_of(const Tensor& x) { return x.grad(); }
 
-// Gradients are passed on without copies where possible. A gradient handed to an input is
-// either taken over (`fresh`: the caller's new buffer, or the output's gradient that dies right
-// after this node) or aliased (the same buffer also reaches another input, as in add). An
-// aliased buffer is marked grad_shared on its storage and never updated in place: the next
-// contribution to it is added out of place into a new buffer (copy on write). In a residual
-// block this replaces a copy per add with nothing. Leaves (parameters, inputs) never alias:
-// their .grad belongs to the caller.
+// A norm's backward folds the gradient already waiting on its input into its own output
+// (autograd.h): pending_grad hands it over, replace_grad installs the sum.
 Tensor pending_grad(const Tensor& x) {
   if (!x.defined() || !x.requires_grad() || x.impl()->tape_id < 0) return Tensor();  // leaves: the caller's buffer
   Tensor cur = x.grad();
@@ -186,6 +181,13 @@ void replace_grad(const Tensor& x, const Tensor& g) {
   x.impl()->grad = g.impl();  // a new buffer holding the old gradient plus this node's: owned
 }
 
+// Gradients are passed on without copies where possible. A gradient handed to an input is
+// either taken over (`fresh`: the caller's new buffer, or the output's gradient that dies right
+// after this node) or aliased (the same buffer also reaches another input, as in add). An
+// aliased buffer is marked grad_shared on its storage and never updated in place: the next
+// contribution to it is added out of place into a new buffer (copy on write). In a residual
+// block this replaces a copy per add with nothing. Leaves (parameters, inputs) never alias:
+// their .grad belongs to the caller.
 void accumulate_grad(const Tensor& x, const Tensor& g, bool fresh) {
   if (!x.defined() || !x.requires_grad() || !g.defined()) return;
   LOOM_CHECK(g.shape() == x.shape(), "gradient %s for tensor %s", g.desc().c_str(), x.desc().c_str());

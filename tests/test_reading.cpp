@@ -3,20 +3,15 @@
 // or struct that the file defines (for `A::b`, the file must hold `A::b(` or declare `b(`).
 #include <catch2/catch.hpp>
 
-#include <fstream>
+#include "tests/source_text.h"
+
 #include <regex>
-#include <sstream>
 #include <string>
 #include <vector>
 
 namespace {
 
-std::string read_all(const std::string& path) {
-  std::ifstream f(path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
+using loom::test::read_all;
 
 // Does `text` define `name`: a call-like `name(` (function or method definition/declaration),
 // or `struct name` / `class name`.

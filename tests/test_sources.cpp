@@ -8,22 +8,17 @@
 // (launches that would silently skip the dependent-launch attribute).
 #include <catch2/catch.hpp>
 
+#include "tests/source_text.h"
+
 #include <algorithm>
 #include <cctype>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <vector>
 
 namespace {
 
-std::string read_all(const std::string& path) {
-  std::ifstream f(path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
+using loom::test::read_all;
 
 // The text with // and /* */ comments blanked (string literals in kernel files hold no "//").
 std::string strip_comments(const std::string& s) {
