@@ -48,7 +48,11 @@
  *
  * Versions: v1 two-pass row kernel; v2 register-resident row kernel (lce_rows_reg), the
  *   default where the row fits; v3 16-bit logits in their own type (2026-11-27; fixed-batch
- *   SPEC VLM step 59.0 -> 58.2 ms on an H100, same call, the tree before beside it).
+ *   SPEC VLM step 59.0 -> 58.2 ms on an H100, same call, the tree before beside it); v4 the
+ *   ragged last chunk after full ones padded to 256 rows (2026-11-27, H200, three rounds in
+ *   two calls, the tree before beside it: SPEC VLM step with a new batch per step, steps
+ *   31-60, median 55.08 / 55.33 / 56.18 -> 54.92 / 54.93 / 54.90 ms, p90 58.50 / 58.27 /
+ *   59.50 -> 57.13 / 56.57 / 57.30; fixed batch 52.22 -> 52.71 median, 52.86 -> 52.92 mean).
  *   Measured on H100 (bench_losses, same call, 2026-11-24, N 16384 V 49152 D 576 bf16, fp32
  *   logits): fused op 8.21 -> 6.56 ms at chunk 2048 (7.92 -> 6.45 at 4096); in the
  *   SPEC VLM step (CUPTI trace) the row kernels went from 3.28 to 1.71 ms a step.
@@ -363,8 +367,22 @@ void fused_linear_cross_entropy(acc_t<T>* loss, T* dh, T* dW, const T* h, const 
     throw std::invalid_argument("fused_linear_cross_entropy: expected D > 0 and chunk > 0, got D=" +
                                 std::to_string(D) + " chunk=" + std::to_string(chunk));
   constexpr cudaDataType tT = cuda_type<T>();
-  // scratch: count[1], then row_loss[N] (aligned to 16 B)
-  float* scratch = static_cast<float*>(device_malloc(sizeof(float) * (4 + N)));
+  // Several chunks and a last one of fewer rows (tail): the tail is padded to a multiple of
+  // kLceRowStep rows (zero rows of h, target -1: row loss 0, dlogits 0, so dW gets nothing from
+  // them; dh written to scratch and its first rows copied out). A packed batch's row count
+  // changes every step; unpadded, each new tail was a new shape of the three products, and
+  // cuBLASLt picks a kernel per shape: in the SPEC VLM step with a new batch per step the GPU
+  // stood idle 2-5 ms before the tail's dh product in ~1 step of 4 (steps 31-60, 2026-11-27,
+  // H200; the host in no runtime call and no heuristic run). A batch of one chunk is left as it
+  // is: padded too, vlm_sft.cfg's launch-bound steps took 1.5 ms against 1.2 in one A/B (the
+  // extra copies and memsets of each step; that config's steps spread 1.3-1.7 ms between runs).
+  constexpr int64_t kLceRowStep = 256;
+  const int64_t full = N / chunk * chunk, tail = N - full;
+  const int64_t tail_pad = (tail + kLceRowStep - 1) / kLceRowStep * kLceRowStep;
+  const bool pad = full > 0 && tail > 0 && tail_pad != tail && tail_pad <= chunk;
+  const int64_t extra = pad ? tail_pad - tail : 0;
+  // scratch: count[1], then row_loss[N + extra] (aligned to 16 B)
+  float* scratch = static_cast<float*>(device_malloc(sizeof(float) * (4 + N + extra)));
   float* count = scratch;
   float* row_loss = scratch + 4;
   launch_kernel(count_valid, 1, 1024, 0, s, count, targets, N);
@@ -372,23 +390,45 @@ void fused_linear_cross_entropy(acc_t<T>* loss, T* dh, T* dW, const T* h, const 
   if (N == 0) {  // dW = 0 and loss = 0 (the sum over no rows)
     CUDA_CHECK(cudaMemsetAsync(dW, 0, sizeof(T) * size_t(V) * D, s));
   }
+  T *h_pad = nullptr, *dh_pad = nullptr;
+  int32_t* t_pad = nullptr;
+  if (pad) {
+    const size_t row = sizeof(T) * size_t(D);
+    h_pad = static_cast<T*>(device_malloc(row * size_t(tail_pad)));
+    dh_pad = static_cast<T*>(device_malloc(row * size_t(tail_pad)));
+    t_pad = static_cast<int32_t*>(device_malloc(sizeof(int32_t) * size_t(tail_pad)));
+    CUDA_CHECK(cudaMemcpyAsync(h_pad, h + full * D, row * size_t(tail), cudaMemcpyDeviceToDevice, s));
+    CUDA_CHECK(cudaMemsetAsync(h_pad + tail * D, 0, row * size_t(extra), s));
+    CUDA_CHECK(cudaMemcpyAsync(t_pad, targets + full, sizeof(int32_t) * size_t(tail), cudaMemcpyDeviceToDevice, s));
+    CUDA_CHECK(cudaMemsetAsync(t_pad + tail, 0xff, sizeof(int32_t) * size_t(extra), s));  // -1: ignored
+  }
   // logits and then dlogits in place, [c, V] of X: fp32 for f32, T itself for bf16 / f16
   using X = std::conditional_t<sizeof(T) == 2, dev_t<T>, float>;
   constexpr cudaDataType tX = sizeof(T) == 2 ? tT : CUDA_R_32F;
   X* ws = reinterpret_cast<X*>(workspace);
   for (int64_t r0 = 0; r0 < N; r0 += chunk) {
-    const int c = int(std::min<int64_t>(chunk, N - r0));
+    const bool last = pad && r0 == full;
+    const int c = int(last ? tail_pad : std::min<int64_t>(chunk, N - r0));
+    const T* hc = last ? h_pad : h + r0 * D;
+    T* dhc = last ? dh_pad : dh + r0 * D;
     // logits[c,V] = h_c[c,D] W[V,D]^T
-    gemm_rm(s, c, V, D, h + r0 * D, tT, D, false, W, tT, D, true, ws, tX, V, 1.f, 0.f);
-    launch_lce_rows<X>(ws, row_loss + r0, targets + r0, count, grad_scale, c, V, s);
+    gemm_rm(s, c, V, D, hc, tT, D, false, W, tT, D, true, ws, tX, V, 1.f, 0.f);
+    launch_lce_rows<X>(ws, row_loss + r0, last ? t_pad : targets + r0, count, grad_scale, c, V, s);
     LAUNCH_CHECK();
     // dh_c[c,D] = dlogits[c,V] W[V,D]
-    gemm_rm(s, c, D, V, ws, tT, V, false, W, tT, D, false, dh + r0 * D, tT, D, 1.f, 0.f);
+    gemm_rm(s, c, D, V, ws, tT, V, false, W, tT, D, false, dhc, tT, D, 1.f, 0.f);
     // dW[V,D] (+)= dlogits^T[V,c] h_c[c,D]; the first chunk overwrites (beta 0 never reads dW)
-    gemm_rm(s, V, D, c, ws, tT, V, true, h + r0 * D, tT, D, false, dW, tT, D, 1.f, r0 == 0 ? 0.f : 1.f);
+    gemm_rm(s, V, D, c, ws, tT, V, true, hc, tT, D, false, dW, tT, D, 1.f, r0 == 0 ? 0.f : 1.f);
   }
   launch_kernel(scaled_sum, 1, 1024, 0, s, loss, row_loss, count, N);
   LAUNCH_CHECK();
+  if (pad) {
+    CUDA_CHECK(cudaMemcpyAsync(dh + full * D, dh_pad, sizeof(T) * size_t(D) * size_t(tail), cudaMemcpyDeviceToDevice,
+                               s));
+    device_free(h_pad);  // stream-ordered reuse
+    device_free(dh_pad);
+    device_free(t_pad);
+  }
   device_free(scratch);
 }
 

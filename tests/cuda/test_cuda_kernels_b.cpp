@@ -509,6 +509,13 @@ TEST_CASE("fused_linear_cross_entropy against the CPU reference", "[cuda][losses
   run_lce<bf16>(5, 1024, 16, 3, 0.2, 24);
   run_lce<f16>(4, 12288, 16, 4, 0.0, 25);
   run_lce<bf16>(3, 49160, 16, 2, 0.1, 26);
+  // a ragged last chunk after full ones, padded to 256 rows (cross_entropy.cu): 700 = 512 + 188,
+  // 1100 = 2 x 400 + 300 (padded to 512 > chunk 400: left as it is), 768 = 512 + 256 (no padding)
+  run_lce<bf16>(700, 1100, 64, 512, 0.1, 27);
+  run_lce<float>(700, 1100, 64, 512, 0.1, 28);
+  run_lce<f16>(700, 1100, 64, 512, 0.2, 29, 1024.f);
+  run_lce<bf16>(1100, 1100, 64, 400, 0.2, 30);
+  run_lce<bf16>(768, 1100, 64, 512, 0.1, 31);
 }
 
 TEST_CASE("patch_disc_loss against the CPU reference", "[cuda][contrastive]") {

@@ -6,6 +6,7 @@
 // CUDA runtime call on the host (start/end, name), and at exit writes them as CSV to
 // $LOOM_TRACE_FILE (default trace.csv):
 //     kind,start_ns,end_ns,stream,name
+// (for a host call, R, the stream column holds the calling thread's id instead)
 // tools/trace/report.py turns that into the table that matters for a training step: GPU busy
 // time against wall time, the idle gaps, the kernels by total time, and the host calls that
 // block (synchronizations, pageable copies, cudaMalloc).
@@ -31,7 +32,7 @@ namespace {
 struct Rec {
   char kind;  // K kernel, C memcpy, S memset, R runtime call
   uint64_t start, end;
-  uint32_t stream;
+  uint32_t stream;  // GPU records: the stream; R: the host thread
   std::string name;
 };
 
@@ -97,7 +98,7 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
         auto* a = reinterpret_cast<CUpti_ActivityAPI*>(rec);
         const char* n = nullptr;
         cuptiGetCallbackName(CUPTI_CB_DOMAIN_RUNTIME_API, a->cbid, &n);
-        out.push_back({'R', a->start, a->end, 0, n ? n : "?"});
+        out.push_back({'R', a->start, a->end, a->threadId, n ? n : "?"});
         break;
       }
       default:

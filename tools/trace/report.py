@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
 """report.py: summarize a timeline written by cupti_trace.cpp (kind,start_ns,end_ns,stream,name).
 
-    python3 tools/trace/report.py trace.csv [--from 0.5] [--steps N] [--top 30]
+    python3 tools/trace/report.py trace.csv [--from 0.5] [--steps N] [--top 30] [--gaps MS]
 
 The window is the last part of the GPU timeline (--from 0.5: its second half, past the
 warm-up). Printed: wall span, GPU busy time (union of kernels, copies and memsets on any
 stream) and idle share; per-step figures when --steps says how many steps the window holds
 (default: the number of cudaDeviceSynchronize/cudaStreamSynchronize calls in it); the kernels
 by total time; the host runtime calls by total time (syncs, pageable copies, mallocs).
+--gaps MS lists every idle gap longer than MS ms: where it lies (ms from the window's start),
+the GPU work before and after it, and the host runtime calls that overlap it, by thread (a gap
+with no call on the launching thread is host work outside CUDA: planning, allocation, waiting).
 """
 import argparse
 import collections
@@ -21,6 +24,7 @@ def main():
     ap.add_argument("--from", dest="frm", type=float, default=0.5)
     ap.add_argument("--steps", type=int, default=0)
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--gaps", type=float, default=0.0, help="list the idle gaps longer than this (ms)")
     ap.add_argument("--step-kernel", default="step_control",
                     help="a kernel launched once per training step: counts the steps in the window")
     a = ap.parse_args()
@@ -48,12 +52,13 @@ def main():
     win = [g for g in gpu if w0 <= g[0] < t1]
     hwin = [h for h in host if h[0] >= w0 and h[0] <= t1]
     span = (t1 - w0) / 1e6
-    busy, cur_s, cur_e, gaps = 0, None, None, []
-    for s, e, *_ in win:
+    busy, cur_s, cur_e, gaps, spans = 0, None, None, [], []
+    for i, (s, e, *_) in enumerate(win):
         if cur_e is None or s > cur_e:
             if cur_e is not None:
                 busy += cur_e - cur_s
                 gaps.append(s - cur_e)
+                spans.append((cur_e, s, i))  # idle from cur_e to s; win[i] ends it
             cur_s, cur_e = s, e
         else:
             cur_e = max(cur_e, e)
@@ -68,6 +73,28 @@ def main():
     print(f"idle gaps: {len(gaps)} (> 20 us: {sum(1 for g in gaps if g > 2e4)}, summing "
           f"{sum(g for g in gaps if g > 2e4) / 1e6:.1f} ms); largest (us): "
           + ", ".join(f"{g / 1e3:.0f}" for g in big[:12]))
+    if a.gaps > 0:
+        long_gaps = [g for g in spans if g[1] - g[0] > a.gaps * 1e6]
+        print(f"\nidle gaps over {a.gaps} ms: {len(long_gaps)}")
+        for g0, g1, i in long_gaps:
+            before = max(win[:i], key=lambda w: w[1])
+            step = sum(1 for m in marks if w0 <= m <= g0)  # steps begun in the window by then
+            print(f"  at {(g0 - w0) / 1e6:9.2f} ms (window step {step}): {(g1 - g0) / 1e6:7.2f} ms idle, "
+                  f"after {before[4][:50]}, "
+                  f"before {win[i][4][:50]}")
+            calls = collections.defaultdict(list)
+            for h in hwin:
+                if h[1] > g0 and h[0] < g1:
+                    calls[h[3]].append(h)
+            for th, hs in calls.items():
+                tot = collections.defaultdict(lambda: [0, 0.0])
+                for h in hs:
+                    tot[h[4]][0] += 1
+                    tot[h[4]][1] += (min(h[1], g1) - max(h[0], g0)) / 1e6
+                top = sorted(tot.items(), key=lambda kv: -kv[1][1])[:5]
+                print(f"      thread {th}: " + ", ".join(f"{n} x{c} {t:.2f} ms" for n, (c, t) in top))
+            if not calls:
+                print("      no host runtime call overlaps it")
     by = collections.defaultdict(lambda: [0, 0.0])
     for s, e, k, st, n in win:
         by[n][0] += 1
