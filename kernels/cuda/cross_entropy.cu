@@ -373,9 +373,10 @@ void fused_linear_cross_entropy(acc_t<T>* loss, T* dh, T* dW, const T* h, const 
   // changes every step; unpadded, each new tail was a new shape of the three products, and
   // cuBLASLt picks a kernel per shape: in the SPEC VLM step with a new batch per step the GPU
   // stood idle 2-5 ms before the tail's dh product in ~1 step of 4 (steps 31-60, 2026-11-27,
-  // H200; the host in no runtime call and no heuristic run). A batch of one chunk is left as it
-  // is: padded too, vlm_sft.cfg's launch-bound steps took 1.5 ms against 1.2 in one A/B (the
-  // extra copies and memsets of each step; that config's steps spread 1.3-1.7 ms between runs).
+  // H200; the host in no runtime call but cudaGetDevice, no heuristic run). A batch of one
+  // chunk is left as it is: padded too, vlm_sft.cfg's launch-bound steps took 1.5 ms against
+  // 1.2 in one A/B (the extra copies and memsets of each step; that config's steps spread
+  // 1.3-1.7 ms between runs).
   constexpr int64_t kLceRowStep = 256;
   const int64_t full = N / chunk * chunk, tail = N - full;
   const int64_t tail_pad = (tail + kLceRowStep - 1) / kLceRowStep * kLceRowStep;

@@ -276,6 +276,16 @@ __global__ void add_bias_kernel(DT* __restrict__ out, const DT* __restrict__ bia
     out[i] = from_float<DT>(to_float(out[i]) + to_float(bias[i % O]));
 }
 
+// add_bias_kernel's launch (T the host type), for linear_forward's and linear_forward_add's
+// fallbacks
+template <class T>
+void add_bias(T* out, const T* bias, int64_t N, int O, Stream s) {
+  const int64_t n = N * O;
+  const int g = int(std::min<int64_t>(4096, (n + 255) / 256));
+  launch_kernel(add_bias_kernel<dev_t<T>>, g, 256, 0, s, dptr(out), dptr(bias), N, O);
+  LAUNCH_CHECK();
+}
+
 // partial[split, c] = sum over this split's rows of x[r, c]; block 32 x 8.
 template <class DT>
 __global__ void colsum_partial(float* __restrict__ partial, const DT* __restrict__ x, int64_t N, int O,
@@ -332,10 +342,7 @@ void linear_forward(T* out, const T* inp, const T* weight, const T* bias, int64_
   gemm(out, inp, weight, int(N), O, I, false, true, 1.0, 0.0, 1, 0, 0, 0, s);
   if (bias) {
     say_once("linear_forward: no cuBLASLt BIAS-epilogue algorithm for this shape; adding the bias in a separate kernel");
-    int64_t n = N * O;
-    int g = int(std::min<int64_t>(4096, (n + 255) / 256));
-    launch_kernel(add_bias_kernel<dev_t<T>>, g, 256, 0, s, dptr(out), dptr(bias), N, O);
-    LAUNCH_CHECK();
+    add_bias(out, bias, N, O, s);
   }
 }
 
@@ -350,12 +357,7 @@ void linear_forward_add(T* out, const T* inp, const T* weight, const T* bias, co
   say_once("linear_forward_add: no cuBLASLt algorithm reads the residual for this shape; copying it first");
   if (out != resid) memcpy_d2d(out, resid, size_t(N) * O * sizeof(T), s);
   gemm(out, inp, weight, int(N), O, I, false, true, 1.0, 1.0, 1, 0, 0, 0, s);
-  if (bias) {
-    int64_t n = N * O;
-    int g = int(std::min<int64_t>(4096, (n + 255) / 256));
-    launch_kernel(add_bias_kernel<dev_t<T>>, g, 256, 0, s, dptr(out), dptr(bias), N, O);
-    LAUNCH_CHECK();
-  }
+  if (bias) add_bias(out, bias, N, O, s);
 }
 
 template <class T>
