@@ -52,12 +52,11 @@ def main():
     win = [g for g in gpu if w0 <= g[0] < t1]
     hwin = [h for h in host if h[0] >= w0 and h[0] <= t1]
     span = (t1 - w0) / 1e6
-    busy, cur_s, cur_e, gaps, spans = 0, None, None, [], []
+    busy, cur_s, cur_e, spans = 0, None, None, []
     for i, (s, e, *_) in enumerate(win):
         if cur_e is None or s > cur_e:
             if cur_e is not None:
                 busy += cur_e - cur_s
-                gaps.append(s - cur_e)
                 spans.append((cur_e, s, i))  # idle from cur_e to s; win[i] ends it
             cur_s, cur_e = s, e
         else:
@@ -69,12 +68,13 @@ def main():
     print(f"window: {span:.1f} ms wall, {steps} steps" + (" (between launches of " + a.step_kernel + ")" if auto_steps else ""))
     print(f"GPU busy {busy:.1f} ms ({100 * busy / span:.1f}%), idle {span - busy:.1f} ms; per step: "
           f"wall {span / steps:.2f} ms, busy {busy / steps:.2f} ms; host sync calls {syncs}")
+    gaps = [g1 - g0 for g0, g1, _ in spans]
     big = sorted(gaps, reverse=True)
     print(f"idle gaps: {len(gaps)} (> 20 us: {sum(1 for g in gaps if g > 2e4)}, summing "
           f"{sum(g for g in gaps if g > 2e4) / 1e6:.1f} ms); largest (us): "
           + ", ".join(f"{g / 1e3:.0f}" for g in big[:12]))
     if a.gaps > 0:
-        long_gaps = [g for g in spans if g[1] - g[0] > a.gaps * 1e6]
+        long_gaps = [sp for sp in spans if sp[1] - sp[0] > a.gaps * 1e6]
         print(f"\nidle gaps over {a.gaps} ms: {len(long_gaps)}")
         for g0, g1, i in long_gaps:
             before = max(win[:i], key=lambda w: w[1])
