@@ -62,7 +62,8 @@ static void joined_weight_grads(const Tensor& d, const Tensor& xc, const std::ve
 }
 
 // mlp_swiglu with gate and up as one product: gu [N, 2I] = x [Wg; Wu]^T (one GEMM; row n holds
-// gate | up), h = swiglu over gu's two halves (swiglu_forward_joined), out = h Wd^T. Backward:
+// gate | up), h = swiglu over gu's two halves (linear_swiglu_forward: in the GEMM's epilogue on
+// Hopper), out = h Wd^T. Backward:
 // dh = go Wd, dgu = swiglu'(dh) in the same layout (with h again for Wd's gradient), then
 // dx = dgu [Wg; Wu] and d[Wg; Wu] += dgu^T x, one GEMM each (joined_weight_grads). The same
 // math as the separate products, summed in another order (dx over 2I at once). `residual`: as
@@ -79,10 +80,8 @@ Tensor mlp_swiglu_joined(const Tensor& x, const Tensor& w_gate, const Tensor& w_
   Tensor rc = residual.defined() ? residual.contiguous() : Tensor();
   dispatch_float(xc, [&](auto dev, auto zero) {
     using T = decltype(zero);
-    KERNEL(dev, linear_forward)(gu.data<T>(), xc.data<T>(), wgu.data<T>(), (const T*)nullptr, N, C, 2 * I,
-                                stream_for(dev));
     Tensor h = Tensor::empty({N, I}, x.dtype(), x.device());  // freed when the forward returns
-    KERNEL(dev, swiglu_forward_joined)(h.data<T>(), gu.data<T>(), N, I, stream_for(dev));
+    KERNEL(dev, linear_swiglu_forward)(gu.data<T>(), h.data<T>(), xc.data<T>(), wgu.data<T>(), N, C, I, stream_for(dev));
     linear_out(dev, out.data<T>(), h.data<T>(), wdc.data<T>(), (const T*)nullptr, ptr<T>(rc), N, I, C2);
   });
   const bool mlp_grad = any_requires_grad({x, w_gate, w_up, w_down});

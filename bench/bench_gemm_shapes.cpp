@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cuda/gemm_sm90.h"
 #include "kernels/kernels.h"
 
 namespace cu = loom::cuda;
@@ -133,9 +134,54 @@ int main() {
       sum_flop[k] += flop * sh.count;
     };
     if (sh.gelu)
-      one("fwd", [&] { cu::linear_gelu_forward(y, pre, x, W, b, sh.M, sh.I, sh.O, s); });
+      one("fwd", [&] { cu::linear_gelu_forward(y, sh.grad ? pre : nullptr, x, W, b, sh.M, sh.I, sh.O, s); });
     else
       one("fwd", [&] { cu::linear_forward(y, x, W, sh.bias ? b : nullptr, sh.M, sh.I, sh.O, s); });
+    // the forward through gemm_sm90.cu's kernel
+    if (cu::gemm90::supported(y, pre, nullptr, x, W, b, sh.M, sh.I, sh.O)) {
+      auto dev = [](bf16* p) { return reinterpret_cast<__nv_bfloat16*>(p); };
+      const double ms = median_ms([&] {
+        cu::gemm90::linear_forward(dev(y), sh.gelu && sh.grad ? dev(pre) : nullptr, dev(x), dev(W),
+                                   sh.bias ? dev(b) : nullptr, nullptr, sh.M, sh.I, sh.O, sh.gelu, s);
+      });
+      std::printf(
+          "{\"impl\":\"sm90\",\"kernel\":\"gemm_shape\",\"workload\":\"%s\",\"layer\":\"%s\",\"op\":\"fwd\","
+          "\"M\":%lld,\"I\":%d,\"O\":%d,\"count\":%d,\"ms\":%.4f,\"tflops\":%.1f}\n",
+          sh.workload, sh.layer, (long long)sh.M, sh.I, sh.O, sh.count, ms, flop / ms / 1e9);
+      std::fflush(stdout);
+      const std::string k = std::string(sh.workload) + " fwd sm90";
+      sum_ms[k] += ms * sh.count;
+      sum_flop[k] += flop * sh.count;
+    }
+    // the LM's joined gate | up with its SwiGLU: the product then swiglu_forward_joined (two
+    // passes), and linear_swiglu_forward (the epilogue of gemm_sm90.cu on Hopper)
+    if (std::string(sh.layer) == "lm.gate_up") {
+      const int Ih = sh.O / 2;
+      setenv("LOOM_GEMM90", "0", 1);
+      one("fwd_swiglu_2pass", [&] { cu::linear_swiglu_forward(y, dy, x, W, sh.M, sh.I, Ih, s); });
+      unsetenv("LOOM_GEMM90");
+      one("fwd_swiglu", [&] { cu::linear_swiglu_forward(y, dy, x, W, sh.M, sh.I, Ih, s); });
+    }
+    // a block's output projections add the residual in their epilogue (linear_forward_add)
+    const std::string layer = sh.layer;
+    const bool resid_layer = layer.size() > 5 && (layer.substr(layer.size() - 5) == ".proj" ||
+                                                  layer.substr(layer.size() - 4) == ".fc2" || layer == "lm.o" ||
+                                                  layer == "lm.down");
+    if (resid_layer) {
+      one("fwd_add", [&] { cu::linear_forward_add(y, x, W, sh.bias ? b : nullptr, dy, sh.M, sh.I, sh.O, s); });
+      if (cu::gemm90::supported(y, nullptr, dy, x, W, b, sh.M, sh.I, sh.O)) {
+        auto dev = [](bf16* p) { return reinterpret_cast<__nv_bfloat16*>(p); };
+        const double ms = median_ms([&] {
+          cu::gemm90::linear_forward(dev(y), nullptr, dev(x), dev(W), sh.bias ? dev(b) : nullptr, dev(dy), sh.M, sh.I,
+                                     sh.O, false, s);
+        });
+        std::printf(
+            "{\"impl\":\"sm90\",\"kernel\":\"gemm_shape\",\"workload\":\"%s\",\"layer\":\"%s\",\"op\":"
+            "\"fwd_add\",\"M\":%lld,\"I\":%d,\"O\":%d,\"count\":%d,\"ms\":%.4f,\"tflops\":%.1f}\n",
+            sh.workload, sh.layer, (long long)sh.M, sh.I, sh.O, sh.count, ms, flop / ms / 1e9);
+        std::fflush(stdout);
+      }
+    }
     if (sh.grad) {
       one("dx", [&] { cu::gemm(dx, dy, W, int(sh.M), sh.I, sh.O, false, false, 1.0, 0.0, 1, 0, 0, 0, s); });
       one("dw", [&] { cu::gemm(dW, dy, x, sh.O, sh.I, int(sh.M), true, false, 1.0, 1.0, 1, 0, 0, 0, s); });

@@ -7,7 +7,8 @@
 //   linear_forward_add  out[N,O] = resid[N,O] + inp weight^T + bias[O]   (a residual block's add)
 //   linear_backward  dinp[N,I] = dout[N,O] weight[O,I]            (=)
 //   linear_gelu_forward / linear_dgelu_backward: the same products with the GELU of
-//                    activations.cpp applied after (see kernels.inc)
+//                    activations.cpp applied after (see kernels.inc); linear_swiglu_forward
+//                    likewise with the joined SwiGLU
 //                    dweight[O,I] += dout^T inp                     (+=)
 //                    dbias[O] += sum over rows of dout              (+=)
 // Nothing is saved: linear's backward needs the forward's input, which the caller keeps.
@@ -173,6 +174,12 @@ void linear_gelu_forward(T* out, T* pre, const T* inp, const T* weight, const T*
 }
 
 template <class T>
+void linear_swiglu_forward(T* gu, T* h, const T* inp, const T* wgu, int64_t N, int C, int I, Stream s) {
+  linear_forward(gu, inp, wgu, (const T*)nullptr, N, C, 2 * I, s);
+  swiglu_forward_joined(h, gu, N, I, s);
+}
+
+template <class T>
 void linear_dgelu_backward(T* dpre, T* dbias, const T* dout, const T* weight, const T* pre, int64_t N, int I, int O,
                            Stream s) {
   linear_backward(dpre, (T*)nullptr, (T*)nullptr, dout, (const T*)nullptr, weight, N, I, O, s);  // dout @ W
@@ -192,7 +199,8 @@ void linear_dgelu_backward(T* dpre, T* dbias, const T* dout, const T* weight, co
                                    Stream);                                                   \
   template void linear_forward_batched<T>(T*, const T*, const T*, const T*, int64_t, int, int, int, Stream); \
   template void linear_gelu_forward<T>(T*, T*, const T*, const T*, const T*, int64_t, int, int, Stream); \
-  template void linear_dgelu_backward<T>(T*, T*, const T*, const T*, const T*, int64_t, int, int, Stream);
+  template void linear_dgelu_backward<T>(T*, T*, const T*, const T*, const T*, int64_t, int, int, Stream); \
+  template void linear_swiglu_forward<T>(T*, T*, const T*, const T*, int64_t, int, int, Stream);
 LOOM_MATMUL(float)
 LOOM_MATMUL(double)
 #undef LOOM_MATMUL

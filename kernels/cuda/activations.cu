@@ -45,7 +45,6 @@ __device__ __forceinline__ float gelu_df(float x) {
   float t = tanhf(u);
   return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * kSqrt2OverPi * (1.f + 3.f * kGeluC * x * x);
 }
-__device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
 
 // One pointwise op: out0 (and out1) from in0, in1, in2 at the same index.
 struct GeluF { __device__ void operator()(float& o0, float&, float a, float, float) const { o0 = gelu_f(a); } };

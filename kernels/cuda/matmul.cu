@@ -86,6 +86,7 @@
 #include <unordered_map>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/gemm_sm90.h"
 
 namespace loom::cuda {
 
@@ -334,9 +335,33 @@ void gemm(T* C, const T* A, const T* B, int M, int N, int K, bool transA, bool t
   }
 }
 
+// gemm_sm90.cu's kernel instead of cuBLASLt for a bf16 linear forward (bias, GELU, residual) on
+// a Hopper device, with LOOM_GEMM90=1 (every call the kernel supports). Off by default: it runs
+// the SPEC steps' forward products about as fast as cuBLASLt (bench_gemm_shapes, H200,
+// 2026-11-27), but the steps were slower with it on the products of inner size <= 1024 and
+// those of >= 8 tiles per multiprocessor (same binary, same call, medians of steps 6-30, two
+// rounds: bench_mim 23.96 / 23.99 -> 24.33 / 24.33 ms, contrastive 46.05 / 46.02 ->
+// 46.94 / 46.95, fixed-batch VLM 52.45 / 52.44 -> 52.86 / 53.13; a kernel trace of the MIM
+// step without PDL: products 15.00 -> 15.13 ms). What it is for is the epilogues cuBLASLt
+// lacks: linear_swiglu_forward below uses it by default.
+template <class T>
+bool sm90_linear(T* out, T* pre, const T* inp, const T* weight, const T* bias, const T* resid, int64_t N, int I, int O,
+                 bool gelu, Stream s) {
+  if constexpr (!std::is_same_v<T, bf16>) {
+    return false;
+  } else {
+    const char* e = std::getenv("LOOM_GEMM90");  // read at every call: tests switch it
+    if (!(e && e[0] == '1' && e[1] == 0)) return false;
+    if (!gemm90::supported(out, pre, resid, inp, weight, bias, N, I, O)) return false;
+    gemm90::linear_forward(dptr(out), dptr(pre), dptr(inp), dptr(weight), dptr(bias), dptr(resid), N, I, O, gelu, s);
+    return true;
+  }
+}
+
 template <class T>
 void linear_forward(T* out, const T* inp, const T* weight, const T* bias, int64_t N, int I, int O, Stream s) {
   if (N <= 0 || O <= 0) return;
+  if (sm90_linear(out, (T*)nullptr, inp, weight, bias, (const T*)nullptr, N, I, O, false, s)) return;
   if (N > INT32_MAX) throw std::runtime_error("linear_forward: N too large for one GEMM");
   if (bias && lt_matmul(out, inp, weight, bias, int(N), O, I, false, true, 1.f, 0.f, 1, 0, 0, 0, s)) return;
   gemm(out, inp, weight, int(N), O, I, false, true, 1.0, 0.0, 1, 0, 0, 0, s);
@@ -351,6 +376,7 @@ void linear_forward_add(T* out, const T* inp, const T* weight, const T* bias, co
                         Stream s) {
   if (N <= 0 || O <= 0) return;
   if (N > INT32_MAX) throw std::runtime_error("linear_forward_add: N too large for one GEMM");
+  if (sm90_linear(out, (T*)nullptr, inp, weight, bias, resid, N, I, O, false, s)) return;
   if (lt_matmul(out, inp, weight, bias, int(N), O, I, false, true, 1.f, 1.f, 1, 0, 0, 0, s, CUBLASLT_EPILOGUE_DEFAULT,
                 nullptr, resid))
     return;
@@ -399,6 +425,7 @@ void linear_gelu_forward(T* out, T* pre, const T* inp, const T* weight, const T*
                          Stream s) {
   if (N <= 0 || O <= 0) return;
   if (N > INT32_MAX) throw std::runtime_error("linear_gelu_forward: N too large for one GEMM");
+  if (sm90_linear(out, pre, inp, weight, bias, (const T*)nullptr, N, I, O, true, s)) return;
   // pre null (a forward without a backward, e.g. the EMA target): GELU_BIAS writes out alone
   if (bias && lt_matmul(out, inp, weight, bias, int(N), O, I, false, true, 1.f, 0.f, 1, 0, 0, 0, s,
                         pre ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_BIAS, pre))
@@ -407,6 +434,22 @@ void linear_gelu_forward(T* out, T* pre, const T* inp, const T* weight, const T*
   T* p = pre ? pre : out;
   linear_forward(p, inp, weight, bias, N, I, O, s);
   gelu_forward(out, p, N * O, s);
+}
+
+// gemm_sm90.cu's SwiGLU epilogue on Hopper for bf16 (LOOM_GEMM90=0 turns it off with the rest),
+// else the product and swiglu_forward_joined
+template <class T>
+void linear_swiglu_forward(T* gu, T* h, const T* inp, const T* wgu, int64_t N, int C, int I, Stream s) {
+  if (N <= 0 || I <= 0) return;
+  if constexpr (std::is_same_v<T, bf16>) {
+    const char* e = std::getenv("LOOM_GEMM90");  // read at every call: tests switch it
+    if (!(e && e[0] == '0' && e[1] == 0) && gemm90::swiglu_supported(gu, h, inp, wgu, N, C, I)) {
+      gemm90::linear_swiglu_forward(dptr(gu), dptr(h), dptr(inp), dptr(wgu), N, C, I, s);
+      return;
+    }
+  }
+  linear_forward(gu, inp, wgu, (const T*)nullptr, N, C, 2 * I, s);
+  swiglu_forward_joined(h, gu, N, I, s);
 }
 
 template <class T>
@@ -431,7 +474,8 @@ void linear_dgelu_backward(T* dpre, T* dbias, const T* dout, const T* weight, co
   template void linear_backward<T>(T*, T*, T*, const T*, const T*, const T*, int64_t, int, int, Stream); \
   template void linear_forward_batched<T>(T*, const T*, const T*, const T*, int64_t, int, int, int, Stream); \
   template void linear_gelu_forward<T>(T*, T*, const T*, const T*, const T*, int64_t, int, int, Stream);  \
-  template void linear_dgelu_backward<T>(T*, T*, const T*, const T*, const T*, int64_t, int, int, Stream);
+  template void linear_dgelu_backward<T>(T*, T*, const T*, const T*, const T*, int64_t, int, int, Stream); \
+  template void linear_swiglu_forward<T>(T*, T*, const T*, const T*, int64_t, int, int, Stream);
 LOOM_MATMUL(float)
 LOOM_MATMUL(bf16)
 LOOM_MATMUL(f16)

@@ -1,0 +1,392 @@
+/*
+ * gemm_sm90.cu: the linear forward out = epilogue(inp W^T + bias) as a Hopper (sm_90a) kernel of
+ * our own: TMA loads, wgmma, and the epilogue (bias, GELU with its pre-activation, the residual)
+ * on the accumulators. Reference: kernels/cpu/matmul.cpp (linear_forward, linear_gelu_forward,
+ * linear_forward_add); matmul.cu runs the same contract through cuBLASLt, which stays the path
+ * for every call this file does not take (matmul.cu's header says which it takes).
+ *
+ * Math (row-major, bf16 in and out, fp32 accumulation):
+ *   acc[N,O] = inp[N,I] weight[O,I]^T                 (inp and weight both K-major: wgmma's "TN")
+ *   epilogue 0: out = acc + bias                        (bias nullable)
+ *   epilogue 1: pre = acc + bias (nullable: not written), out = gelu(acc + bias)
+ *               gelu: the tanh approximation (activations.cu), tanh.approx.f32 on the SFU
+ *   epilogue 2: out = resid + acc + bias, rounded once (linear_forward_add; out may be resid)
+ *
+ * Why: cuBLASLt's GELU epilogue made fc1 ~1.5x as long as a product of the same FLOPs without
+ * one (docs/kernels/products.md), and every pass a product's epilogue can take over (bias, GELU,
+ * the residual add; later the norms and the gradients' epilogues) is a pass over memory less.
+ * Here the epilogue of one tile runs while the tensor cores work on the next.
+ *
+ * Structure: a persistent grid (one block per multiprocessor, at most one per tile), block b
+ * taking tiles b, b + grid, ... of 128 x 128 outputs (column tiles fastest, so the blocks running
+ * together share inp's rows in L2). 384 threads:
+ *   warpgroup 2, one thread (the producer; setmaxnreg gives its registers to the consumers):
+ *     TMA-loads the K tiles (64 columns) of inp's 128 rows and of weight's 128 rows of every
+ *     tile of the block, in order, into a ring of 5 stages of 32 KB (128-byte swizzle; rows past
+ *     N or O and columns past I come in as zeros), each stage's `full` mbarrier counting bytes.
+ *   warpgroups 0 and 1, the consumers, "ping-pong": warpgroup c takes the block's tiles c, c + 2,
+ *     ...; per stage eight wgmma m64n128k16 (two 64-row halves x four 16-column K steps, shared
+ *     descriptors stepping 32 bytes along K), one commit group, at most one in flight, the stage
+ *     before handed back (`empty`, one arrival per warp). Their main loops take turns (`turn`),
+ *     so while one consumer runs its epilogue the other keeps the tensor cores busy.
+ *   epilogue: bias (+ GELU, + the residual) on the fp32 accumulators, bf16 pairs into the
+ *     consumer's own 32 KB tile in shared memory (the sw128 layout), one TMA store of the tile
+ *     (rows and columns past the tensor are dropped by the store). The residual tile is
+ *     TMA-loaded into that same shared tile while the main loop runs.
+ * Wgmma needs whole, aligned warpgroups (warps 4c to 4c + 3), so the producer comes last; with
+ * it first and one warp wide (288 threads) the consumers' warpgroups straddled warps 1-4 and
+ * 5-8 and the kernel died with an illegal instruction. Without the turns a consumer could wait
+ * on a stage more than one ring ahead of the producer, where an mbarrier's phase parity no
+ * longer tells the phases apart (it hung on K 768 with 294 tiles).
+ *
+ * Contract: I % 8 == 0 and O % 8 == 0 (TMA row pitches are multiples of 16 bytes), inp, weight,
+ * out, pre and resid 16-byte aligned, bias 4-byte aligned; any N. `supported` says whether a
+ * call qualifies (also: built with sm_90a code, running on a compute-capability 9.0 device).
+ *
+ * Where it is used: linear_swiglu_forward (matmul.cu: the LM's joined gate | up with its SwiGLU,
+ * by default on Hopper); linear_forward / linear_forward_add / linear_gelu_forward only with
+ * LOOM_GEMM90=1 (matmul.cu's header has the A/B that kept them on cuBLASLt).
+ *
+ * Measured (H200, 2026-11-27, bench_gemm_shapes, bf16, median of 20, us; cuBLASLt | this):
+ *   MIM forward products summed over a step 10.18 | 9.87 ms; enc.fc1 (6272 x 768 -> 3072, GELU +
+ *   pre) 69.6-70.8 | 60.4-62.0, target.fc1 (25088 rows, GELU) 208-211 | 206-207, target.qkv
+ *   139.5 | 138.8 (~640 TFLOP/s, K 768), the K 3072 products behind: enc.fc2 (294 tiles on 132
+ *   blocks, the last round a fifth full) 49.0-50.2 | 57.2-58.3; the LM's gate | up 95.5-103.8 |
+ *   97.5-99.1, with its SwiGLU 132.3 (two passes) | 118.0 (this epilogue).
+ *   In the steps (kernel traces, LOOM_PDL=0): the VLM's 30 gate | up products with their SwiGLU
+ *   3.75 -> 3.46 ms a step; the MIM step with every forward product of inner size <= 1024 here
+ *   15.00 -> 15.13 ms of products, so those stay on cuBLASLt.
+ *   What bounds it: with 128 x 128 tiles a K-768 product reads (128 + 128) x K x 2 bytes per
+ *   2 x 128^2 x K FLOPs from L2, ~9 TB/s at these rates; cuBLASLt's kernels here use 192 x 192
+ *   and 256 x 128 tiles and clusters of two. An epilogue longer than the other consumer's main
+ *   loop is not hidden: the SwiGLU epilogue with expf and an IEEE divide took ~40 us more than
+ *   the product alone (139.4 against 99.0), with the fast sigmoid (common.cuh) ~20 us.
+ *
+ * Test: tests/cuda/test_cuda_gemm_sm90.cpp against the CPU reference;
+ * bench: bench/bench_gemm_shapes.cpp ("impl":"sm90" rows beside cuBLASLt's on the SPEC shapes).
+ */
+#include "kernels/cuda/gemm_sm90.h"
+
+#include <algorithm>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/wgmma.cuh"
+
+namespace loom::cuda::gemm90 {
+namespace {
+
+using attn::bf;
+constexpr int BM = 128, BN = 128, BK = 64;
+constexpr int kThreads = 384;  // two consumer warpgroups, then the producer's warpgroup
+// registers per thread after setmaxnreg: 128 x 40 + 256 x 232 = 64512 of the 65536
+
+// Shared memory of a block: the ring of stages, each consumer's output tile (and, for the SwiGLU
+// epilogue, its 128 x 64 h tile beside it: one stage fewer), the mbarriers.
+template <int EPI>
+struct Smem {
+  static constexpr int stages = EPI == 3 ? 4 : 5;
+  static constexpr int a_bytes = BM * BK * 2, b_bytes = BN * BK * 2, stage = a_bytes + b_bytes;
+  static constexpr int epi = BM * BN * 2 + (EPI == 3 ? BM * 64 * 2 : 0);  // one consumer's output tiles
+  static constexpr int bytes = 1024 /* alignment */ + stages * stage + 2 * epi + (2 * stages + 4) * 8;
+};
+
+__device__ __forceinline__ float gelu_tanh(float x) {
+  const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+  float t;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(t) : "f"(u));
+  return 0.5f * x * (1.f + t);
+}
+
+// A consumer's 128 x 128 fp32 accumulators (two m64 halves) as bf16 into its sw128 output tile
+// (two 64-column halves of 128 rows, the TMA store's box layout), then one thread stores the
+// tile. Bank-conflict free: the 8 rows a warp writes per column block land in 8 different
+// 16-byte chunks. RES: the tile holds the residual (TMA-loaded during the main loop), and each
+// thread adds the values at the places it then overwrites.
+template <bool RES, class F>
+__device__ __forceinline__ void store_tile(bf* sOut, const float (&d)[2][BN / 8][4], const float (&bias2)[BN / 8][2],
+                                           F act, const CUtensorMap* map, int n0, int m0, int wg_tid, int bar,
+                                           int n1 = -1) {
+  using namespace attn;
+  const int w = wg_tid / 32, lane = wg_tid % 32, g = lane >> 2, t = lane & 3;
+  if (!RES) {  // with RES the load that filled the tile came after the last store had read it
+    if (wg_tid == 0) bulk_wait_read<0>();  // the last store from this tile has read it
+    named_sync(bar, 128);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; h++)
+#pragma unroll
+    for (int n = 0; n < BN / 8; n++)
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        const int row = h * 64 + w * 16 + g + 8 * r;
+        uint32_t* p = reinterpret_cast<uint32_t*>(sOut + sw128<BM>(row, n) + 2 * t);
+        float v0 = act(d[h][n][2 * r] + bias2[n][0]), v1 = act(d[h][n][2 * r + 1] + bias2[n][1]);
+        if (RES) {
+          const __nv_bfloat162 rr = *reinterpret_cast<const __nv_bfloat162*>(p);
+          v0 += __bfloat162float(rr.x);
+          v1 += __bfloat162float(rr.y);
+        }
+        *p = pack_bf16(v0, v1);
+      }
+  fence_smem_async();
+  named_sync(bar, 128);
+  if (wg_tid == 0) {
+    tma_store_3d(map, n0, 0, m0, sOut);
+    tma_store_3d(map, n1 < 0 ? n0 + 64 : n1, 0, m0, sOut + BM * 64);
+    bulk_commit();
+  }
+}
+
+// The SwiGLU epilogue (EPI 3): the tile's 64 gate columns (accumulators n < 8) and the 64 up
+// columns of the same hidden units (n >= 8) go out to gu rounded to bf16 (the backward reads
+// them), and h = silu(gate) up from those bf16 values, computed as swiglu_forward_joined does
+// (activations.cu's SwigluF: g sigmoid(g) u, common.cuh's sigmoid_f), so h is bit for bit
+// what that kernel would make of gu. One pass writes both into shared memory (sOut: gu's two
+// 64-column halves, sH: h's 64 columns), then three TMA stores.
+__device__ __forceinline__ void swiglu_tile(bf* sOut, const float (&d)[2][BN / 8][4], const CUtensorMap* tgu,
+                                            const CUtensorMap* th, int n0, int half, int m0, int wg_tid, int bar) {
+  using namespace attn;
+  const int w = wg_tid / 32, lane = wg_tid % 32, g = lane >> 2, t = lane & 3;
+  bf* sH = sOut + BM * BN;
+  if (wg_tid == 0) bulk_wait_read<0>();  // the last tile's stores have read both
+  named_sync(bar, 128);
+#pragma unroll
+  for (int hh = 0; hh < 2; hh++)
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        const int row = hh * 64 + w * 16 + g + 8 * r;
+        const __nv_bfloat162 gb = __floats2bfloat162_rn(d[hh][n][2 * r], d[hh][n][2 * r + 1]);
+        const __nv_bfloat162 ub = __floats2bfloat162_rn(d[hh][n + 8][2 * r], d[hh][n + 8][2 * r + 1]);
+        *reinterpret_cast<__nv_bfloat162*>(sOut + sw128<BM>(row, n) + 2 * t) = gb;
+        *reinterpret_cast<__nv_bfloat162*>(sOut + sw128<BM>(row, n + 8) + 2 * t) = ub;
+        const float g0 = __low2float(gb), g1 = __high2float(gb), u0 = __low2float(ub), u1 = __high2float(ub);
+        const float h0 = g0 * sigmoid_f(g0) * u0, h1 = g1 * sigmoid_f(g1) * u1;
+        *reinterpret_cast<uint32_t*>(sH + sw128<BM>(row, n) + 2 * t) = pack_bf16(h0, h1);
+      }
+  fence_smem_async();
+  named_sync(bar, 128);
+  if (wg_tid == 0) {
+    tma_store_3d(tgu, n0, 0, m0, sOut);
+    tma_store_3d(tgu, half + n0, 0, m0, sOut + BM * 64);
+    tma_store_3d(th, n0, 0, m0, sH);
+    bulk_commit();
+  }
+}
+
+template <int EPI>
+__global__ void __launch_bounds__(kThreads, 1)
+    gemm_sm90_kernel(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb,
+                     const __grid_constant__ CUtensorMap tout, const __grid_constant__ CUtensorMap tpre,
+                     const __grid_constant__ CUtensorMap tres, const bf* bias, bool has_pre, int tiles_m, int tiles_n,
+                     int N, int K, int half) {
+  pdl_entry();
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace attn;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* base = smem_align1024(smem_raw);
+  using Sm = Smem<EPI>;
+  constexpr int STAGES = Sm::stages;
+  bf* sEpi = reinterpret_cast<bf*>(base + STAGES * Sm::stage);
+  uint64_t* full = reinterpret_cast<uint64_t*>(base + STAGES * Sm::stage + 2 * Sm::epi);
+  uint64_t* empty = full + STAGES;
+  uint64_t* turn = empty + STAGES;  // turn[c]: the other consumer has issued its main loop
+  uint64_t* rbar = turn + 2;        // rbar[c]: consumer c's residual tile has landed (EPI 2)
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int KT = (K + BK - 1) / BK, tiles = tiles_m * tiles_n;
+  if (threadIdx.x == 0) {
+    prefetch_tensormap(&ta);
+    prefetch_tensormap(&tb);
+    prefetch_tensormap(&tout);
+    for (int s = 0; s < STAGES; s++) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 4);  // one arrival per warp of the consumer that read the stage
+    }
+    mbar_init(&turn[0], 4);
+    mbar_init(&turn[1], 4);
+    mbar_init(&rbar[0], 1);
+    mbar_init(&rbar[1], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  // Tile j of this block is tile blockIdx.x + j gridDim.x of the grid (column tiles fastest);
+  // its K tiles are positions j KT .. j KT + KT - 1 of the block's ring of stages.
+  if (warp >= 8) {  // producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    if (warp == 8 && lane == 0) {
+      int pos = 0;
+      for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * (EPI == 3 ? 64 : BN);
+        for (int kt = 0; kt < KT; kt++, pos++) {
+          const int s = pos % STAGES;
+          if (pos >= STAGES) mbar_wait(&empty[s], ((pos / STAGES) - 1) & 1);
+          unsigned char* st = base + s * Sm::stage;
+          mbar_expect_tx(&full[s], Sm::stage);
+          tma_load_3d(st, &ta, kt * BK, 0, m0, &full[s]);
+          if (EPI == 3) {  // 64 gate rows and the 64 up rows `half` further
+            tma_load_3d(st + Sm::a_bytes, &tb, kt * BK, 0, n0, &full[s]);
+            tma_load_3d(st + Sm::a_bytes + 64 * BK * 2, &tb, kt * BK, 0, half + n0, &full[s]);
+          } else {
+            tma_load_3d(st + Sm::a_bytes, &tb, kt * BK, 0, n0, &full[s]);
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  // consumers: warpgroup c takes the block's tiles c, c + 2, ...; their K tiles alternate in
+  // the ring, so one's main loop runs while the other stores its tile. The main loops take
+  // turns: consumer 1's i-th tile starts once consumer 0 has issued its i-th (turn[1], phase i),
+  // consumer 0's i-th once consumer 1 has issued its (i-1)-th (turn[0], phase i - 1): so each
+  // waits on stages at most one ring ahead of the producer (the header says why that matters).
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  const int c = warp / 4, wg_tid = threadIdx.x % 128, t = lane & 3;
+  bf* sOut = sEpi + c * (Sm::epi / 2);
+  for (int j = c, i = 0;; j += 2, i++) {
+    const int tile = blockIdx.x + j * gridDim.x;
+    if (tile >= tiles) break;
+    if (c == 1) mbar_wait(&turn[1], i & 1);
+    else if (i > 0) mbar_wait(&turn[0], (i - 1) & 1);
+    const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * (EPI == 3 ? 64 : BN);
+    if (EPI == 2 && wg_tid == 0) {  // the residual into the output tile, behind the last store's read
+      bulk_wait_read<0>();
+      mbar_expect_tx(&rbar[c], BM * BN * 2);
+      tma_load_3d(sOut, &tres, n0, 0, m0, &rbar[c]);
+      tma_load_3d(sOut + BM * 64, &tres, n0 + 64, 0, m0, &rbar[c]);
+    }
+    float d[2][BN / 8][4];
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+#pragma unroll
+      for (int i = 0; i < BN / 8; i++) d[h][i][0] = d[h][i][1] = d[h][i][2] = d[h][i][3] = 0.f;
+    int prev = -1;
+    for (int kt = 0; kt < KT; kt++) {
+      const int pos = j * KT + kt, s = pos % STAGES;
+      mbar_wait(&full[s], (pos / STAGES) & 1);
+      const bf* sa = reinterpret_cast<const bf*>(base + s * Sm::stage);
+      const bf* sb = reinterpret_cast<const bf*>(base + s * Sm::stage + Sm::a_bytes);
+      wg_fence();
+#pragma unroll
+      for (int k = 0; k < BK / 16; k++) {
+        const uint64_t db = sdesc(sb + k * 16, 16);
+        wgmma_ss<0>(d[0], sdesc(sa + k * 16, 16), db, 1);
+        wgmma_ss<0>(d[1], sdesc(sa + 64 * BK + k * 16, 16), db, 1);
+      }
+      wg_commit();
+      wg_wait<1>();
+      if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
+      prev = s;
+    }
+    if (lane == 0) mbar_arrive(&turn[1 - c]);
+    wg_wait<0>();
+    fence_regs(d[0]);
+    fence_regs(d[1]);
+    if (lane == 0) mbar_arrive(&empty[prev]);
+
+    float bias2[BN / 8][2];
+#pragma unroll
+    for (int n = 0; n < BN / 8; n++) {
+      const int col = n0 + n * 8 + 2 * t;
+      bias2[n][0] = bias2[n][1] = 0.f;
+      if (bias && col < N) {
+        const __nv_bfloat162 bb = *reinterpret_cast<const __nv_bfloat162*>(bias + col);
+        bias2[n][0] = __bfloat162float(bb.x);
+        bias2[n][1] = __bfloat162float(bb.y);
+      }
+    }
+    const auto id = [](float x) { return x; };
+    if (EPI == 1) {
+      if (has_pre) store_tile<false>(sOut, d, bias2, id, &tpre, n0, m0, wg_tid, 1 + c);
+      store_tile<false>(sOut, d, bias2, [](float x) { return gelu_tanh(x); }, &tout, n0, m0, wg_tid, 1 + c);
+    } else if (EPI == 3) {
+      swiglu_tile(sOut, d, &tout, &tpre, n0, half, m0, wg_tid, 1 + c);
+    } else if (EPI == 2) {
+      mbar_wait(&rbar[c], i & 1);
+      store_tile<true>(sOut, d, bias2, id, &tout, n0, m0, wg_tid, 1 + c);
+    } else {
+      store_tile<false>(sOut, d, bias2, id, &tout, n0, m0, wg_tid, 1 + c);
+    }
+  }
+  if (wg_tid == 0) bulk_wait<0>();
+#endif
+}
+
+}  // namespace
+
+bool available() {
+#if LOOM_SM90A
+  static const int ok = [] {
+    int dev = 0, major = 0, minor = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+    return int(major == 9 && minor == 0);
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+bool supported(const void* out, const void* pre, const void* resid, const void* inp, const void* weight,
+               const void* bias, int64_t N, int I, int O) {
+  auto al = [](const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; };
+  return available() && N > 0 && I > 0 && O > 0 && I % 8 == 0 && O % 8 == 0 && N < (int64_t(1) << 31) &&
+         al(inp, 16) && al(weight, 16) && al(out, 16) && al(pre, 16) && al(resid, 16) && al(bias, 4);
+}
+
+void linear_forward(bf* out, bf* pre, const bf* inp, const bf* weight, const bf* bias, const bf* resid, int64_t N,
+                    int I, int O, bool gelu, cudaStream_t s) {
+  constexpr int smem = Smem<0>::bytes;
+  static_assert(Smem<1>::bytes == smem && Smem<2>::bytes == smem, "one shared-memory size for epilogues 0-2");
+  static const bool once = [] {
+    CUDA_CHECK(cudaFuncSetAttribute(gemm_sm90_kernel<0>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    CUDA_CHECK(cudaFuncSetAttribute(gemm_sm90_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    CUDA_CHECK(cudaFuncSetAttribute(gemm_sm90_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    return true;
+  }();
+  (void)once;
+  // [rows, 1, cols] views: loads in boxes of 64 columns x 128 rows, stores of 64 x 128
+  const CUtensorMap ta = attn::make_map_3d(inp, false, N, 1, I, BK, BM);
+  const CUtensorMap tb = attn::make_map_3d(weight, false, O, 1, I, BK, BN);
+  const CUtensorMap tout = attn::make_map_3d(out, false, N, 1, O, 64, BM);
+  const CUtensorMap tpre = pre ? attn::make_map_3d(pre, false, N, 1, O, 64, BM) : tout;
+  const CUtensorMap tres = resid ? attn::make_map_3d(resid, false, N, 1, O, 64, BM) : tout;
+  const int tiles_m = ceil_div(N, BM), tiles_n = ceil_div(O, BN);
+  const int grid = std::min(tiles_m * tiles_n, sm_count());
+  auto kernel = gelu ? gemm_sm90_kernel<1> : resid ? gemm_sm90_kernel<2> : gemm_sm90_kernel<0>;
+  launch_kernel(kernel, grid, kThreads, smem, s, ta, tb, tout, tpre, tres, bias, pre != nullptr, tiles_m, tiles_n, O, I,
+                0);
+  LAUNCH_CHECK();
+}
+
+bool swiglu_supported(const void* gu, const void* h, const void* inp, const void* wgu, int64_t N, int C, int I) {
+  auto al = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
+  return available() && N > 0 && N < (int64_t(1) << 31) && C > 0 && C % 8 == 0 && I > 0 && I % 64 == 0 && al(gu) &&
+         al(h) && al(inp) && al(wgu);
+}
+
+void linear_swiglu_forward(bf* gu, bf* h, const bf* inp, const bf* wgu, int64_t N, int C, int I, cudaStream_t s) {
+  constexpr int smem = Smem<3>::bytes;
+  static const bool once = [] {
+    CUDA_CHECK(cudaFuncSetAttribute(gemm_sm90_kernel<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    return true;
+  }();
+  (void)once;
+  // B in boxes of 64 rows (a tile's gate rows, then its up rows I further); gu out in 64-column
+  // boxes (its gate half, then its up half), h in one
+  const CUtensorMap ta = attn::make_map_3d(inp, false, N, 1, C, BK, BM);
+  const CUtensorMap tb = attn::make_map_3d(wgu, false, 2 * int64_t(I), 1, C, BK, 64);
+  const CUtensorMap tgu = attn::make_map_3d(gu, false, N, 1, 2 * I, 64, BM);
+  const CUtensorMap th = attn::make_map_3d(h, false, N, 1, I, 64, BM);
+  const int tiles_m = ceil_div(N, BM), tiles_n = I / 64;
+  const int grid = std::min(tiles_m * tiles_n, sm_count());
+  launch_kernel(gemm_sm90_kernel<3>, grid, kThreads, smem, s, ta, tb, tgu, th, tgu, (const bf*)nullptr, false, tiles_m,
+                tiles_n, 2 * I, C, I);
+  LAUNCH_CHECK();
+}
+
+}  // namespace loom::cuda::gemm90

@@ -1,0 +1,32 @@
+// gemm_sm90.h: the host entry points of gemm_sm90.cu, the linear forward as a Hopper kernel of
+// our own (TMA + wgmma; bias, GELU or a residual add in the epilogue). matmul.cu's cuBLASLt path is the
+// reference contract and the fallback; the file's header says what it takes and why.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace loom::cuda::gemm90 {
+
+// Built with sm_90a code and running on a compute-capability 9.0 device.
+bool available();
+// available(), and the call meets the kernel's contract: I % 8 == 0, O % 8 == 0, inp, weight, out
+// pre and resid 16-byte aligned, bias 4-byte aligned (null pointers pass).
+bool supported(const void* out, const void* pre, const void* resid, const void* inp, const void* weight,
+               const void* bias, int64_t N, int I, int O);
+// out[N,O] = inp[N,I] weight[O,I]^T + bias[O] (bias nullable) + resid[N,O] (nullable; may be
+// out itself); gelu (without resid): pre = the product + bias (nullable: not written) and out =
+// gelu(pre), the tanh approximation. Every element of out is written.
+void linear_forward(__nv_bfloat16* out, __nv_bfloat16* pre, const __nv_bfloat16* inp, const __nv_bfloat16* weight,
+                    const __nv_bfloat16* bias, const __nv_bfloat16* resid, int64_t N, int I, int O, bool gelu,
+                    cudaStream_t s);
+// The joined gate | up product of a SwiGLU MLP with the activation in its epilogue:
+// gu[N, 2I] = inp[N, C] wgu[2I, C]^T (rows [0, I) of wgu the gate's weight, [I, 2I) up's) and
+// h[N, I] = silu(gu[:, :I]) gu[:, I:], bit for bit what swiglu_forward_joined makes of gu.
+// swiglu_supported: available(), C % 8 == 0, I % 64 == 0, all four pointers 16-byte aligned.
+bool swiglu_supported(const void* gu, const void* h, const void* inp, const void* wgu, int64_t N, int C, int I);
+void linear_swiglu_forward(__nv_bfloat16* gu, __nv_bfloat16* h, const __nv_bfloat16* inp, const __nv_bfloat16* wgu,
+                           int64_t N, int C, int I, cudaStream_t s);
+
+}  // namespace loom::cuda::gemm90

@@ -1,0 +1,155 @@
+// test_cuda_gemm_sm90.cpp: kernels/cuda/gemm_sm90.cu (the linear forward as a Hopper kernel of
+// our own) against the loom::cpu reference, bf16: ragged row counts (the TMA zero fill and the
+// stores' clipping), widths and depths that are not whole tiles, bias or none, GELU with and
+// without its pre-activation, the residual (in place too). Outputs start poisoned with NaN, so
+// an element the kernel does not write fails. Skipped without a compute-capability 9.0 GPU.
+//   bash tools/gpu-kernels.sh tests/cuda/test_cuda_gemm_sm90.cpp
+#include <catch2/catch.hpp>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "kernels/cuda/gemm_sm90.h"
+#include "kernels/kernels.h"
+#include "tests/tolerances.h"
+
+#include "tests/cuda/cuda_kernel_test_util.h"
+
+namespace {
+
+void need_sm90() {
+  need_gpu();
+  if (!cu::gemm90::available()) {
+    std::fprintf(stderr, "no sm_90a build or no compute-capability 9.0 device: skipping\n");
+    std::exit(4);
+  }
+}
+
+__nv_bfloat16* dev(bf16* p) { return reinterpret_cast<__nv_bfloat16*>(p); }
+
+}  // namespace
+
+TEST_CASE("gemm_sm90: linear forward, bias and GELU epilogues", "[gemm_sm90]") {
+  need_sm90();
+  struct Case { int64_t N; int I, O; };
+  // N: one row, a partial tile, several tiles with a ragged last one; I: under one K tile, not a
+  // multiple of 64, the ViT's 768; O: under one 128-column tile, ragged last column tiles (200 =
+  // 128 + 72, 1032 = 8 x 128 + 8), whole tiles. The last two cases have 576 and 297 tiles: more
+  // than two per block on a GPU of up to 144 multiprocessors, so both consumers take several
+  // tiles each and the ring of 5 stages wraps within and across tiles (3 and 13 K tiles a tile).
+  const Case cases[] = {Case{1, 8, 16},     Case{37, 72, 200},    Case{300, 768, 320},  Case{257, 200, 512},
+                        Case{1000, 64, 136}, Case{8192, 136, 1032}, Case{4100, 776, 1032}};
+  uint64_t seed = 100;
+  for (const Case& c : cases) {
+    INFO("N " << c.N << " I " << c.I << " O " << c.O);
+    auto hx = rounded<bf16>(rnd(c.N * c.I, seed++)), hw = rounded<bf16>(rnd(int64_t(c.O) * c.I, seed++, -0.3f, 0.3f));
+    auto hb = rounded<bf16>(rnd(c.O, seed++));
+    DBuf<bf16> x(hx), w(hw), b(hb), out(c.N * c.O), pre(c.N * c.O);
+    REQUIRE(cu::gemm90::supported(out.p, pre.p, nullptr, x.p, w.p, b.p, c.N, c.I, c.O));
+    for (bool bias : {true, false}) {
+      std::vector<float> ref(c.N * c.O);
+      cpu::linear_forward(ref.data(), hx.data(), hw.data(), bias ? hb.data() : nullptr, c.N, c.I, c.O, nullptr);
+      out.poison();
+      cu::gemm90::linear_forward(dev(out.p), nullptr, dev(x.p), dev(w.p), bias ? dev(b.p) : nullptr, nullptr, c.N, c.I,
+                                 c.O, false,
+                                 cu::default_stream());
+      CHECK_CLOSE(out.get(), ref, tol_of<bf16>(true), bias ? "linear bias" : "linear");
+    }
+    std::vector<float> rout(c.N * c.O), rpre(c.N * c.O);
+    cpu::linear_gelu_forward(rout.data(), rpre.data(), hx.data(), hw.data(), hb.data(), c.N, c.I, c.O, nullptr);
+    out.poison();
+    pre.poison();
+    cu::gemm90::linear_forward(dev(out.p), dev(pre.p), dev(x.p), dev(w.p), dev(b.p), nullptr, c.N, c.I, c.O, true,
+                               cu::default_stream());
+    CHECK_CLOSE(pre.get(), rpre, tol_of<bf16>(true), "linear GELU pre");
+    CHECK_CLOSE(out.get(), rout, tol_of<bf16>(true), "linear GELU out");
+    out.poison();
+    pre.poison();
+    cu::gemm90::linear_forward(dev(out.p), nullptr, dev(x.p), dev(w.p), dev(b.p), nullptr, c.N, c.I, c.O, true,
+                               cu::default_stream());
+    CHECK_CLOSE(out.get(), rout, tol_of<bf16>(true), "linear GELU out, no pre");
+    CHECK(std::isnan(pre.get()[0]));  // not written without a pre pointer
+    // the residual in the epilogue: into another buffer, and in place (out == resid)
+    auto hr = rounded<bf16>(rnd(c.N * c.O, seed++, -2.f, 2.f));
+    std::vector<float> radd(c.N * c.O);
+    cpu::linear_forward(radd.data(), hx.data(), hw.data(), hb.data(), c.N, c.I, c.O, nullptr);
+    for (size_t e = 0; e < radd.size(); e++) radd[e] += hr[e];
+    DBuf<bf16> res(hr);
+    out.poison();
+    cu::gemm90::linear_forward(dev(out.p), nullptr, dev(x.p), dev(w.p), dev(b.p), dev(res.p), c.N, c.I, c.O, false,
+                               cu::default_stream());
+    CHECK_CLOSE(out.get(), radd, tol_of<bf16>(true), "linear + residual");
+    cu::gemm90::linear_forward(dev(res.p), nullptr, dev(x.p), dev(w.p), dev(b.p), dev(res.p), c.N, c.I, c.O, false,
+                               cu::default_stream());
+    CHECK_CLOSE(res.get(), radd, tol_of<bf16>(true), "linear + residual, in place");
+  }
+}
+
+TEST_CASE("gemm_sm90: the SwiGLU epilogue, bit for bit swiglu_forward_joined of its gu", "[gemm_sm90]") {
+  need_sm90();
+  struct Case { int64_t N; int C, I; };
+  // I a multiple of 64 (the kernel's contract); 16384 x 576 -> 2 x 1536 is the SPEC LM's, with
+  // 1536 tiles (several per block); C 200 is not a whole K tile
+  for (Case c : {Case{1, 64, 64}, Case{300, 200, 128}, Case{1000, 576, 1536}, Case{16384, 576, 1536}}) {
+    INFO("N " << c.N << " C " << c.C << " I " << c.I);
+    auto hx = rounded<bf16>(rnd(c.N * c.C, 300 + c.I)), hw = rounded<bf16>(rnd(int64_t(2) * c.I * c.C, 301, -0.2f, 0.2f));
+    DBuf<bf16> x(hx), w(hw), gu(c.N * 2 * c.I), h(c.N * c.I), h2(c.N * c.I);
+    REQUIRE(cu::gemm90::swiglu_supported(gu.p, h.p, x.p, w.p, c.N, c.C, c.I));
+    cu::gemm90::linear_swiglu_forward(dev(gu.p), dev(h.p), dev(x.p), dev(w.p), c.N, c.C, c.I, cu::default_stream());
+    std::vector<float> rgu(c.N * 2 * c.I), rh(c.N * c.I);
+    cpu::linear_swiglu_forward(rgu.data(), rh.data(), hx.data(), hw.data(), c.N, c.C, c.I, nullptr);
+    CHECK_CLOSE(gu.get(), rgu, tol_of<bf16>(true), "swiglu epilogue gu");
+    CHECK_CLOSE(h.get(), rh, tol_of<bf16>(true), "swiglu epilogue h");
+    // h from the kernel's own gu through the standalone kernel: the same bits
+    cu::swiglu_forward_joined(h2.p, gu.p, c.N, c.I, S());
+    const std::vector<float> a = h.get(), b = h2.get();
+    size_t differ = 0;
+    for (size_t e = 0; e < a.size(); e++) differ += std::memcmp(&a[e], &b[e], sizeof(float)) != 0;
+    CHECK(differ == 0);
+  }
+}
+
+TEST_CASE("gemm_sm90: matmul.cu's calls routed to it (LOOM_GEMM90=1) and the SwiGLU entry point", "[gemm_sm90]") {
+  need_sm90();
+  setenv("LOOM_GEMM90", "1", 1);
+  const int64_t N = 515;
+  const int I = 264, O = 392;
+  auto hx = rounded<bf16>(rnd(N * I, 400)), hw = rounded<bf16>(rnd(int64_t(O) * I, 401, -0.3f, 0.3f));
+  auto hb = rounded<bf16>(rnd(O, 402)), hr = rounded<bf16>(rnd(N * O, 403));
+  DBuf<bf16> x(hx), w(hw), b(hb), out(N * O), pre(N * O), res(hr);
+  std::vector<float> ref(N * O), rpre(N * O), rout(N * O);
+  cpu::linear_forward(ref.data(), hx.data(), hw.data(), hb.data(), N, I, O, nullptr);
+  cu::linear_forward(out.p, x.p, w.p, b.p, N, I, O, S());
+  CHECK_CLOSE(out.get(), ref, tol_of<bf16>(true), "linear_forward");
+  for (size_t e = 0; e < ref.size(); e++) ref[e] += hr[e];
+  out.poison();
+  cu::linear_forward_add(out.p, x.p, w.p, b.p, res.p, N, I, O, S());
+  CHECK_CLOSE(out.get(), ref, tol_of<bf16>(true), "linear_forward_add");
+  cpu::linear_gelu_forward(rout.data(), rpre.data(), hx.data(), hw.data(), hb.data(), N, I, O, nullptr);
+  out.poison();
+  cu::linear_gelu_forward(out.p, pre.p, x.p, w.p, b.p, N, I, O, S());
+  CHECK_CLOSE(pre.get(), rpre, tol_of<bf16>(true), "linear_gelu_forward pre");
+  CHECK_CLOSE(out.get(), rout, tol_of<bf16>(true), "linear_gelu_forward out");
+  unsetenv("LOOM_GEMM90");
+  // linear_swiglu_forward: the epilogue (bf16, I % 64 == 0) and the two-pass path (f32; bf16 with
+  // an I the kernel does not take), each against the CPU reference
+  for (int Ih : {128, 40}) {
+    INFO("I " << Ih);
+    const int C = 96;
+    auto gx = rnd(N * C, 404), gw = rnd(int64_t(2) * Ih * C, 405, -0.3f, 0.3f);
+    std::vector<float> rgu(N * 2 * Ih), rh(N * Ih);
+    {
+      auto bx = rounded<bf16>(gx), bw = rounded<bf16>(gw);
+      cpu::linear_swiglu_forward(rgu.data(), rh.data(), bx.data(), bw.data(), N, C, Ih, nullptr);
+      DBuf<bf16> dx(bx), dw(bw), gu(N * 2 * Ih), h(N * Ih);
+      cu::linear_swiglu_forward(gu.p, h.p, dx.p, dw.p, N, C, Ih, S());
+      CHECK_CLOSE(gu.get(), rgu, tol_of<bf16>(true), "linear_swiglu_forward bf16 gu");
+      CHECK_CLOSE(h.get(), rh, tol_of<bf16>(true), "linear_swiglu_forward bf16 h");
+    }
+    cpu::linear_swiglu_forward(rgu.data(), rh.data(), gx.data(), gw.data(), N, C, Ih, nullptr);
+    DBuf<float> dx(gx), dw(gw), gu(N * 2 * Ih), h(N * Ih);
+    cu::linear_swiglu_forward(gu.p, h.p, dx.p, dw.p, N, C, Ih, S());
+    CHECK_CLOSE(gu.get(), rgu, tol_of<float>(true), "linear_swiglu_forward f32 gu");
+    CHECK_CLOSE(h.get(), rh, tol_of<float>(true), "linear_swiglu_forward f32 h");
+  }
+}
