@@ -64,7 +64,8 @@ static void joined_weight_grads(const Tensor& d, const Tensor& xc, const std::ve
 // mlp_swiglu with gate and up as one product: gu [N, 2I] = x [Wg; Wu]^T (one GEMM; row n holds
 // gate | up), h = swiglu over gu's two halves (linear_swiglu_forward: in the GEMM's epilogue on
 // Hopper), out = h Wd^T. Backward:
-// dh = go Wd, dgu = swiglu'(dh) in the same layout (with h again for Wd's gradient), then
+// dh = go Wd, dgu = swiglu'(dh) in the same layout (with h again for Wd's gradient; one call,
+// linear_swiglu_backward, the SwiGLU's gradient in the product's epilogue on Hopper), then
 // dx = dgu [Wg; Wu] and d[Wg; Wu] += dgu^T x, one GEMM each (joined_weight_grads). The same
 // math as the separate products, summed in another order (dx over 2I at once). `residual`: as
 // mlp_swiglu's.
@@ -93,20 +94,17 @@ Tensor mlp_swiglu_joined(const Tensor& x, const Tensor& w_gate, const Tensor& w_
       Tensor dwd = grad_buffer(w_down);
       LOOM_CHECK(!dwd.defined() || w_down.is_contiguous(), "mlp_swiglu: gradient of a strided weight");
       Tensor dx = x.requires_grad() ? Tensor::empty(x.shape(), x.dtype(), x.device()) : Tensor();
-      Tensor dh = Tensor::empty({N, I}, go.dtype(), go.device()), dgu = Tensor::empty({N, 2 * I}, go.dtype(), go.device());
+      Tensor dgu = Tensor::empty({N, 2 * I}, go.dtype(), go.device());
       dispatch_float(go, [&](auto dev, auto zero) {
         using T = decltype(zero);
-        KERNEL(dev, linear_backward)(dh.data<T>(), (T*)nullptr, (T*)nullptr, go.data<T>(), (const T*)nullptr,
-                                     wdc.data<T>(), N, I, C2, stream_for(dev));
-        if (dwd.defined()) {
-          Tensor h = Tensor::empty({N, I}, go.dtype(), go.device());
-          KERNEL(dev, swiglu_backward_joined)(dgu.data<T>(), h.data<T>(), dh.data<T>(), gu.data<T>(), N, I, stream_for(dev));
+        // dh = go Wd and the SwiGLU's gradient (and h again, for Wd's gradient) in one call:
+        // gemm_sm90.cu's epilogue on Hopper, else the product into a scratch dh and one pass
+        Tensor h = dwd.defined() ? Tensor::empty({N, I}, go.dtype(), go.device()) : Tensor();
+        KERNEL(dev, linear_swiglu_backward)(dgu.data<T>(), ptr<T>(h), go.data<T>(), wdc.data<T>(), gu.data<T>(), N, C2,
+                                            I, stream_for(dev));
+        if (dwd.defined())
           KERNEL(dev, linear_backward)((T*)nullptr, dwd.data<T>(), (T*)nullptr, go.data<T>(), h.data<T>(), wdc.data<T>(),
                                        N, I, C2, stream_for(dev));
-        } else {
-          KERNEL(dev, swiglu_backward_joined)(dgu.data<T>(), (T*)nullptr, dh.data<T>(), gu.data<T>(), N, I,
-                                              stream_for(dev));
-        }
         if (dx.defined())
           KERNEL(dev, gemm)(dx.data<T>(), dgu.data<T>(), wgu.data<T>(), int(N), C, 2 * I, false, false, 1.0, 0.0, 1, 0, 0,
                             0, stream_for(dev));

@@ -7,8 +7,8 @@
 //   linear_forward_add  out[N,O] = resid[N,O] + inp weight^T + bias[O]   (a residual block's add)
 //   linear_backward  dinp[N,I] = dout[N,O] weight[O,I]            (=)
 //   linear_gelu_forward / linear_dgelu_backward: the same products with the GELU of
-//                    activations.cpp applied after (see kernels.inc); linear_swiglu_forward
-//                    likewise with the joined SwiGLU
+//                    activations.cpp applied after (see kernels.inc); linear_swiglu_forward /
+//                    linear_swiglu_backward likewise with the joined SwiGLU
 //                    dweight[O,I] += dout^T inp                     (+=)
 //                    dbias[O] += sum over rows of dout              (+=)
 // Nothing is saved: linear's backward needs the forward's input, which the caller keeps.
@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "kernels/kernels.h"
 
@@ -180,6 +181,14 @@ void linear_swiglu_forward(T* gu, T* h, const T* inp, const T* wgu, int64_t N, i
 }
 
 template <class T>
+void linear_swiglu_backward(T* dgu, T* prod, const T* dout, const T* wd, const T* gu, int64_t N, int C2, int I,
+                            Stream s) {
+  std::vector<T> dh(size_t(N) * I);
+  linear_backward(dh.data(), (T*)nullptr, (T*)nullptr, dout, (const T*)nullptr, wd, N, I, C2, s);
+  swiglu_backward_joined(dgu, prod, dh.data(), gu, N, I, s);
+}
+
+template <class T>
 void linear_dgelu_backward(T* dpre, T* dbias, const T* dout, const T* weight, const T* pre, int64_t N, int I, int O,
                            Stream s) {
   linear_backward(dpre, (T*)nullptr, (T*)nullptr, dout, (const T*)nullptr, weight, N, I, O, s);  // dout @ W
@@ -200,7 +209,8 @@ void linear_dgelu_backward(T* dpre, T* dbias, const T* dout, const T* weight, co
   template void linear_forward_batched<T>(T*, const T*, const T*, const T*, int64_t, int, int, int, Stream); \
   template void linear_gelu_forward<T>(T*, T*, const T*, const T*, const T*, int64_t, int, int, Stream); \
   template void linear_dgelu_backward<T>(T*, T*, const T*, const T*, const T*, int64_t, int, int, Stream); \
-  template void linear_swiglu_forward<T>(T*, T*, const T*, const T*, int64_t, int, int, Stream);
+  template void linear_swiglu_forward<T>(T*, T*, const T*, const T*, int64_t, int, int, Stream); \
+  template void linear_swiglu_backward<T>(T*, T*, const T*, const T*, const T*, int64_t, int, int, Stream);
 LOOM_MATMUL(float)
 LOOM_MATMUL(double)
 #undef LOOM_MATMUL

@@ -56,15 +56,11 @@ struct SiluB {
     o0 = d * s * (1.f + x * (1.f - s));
   }
 };
-struct SwigluF {
-  __device__ void operator()(float& o0, float&, float g, float u, float) const { o0 = g * sigmoid_f(g) * u; }
+struct SwigluF {  // common.cuh's swiglu_f / swiglu_b (gemm_sm90.cu's epilogues use them too)
+  __device__ void operator()(float& o0, float&, float g, float u, float) const { o0 = swiglu_f(g, u); }
 };
 struct SwigluB {  // inputs: dout, gate, up -> dgate, dup
-  __device__ void operator()(float& dg, float& du, float d, float g, float u) const {
-    float s = sigmoid_f(g);
-    dg = d * u * s * (1.f + g * (1.f - s));
-    du = d * g * s;
-  }
+  __device__ void operator()(float& dg, float& du, float d, float g, float u) const { swiglu_b(dg, du, d, g, u); }
 };
 // swiglu_backward_product: dgate, dup and the product in one pass over gate and up (3 reads and
 // 3 writes instead of the backward's 3 + 2 and a separate recompute's 2 + 1); the two functors

@@ -115,10 +115,19 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 
 // The logistic sigmoid as the SiLU / SwiGLU kernels compute it (activations.cu), and gemm_sm90.cu's
-// SwiGLU epilogue, which must give the same bits: ex2.approx-based __expf and a fast divide
+// SwiGLU epilogues, which must give the same bits: ex2.approx-based __expf and a fast divide
 // (an SFU reciprocal and a multiply; 0 once 1 + e^-x passes 2^126). Against 1 / (1 + expf(-x))
 // it differs by a few ulp and is ~30 instructions shorter per element.
 __device__ __forceinline__ float sigmoid_f(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
+// SwiGLU of one element and its gradients, as activations.cu's kernels and gemm_sm90.cu's
+// epilogues compute them (one definition, so both give the same bits):
+//   swiglu_f: silu(g) u;  swiglu_b: dg = d u s (1 + g (1 - s)), du = d g s, s = sigmoid(g)
+__device__ __forceinline__ float swiglu_f(float g, float u) { return g * sigmoid_f(g) * u; }
+__device__ __forceinline__ void swiglu_b(float& dg, float& du, float d, float g, float u) {
+  const float s = sigmoid_f(g);
+  dg = d * u * s * (1.f + g * (1.f - s));
+  du = d * g * s;
+}
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;

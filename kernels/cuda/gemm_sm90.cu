@@ -11,6 +11,10 @@
  *   epilogue 1: pre = acc + bias (nullable: not written), out = gelu(acc + bias)
  *               gelu: the tanh approximation (activations.cu), tanh.approx.f32 on the SFU
  *   epilogue 2: out = resid + acc + bias, rounded once (linear_forward_add; out may be resid)
+ *   epilogue 3: the SwiGLU of a joined gate | up product: gu = acc, h = silu(gate) up
+ *   epilogue 4: the SwiGLU's gradient behind the down projection's input gradient: acc = dh =
+ *               dout wd (wd [C2, I] read along its rows: B MN-major), dgu = swiglu'(dh, gu),
+ *               h again for wd's gradient; 64-column tiles, gate and up TMA-loaded beside
  *
  * Why: cuBLASLt's GELU epilogue made fc1 ~1.5x as long as a product of the same FLOPs without
  * one (docs/kernels/products.md), and every pass a product's epilogue can take over (bias, GELU,
@@ -43,8 +47,9 @@
  * out, pre and resid 16-byte aligned, bias 4-byte aligned; any N. `supported` says whether a
  * call qualifies (also: built with sm_90a code, running on a compute-capability 9.0 device).
  *
- * Where it is used: linear_swiglu_forward (matmul.cu: the LM's joined gate | up with its SwiGLU,
- * by default on Hopper); linear_forward / linear_forward_add / linear_gelu_forward only with
+ * Where it is used: linear_swiglu_forward and linear_swiglu_backward (matmul.cu: the LM's joined
+ * gate | up with its SwiGLU, and its gradient; by default on Hopper); linear_forward /
+ * linear_forward_add / linear_gelu_forward only with
  * LOOM_GEMM90=1 (matmul.cu's header has the A/B that kept them on cuBLASLt).
  *
  * Measured (H200, 2026-11-27, bench_gemm_shapes, bf16, median of 20, us; cuBLASLt | this):
@@ -54,7 +59,9 @@
  *   blocks, the last round a fifth full) 49.0-50.2 | 57.2-58.3; the LM's gate | up 95.5-103.8 |
  *   97.5-99.1, with its SwiGLU 132.3 (two passes) | 118.0 (this epilogue).
  *   In the steps (kernel traces, LOOM_PDL=0): the VLM's 30 gate | up products with their SwiGLU
- *   3.75 -> 3.46 ms a step; the MIM step with every forward product of inner size <= 1024 here
+ *   3.75 -> 3.46 ms a step; its 30 dh products with the SwiGLU's gradient 1.39 + 2.22 -> 3.63 ms
+ *   (no gain: with 64-column tiles the main loop is ~2 us and the epilogue's 80 KB of loads and
+ *   stores per tile are not hidden; fixed-batch VLM medians 52.89 / 52.86 -> 52.70 / 52.59 ms); the MIM step with every forward product of inner size <= 1024 here
  *   15.00 -> 15.13 ms of products, so those stay on cuBLASLt.
  *   What bounds it: with 128 x 128 tiles a K-768 product reads (128 + 128) x K x 2 bytes per
  *   2 x 128^2 x K FLOPs from L2, ~9 TB/s at these rates; cuBLASLt's kernels here use 192 x 192
@@ -80,13 +87,14 @@ constexpr int BM = 128, BN = 128, BK = 64;
 constexpr int kThreads = 384;  // two consumer warpgroups, then the producer's warpgroup
 // registers per thread after setmaxnreg: 128 x 40 + 256 x 232 = 64512 of the 65536
 
-// Shared memory of a block: the ring of stages, each consumer's output tile (and, for the SwiGLU
-// epilogue, its 128 x 64 h tile beside it: one stage fewer), the mbarriers.
+// Shared memory of a block: the ring of stages, each consumer's output tiles, the mbarriers.
+// EPI 3 (SwiGLU forward): the 128 x 128 gu tile and a 128 x 64 h tile (one stage fewer);
+// EPI 4 (SwiGLU backward, 64-column tiles): the gate, up and h tiles of 128 x 64.
 template <int EPI>
 struct Smem {
   static constexpr int stages = EPI == 3 ? 4 : 5;
-  static constexpr int a_bytes = BM * BK * 2, b_bytes = BN * BK * 2, stage = a_bytes + b_bytes;
-  static constexpr int epi = BM * BN * 2 + (EPI == 3 ? BM * 64 * 2 : 0);  // one consumer's output tiles
+  static constexpr int a_bytes = BM * BK * 2, b_bytes = (EPI == 4 ? 64 : BN) * BK * 2, stage = a_bytes + b_bytes;
+  static constexpr int epi = EPI == 4 ? 3 * BM * 64 * 2 : BM * BN * 2 + (EPI == 3 ? BM * 64 * 2 : 0);
   static constexpr int bytes = 1024 /* alignment */ + stages * stage + 2 * epi + (2 * stages + 4) * 8;
 };
 
@@ -140,7 +148,7 @@ __device__ __forceinline__ void store_tile(bf* sOut, const float (&d)[2][BN / 8]
 // The SwiGLU epilogue (EPI 3): the tile's 64 gate columns (accumulators n < 8) and the 64 up
 // columns of the same hidden units (n >= 8) go out to gu rounded to bf16 (the backward reads
 // them), and h = silu(gate) up from those bf16 values, computed as swiglu_forward_joined does
-// (activations.cu's SwigluF: g sigmoid(g) u, common.cuh's sigmoid_f), so h is bit for bit
+// (common.cuh's swiglu_f, activations.cu's SwigluF), so h is bit for bit
 // what that kernel would make of gu. One pass writes both into shared memory (sOut: gu's two
 // 64-column halves, sH: h's 64 columns), then three TMA stores.
 __device__ __forceinline__ void swiglu_tile(bf* sOut, const float (&d)[2][BN / 8][4], const CUtensorMap* tgu,
@@ -162,7 +170,7 @@ __device__ __forceinline__ void swiglu_tile(bf* sOut, const float (&d)[2][BN / 8
         *reinterpret_cast<__nv_bfloat162*>(sOut + sw128<BM>(row, n) + 2 * t) = gb;
         *reinterpret_cast<__nv_bfloat162*>(sOut + sw128<BM>(row, n + 8) + 2 * t) = ub;
         const float g0 = __low2float(gb), g1 = __high2float(gb), u0 = __low2float(ub), u1 = __high2float(ub);
-        const float h0 = g0 * sigmoid_f(g0) * u0, h1 = g1 * sigmoid_f(g1) * u1;
+        const float h0 = swiglu_f(g0, u0), h1 = swiglu_f(g1, u1);
         *reinterpret_cast<uint32_t*>(sH + sw128<BM>(row, n) + 2 * t) = pack_bf16(h0, h1);
       }
   fence_smem_async();
@@ -171,6 +179,48 @@ __device__ __forceinline__ void swiglu_tile(bf* sOut, const float (&d)[2][BN / 8
     tma_store_3d(tgu, n0, 0, m0, sOut);
     tma_store_3d(tgu, half + n0, 0, m0, sOut + BM * 64);
     tma_store_3d(th, n0, 0, m0, sH);
+    bulk_commit();
+  }
+}
+
+// The SwiGLU backward epilogue (EPI 4): the accumulators are dh (the down projection's input
+// gradient) for 64 hidden units; gate and up for them were TMA-loaded into sG and sU during the
+// main loop. From dh rounded to bf16 (the value the two-pass path stores) and those bf16 inputs,
+// common.cuh's swiglu_b / swiglu_f give dgate, dup and (prod) h, each bit for bit what
+// swiglu_backward_joined computes; dgate and dup overwrite gate and up in place (each thread
+// reads and writes the same elements), then three TMA stores.
+__device__ __forceinline__ void swiglu_bwd_tile(bf* sG, const float (&d)[2][8][4], const CUtensorMap* tdgu,
+                                                const CUtensorMap* th, bool prod, int n0, int half, int m0,
+                                                int wg_tid, int bar) {
+  using namespace attn;
+  const int w = wg_tid / 32, lane = wg_tid % 32, g = lane >> 2, t = lane & 3;
+  bf* sU = sG + BM * 64;
+  bf* sH = sU + BM * 64;
+#pragma unroll
+  for (int hh = 0; hh < 2; hh++)
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        const int pos = sw128<BM>(hh * 64 + w * 16 + g + 8 * r, n) + 2 * t;
+        const __nv_bfloat162 g2 = *reinterpret_cast<const __nv_bfloat162*>(sG + pos);
+        const __nv_bfloat162 u2 = *reinterpret_cast<const __nv_bfloat162*>(sU + pos);
+        const __nv_bfloat162 d2 = __floats2bfloat162_rn(d[hh][n][2 * r], d[hh][n][2 * r + 1]);
+        const float gv[2] = {__low2float(g2), __high2float(g2)}, uv[2] = {__low2float(u2), __high2float(u2)};
+        const float dv[2] = {__low2float(d2), __high2float(d2)};
+        float dg[2], du[2];
+        swiglu_b(dg[0], du[0], dv[0], gv[0], uv[0]);
+        swiglu_b(dg[1], du[1], dv[1], gv[1], uv[1]);
+        *reinterpret_cast<uint32_t*>(sG + pos) = pack_bf16(dg[0], dg[1]);
+        *reinterpret_cast<uint32_t*>(sU + pos) = pack_bf16(du[0], du[1]);
+        if (prod) *reinterpret_cast<uint32_t*>(sH + pos) = pack_bf16(swiglu_f(gv[0], uv[0]), swiglu_f(gv[1], uv[1]));
+      }
+  fence_smem_async();
+  named_sync(bar, 128);
+  if (wg_tid == 0) {
+    tma_store_3d(tdgu, n0, 0, m0, sG);
+    tma_store_3d(tdgu, half + n0, 0, m0, sU);
+    if (prod) tma_store_3d(th, n0, 0, m0, sH);
     bulk_commit();
   }
 }
@@ -218,7 +268,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (warp == 8 && lane == 0) {
       int pos = 0;
       for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * (EPI == 3 ? 64 : BN);
+        const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * (EPI >= 3 ? 64 : BN);
         for (int kt = 0; kt < KT; kt++, pos++) {
           const int s = pos % STAGES;
           if (pos >= STAGES) mbar_wait(&empty[s], ((pos / STAGES) - 1) & 1);
@@ -228,6 +278,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (EPI == 3) {  // 64 gate rows and the 64 up rows `half` further
             tma_load_3d(st + Sm::a_bytes, &tb, kt * BK, 0, n0, &full[s]);
             tma_load_3d(st + Sm::a_bytes + 64 * BK * 2, &tb, kt * BK, 0, half + n0, &full[s]);
+          } else if (EPI == 4) {  // B MN-major: 64 K rows x 64 columns of the [K, half] weight
+            tma_load_3d(st + Sm::a_bytes, &tb, n0, 0, kt * BK, &full[s]);
           } else {
             tma_load_3d(st + Sm::a_bytes, &tb, kt * BK, 0, n0, &full[s]);
           }
@@ -250,18 +302,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (tile >= tiles) break;
     if (c == 1) mbar_wait(&turn[1], i & 1);
     else if (i > 0) mbar_wait(&turn[0], (i - 1) & 1);
-    const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * (EPI == 3 ? 64 : BN);
-    if (EPI == 2 && wg_tid == 0) {  // the residual into the output tile, behind the last store's read
+    const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * (EPI >= 3 ? 64 : BN);
+    if ((EPI == 2 || EPI == 4) && wg_tid == 0) {  // the epilogue's inputs, behind the last store's read
+      // EPI 2: the residual into the output tile; EPI 4: gate and up (of gu) into sG, sU
       bulk_wait_read<0>();
-      mbar_expect_tx(&rbar[c], BM * BN * 2);
+      mbar_expect_tx(&rbar[c], BM * 128 * 2);
       tma_load_3d(sOut, &tres, n0, 0, m0, &rbar[c]);
-      tma_load_3d(sOut + BM * 64, &tres, n0 + 64, 0, m0, &rbar[c]);
+      tma_load_3d(sOut + BM * 64, &tres, EPI == 4 ? half + n0 : n0 + 64, 0, m0, &rbar[c]);
     }
-    float d[2][BN / 8][4];
+    constexpr int TBN = EPI == 4 ? 64 : BN;  // the tile's columns
+    float d[2][TBN / 8][4];
 #pragma unroll
     for (int h = 0; h < 2; h++)
 #pragma unroll
-      for (int i = 0; i < BN / 8; i++) d[h][i][0] = d[h][i][1] = d[h][i][2] = d[h][i][3] = 0.f;
+      for (int i = 0; i < TBN / 8; i++) d[h][i][0] = d[h][i][1] = d[h][i][2] = d[h][i][3] = 0.f;
     int prev = -1;
     for (int kt = 0; kt < KT; kt++) {
       const int pos = j * KT + kt, s = pos % STAGES;
@@ -271,9 +325,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       wg_fence();
 #pragma unroll
       for (int k = 0; k < BK / 16; k++) {
-        const uint64_t db = sdesc(sb + k * 16, 16);
-        wgmma_ss<0>(d[0], sdesc(sa + k * 16, 16), db, 1);
-        wgmma_ss<0>(d[1], sdesc(sa + 64 * BK + k * 16, 16), db, 1);
+        if constexpr (EPI == 4) {  // B MN-major: a k-step is 16 rows of 128 bytes
+          const uint64_t db = sdesc(sb + k * 16 * 64, 64 * BK * 2);
+          wgmma_ss<1>(d[0], sdesc(sa + k * 16, 16), db, 1);
+          wgmma_ss<1>(d[1], sdesc(sa + 64 * BK + k * 16, 16), db, 1);
+        } else {
+          const uint64_t db = sdesc(sb + k * 16, 16);
+          wgmma_ss<0>(d[0], sdesc(sa + k * 16, 16), db, 1);
+          wgmma_ss<0>(d[1], sdesc(sa + 64 * BK + k * 16, 16), db, 1);
+        }
       }
       wg_commit();
       wg_wait<1>();
@@ -286,28 +346,33 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_regs(d[1]);
     if (lane == 0) mbar_arrive(&empty[prev]);
 
-    float bias2[BN / 8][2];
-#pragma unroll
-    for (int n = 0; n < BN / 8; n++) {
-      const int col = n0 + n * 8 + 2 * t;
-      bias2[n][0] = bias2[n][1] = 0.f;
-      if (bias && col < N) {
-        const __nv_bfloat162 bb = *reinterpret_cast<const __nv_bfloat162*>(bias + col);
-        bias2[n][0] = __bfloat162float(bb.x);
-        bias2[n][1] = __bfloat162float(bb.y);
-      }
-    }
-    const auto id = [](float x) { return x; };
-    if (EPI == 1) {
-      if (has_pre) store_tile<false>(sOut, d, bias2, id, &tpre, n0, m0, wg_tid, 1 + c);
-      store_tile<false>(sOut, d, bias2, [](float x) { return gelu_tanh(x); }, &tout, n0, m0, wg_tid, 1 + c);
-    } else if (EPI == 3) {
-      swiglu_tile(sOut, d, &tout, &tpre, n0, half, m0, wg_tid, 1 + c);
-    } else if (EPI == 2) {
+    if constexpr (EPI == 4) {
       mbar_wait(&rbar[c], i & 1);
-      store_tile<true>(sOut, d, bias2, id, &tout, n0, m0, wg_tid, 1 + c);
+      swiglu_bwd_tile(sOut, d, &tout, &tpre, has_pre, n0, half, m0, wg_tid, 1 + c);
     } else {
-      store_tile<false>(sOut, d, bias2, id, &tout, n0, m0, wg_tid, 1 + c);
+      float bias2[BN / 8][2];
+#pragma unroll
+      for (int n = 0; n < BN / 8; n++) {
+        const int col = n0 + n * 8 + 2 * t;
+        bias2[n][0] = bias2[n][1] = 0.f;
+        if (bias && col < N) {
+          const __nv_bfloat162 bb = *reinterpret_cast<const __nv_bfloat162*>(bias + col);
+          bias2[n][0] = __bfloat162float(bb.x);
+          bias2[n][1] = __bfloat162float(bb.y);
+        }
+      }
+      const auto id = [](float x) { return x; };
+      if constexpr (EPI == 1) {
+        if (has_pre) store_tile<false>(sOut, d, bias2, id, &tpre, n0, m0, wg_tid, 1 + c);
+        store_tile<false>(sOut, d, bias2, [](float x) { return gelu_tanh(x); }, &tout, n0, m0, wg_tid, 1 + c);
+      } else if constexpr (EPI == 3) {
+        swiglu_tile(sOut, d, &tout, &tpre, n0, half, m0, wg_tid, 1 + c);
+      } else if constexpr (EPI == 2) {
+        mbar_wait(&rbar[c], i & 1);
+        store_tile<true>(sOut, d, bias2, id, &tout, n0, m0, wg_tid, 1 + c);
+      } else {
+        store_tile<false>(sOut, d, bias2, id, &tout, n0, m0, wg_tid, 1 + c);
+      }
     }
   }
   if (wg_tid == 0) bulk_wait<0>();
@@ -386,6 +451,35 @@ void linear_swiglu_forward(bf* gu, bf* h, const bf* inp, const bf* wgu, int64_t 
   const int grid = std::min(tiles_m * tiles_n, sm_count());
   launch_kernel(gemm_sm90_kernel<3>, grid, kThreads, smem, s, ta, tb, tgu, th, tgu, (const bf*)nullptr, false, tiles_m,
                 tiles_n, 2 * I, C, I);
+  LAUNCH_CHECK();
+}
+
+bool swiglu_bwd_supported(const void* dgu, const void* prod, const void* dout, const void* wd, const void* gu,
+                          int64_t N, int C2, int I) {
+  auto al = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
+  return available() && N > 0 && N < (int64_t(1) << 31) && C2 > 0 && C2 % 8 == 0 && I > 0 && I % 64 == 0 &&
+         al(dgu) && al(prod) && al(dout) && al(wd) && al(gu);
+}
+
+void linear_swiglu_backward(bf* dgu, bf* prod, const bf* dout, const bf* wd, const bf* gu, int64_t N, int C2, int I,
+                            cudaStream_t s) {
+  constexpr int smem = Smem<4>::bytes;
+  static const bool once = [] {
+    CUDA_CHECK(cudaFuncSetAttribute(gemm_sm90_kernel<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    return true;
+  }();
+  (void)once;
+  // A: dout's rows; B: the down projection's weight [C2, I] read along its rows (MN-major), in
+  // boxes of 64 columns x 64 K rows; gu in (gate and up tiles) and dgu out in 64-column boxes
+  const CUtensorMap ta = attn::make_map_3d(dout, false, N, 1, C2, BK, BM);
+  const CUtensorMap tb = attn::make_map_3d(wd, false, C2, 1, I, 64, BK);
+  const CUtensorMap tdgu = attn::make_map_3d(dgu, false, N, 1, 2 * I, 64, BM);
+  const CUtensorMap th = prod ? attn::make_map_3d(prod, false, N, 1, I, 64, BM) : tdgu;
+  const CUtensorMap tgu = attn::make_map_3d(gu, false, N, 1, 2 * I, 64, BM);
+  const int tiles_m = ceil_div(N, BM), tiles_n = I / 64;
+  const int grid = std::min(tiles_m * tiles_n, sm_count());
+  launch_kernel(gemm_sm90_kernel<4>, grid, kThreads, smem, s, ta, tb, tdgu, th, tgu, (const bf*)nullptr,
+                prod != nullptr, tiles_m, tiles_n, 2 * I, C2, I);
   LAUNCH_CHECK();
 }
 

@@ -28,5 +28,13 @@ void linear_forward(__nv_bfloat16* out, __nv_bfloat16* pre, const __nv_bfloat16*
 bool swiglu_supported(const void* gu, const void* h, const void* inp, const void* wgu, int64_t N, int C, int I);
 void linear_swiglu_forward(__nv_bfloat16* gu, __nv_bfloat16* h, const __nv_bfloat16* inp, const __nv_bfloat16* wgu,
                            int64_t N, int C, int I, cudaStream_t s);
+// Its backward through the down projection, the SwiGLU's gradient in the epilogue:
+// dh = dout[N, C2] wd[C2, I] (not written), dgu[N, 2I] = (dgate | dup) of dh, and prod[N, I] =
+// silu(gate) up (nullable), bit for bit what swiglu_backward_joined makes of dh rounded to bf16.
+// swiglu_bwd_supported: available(), C2 % 8 == 0, I % 64 == 0, every pointer 16-byte aligned.
+bool swiglu_bwd_supported(const void* dgu, const void* prod, const void* dout, const void* wd, const void* gu,
+                          int64_t N, int C2, int I);
+void linear_swiglu_backward(__nv_bfloat16* dgu, __nv_bfloat16* prod, const __nv_bfloat16* dout,
+                            const __nv_bfloat16* wd, const __nv_bfloat16* gu, int64_t N, int C2, int I, cudaStream_t s);
 
 }  // namespace loom::cuda::gemm90

@@ -452,6 +452,25 @@ void linear_swiglu_forward(T* gu, T* h, const T* inp, const T* wgu, int64_t N, i
   swiglu_forward_joined(h, gu, N, I, s);
 }
 
+// The same for the backward through the down projection (gemm_sm90.cu's SwiGLU-backward
+// epilogue), else the input-gradient product into a scratch dh and swiglu_backward_joined
+template <class T>
+void linear_swiglu_backward(T* dgu, T* prod, const T* dout, const T* wd, const T* gu, int64_t N, int C2, int I,
+                            Stream s) {
+  if (N <= 0 || I <= 0) return;
+  if constexpr (std::is_same_v<T, bf16>) {
+    const char* e = std::getenv("LOOM_GEMM90");  // read at every call: tests switch it
+    if (!(e && e[0] == '0' && e[1] == 0) && gemm90::swiglu_bwd_supported(dgu, prod, dout, wd, gu, N, C2, I)) {
+      gemm90::linear_swiglu_backward(dptr(dgu), dptr(prod), dptr(dout), dptr(wd), dptr(gu), N, C2, I, s);
+      return;
+    }
+  }
+  T* dh = static_cast<T*>(device_malloc(sizeof(T) * size_t(N) * I));
+  linear_backward(dh, (T*)nullptr, (T*)nullptr, dout, (const T*)nullptr, wd, N, I, C2, s);
+  swiglu_backward_joined(dgu, prod, dh, gu, N, I, s);
+  device_free(dh);  // stream-ordered reuse
+}
+
 template <class T>
 void linear_dgelu_backward(T* dpre, T* dbias, const T* dout, const T* weight, const T* pre, int64_t N, int I, int O,
                            Stream s) {
@@ -475,7 +494,8 @@ void linear_dgelu_backward(T* dpre, T* dbias, const T* dout, const T* weight, co
   template void linear_forward_batched<T>(T*, const T*, const T*, const T*, int64_t, int, int, int, Stream); \
   template void linear_gelu_forward<T>(T*, T*, const T*, const T*, const T*, int64_t, int, int, Stream);  \
   template void linear_dgelu_backward<T>(T*, T*, const T*, const T*, const T*, int64_t, int, int, Stream); \
-  template void linear_swiglu_forward<T>(T*, T*, const T*, const T*, int64_t, int, int, Stream);
+  template void linear_swiglu_forward<T>(T*, T*, const T*, const T*, int64_t, int, int, Stream); \
+  template void linear_swiglu_backward<T>(T*, T*, const T*, const T*, const T*, int64_t, int, int, Stream);
 LOOM_MATMUL(float)
 LOOM_MATMUL(bf16)
 LOOM_MATMUL(f16)

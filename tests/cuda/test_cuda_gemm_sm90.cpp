@@ -1,8 +1,10 @@
-// test_cuda_gemm_sm90.cpp: kernels/cuda/gemm_sm90.cu (the linear forward as a Hopper kernel of
-// our own) against the loom::cpu reference, bf16: ragged row counts (the TMA zero fill and the
-// stores' clipping), widths and depths that are not whole tiles, bias or none, GELU with and
-// without its pre-activation, the residual (in place too). Outputs start poisoned with NaN, so
-// an element the kernel does not write fails. Skipped without a compute-capability 9.0 GPU.
+// test_cuda_gemm_sm90.cpp: kernels/cuda/gemm_sm90.cu (products of our own on Hopper) against the
+// loom::cpu reference, bf16: ragged row counts (the TMA zero fill and the stores' clipping),
+// widths and depths that are not whole tiles, bias or none, GELU with and without its
+// pre-activation, the residual (in place too), the SwiGLU forward and backward epilogues (bit
+// for bit against the standalone SwiGLU kernels where their inputs are the same). Outputs start
+// poisoned with NaN, so an element the kernel does not write fails. Skipped without a
+// compute-capability 9.0 GPU.
 //   bash tools/gpu-kernels.sh tests/cuda/test_cuda_gemm_sm90.cpp
 #include <catch2/catch.hpp>
 
@@ -109,6 +111,47 @@ TEST_CASE("gemm_sm90: the SwiGLU epilogue, bit for bit swiglu_forward_joined of 
   }
 }
 
+TEST_CASE("gemm_sm90: the SwiGLU backward epilogue, bit for bit swiglu_backward_joined of dh", "[gemm_sm90]") {
+  need_sm90();
+  struct Case { int64_t N; int C2, I; };
+  // dh = dout [N, C2] wd [C2, I] with wd read along its rows (the MN-major B path); C2 200 is not a
+  // whole K tile; 16384 x 576 -> 1536 is the SPEC LM's down projection (several tiles per block)
+  for (Case c : {Case{1, 64, 64}, Case{300, 200, 128}, Case{1000, 576, 1536}, Case{16384, 576, 1536}}) {
+    INFO("N " << c.N << " C2 " << c.C2 << " I " << c.I);
+    auto hd = rounded<bf16>(rnd(c.N * c.C2, 500 + c.I)), hw = rounded<bf16>(rnd(int64_t(c.C2) * c.I, 501, -0.2f, 0.2f));
+    auto hgu = rounded<bf16>(rnd(c.N * 2 * c.I, 502, -3.f, 3.f));
+    DBuf<bf16> dout(hd), wd(hw), gu(hgu), dgu(c.N * 2 * c.I), prod(c.N * c.I);
+    REQUIRE(cu::gemm90::swiglu_bwd_supported(dgu.p, prod.p, dout.p, wd.p, gu.p, c.N, c.C2, c.I));
+    cu::gemm90::linear_swiglu_backward(dev(dgu.p), dev(prod.p), dev(dout.p), dev(wd.p), dev(gu.p), c.N, c.C2, c.I,
+                                       cu::default_stream());
+    std::vector<float> rdgu(c.N * 2 * c.I), rprod(c.N * c.I);
+    cpu::linear_swiglu_backward(rdgu.data(), rprod.data(), hd.data(), hw.data(), hgu.data(), c.N, c.C2, c.I, nullptr);
+    CHECK_CLOSE(dgu.get(), rdgu, tol_of<bf16>(true), "swiglu backward epilogue dgu");
+    CHECK_CLOSE(prod.get(), rprod, tol_of<bf16>(true), "swiglu backward epilogue prod");
+    // the two-pass CUDA path on the same inputs (cuBLASLt's dh, then swiglu_backward_joined): its
+    // dh may round differently, so bit equality is asked of prod (from gu alone) and closeness of dgu
+    DBuf<bf16> dgu2(c.N * 2 * c.I), prod2(c.N * c.I);
+    setenv("LOOM_GEMM90", "0", 1);
+    cu::linear_swiglu_backward(dgu2.p, prod2.p, dout.p, wd.p, gu.p, c.N, c.C2, c.I, S());
+    unsetenv("LOOM_GEMM90");
+    CHECK_CLOSE(dgu.get(), dgu2.get(), tol_of<bf16>(true), "swiglu backward epilogue dgu vs two passes");
+    const std::vector<float> a = prod.get(), b = prod2.get();
+    size_t differ = 0;
+    for (size_t e = 0; e < a.size(); e++) differ += std::memcmp(&a[e], &b[e], sizeof(float)) != 0;
+    CHECK(differ == 0);
+    // without prod: dgu the same, prod untouched
+    DBuf<bf16> dgu3(c.N * 2 * c.I);
+    prod.poison();
+    cu::gemm90::linear_swiglu_backward(dev(dgu3.p), nullptr, dev(dout.p), dev(wd.p), dev(gu.p), c.N, c.C2, c.I,
+                                       cu::default_stream());
+    const std::vector<float> x = dgu.get(), y = dgu3.get();
+    size_t differ3 = 0;
+    for (size_t e = 0; e < x.size(); e++) differ3 += std::memcmp(&x[e], &y[e], sizeof(float)) != 0;
+    CHECK(differ3 == 0);
+    CHECK(std::isnan(prod.get()[0]));
+  }
+}
+
 TEST_CASE("gemm_sm90: matmul.cu's calls routed to it (LOOM_GEMM90=1) and the SwiGLU entry point", "[gemm_sm90]") {
   need_sm90();
   setenv("LOOM_GEMM90", "1", 1);
@@ -151,5 +194,14 @@ TEST_CASE("gemm_sm90: matmul.cu's calls routed to it (LOOM_GEMM90=1) and the Swi
     cu::linear_swiglu_forward(gu.p, h.p, dx.p, dw.p, N, C, Ih, S());
     CHECK_CLOSE(gu.get(), rgu, tol_of<float>(true), "linear_swiglu_forward f32 gu");
     CHECK_CLOSE(h.get(), rh, tol_of<float>(true), "linear_swiglu_forward f32 h");
+    // linear_swiglu_backward through the down projection [C, Ih] (f32: the two-pass path)
+    auto gd = rnd(N * C, 406);
+    std::vector<float> rdgu(N * 2 * Ih), rprod(N * Ih), wdn(size_t(C) * Ih);
+    for (size_t e = 0; e < wdn.size(); e++) wdn[e] = gw[e] * 0.5f;
+    cpu::linear_swiglu_backward(rdgu.data(), rprod.data(), gd.data(), wdn.data(), rgu.data(), N, C, Ih, nullptr);
+    DBuf<float> dd(gd), dwd(wdn), dgu(N * 2 * Ih), prod(N * Ih);
+    cu::linear_swiglu_backward(dgu.p, prod.p, dd.p, dwd.p, gu.p, N, C, Ih, S());
+    CHECK_CLOSE(dgu.get(), rdgu, tol_of<float>(true), "linear_swiglu_backward f32 dgu");
+    CHECK_CLOSE(prod.get(), rprod, tol_of<float>(true), "linear_swiglu_backward f32 prod");
   }
 }
