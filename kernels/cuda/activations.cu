@@ -33,18 +33,7 @@ namespace loom::cuda {
 
 namespace {
 
-constexpr float kSqrt2OverPi = 0.7978845608028654f;
-constexpr float kGeluC = 0.044715f;
-
-__device__ __forceinline__ float gelu_f(float x) {
-  float u = kSqrt2OverPi * (x + kGeluC * x * x * x);
-  return 0.5f * x * (1.f + tanhf(u));
-}
-__device__ __forceinline__ float gelu_df(float x) {
-  float u = kSqrt2OverPi * (x + kGeluC * x * x * x);
-  float t = tanhf(u);
-  return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * kSqrt2OverPi * (1.f + 3.f * kGeluC * x * x);
-}
+// gelu_f, gelu_df: common.cuh (gemm_sm90.cu's DGELU epilogue uses gelu_df too)
 
 // One pointwise op: out0 (and out1) from in0, in1, in2 at the same index.
 struct GeluF { __device__ void operator()(float& o0, float&, float a, float, float) const { o0 = gelu_f(a); } };

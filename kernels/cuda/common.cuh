@@ -119,6 +119,16 @@ template <> __device__ __forceinline__ __half from_float<__half>(float x) { retu
 // (an SFU reciprocal and a multiply; 0 once 1 + e^-x passes 2^126). Against 1 / (1 + expf(-x))
 // it differs by a few ulp and is ~30 instructions shorter per element.
 __device__ __forceinline__ float sigmoid_f(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
+// GELU (tanh approximation) and its derivative, as activations.cu's kernels and gemm_sm90.cu's
+// DGELU epilogue compute them
+__device__ __forceinline__ float gelu_f(float x) {
+  const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+  return 0.5f * x * (1.f + tanhf(u));
+}
+__device__ __forceinline__ float gelu_df(float x) {
+  const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x), t = tanhf(u);
+  return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * 0.7978845608028654f * (1.f + 3.f * 0.044715f * x * x);
+}
 // SwiGLU of one element and its gradients, as activations.cu's kernels and gemm_sm90.cu's
 // epilogues compute them (one definition, so both give the same bits):
 //   swiglu_f: silu(g) u;  swiglu_b: dg = d u s (1 + g (1 - s)), du = d g s, s = sigmoid(g)

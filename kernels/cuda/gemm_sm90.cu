@@ -1,9 +1,10 @@
 /*
- * gemm_sm90.cu: the linear forward out = epilogue(inp W^T + bias) as a Hopper (sm_90a) kernel of
- * our own: TMA loads, wgmma, and the epilogue (bias, GELU with its pre-activation, the residual)
- * on the accumulators. Reference: kernels/cpu/matmul.cpp (linear_forward, linear_gelu_forward,
- * linear_forward_add); matmul.cu runs the same contract through cuBLASLt, which stays the path
- * for every call this file does not take (matmul.cu's header says which it takes).
+ * gemm_sm90.cu: products of our own on Hopper (sm_90a): out = epilogue(A B^T) with TMA loads,
+ * wgmma, and the epilogue (bias, GELU with its pre-activation, the residual, DGELU, the SwiGLU
+ * and its gradient) on the accumulators. Reference: kernels/cpu/matmul.cpp (linear_forward,
+ * linear_gelu_forward, linear_forward_add, linear_dgelu_backward, linear_swiglu_forward /
+ * _backward); matmul.cu runs the same contracts through cuBLASLt (and the SwiGLU kernels),
+ * which stay the path for every call this file does not take (matmul.cu says which it takes).
  *
  * Math (row-major, bf16 in and out, fp32 accumulation):
  *   acc[N,O] = inp[N,I] weight[O,I]^T                 (inp and weight both K-major: wgmma's "TN")
@@ -12,6 +13,8 @@
  *               gelu: the tanh approximation (activations.cu), tanh.approx.f32 on the SFU
  *   epilogue 2: out = resid + acc + bias, rounded once (linear_forward_add; out may be resid)
  *   epilogue 3: the SwiGLU of a joined gate | up product: gu = acc, h = silu(gate) up
+ *   epilogue 5: dpre = acc * gelu'(pre), acc = dout W with W [O, I] read along its rows (B
+ *               MN-major): linear_dgelu_backward's product, pre TMA-loaded into the output tile
  *   epilogue 4: the SwiGLU's gradient behind the down projection's input gradient: acc = dh =
  *               dout wd (wd [C2, I] read along its rows: B MN-major), dgu = swiglu'(dh, gu),
  *               h again for wd's gradient; 64-column tiles, gate and up TMA-loaded beside
@@ -49,7 +52,7 @@
  *
  * Where it is used: linear_swiglu_forward and linear_swiglu_backward (matmul.cu: the LM's joined
  * gate | up with its SwiGLU, and its gradient; by default on Hopper); linear_forward /
- * linear_forward_add / linear_gelu_forward only with
+ * linear_forward_add / linear_gelu_forward / linear_dgelu_backward only with
  * LOOM_GEMM90=1 (matmul.cu's header has the A/B that kept them on cuBLASLt).
  *
  * Measured (H200, 2026-11-27, bench_gemm_shapes, bf16, median of 20, us; cuBLASLt | this):
@@ -61,7 +64,9 @@
  *   In the steps (kernel traces, LOOM_PDL=0): the VLM's 30 gate | up products with their SwiGLU
  *   3.75 -> 3.46 ms a step; its 30 dh products with the SwiGLU's gradient 1.39 + 2.22 -> 3.63 ms
  *   (no gain: with 64-column tiles the main loop is ~2 us and the epilogue's 80 KB of loads and
- *   stores per tile are not hidden; fixed-batch VLM medians 52.89 / 52.86 -> 52.70 / 52.59 ms); the MIM step with every forward product of inner size <= 1024 here
+ *   stores per tile are not hidden; fixed-batch VLM medians 52.89 / 52.86 -> 52.70 / 52.59 ms);
+ *   the MIM step's 16 DGELU products 1.38 (cuBLASLt's xmma DGELU kernel) -> 1.53 ms, so DGELU
+ *   stays on cuBLASLt; the MIM step with every forward product of inner size <= 1024 here
  *   15.00 -> 15.13 ms of products, so those stay on cuBLASLt.
  *   What bounds it: with 128 x 128 tiles a K-768 product reads (128 + 128) x K x 2 bytes per
  *   2 x 128^2 x K FLOPs from L2, ~9 TB/s at these rates; cuBLASLt's kernels here use 192 x 192
@@ -108,15 +113,16 @@ __device__ __forceinline__ float gelu_tanh(float x) {
 // A consumer's 128 x 128 fp32 accumulators (two m64 halves) as bf16 into its sw128 output tile
 // (two 64-column halves of 128 rows, the TMA store's box layout), then one thread stores the
 // tile. Bank-conflict free: the 8 rows a warp writes per column block land in 8 different
-// 16-byte chunks. RES: the tile holds the residual (TMA-loaded during the main loop), and each
-// thread adds the values at the places it then overwrites.
-template <bool RES, class F>
+// 16-byte chunks. MODE 1: the tile holds the residual (TMA-loaded during the main loop), and each
+// thread adds the values at the places it then overwrites; MODE 2: it holds GELU's
+// pre-activation, and each thread multiplies by its derivative there.
+template <int MODE, class F>
 __device__ __forceinline__ void store_tile(bf* sOut, const float (&d)[2][BN / 8][4], const float (&bias2)[BN / 8][2],
                                            F act, const CUtensorMap* map, int n0, int m0, int wg_tid, int bar,
                                            int n1 = -1) {
   using namespace attn;
   const int w = wg_tid / 32, lane = wg_tid % 32, g = lane >> 2, t = lane & 3;
-  if (!RES) {  // with RES the load that filled the tile came after the last store had read it
+  if (MODE == 0) {  // otherwise the load that filled the tile came after the last store had read it
     if (wg_tid == 0) bulk_wait_read<0>();  // the last store from this tile has read it
     named_sync(bar, 128);
   }
@@ -129,10 +135,14 @@ __device__ __forceinline__ void store_tile(bf* sOut, const float (&d)[2][BN / 8]
         const int row = h * 64 + w * 16 + g + 8 * r;
         uint32_t* p = reinterpret_cast<uint32_t*>(sOut + sw128<BM>(row, n) + 2 * t);
         float v0 = act(d[h][n][2 * r] + bias2[n][0]), v1 = act(d[h][n][2 * r + 1] + bias2[n][1]);
-        if (RES) {
+        if (MODE == 1) {  // + the residual
           const __nv_bfloat162 rr = *reinterpret_cast<const __nv_bfloat162*>(p);
           v0 += __bfloat162float(rr.x);
           v1 += __bfloat162float(rr.y);
+        } else if (MODE == 2) {  // x gelu'(the pre-activation)
+          const __nv_bfloat162 pp = *reinterpret_cast<const __nv_bfloat162*>(p);
+          v0 *= gelu_df(__bfloat162float(pp.x));
+          v1 *= gelu_df(__bfloat162float(pp.y));
         }
         *p = pack_bf16(v0, v1);
       }
@@ -268,7 +278,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (warp == 8 && lane == 0) {
       int pos = 0;
       for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * (EPI >= 3 ? 64 : BN);
+        const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * (EPI == 3 || EPI == 4 ? 64 : BN);
         for (int kt = 0; kt < KT; kt++, pos++) {
           const int s = pos % STAGES;
           if (pos >= STAGES) mbar_wait(&empty[s], ((pos / STAGES) - 1) & 1);
@@ -280,6 +290,9 @@ __global__ void __launch_bounds__(kThreads, 1)
             tma_load_3d(st + Sm::a_bytes + 64 * BK * 2, &tb, kt * BK, 0, half + n0, &full[s]);
           } else if (EPI == 4) {  // B MN-major: 64 K rows x 64 columns of the [K, half] weight
             tma_load_3d(st + Sm::a_bytes, &tb, n0, 0, kt * BK, &full[s]);
+          } else if (EPI == 5) {  // B MN-major, two such boxes: the tile's 128 columns
+            tma_load_3d(st + Sm::a_bytes, &tb, n0, 0, kt * BK, &full[s]);
+            tma_load_3d(st + Sm::a_bytes + 64 * BK * 2, &tb, n0 + 64, 0, kt * BK, &full[s]);
           } else {
             tma_load_3d(st + Sm::a_bytes, &tb, kt * BK, 0, n0, &full[s]);
           }
@@ -302,9 +315,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (tile >= tiles) break;
     if (c == 1) mbar_wait(&turn[1], i & 1);
     else if (i > 0) mbar_wait(&turn[0], (i - 1) & 1);
-    const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * (EPI >= 3 ? 64 : BN);
-    if ((EPI == 2 || EPI == 4) && wg_tid == 0) {  // the epilogue's inputs, behind the last store's read
-      // EPI 2: the residual into the output tile; EPI 4: gate and up (of gu) into sG, sU
+    const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * (EPI == 3 || EPI == 4 ? 64 : BN);
+    if ((EPI == 2 || EPI == 4 || EPI == 5) && wg_tid == 0) {  // the epilogue's inputs, behind the last
+      // store's read. EPI 2: the residual into the output tile; EPI 4: gate and up (of gu) into
+      // sG, sU; EPI 5: GELU's pre-activation into the output tile
       bulk_wait_read<0>();
       mbar_expect_tx(&rbar[c], BM * 128 * 2);
       tma_load_3d(sOut, &tres, n0, 0, m0, &rbar[c]);
@@ -325,7 +339,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       wg_fence();
 #pragma unroll
       for (int k = 0; k < BK / 16; k++) {
-        if constexpr (EPI == 4) {  // B MN-major: a k-step is 16 rows of 128 bytes
+        if constexpr (EPI == 4 || EPI == 5) {  // B MN-major: a k-step is 16 rows of 128 bytes, the
+          // 64-column halves (EPI 5) 8 KB apart
           const uint64_t db = sdesc(sb + k * 16 * 64, 64 * BK * 2);
           wgmma_ss<1>(d[0], sdesc(sa + k * 16, 16), db, 1);
           wgmma_ss<1>(d[1], sdesc(sa + 64 * BK + k * 16, 16), db, 1);
@@ -363,15 +378,18 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       const auto id = [](float x) { return x; };
       if constexpr (EPI == 1) {
-        if (has_pre) store_tile<false>(sOut, d, bias2, id, &tpre, n0, m0, wg_tid, 1 + c);
-        store_tile<false>(sOut, d, bias2, [](float x) { return gelu_tanh(x); }, &tout, n0, m0, wg_tid, 1 + c);
+        if (has_pre) store_tile<0>(sOut, d, bias2, id, &tpre, n0, m0, wg_tid, 1 + c);
+        store_tile<0>(sOut, d, bias2, [](float x) { return gelu_tanh(x); }, &tout, n0, m0, wg_tid, 1 + c);
       } else if constexpr (EPI == 3) {
         swiglu_tile(sOut, d, &tout, &tpre, n0, half, m0, wg_tid, 1 + c);
       } else if constexpr (EPI == 2) {
         mbar_wait(&rbar[c], i & 1);
-        store_tile<true>(sOut, d, bias2, id, &tout, n0, m0, wg_tid, 1 + c);
+        store_tile<1>(sOut, d, bias2, id, &tout, n0, m0, wg_tid, 1 + c);
+      } else if constexpr (EPI == 5) {
+        mbar_wait(&rbar[c], i & 1);
+        store_tile<2>(sOut, d, bias2, id, &tout, n0, m0, wg_tid, 1 + c);
       } else {
-        store_tile<false>(sOut, d, bias2, id, &tout, n0, m0, wg_tid, 1 + c);
+        store_tile<0>(sOut, d, bias2, id, &tout, n0, m0, wg_tid, 1 + c);
       }
     }
   }
@@ -451,6 +469,33 @@ void linear_swiglu_forward(bf* gu, bf* h, const bf* inp, const bf* wgu, int64_t 
   const int grid = std::min(tiles_m * tiles_n, sm_count());
   launch_kernel(gemm_sm90_kernel<3>, grid, kThreads, smem, s, ta, tb, tgu, th, tgu, (const bf*)nullptr, false, tiles_m,
                 tiles_n, 2 * I, C, I);
+  LAUNCH_CHECK();
+}
+
+bool dgelu_supported(const void* dpre, const void* dout, const void* weight, const void* pre, int64_t N, int I,
+                     int O) {
+  auto al = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
+  return available() && N > 0 && N < (int64_t(1) << 31) && I > 0 && I % 8 == 0 && O > 0 && O % 8 == 0 && al(dpre) &&
+         al(dout) && al(weight) && al(pre);
+}
+
+void linear_dgelu(bf* dpre, const bf* dout, const bf* weight, const bf* pre, int64_t N, int I, int O, cudaStream_t s) {
+  constexpr int smem = Smem<5>::bytes;
+  static const bool once = [] {
+    CUDA_CHECK(cudaFuncSetAttribute(gemm_sm90_kernel<5>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    return true;
+  }();
+  (void)once;
+  // A: dout [N, O]; B: weight [O, I] read along its rows (MN-major) in boxes of 64 columns x 64
+  // K rows; pre in and dpre out in 64-column boxes of 128 rows
+  const CUtensorMap ta = attn::make_map_3d(dout, false, N, 1, O, BK, BM);
+  const CUtensorMap tb = attn::make_map_3d(weight, false, O, 1, I, 64, BK);
+  const CUtensorMap tout = attn::make_map_3d(dpre, false, N, 1, I, 64, BM);
+  const CUtensorMap tpre = attn::make_map_3d(pre, false, N, 1, I, 64, BM);
+  const int tiles_m = ceil_div(N, BM), tiles_n = ceil_div(I, BN);
+  const int grid = std::min(tiles_m * tiles_n, sm_count());
+  launch_kernel(gemm_sm90_kernel<5>, grid, kThreads, smem, s, ta, tb, tout, tout, tpre, (const bf*)nullptr, false,
+                tiles_m, tiles_n, I, O, 0);
   LAUNCH_CHECK();
 }
 

@@ -1,6 +1,7 @@
-// gemm_sm90.h: the host entry points of gemm_sm90.cu, the linear forward as a Hopper kernel of
-// our own (TMA + wgmma; bias, GELU or a residual add in the epilogue). matmul.cu's cuBLASLt path is the
-// reference contract and the fallback; the file's header says what it takes and why.
+// gemm_sm90.h: the host entry points of gemm_sm90.cu, products of our own on Hopper (TMA + wgmma;
+// bias, GELU, a residual add, DGELU, the SwiGLU or its gradient in the epilogue). matmul.cu's
+// cuBLASLt path is the reference contract and the fallback; the .cu's header says what it takes
+// and why.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -28,6 +29,12 @@ void linear_forward(__nv_bfloat16* out, __nv_bfloat16* pre, const __nv_bfloat16*
 bool swiglu_supported(const void* gu, const void* h, const void* inp, const void* wgu, int64_t N, int C, int I);
 void linear_swiglu_forward(__nv_bfloat16* gu, __nv_bfloat16* h, const __nv_bfloat16* inp, const __nv_bfloat16* wgu,
                            int64_t N, int C, int I, cudaStream_t s);
+// dpre[N, I] = (dout[N, O] weight[O, I]) * gelu'(pre[N, I]) (linear_dgelu_backward's product; the
+// bias gradient is not taken). dgelu_supported: available(), I % 8 == 0, O % 8 == 0, every
+// pointer 16-byte aligned.
+bool dgelu_supported(const void* dpre, const void* dout, const void* weight, const void* pre, int64_t N, int I, int O);
+void linear_dgelu(__nv_bfloat16* dpre, const __nv_bfloat16* dout, const __nv_bfloat16* weight,
+                  const __nv_bfloat16* pre, int64_t N, int I, int O, cudaStream_t s);
 // Its backward through the down projection, the SwiGLU's gradient in the epilogue:
 // dh = dout[N, C2] wd[C2, I] (not written), dgu[N, 2I] = (dgate | dup) of dh, and prod[N, I] =
 // silu(gate) up (nullable), bit for bit what swiglu_backward_joined makes of dh rounded to bf16.

@@ -476,8 +476,19 @@ void linear_dgelu_backward(T* dpre, T* dbias, const T* dout, const T* weight, co
                            Stream s) {
   if (N <= 0 || I <= 0) return;
   if (N > INT32_MAX) throw std::runtime_error("linear_dgelu_backward: N too large for one GEMM");
-  if (!lt_matmul(dpre, dout, weight, (const T*)nullptr, int(N), I, O, false, false, 1.f, 0.f, 1, 0, 0, 0, s,
-                 CUBLASLT_EPILOGUE_DGELU, pre)) {
+  bool done = false;
+  // gemm_sm90.cu's DGELU epilogue with LOOM_GEMM90=1 only: it ran the MIM step's 16 calls in 1.53
+  // ms against cuBLASLt's DGELU kernel's 1.38 (H200, 2026-11-27, traces), bench_mim 23.82 / 23.76
+  // -> 23.90 / 23.96 ms and contrastive 45.56 / 45.64 -> 45.94 / 46.00 with it (same call)
+  if constexpr (std::is_same_v<T, bf16>) {
+    const char* e = std::getenv("LOOM_GEMM90");  // read at every call: tests switch it
+    if (e && e[0] == '1' && e[1] == 0 && gemm90::dgelu_supported(dpre, dout, weight, pre, N, I, O)) {
+      gemm90::linear_dgelu(dptr(dpre), dptr(dout), dptr(weight), dptr(pre), N, I, O, s);
+      done = true;
+    }
+  }
+  if (!done && !lt_matmul(dpre, dout, weight, (const T*)nullptr, int(N), I, O, false, false, 1.f, 0.f, 1, 0, 0, 0, s,
+                          CUBLASLT_EPILOGUE_DGELU, pre)) {
     say_once("linear_dgelu_backward: no cuBLASLt DGELU algorithm for this shape; GEMM and GELU backward run apart");
     gemm(dpre, dout, weight, int(N), I, O, false, false, 1.0, 0.0, 1, 0, 0, 0, s);
     gelu_backward(dpre, dpre, pre, N * I, s);

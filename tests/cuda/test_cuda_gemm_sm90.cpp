@@ -1,7 +1,7 @@
 // test_cuda_gemm_sm90.cpp: kernels/cuda/gemm_sm90.cu (products of our own on Hopper) against the
 // loom::cpu reference, bf16: ragged row counts (the TMA zero fill and the stores' clipping),
 // widths and depths that are not whole tiles, bias or none, GELU with and without its
-// pre-activation, the residual (in place too), the SwiGLU forward and backward epilogues (bit
+// pre-activation, the residual (in place too), DGELU, the SwiGLU forward and backward epilogues (bit
 // for bit against the standalone SwiGLU kernels where their inputs are the same). Outputs start
 // poisoned with NaN, so an element the kernel does not write fails. Skipped without a
 // compute-capability 9.0 GPU.
@@ -108,6 +108,39 @@ TEST_CASE("gemm_sm90: the SwiGLU epilogue, bit for bit swiglu_forward_joined of 
     size_t differ = 0;
     for (size_t e = 0; e < a.size(); e++) differ += std::memcmp(&a[e], &b[e], sizeof(float)) != 0;
     CHECK(differ == 0);
+  }
+}
+
+TEST_CASE("gemm_sm90: the DGELU epilogue (linear_dgelu_backward's product)", "[gemm_sm90]") {
+  need_sm90();
+  struct Case { int64_t N; int I, O; };
+  // dpre [N, I] = (dout [N, O] W [O, I]) gelu'(pre): W read along its rows (MN-major B, two
+  // 64-column boxes a stage); I 200 leaves a ragged column tile, O 72 a partial K tile; 6272 x
+  // 3072 <- 768 is the SPEC MIM encoder's fc1 (several tiles per block)
+  for (Case c : {Case{1, 64, 64}, Case{300, 200, 72}, Case{1000, 1032, 384}, Case{6272, 3072, 768}}) {
+    INFO("N " << c.N << " I " << c.I << " O " << c.O);
+    auto hd = rounded<bf16>(rnd(c.N * c.O, 600 + c.I)), hw = rounded<bf16>(rnd(int64_t(c.O) * c.I, 601, -0.2f, 0.2f));
+    auto hp = rounded<bf16>(rnd(c.N * c.I, 602, -3.f, 3.f));
+    DBuf<bf16> dout(hd), w(hw), pre(hp), dpre(c.N * c.I);
+    REQUIRE(cu::gemm90::dgelu_supported(dpre.p, dout.p, w.p, pre.p, c.N, c.I, c.O));
+    cu::gemm90::linear_dgelu(dev(dpre.p), dev(dout.p), dev(w.p), dev(pre.p), c.N, c.I, c.O, cu::default_stream());
+    std::vector<float> ref(c.N * c.I);
+    cpu::linear_dgelu_backward(ref.data(), (float*)nullptr, hd.data(), hw.data(), hp.data(), c.N, c.I, c.O, nullptr);
+    CHECK_CLOSE(dpre.get(), ref, tol_of<bf16>(true), "DGELU epilogue dpre");
+    // through matmul.cu (LOOM_GEMM90=1 sends it here) with the bias gradient (+=, the column sums
+    // of dpre)
+    auto hb = rnd(c.I, 603);
+    DBuf<bf16> db(rounded<bf16>(hb));
+    std::vector<float> rdb = rounded<bf16>(hb);
+    dpre.poison();
+    setenv("LOOM_GEMM90", "1", 1);
+    cu::linear_dgelu_backward(dpre.p, db.p, dout.p, w.p, pre.p, c.N, c.I, c.O, S());
+    unsetenv("LOOM_GEMM90");
+    const std::vector<float> got = dpre.get();
+    CHECK_CLOSE(got, ref, tol_of<bf16>(true), "linear_dgelu_backward dpre");
+    for (int64_t r = 0; r < c.N; r++)
+      for (int k = 0; k < c.I; k++) rdb[k] += got[r * c.I + k];
+    CHECK_CLOSE(db.get(), rdb, tol_of<bf16>(true), "linear_dgelu_backward dbias");
   }
 }
 
