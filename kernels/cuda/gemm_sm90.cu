@@ -13,11 +13,12 @@
  *               gelu: the tanh approximation (activations.cu), tanh.approx.f32 on the SFU
  *   epilogue 2: out = resid + acc + bias, rounded once (linear_forward_add; out may be resid)
  *   epilogue 3: the SwiGLU of a joined gate | up product: gu = acc, h = silu(gate) up
- *   epilogue 5: dpre = acc * gelu'(pre), acc = dout W with W [O, I] read along its rows (B
- *               MN-major): linear_dgelu_backward's product, pre TMA-loaded into the output tile
  *   epilogue 4: the SwiGLU's gradient behind the down projection's input gradient: acc = dh =
  *               dout wd (wd [C2, I] read along its rows: B MN-major), dgu = swiglu'(dh, gu),
- *               h again for wd's gradient; 64-column tiles, gate and up TMA-loaded beside
+ *               h again for wd's gradient; 64-column tiles, gate and up TMA-loaded during the
+ *               main loop
+ *   epilogue 5: dpre = acc * gelu'(pre), acc = dout W with W [O, I] read along its rows (B
+ *               MN-major): linear_dgelu_backward's product, pre TMA-loaded into the output tile
  *
  * Why: cuBLASLt's GELU epilogue made fc1 ~1.5x as long as a product of the same FLOPs without
  * one (docs/kernels/products.md), and every pass a product's epilogue can take over (bias, GELU,
@@ -57,7 +58,7 @@
  *
  * Measured (H200, 2026-11-27, bench_gemm_shapes, bf16, median of 20, us; cuBLASLt | this):
  *   MIM forward products summed over a step 10.18 | 9.87 ms; enc.fc1 (6272 x 768 -> 3072, GELU +
- *   pre) 69.6-70.8 | 60.4-62.0, target.fc1 (25088 rows, GELU) 208-211 | 206-207, target.qkv
+ *   pre) 69.0-70.8 | 60.4-62.0, target.fc1 (25088 rows, GELU) 208-211 | 206-207, target.qkv
  *   139.5 | 138.8 (~640 TFLOP/s, K 768), the K 3072 products behind: enc.fc2 (294 tiles on 132
  *   blocks, the last round a fifth full) 49.0-50.2 | 57.2-58.3; the LM's gate | up 95.5-103.8 |
  *   97.5-99.1, with its SwiGLU 132.3 (two passes) | 118.0 (this epilogue).

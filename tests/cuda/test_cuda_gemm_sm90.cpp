@@ -94,7 +94,8 @@ TEST_CASE("gemm_sm90: the SwiGLU epilogue, bit for bit swiglu_forward_joined of 
   // 1536 tiles (several per block); C 200 is not a whole K tile
   for (Case c : {Case{1, 64, 64}, Case{300, 200, 128}, Case{1000, 576, 1536}, Case{16384, 576, 1536}}) {
     INFO("N " << c.N << " C " << c.C << " I " << c.I);
-    auto hx = rounded<bf16>(rnd(c.N * c.C, 300 + c.I)), hw = rounded<bf16>(rnd(int64_t(2) * c.I * c.C, 301, -0.2f, 0.2f));
+    auto hx = rounded<bf16>(rnd(c.N * c.C, 300 + c.I));
+    auto hw = rounded<bf16>(rnd(int64_t(2) * c.I * c.C, 301, -0.2f, 0.2f));
     DBuf<bf16> x(hx), w(hw), gu(c.N * 2 * c.I), h(c.N * c.I), h2(c.N * c.I);
     REQUIRE(cu::gemm90::swiglu_supported(gu.p, h.p, x.p, w.p, c.N, c.C, c.I));
     cu::gemm90::linear_swiglu_forward(dev(gu.p), dev(h.p), dev(x.p), dev(w.p), c.N, c.C, c.I, cu::default_stream());
