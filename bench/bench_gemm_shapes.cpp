@@ -122,37 +122,31 @@ int main() {
          *dx = random_buffer(in, 4), *W = random_buffer(w, 5), *dW = random_buffer(w, 6),
          *b = random_buffer(size_t(sh.O), 7), *pre = sh.gelu ? random_buffer(out, 8) : nullptr;
     const double flop = 2.0 * double(sh.M) * sh.I * sh.O;
-    auto one = [&](const char* op, const std::function<void()>& f) {
+    // impl "loom": matmul.cu's path (cuBLASLt unless LOOM_GEMM90 routes the call); "sm90":
+    // gemm_sm90.cu's kernel called directly
+    auto one = [&](const char* op, const std::function<void()>& f, const char* impl = "loom") {
       double ms = median_ms(f);
       std::printf(
-          "{\"impl\":\"loom\",\"kernel\":\"gemm_shape\",\"workload\":\"%s\",\"layer\":\"%s\",\"op\":\"%s\",\"M\":%lld,"
-          "\"I\":%d,\"O\":%d,\"count\":%d,\"ms\":%.4f,\"tflops\":%.1f}\n",
-          sh.workload, sh.layer, op, (long long)sh.M, sh.I, sh.O, sh.count, ms, flop / ms / 1e9);
+          "{\"impl\":\"%s\",\"kernel\":\"gemm_shape\",\"workload\":\"%s\",\"layer\":\"%s\",\"op\":\"%s\","
+          "\"M\":%lld,\"I\":%d,\"O\":%d,\"count\":%d,\"ms\":%.4f,\"tflops\":%.1f}\n",
+          impl, sh.workload, sh.layer, op, (long long)sh.M, sh.I, sh.O, sh.count, ms, flop / ms / 1e9);
       std::fflush(stdout);
       std::string k = std::string(sh.workload) + " " + op;
+      if (std::string(impl) != "loom") k += " " + std::string(impl);
       sum_ms[k] += ms * sh.count;
       sum_flop[k] += flop * sh.count;
     };
+    auto dev = [](bf16* p) { return reinterpret_cast<__nv_bfloat16*>(p); };
     if (sh.gelu)
       one("fwd", [&] { cu::linear_gelu_forward(y, sh.grad ? pre : nullptr, x, W, b, sh.M, sh.I, sh.O, s); });
     else
       one("fwd", [&] { cu::linear_forward(y, x, W, sh.bias ? b : nullptr, sh.M, sh.I, sh.O, s); });
     // the forward through gemm_sm90.cu's kernel
-    if (cu::gemm90::supported(y, pre, nullptr, x, W, b, sh.M, sh.I, sh.O)) {
-      auto dev = [](bf16* p) { return reinterpret_cast<__nv_bfloat16*>(p); };
-      const double ms = median_ms([&] {
+    if (cu::gemm90::supported(y, pre, nullptr, x, W, b, sh.M, sh.I, sh.O))
+      one("fwd", [&] {
         cu::gemm90::linear_forward(dev(y), sh.gelu && sh.grad ? dev(pre) : nullptr, dev(x), dev(W),
                                    sh.bias ? dev(b) : nullptr, nullptr, sh.M, sh.I, sh.O, sh.gelu, s);
-      });
-      std::printf(
-          "{\"impl\":\"sm90\",\"kernel\":\"gemm_shape\",\"workload\":\"%s\",\"layer\":\"%s\",\"op\":\"fwd\","
-          "\"M\":%lld,\"I\":%d,\"O\":%d,\"count\":%d,\"ms\":%.4f,\"tflops\":%.1f}\n",
-          sh.workload, sh.layer, (long long)sh.M, sh.I, sh.O, sh.count, ms, flop / ms / 1e9);
-      std::fflush(stdout);
-      const std::string k = std::string(sh.workload) + " fwd sm90";
-      sum_ms[k] += ms * sh.count;
-      sum_flop[k] += flop * sh.count;
-    }
+      }, "sm90");
     // the LM's joined gate | up with its SwiGLU: the product then swiglu_forward_joined (two
     // passes), and linear_swiglu_forward (the epilogue of gemm_sm90.cu on Hopper)
     if (std::string(sh.layer) == "lm.gate_up") {
@@ -169,18 +163,11 @@ int main() {
                                                   layer == "lm.down");
     if (resid_layer) {
       one("fwd_add", [&] { cu::linear_forward_add(y, x, W, sh.bias ? b : nullptr, dy, sh.M, sh.I, sh.O, s); });
-      if (cu::gemm90::supported(y, nullptr, dy, x, W, b, sh.M, sh.I, sh.O)) {
-        auto dev = [](bf16* p) { return reinterpret_cast<__nv_bfloat16*>(p); };
-        const double ms = median_ms([&] {
+      if (cu::gemm90::supported(y, nullptr, dy, x, W, b, sh.M, sh.I, sh.O))
+        one("fwd_add", [&] {
           cu::gemm90::linear_forward(dev(y), nullptr, dev(x), dev(W), sh.bias ? dev(b) : nullptr, dev(dy), sh.M, sh.I,
                                      sh.O, false, s);
-        });
-        std::printf(
-            "{\"impl\":\"sm90\",\"kernel\":\"gemm_shape\",\"workload\":\"%s\",\"layer\":\"%s\",\"op\":"
-            "\"fwd_add\",\"M\":%lld,\"I\":%d,\"O\":%d,\"count\":%d,\"ms\":%.4f,\"tflops\":%.1f}\n",
-            sh.workload, sh.layer, (long long)sh.M, sh.I, sh.O, sh.count, ms, flop / ms / 1e9);
-        std::fflush(stdout);
-      }
+        }, "sm90");
     }
     if (sh.grad) {
       one("dx", [&] { cu::gemm(dx, dy, W, int(sh.M), sh.I, sh.O, false, false, 1.0, 0.0, 1, 0, 0, 0, s); });

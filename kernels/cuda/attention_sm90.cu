@@ -196,14 +196,7 @@ bool fwd_sm90_available(int hd) {
 #if LOOM_SM90A
   const char* e = std::getenv("LOOM_ATTN_SM90");  // read at every call: tests switch it
   if (e && e[0] == '0') return false;
-  static const int ok = [] {
-    int dev = 0, major = 0, minor = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return 0;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-    return int(major == 9 && minor == 0);
-  }();
-  return ok && (hd == 64 || hd == 128);
+  return device_is_sm90() && (hd == 64 || hd == 128);
 #else
   (void)hd;
   return false;

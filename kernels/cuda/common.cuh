@@ -71,6 +71,19 @@ inline bool pdl_enabled() {
   return on;
 }
 
+// The current device is compute capability 9.0 (sm_90a code runs there: the wgmma attention
+// kernels and gemm_sm90.cu's products); asked once per process, false when no device answers.
+inline bool device_is_sm90() {
+  static const bool ok = [] {
+    int dev = 0, major = 0, minor = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return false;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+    return major == 9 && minor == 0;
+  }();
+  return ok;
+}
+
 // kernel<<<grid, block, smem, s>>>(args...) with programmatic dependent launch allowed. The
 // arguments are converted to the kernel's parameter types, as <<<>>> converts them. A bad
 // configuration throws here with the grid, block and shared-memory size in the message (the

@@ -81,6 +81,7 @@
 #include "kernels/cuda/gemm_sm90.h"
 
 #include <algorithm>
+#include <initializer_list>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/wgmma.cuh"
@@ -398,18 +399,41 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
+// What every entry point asks of its shapes and pointers: rows that fit the kernel's int
+// coordinates, TMA row pitches that are multiples of 16 bytes (`cols` % 8 == 0 for each operand's
+// row length), 16-byte aligned bases (null pointers pass).
+bool shapes_ok(int64_t N, std::initializer_list<int> cols, std::initializer_list<const void*> ptrs) {
+  if (!available() || N <= 0 || N >= (int64_t(1) << 31)) return false;
+  for (int c : cols)
+    if (c <= 0 || c % 8 != 0) return false;
+  for (const void* p : ptrs)
+    if (reinterpret_cast<uintptr_t>(p) & 15) return false;
+  return true;
+}
+
+// One launch of epilogue EPI: its shared memory allowed once per process, one block per
+// multiprocessor at most, tiles_m x tiles_n tiles.
+template <int EPI>
+void run(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tout, const CUtensorMap& tpre,
+         const CUtensorMap& tres, const bf* bias, bool has_pre, int tiles_m, int tiles_n, int N, int K, int half,
+         cudaStream_t s) {
+  constexpr int smem = Smem<EPI>::bytes;
+  static const bool once = [] {
+    CUDA_CHECK(cudaFuncSetAttribute(gemm_sm90_kernel<EPI>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    return true;
+  }();
+  (void)once;
+  const int grid = std::min(tiles_m * tiles_n, sm_count());
+  launch_kernel(gemm_sm90_kernel<EPI>, grid, kThreads, smem, s, ta, tb, tout, tpre, tres, bias, has_pre, tiles_m,
+                tiles_n, N, K, half);
+  LAUNCH_CHECK();
+}
+
 }  // namespace
 
 bool available() {
 #if LOOM_SM90A
-  static const int ok = [] {
-    int dev = 0, major = 0, minor = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return 0;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-    return int(major == 9 && minor == 0);
-  }();
-  return ok;
+  return device_is_sm90();
 #else
   return false;
 #endif
@@ -417,22 +441,11 @@ bool available() {
 
 bool supported(const void* out, const void* pre, const void* resid, const void* inp, const void* weight,
                const void* bias, int64_t N, int I, int O) {
-  auto al = [](const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; };
-  return available() && N > 0 && I > 0 && O > 0 && I % 8 == 0 && O % 8 == 0 && N < (int64_t(1) << 31) &&
-         al(inp, 16) && al(weight, 16) && al(out, 16) && al(pre, 16) && al(resid, 16) && al(bias, 4);
+  return shapes_ok(N, {I, O}, {inp, weight, out, pre, resid}) && (reinterpret_cast<uintptr_t>(bias) & 3) == 0;
 }
 
 void linear_forward(bf* out, bf* pre, const bf* inp, const bf* weight, const bf* bias, const bf* resid, int64_t N,
                     int I, int O, bool gelu, cudaStream_t s) {
-  constexpr int smem = Smem<0>::bytes;
-  static_assert(Smem<1>::bytes == smem && Smem<2>::bytes == smem, "one shared-memory size for epilogues 0-2");
-  static const bool once = [] {
-    CUDA_CHECK(cudaFuncSetAttribute(gemm_sm90_kernel<0>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    CUDA_CHECK(cudaFuncSetAttribute(gemm_sm90_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    CUDA_CHECK(cudaFuncSetAttribute(gemm_sm90_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    return true;
-  }();
-  (void)once;
   // [rows, 1, cols] views: loads in boxes of 64 columns x 128 rows, stores of 64 x 128
   const CUtensorMap ta = attn::make_map_3d(inp, false, N, 1, I, BK, BM);
   const CUtensorMap tb = attn::make_map_3d(weight, false, O, 1, I, BK, BN);
@@ -440,81 +453,47 @@ void linear_forward(bf* out, bf* pre, const bf* inp, const bf* weight, const bf*
   const CUtensorMap tpre = pre ? attn::make_map_3d(pre, false, N, 1, O, 64, BM) : tout;
   const CUtensorMap tres = resid ? attn::make_map_3d(resid, false, N, 1, O, 64, BM) : tout;
   const int tiles_m = ceil_div(N, BM), tiles_n = ceil_div(O, BN);
-  const int grid = std::min(tiles_m * tiles_n, sm_count());
-  auto kernel = gelu ? gemm_sm90_kernel<1> : resid ? gemm_sm90_kernel<2> : gemm_sm90_kernel<0>;
-  launch_kernel(kernel, grid, kThreads, smem, s, ta, tb, tout, tpre, tres, bias, pre != nullptr, tiles_m, tiles_n, O, I,
-                0);
-  LAUNCH_CHECK();
+  if (gelu) run<1>(ta, tb, tout, tpre, tres, bias, pre != nullptr, tiles_m, tiles_n, O, I, 0, s);
+  else if (resid) run<2>(ta, tb, tout, tpre, tres, bias, false, tiles_m, tiles_n, O, I, 0, s);
+  else run<0>(ta, tb, tout, tpre, tres, bias, false, tiles_m, tiles_n, O, I, 0, s);
 }
 
 bool swiglu_supported(const void* gu, const void* h, const void* inp, const void* wgu, int64_t N, int C, int I) {
-  auto al = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
-  return available() && N > 0 && N < (int64_t(1) << 31) && C > 0 && C % 8 == 0 && I > 0 && I % 64 == 0 && al(gu) &&
-         al(h) && al(inp) && al(wgu);
+  return shapes_ok(N, {C, I}, {gu, h, inp, wgu}) && I % 64 == 0;
 }
 
 void linear_swiglu_forward(bf* gu, bf* h, const bf* inp, const bf* wgu, int64_t N, int C, int I, cudaStream_t s) {
-  constexpr int smem = Smem<3>::bytes;
-  static const bool once = [] {
-    CUDA_CHECK(cudaFuncSetAttribute(gemm_sm90_kernel<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    return true;
-  }();
-  (void)once;
   // B in boxes of 64 rows (a tile's gate rows, then its up rows I further); gu out in 64-column
   // boxes (its gate half, then its up half), h in one
   const CUtensorMap ta = attn::make_map_3d(inp, false, N, 1, C, BK, BM);
   const CUtensorMap tb = attn::make_map_3d(wgu, false, 2 * int64_t(I), 1, C, BK, 64);
   const CUtensorMap tgu = attn::make_map_3d(gu, false, N, 1, 2 * I, 64, BM);
   const CUtensorMap th = attn::make_map_3d(h, false, N, 1, I, 64, BM);
-  const int tiles_m = ceil_div(N, BM), tiles_n = I / 64;
-  const int grid = std::min(tiles_m * tiles_n, sm_count());
-  launch_kernel(gemm_sm90_kernel<3>, grid, kThreads, smem, s, ta, tb, tgu, th, tgu, (const bf*)nullptr, false, tiles_m,
-                tiles_n, 2 * I, C, I);
-  LAUNCH_CHECK();
+  run<3>(ta, tb, tgu, th, tgu, nullptr, false, ceil_div(N, BM), I / 64, 2 * I, C, I, s);
 }
 
 bool dgelu_supported(const void* dpre, const void* dout, const void* weight, const void* pre, int64_t N, int I,
                      int O) {
-  auto al = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
-  return available() && N > 0 && N < (int64_t(1) << 31) && I > 0 && I % 8 == 0 && O > 0 && O % 8 == 0 && al(dpre) &&
-         al(dout) && al(weight) && al(pre);
+  return shapes_ok(N, {I, O}, {dpre, dout, weight, pre});
 }
 
 void linear_dgelu(bf* dpre, const bf* dout, const bf* weight, const bf* pre, int64_t N, int I, int O, cudaStream_t s) {
-  constexpr int smem = Smem<5>::bytes;
-  static const bool once = [] {
-    CUDA_CHECK(cudaFuncSetAttribute(gemm_sm90_kernel<5>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    return true;
-  }();
-  (void)once;
   // A: dout [N, O]; B: weight [O, I] read along its rows (MN-major) in boxes of 64 columns x 64
   // K rows; pre in and dpre out in 64-column boxes of 128 rows
   const CUtensorMap ta = attn::make_map_3d(dout, false, N, 1, O, BK, BM);
   const CUtensorMap tb = attn::make_map_3d(weight, false, O, 1, I, 64, BK);
   const CUtensorMap tout = attn::make_map_3d(dpre, false, N, 1, I, 64, BM);
   const CUtensorMap tpre = attn::make_map_3d(pre, false, N, 1, I, 64, BM);
-  const int tiles_m = ceil_div(N, BM), tiles_n = ceil_div(I, BN);
-  const int grid = std::min(tiles_m * tiles_n, sm_count());
-  launch_kernel(gemm_sm90_kernel<5>, grid, kThreads, smem, s, ta, tb, tout, tout, tpre, (const bf*)nullptr, false,
-                tiles_m, tiles_n, I, O, 0);
-  LAUNCH_CHECK();
+  run<5>(ta, tb, tout, tout, tpre, nullptr, false, ceil_div(N, BM), ceil_div(I, BN), I, O, 0, s);
 }
 
 bool swiglu_bwd_supported(const void* dgu, const void* prod, const void* dout, const void* wd, const void* gu,
                           int64_t N, int C2, int I) {
-  auto al = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
-  return available() && N > 0 && N < (int64_t(1) << 31) && C2 > 0 && C2 % 8 == 0 && I > 0 && I % 64 == 0 &&
-         al(dgu) && al(prod) && al(dout) && al(wd) && al(gu);
+  return shapes_ok(N, {C2, I}, {dgu, prod, dout, wd, gu}) && I % 64 == 0;
 }
 
 void linear_swiglu_backward(bf* dgu, bf* prod, const bf* dout, const bf* wd, const bf* gu, int64_t N, int C2, int I,
                             cudaStream_t s) {
-  constexpr int smem = Smem<4>::bytes;
-  static const bool once = [] {
-    CUDA_CHECK(cudaFuncSetAttribute(gemm_sm90_kernel<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    return true;
-  }();
-  (void)once;
   // A: dout's rows; B: the down projection's weight [C2, I] read along its rows (MN-major), in
   // boxes of 64 columns x 64 K rows; gu in (gate and up tiles) and dgu out in 64-column boxes
   const CUtensorMap ta = attn::make_map_3d(dout, false, N, 1, C2, BK, BM);
@@ -522,11 +501,7 @@ void linear_swiglu_backward(bf* dgu, bf* prod, const bf* dout, const bf* wd, con
   const CUtensorMap tdgu = attn::make_map_3d(dgu, false, N, 1, 2 * I, 64, BM);
   const CUtensorMap th = prod ? attn::make_map_3d(prod, false, N, 1, I, 64, BM) : tdgu;
   const CUtensorMap tgu = attn::make_map_3d(gu, false, N, 1, 2 * I, 64, BM);
-  const int tiles_m = ceil_div(N, BM), tiles_n = I / 64;
-  const int grid = std::min(tiles_m * tiles_n, sm_count());
-  launch_kernel(gemm_sm90_kernel<4>, grid, kThreads, smem, s, ta, tb, tdgu, th, tgu, (const bf*)nullptr,
-                prod != nullptr, tiles_m, tiles_n, 2 * I, C2, I);
-  LAUNCH_CHECK();
+  run<4>(ta, tb, tdgu, th, tgu, nullptr, prod != nullptr, ceil_div(N, BM), I / 64, 2 * I, C2, I, s);
 }
 
 }  // namespace loom::cuda::gemm90

@@ -335,6 +335,18 @@ void gemm(T* C, const T* A, const T* B, int M, int N, int K, bool transA, bool t
   }
 }
 
+// Which calls gemm_sm90.cu takes, from LOOM_GEMM90 (read at every call: tests switch it):
+// "0" none, "1" every call it supports, anything else (or unset) the defaults below.
+namespace {
+enum class Gemm90 { off, defaults, all };
+Gemm90 gemm90_mode() {
+  const char* e = std::getenv("LOOM_GEMM90");
+  if (e && e[0] == '0' && e[1] == 0) return Gemm90::off;
+  if (e && e[0] == '1' && e[1] == 0) return Gemm90::all;
+  return Gemm90::defaults;
+}
+}  // namespace
+
 // gemm_sm90.cu's kernel instead of cuBLASLt for a bf16 linear forward (bias, GELU, residual) on
 // a Hopper device, with LOOM_GEMM90=1 (every call the kernel supports). Off by default: it runs
 // the SPEC steps' forward products about as fast as cuBLASLt (bench_gemm_shapes, H200,
@@ -350,8 +362,7 @@ bool sm90_linear(T* out, T* pre, const T* inp, const T* weight, const T* bias, c
   if constexpr (!std::is_same_v<T, bf16>) {
     return false;
   } else {
-    const char* e = std::getenv("LOOM_GEMM90");  // read at every call: tests switch it
-    if (!(e && e[0] == '1' && e[1] == 0)) return false;
+    if (gemm90_mode() != Gemm90::all) return false;
     if (!gemm90::supported(out, pre, resid, inp, weight, bias, N, I, O)) return false;
     gemm90::linear_forward(dptr(out), dptr(pre), dptr(inp), dptr(weight), dptr(bias), dptr(resid), N, I, O, gelu, s);
     return true;
@@ -442,8 +453,7 @@ template <class T>
 void linear_swiglu_forward(T* gu, T* h, const T* inp, const T* wgu, int64_t N, int C, int I, Stream s) {
   if (N <= 0 || I <= 0) return;
   if constexpr (std::is_same_v<T, bf16>) {
-    const char* e = std::getenv("LOOM_GEMM90");  // read at every call: tests switch it
-    if (!(e && e[0] == '0' && e[1] == 0) && gemm90::swiglu_supported(gu, h, inp, wgu, N, C, I)) {
+    if (gemm90_mode() != Gemm90::off && gemm90::swiglu_supported(gu, h, inp, wgu, N, C, I)) {
       gemm90::linear_swiglu_forward(dptr(gu), dptr(h), dptr(inp), dptr(wgu), N, C, I, s);
       return;
     }
@@ -459,8 +469,7 @@ void linear_swiglu_backward(T* dgu, T* prod, const T* dout, const T* wd, const T
                             Stream s) {
   if (N <= 0 || I <= 0) return;
   if constexpr (std::is_same_v<T, bf16>) {
-    const char* e = std::getenv("LOOM_GEMM90");  // read at every call: tests switch it
-    if (!(e && e[0] == '0' && e[1] == 0) && gemm90::swiglu_bwd_supported(dgu, prod, dout, wd, gu, N, C2, I)) {
+    if (gemm90_mode() != Gemm90::off && gemm90::swiglu_bwd_supported(dgu, prod, dout, wd, gu, N, C2, I)) {
       gemm90::linear_swiglu_backward(dptr(dgu), dptr(prod), dptr(dout), dptr(wd), dptr(gu), N, C2, I, s);
       return;
     }
@@ -481,8 +490,7 @@ void linear_dgelu_backward(T* dpre, T* dbias, const T* dout, const T* weight, co
   // ms against cuBLASLt's DGELU kernel's 1.38 (H200, 2026-11-27, traces), bench_mim 23.82 / 23.76
   // -> 23.90 / 23.96 ms and contrastive 45.56 / 45.64 -> 45.94 / 46.00 with it (same call)
   if constexpr (std::is_same_v<T, bf16>) {
-    const char* e = std::getenv("LOOM_GEMM90");  // read at every call: tests switch it
-    if (e && e[0] == '1' && e[1] == 0 && gemm90::dgelu_supported(dpre, dout, weight, pre, N, I, O)) {
+    if (gemm90_mode() == Gemm90::all && gemm90::dgelu_supported(dpre, dout, weight, pre, N, I, O)) {
       gemm90::linear_dgelu(dptr(dpre), dptr(dout), dptr(weight), dptr(pre), N, I, O, s);
       done = true;
     }

@@ -29,6 +29,13 @@ void need_sm90() {
 
 __nv_bfloat16* dev(bf16* p) { return reinterpret_cast<__nv_bfloat16*>(p); }
 
+// How many elements of two equally long outputs differ in their bits (NaN payloads included).
+size_t bits_differ(const std::vector<float>& a, const std::vector<float>& b) {
+  size_t n = 0;
+  for (size_t e = 0; e < a.size(); e++) n += std::memcmp(&a[e], &b[e], sizeof(float)) != 0;
+  return n;
+}
+
 }  // namespace
 
 TEST_CASE("gemm_sm90: linear forward, bias and GELU epilogues", "[gemm_sm90]") {
@@ -105,10 +112,7 @@ TEST_CASE("gemm_sm90: the SwiGLU epilogue, bit for bit swiglu_forward_joined of 
     CHECK_CLOSE(h.get(), rh, tol_of<bf16>(true), "swiglu epilogue h");
     // h from the kernel's own gu through the standalone kernel: the same bits
     cu::swiglu_forward_joined(h2.p, gu.p, c.N, c.I, S());
-    const std::vector<float> a = h.get(), b = h2.get();
-    size_t differ = 0;
-    for (size_t e = 0; e < a.size(); e++) differ += std::memcmp(&a[e], &b[e], sizeof(float)) != 0;
-    CHECK(differ == 0);
+    CHECK(bits_differ(h.get(), h2.get()) == 0);
   }
 }
 
@@ -169,19 +173,13 @@ TEST_CASE("gemm_sm90: the SwiGLU backward epilogue, bit for bit swiglu_backward_
     cu::linear_swiglu_backward(dgu2.p, prod2.p, dout.p, wd.p, gu.p, c.N, c.C2, c.I, S());
     unsetenv("LOOM_GEMM90");
     CHECK_CLOSE(dgu.get(), dgu2.get(), tol_of<bf16>(true), "swiglu backward epilogue dgu vs two passes");
-    const std::vector<float> a = prod.get(), b = prod2.get();
-    size_t differ = 0;
-    for (size_t e = 0; e < a.size(); e++) differ += std::memcmp(&a[e], &b[e], sizeof(float)) != 0;
-    CHECK(differ == 0);
+    CHECK(bits_differ(prod.get(), prod2.get()) == 0);
     // without prod: dgu the same, prod untouched
     DBuf<bf16> dgu3(c.N * 2 * c.I);
     prod.poison();
     cu::gemm90::linear_swiglu_backward(dev(dgu3.p), nullptr, dev(dout.p), dev(wd.p), dev(gu.p), c.N, c.C2, c.I,
                                        cu::default_stream());
-    const std::vector<float> x = dgu.get(), y = dgu3.get();
-    size_t differ3 = 0;
-    for (size_t e = 0; e < x.size(); e++) differ3 += std::memcmp(&x[e], &y[e], sizeof(float)) != 0;
-    CHECK(differ3 == 0);
+    CHECK(bits_differ(dgu.get(), dgu3.get()) == 0);
     CHECK(std::isnan(prod.get()[0]));
   }
 }
