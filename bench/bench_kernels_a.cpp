@@ -105,6 +105,11 @@ int main() {
       cu::layernorm_backward(dx[i % sets], static_cast<const bf16*>(nullptr), dw, db, dout[i % sets], x[i % sets], w, mean, rstd, M, D, s);
     });
     emit("layernorm_bwd", ms, "16384x768 bf16", 6.0 * M * D, 0);  // dout, x read; dinp written
+    // the LM's norm backward: dresid read too (the residual stream's gradient)
+    ms = median_ms([&](int i) {
+      cu::rmsnorm_backward(dx[i % sets], out[i % sets], dw, dout[i % sets], x[i % sets], w, rstd, M, Dr, s);
+    });
+    emit("rmsnorm_bwd", ms, "16384x576 bf16, + dresid", 8.0 * M * Dr, 0);  // dout, x, dresid read; dinp written
     ms = median_ms([&](int i) { cu::gelu_forward(dx[i % sets], x[i % sets], M * D, s); });
     emit("gelu_fwd", ms, "16384x768 bf16", 4.0 * M * D, 0);
     for (int i = 0; i < sets; i++) {

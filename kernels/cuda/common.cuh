@@ -127,6 +127,20 @@ template <> __device__ __forceinline__ float from_float<float>(float x) { return
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 
+// Shared-memory address of a generic pointer, and 16-byte asynchronous copies global -> shared
+// (cp.async, sm_80+): a thread's copies since its last commit form one group; wait_group N
+// returns when at most N of its groups are still in flight, and makes the landed bytes visible
+// to that thread (other threads need a barrier). !valid zero-fills the 16 bytes, reading nothing.
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");  // no shared load hoisted above it
+}
+
 // The logistic sigmoid as the SiLU / SwiGLU kernels compute it (activations.cu), and gemm_sm90.cu's
 // SwiGLU epilogues, which must give the same bits: ex2.approx-based __expf and a fast divide
 // (an SFU reciprocal and a multiply; 0 once 1 + e^-x passes 2^126). Against 1 / (1 + expf(-x))

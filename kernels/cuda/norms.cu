@@ -50,6 +50,16 @@
  *     (LayerNorm C 768 at 128 registers then spills 68 bytes): fixed-batch VLM step 53.05 /
  *     52.99 -> 52.82 / 52.76 ms, bench_mim and contrastive unchanged (H200, same call, tree
  *     before built beside it, 2026-11-27), bit for bit the same losses.
+ *   v3 backward, rows in flight (norm_bwd_rows, the default for a warp per row with 16-byte
+ *     vectors): the next row's dout, x and dresid copied into shared memory by cp.async while
+ *     the current one is computed from shared memory (70 registers for RMSNorm C 576, 96 for
+ *     LayerNorm C 768, no spill; 74 KB of shared memory a block at 2 stages). H200, one
+ *     binary, v2 (LOOM_NORM_BWD_ST=0) | 2 stages | 3 stages: rmsnorm_bwd 16384x576 + dresid
+ *     0.0429 | 0.0373 | 0.0390 ms, layernorm_bwd 16384x768 0.0492 | 0.0458 | 0.0537 (a copy of
+ *     the rmsnorm_fwd bytes in that call: 2.3-2.4 TB/s; v3 moves 2.0); medians of steps 6-30,
+ *     two rounds: fixed-batch VLM 52.19 / 52.16 -> 51.96 / 52.02 ms, bench_mim 24.01 / 24.02
+ *     -> 23.92 / 23.98 (2026-11-27). dinp has v2's bits at the bf16 widths of the models (576,
+ *     768, 1024; one value in 262k differs at C 64), dweight adds the rows in other partials.
  * Measured alternatives that lost (rmsnorm_fwd 16384x576, against v2's 2.27-2.39 TB/s in the
  * same runs; dated in docs/kernels/norms.md):
  *   8 threads x 9 vectors per row, 4 rows per warp (95 registers): 2.10-2.17 TB/s (-8%);
@@ -67,6 +77,7 @@
  *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_norms.cpp
  */
 #include <algorithm>
+#include <cstdlib>
 #include <mutex>
 #include <unordered_map>
 
@@ -347,6 +358,133 @@ norm_bwd(BwdArgs a) {
   }
 }
 
+// v3 backward, rows in flight (the warp-per-row path with 16-byte vectors): v2 loads a row,
+// waits, reduces, stores, and only then loads the next one, so a warp has one row's loads in
+// flight and 16 warps an SM leave most of the memory latency exposed. Here each lane copies its
+// own vectors of dout, x (and dresid) for the row ST - 1 rows ahead into shared memory with
+// cp.async while it works on the current one from shared memory. A lane reads only the bytes it
+// copied itself, so cp.async.wait_group is the only synchronization (no barrier); the stage it
+// refills was read by the same lane an iteration earlier. The arithmetic is v2's, in v2's order:
+// dinp has v2's bits; dweight / dbias add the same per-row terms, but another grid (the
+// resident blocks differ) groups the rows into other partials (tests/cuda/test_cuda_norms.cpp
+// compares the two).
+// Shared memory: 8 warps x ST stages x 3 tensors x CH vectors x 32 lanes x 16 bytes.
+template <class DT, int VEC, bool RMS, int CH, int ST>
+__global__ void __launch_bounds__(256, 2) norm_bwd_rows(BwdArgs a) {
+  pdl_entry();
+  extern __shared__ __align__(16) unsigned char norm_rows_smem[];
+  using P = Pack<DT, VEC>;
+  static_assert(sizeof(P) == 16, "16-byte vectors");
+  constexpr int kGroups = 8, kT = 3;
+  const int t = threadIdx.x & 31, grp = threadIdx.x >> 5;
+  const int C = a.C, nv = C / VEC;
+  P* buf = reinterpret_cast<P*>(norm_rows_smem) + grp * (ST * kT * CH * 32);
+  auto slot = [&](int s, int j, int k) -> P& { return buf[((s * kT + j) * CH + k) * 32 + t]; };
+  const DT* dout = static_cast<const DT*>(a.dout);
+  const DT* inp = static_cast<const DT*>(a.inp);
+  const DT* dres = static_cast<const DT*>(a.dresid);
+  const DT* wt = static_cast<const DT*>(a.w);
+  const int64_t stride = int64_t(gridDim.x) * kGroups, first = int64_t(blockIdx.x) * kGroups + grp;
+  auto issue = [&](int64_t row, int s) {  // one commit group per row, empty past the last
+    if (row < a.N)
+#pragma unroll
+      for (int k = 0; k < CH; k++) {
+        const int vi = k * 32 + t;
+        if (vi < nv) {
+          const int64_t off = row * C + int64_t(vi) * VEC;
+          cp_async16(&slot(s, 0, k), dout + off, true);
+          cp_async16(&slot(s, 1, k), inp + off, true);
+          if (dres) cp_async16(&slot(s, 2, k), dres + off, true);
+        }
+      }
+    cp_async_commit();
+  };
+  float dw[CH][VEC], db[CH][VEC];
+#pragma unroll
+  for (int k = 0; k < CH; k++)
+#pragma unroll
+    for (int i = 0; i < VEC; i++) dw[k][i] = db[k][i] = 0.f;
+#pragma unroll
+  for (int s = 0; s < ST - 1; s++) issue(first + s * stride, s);
+  int s = 0;
+  for (int64_t row = first; row < a.N; row += stride) {
+    asm volatile("" ::: "memory");  // the last iteration's reads of the stage refilled here stay before it
+    issue(row + (ST - 1) * stride, s == 0 ? ST - 1 : s - 1);
+    const float mean = RMS ? 0.f : a.mean[row], rstd = a.rstd[row];
+    cp_async_wait<ST - 1>();  // this row's group has landed
+    float sg = 0.f, sgx = 0.f;
+#pragma unroll
+    for (int k = 0; k < CH; k++) {
+      const int vi = k * 32 + t;
+      if (vi < nv) {
+        float d[VEC], x[VEC], w[VEC];
+        const P pd = slot(s, 0, k), px = slot(s, 1, k);
+        load_vec<DT, VEC>(w, wt + vi * VEC);
+#pragma unroll
+        for (int i = 0; i < VEC; i++) {
+          d[i] = to_float(pd.v[i]);
+          x[i] = (to_float(px.v[i]) - mean) * rstd;
+          const float g = d[i] * w[i];
+          sg += g;
+          sgx += g * x[i];
+          dw[k][i] += d[i] * x[i];
+          db[k][i] += d[i];
+        }
+      }
+    }
+    const float2 r = group_sum2<32>(make_float2(sg, sgx), nullptr);
+    const float mg = RMS ? 0.f : r.x / C, mgx = r.y / C;
+    DT* dinp = static_cast<DT*>(a.dinp) + row * C;
+#pragma unroll
+    for (int k = 0; k < CH; k++) {
+      const int vi = k * 32 + t;
+      if (vi < nv) {
+        float o[VEC], w[VEC];
+        const P pd = slot(s, 0, k), px = slot(s, 1, k);
+        load_vec<DT, VEC>(w, wt + vi * VEC);
+#pragma unroll
+        for (int i = 0; i < VEC; i++) {
+          const float xh = (to_float(px.v[i]) - mean) * rstd, g = to_float(pd.v[i]) * w[i];
+          o[i] = rstd * (g - mg - xh * mgx);
+        }
+        if (dres) {  // round, then add: bit for bit the norm's dinp followed by an add
+          const P pr = slot(s, 2, k);
+#pragma unroll
+          for (int i = 0; i < VEC; i++) o[i] = to_float(from_float<DT>(o[i])) + to_float(pr.v[i]);
+        }
+        store_vec<DT, VEC>(dinp + vi * VEC, o);
+      }
+    }
+    s = s + 1 == ST ? 0 : s + 1;
+  }
+  cp_async_wait<0>();  // only empty groups can be left: rows past N are not copied
+
+  // Block partials as v2's: the 8 warps add into shared memory one after another.
+  __shared__ float acc_w[32 * CH * VEC], acc_b[RMS ? 1 : 32 * CH * VEC];
+  float* pw = a.pw + int64_t(blockIdx.x) * C;
+  float* pb = RMS ? nullptr : a.pb + int64_t(blockIdx.x) * C;
+  for (int gi = 0; gi < kGroups; gi++) {
+    if (grp == gi) {
+#pragma unroll
+      for (int k = 0; k < CH; k++) {
+        const int vi = k * 32 + t;
+        if (vi < nv)
+#pragma unroll
+          for (int i = 0; i < VEC; i++) {
+            const int c = vi * VEC + i;
+            acc_w[c] = gi == 0 ? dw[k][i] : acc_w[c] + dw[k][i];
+            if constexpr (!RMS) acc_b[c] = gi == 0 ? db[k][i] : acc_b[c] + db[k][i];
+          }
+      }
+    }
+    __syncthreads();
+  }
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    pw[c] = acc_w[c];
+    if constexpr (!RMS) pb[c] = acc_b[c];
+  }
+}
+
 // v1_generic_block_per_row, backward: block loops over rows, partials accumulate in global
 // memory (pw/pb zeroed first; each thread owns columns c = tid + j*blockDim).
 template <class DT, bool RMS>
@@ -448,9 +586,9 @@ void launch_fwd(const FwdArgs& a, Stream s) {
 // Blocks of a backward kernel that are resident at once on the whole GPU: the grid of the
 // persistent backward (more blocks would run as a second, unbalanced wave).
 template <class K>
-int resident_grid(K kernel, int threads) {
+int resident_grid(K kernel, int threads, size_t smem = 0) {
   int b = 0;
-  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, threads, 0));
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, threads, smem));
   return std::max(1, b) * sm_count();
 }
 
@@ -469,14 +607,41 @@ BwdKernel bwd_kernel(int vec, int tpr, int ch, int* threads) {
   return tpr == 128 ? norm_bwd<DT, V, 128, RMS> : norm_bwd<DT, V, 1024, RMS>;
 }
 
-// Blocks of a backward kernel resident at once on the GPU (cached per kernel).
-int bwd_grid(BwdKernel k, int threads) {
+// v3 (norm_bwd_rows) for a warp per row with 16-byte vectors: the kernel and its shared memory
+// (2 stages: one row computed while the next one loads; 3 were slower for LayerNorm, see the
+// header). LOOM_NORM_BWD_ST=3 picks 3, =0 runs v2 (read at every call: tests and benchmarks
+// switch it).
+template <class DT, bool RMS>
+BwdKernel bwd_rows_kernel(int ch, size_t* smem) {
+  constexpr int V = 16 / int(sizeof(DT));
+  const char* e = std::getenv("LOOM_NORM_BWD_ST");
+  const int st = e ? std::atoi(e) : 2;
+  if (st != 2 && st != 3) return nullptr;
+  *smem = size_t(8) * st * 3 * ch * 32 * 16;
+  BwdKernel k = nullptr;
+  switch (ch * 4 + st) {
+    case 1 * 4 + 2: k = norm_bwd_rows<DT, V, RMS, 1, 2>; break;
+    case 1 * 4 + 3: k = norm_bwd_rows<DT, V, RMS, 1, 3>; break;
+    case 2 * 4 + 2: k = norm_bwd_rows<DT, V, RMS, 2, 2>; break;
+    case 2 * 4 + 3: k = norm_bwd_rows<DT, V, RMS, 2, 3>; break;
+    case 3 * 4 + 2: k = norm_bwd_rows<DT, V, RMS, 3, 2>; break;
+    case 3 * 4 + 3: k = norm_bwd_rows<DT, V, RMS, 3, 3>; break;
+    case 4 * 4 + 2: k = norm_bwd_rows<DT, V, RMS, 4, 2>; break;
+    default: k = norm_bwd_rows<DT, V, RMS, 4, 3>; break;
+  }
+  return k;
+}
+
+// Blocks of a backward kernel resident at once on the GPU (cached per kernel); a kernel with
+// dynamic shared memory gets its attribute set here, once.
+int bwd_grid(BwdKernel k, int threads, size_t smem = 0) {
   static std::mutex mu;
   static std::unordered_map<BwdKernel, int> grid;
   std::lock_guard<std::mutex> lock(mu);
   auto it = grid.find(k);
   if (it != grid.end()) return it->second;
-  return grid[k] = resident_grid(k, threads);
+  if (smem > 0) CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  return grid[k] = resident_grid(k, threads, smem);
 }
 
 template <class T, bool RMS>
@@ -491,15 +656,18 @@ void launch_bwd(T* dweight, T* dbias, BwdArgs a, Stream s) {
   // warp per row: as many vectors per lane as the row needs (C 768 bf16: 3 vectors of 8)
   const int ch = std::max(1, ceil_div(ceil_div(a.C, vec), 32));
   int threads = 0;
-  BwdKernel kernel = bwd_kernel<DT, RMS>(vec, tpr, ch, &threads);
+  size_t smem = 0;
+  BwdKernel kernel = tpr == 32 && vec > 1 ? bwd_rows_kernel<DT, RMS>(ch, &smem) : nullptr;
+  if (kernel) threads = 256;
+  else kernel = bwd_kernel<DT, RMS>(vec, tpr, ch, &threads);
   int64_t groups = tpr == 32 ? (a.N + 7) / 8 : a.N;
-  int G = int(std::min<int64_t>(groups, bwd_grid(kernel, threads)));
+  int G = int(std::min<int64_t>(groups, bwd_grid(kernel, threads, smem)));
   // pw and pb in one allocation: [2, G, C] fp32
   float* part = static_cast<float*>(device_malloc(sizeof(float) * 2 * size_t(G) * a.C));
   a.pw = part;
   a.pb = RMS ? nullptr : part + size_t(G) * a.C;
   if (tpr == 0) CUDA_CHECK(cudaMemsetAsync(part, 0, sizeof(float) * 2 * size_t(G) * a.C, s));
-  launch_kernel(kernel, G, threads, 0, s, a);
+  launch_kernel(kernel, G, threads, smem, s, a);
   LAUNCH_CHECK();
   if (dweight || dbias) {
     launch_kernel(finish_partials<DT>, ceil_div(a.C, 32), dim3(32, 8), 0, s, dptr(dweight), RMS ? nullptr : dptr(dbias),

@@ -4,6 +4,11 @@
 //   bash tools/gpu-kernels.sh tests/cuda/test_cuda_norms.cpp
 #include <catch2/catch.hpp>
 
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+
 #include "kernels/kernels.h"
 #include "tests/tolerances.h"
 
@@ -98,5 +103,62 @@ TEST_CASE("norms: backward is deterministic at a large shape", "[norms]") {
     g.insert(g.end(), gb.begin(), gb.end());
     if (rep == 0) first = g;
     else CHECK(g == first);
+  }
+}
+
+// The warp-per-row backward with rows in flight (norm_bwd_rows, the default for 16-byte vectors)
+// against v2 (LOOM_NORM_BWD_ST=0), within the table's tolerance (another grid adds the rows into
+// other partials; the count of dinp values whose bits differ is printed). Vectors per lane 1-4, 2 and 3 stages,
+// more rows than the resident warps and fewer, with and without dresid.
+TEMPLATE_TEST_CASE("norms: the rows-in-flight backward against v2", "[norms]", float, bf16) {
+  need_gpu();
+  using T = TestType;
+  const auto t = tol_of<T>();
+  struct Case { int64_t N; int C; };
+  auto with_stages = [](const char* st, const std::function<void()>& f) {
+    const char* before = std::getenv("LOOM_NORM_BWD_ST");
+    const std::string keep = before ? before : "";
+    setenv("LOOM_NORM_BWD_ST", st, 1);
+    f();
+    if (before) setenv("LOOM_NORM_BWD_ST", keep.c_str(), 1);
+    else unsetenv("LOOM_NORM_BWD_ST");
+  };
+  for (Case c : {Case{4099, 64}, Case{3, 384}, Case{2500, 576}, Case{4099, 768}, Case{1500, 1024}}) {
+    const int64_t n = c.N * c.C;
+    auto hx = rounded<T>(rnd(n, 60, -2.f, 3.f)), hr = rounded<T>(rnd(n, 61)), hd = rounded<T>(rnd(n, 62));
+    auto hw = rounded<T>(rnd(c.C, 63, 0.5f, 1.5f));
+    std::vector<float> hm(c.N), hs(c.N), ho(n);
+    cpu::layernorm_forward(ho.data(), hm.data(), hs.data(), hx.data(), hw.data(), hw.data(), c.N, c.C, 1e-6, nullptr);
+    DBuf<T> x(hx), r(hr), d(hd), w(hw);
+    DBuf<float> m(hm), rs(hs);
+    for (bool rms : {false, true})
+      for (bool resid : {false, true})
+        for (const char* st : {"2", "3"}) {
+          INFO("N " << c.N << " C " << c.C << (rms ? " rmsnorm" : " layernorm") << (resid ? " dresid" : "")
+                    << " stages " << st);
+          std::vector<float> dx[2], dw[2], db[2];
+          int i = 0;
+          for (const char* which : {"0", st}) {
+            DBuf<T> gx(n), gw(std::vector<float>(c.C, 0.f)), gb(std::vector<float>(c.C, 0.f));
+            gx.poison();
+            const T* dres = resid ? r.p : nullptr;
+            with_stages(which, [&] {
+              if (rms) cu::rmsnorm_backward(gx.p, dres, gw.p, d.p, x.p, w.p, rs.p, c.N, c.C, S());
+              else cu::layernorm_backward(gx.p, dres, gw.p, gb.p, d.p, x.p, w.p, m.p, rs.p, c.N, c.C, S());
+            });
+            dx[i] = gx.get(), dw[i] = gw.get(), db[i] = gb.get();
+            i++;
+          }
+          REQUIRE(dx[0].size() == dx[1].size());
+          size_t ndiff = 0;
+          for (size_t j = 0; j < dx[0].size(); j++) ndiff += std::memcmp(&dx[0][j], &dx[1][j], sizeof(float)) != 0;
+          INFO(ndiff << " of " << dx[0].size() << " dinp values differ from v2's");
+          std::printf("rows-in-flight backward N %lld C %d %s%s stages %s: %zu of %zu dinp values differ from v2's\n",
+                      (long long)c.N, c.C, rms ? "rmsnorm" : "layernorm", resid ? " dresid" : "", st, ndiff,
+                      dx[0].size());
+          CHECK_CLOSE(dx[1], dx[0], t, "dinp");
+          CHECK_CLOSE(dw[1], dw[0], t, "dweight");
+          if (!rms) CHECK_CLOSE(db[1], db[0], t, "dbias");
+        }
   }
 }
