@@ -6,6 +6,7 @@
 // deterministic two-pass one (attention_fwd_bwd_deterministic); then the same calls on the
 // cuDNN backend (attention_fwd[cudnn], attention_fwd_bwd[cudnn]) and with train.attention =
 // auto (attention_fwd[auto], ...: per shape the faster of the two, chosen by its probe).
+// LOOM_BENCH_ATTN_PACKED times SPEC §3's packed VLM batch instead (bench_packed below).
 //   ./bench_attention            (run beside: python3 ../shared/reference/torch_ref.py bench --workload kernels)
 #include <algorithm>
 #include <cmath>
@@ -56,11 +57,107 @@ static bf16* rand_dev(size_t n, std::mt19937& rng) {
   return p;
 }
 
+// SPEC §3's packed VLM batch: samples of 49 image tokens + lognormal(median 200, sigma 0.7)
+// text tokens clipped to [24, 1500], laid into rows of T tokens in order (a sample that does
+// not fit starts the next row), each row's unused tail one more segment, as data/packing.cpp
+// lays them out. Returns cu_seqlens over rows x T tokens; fixed seed, so every call times the
+// same batch.
+static std::vector<int32_t> spec_packed_cu(int rows, int T, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::lognormal_distribution<double> text(std::log(200.0), 0.7);
+  std::vector<int32_t> cu{0};
+  int row = 0, off = 0;
+  while (row < rows) {
+    const int L = std::min(T, 49 + std::max(24, std::min(1500, int(text(rng)))));
+    if (off + L > T) {  // close the row: its tail is a segment of its own
+      if (off < T) cu.push_back(row * T + T);
+      row++, off = 0;
+      continue;
+    }
+    off += L;
+    cu.push_back(row * T + off);
+  }
+  return cu;
+}
+
+// LOOM_BENCH_ATTN_PACKED="rows,T,H,KV,D,causal": our kernels and cuDNN on the SPEC packed batch
+// (grouped heads), forward and forward+backward; FLOPs counted per segment (4 H D L^2, x 0.5
+// causal), so TFLOP/s compare with the dense rows. Returns false when the variable is unset.
+static bool bench_packed() {
+  const char* e = std::getenv("LOOM_BENCH_ATTN_PACKED");
+  if (!e) return false;
+  int rows = 0, T = 0, H = 0, KV = 0, D = 0, c = 0;
+  if (std::sscanf(e, "%d,%d,%d,%d,%d,%d", &rows, &T, &H, &KV, &D, &c) != 6 || rows <= 0 || T <= 0 || H <= 0 ||
+      KV <= 0 || H % KV != 0 || D <= 0) {
+    std::fprintf(stderr, "LOOM_BENCH_ATTN_PACKED: '%s' is not rows,T,H,KV,D,causal (H a multiple of KV)\n", e);
+    std::exit(2);
+  }
+  const bool causal = c != 0;
+  const std::vector<int32_t> cu_h = spec_packed_cu(rows, T, 0);
+  const int nseq = int(cu_h.size()) - 1;
+  int max_len = 0;
+  double sq = 0;
+  for (int i = 0; i < nseq; i++) {
+    const int L = cu_h[i + 1] - cu_h[i];
+    max_len = std::max(max_len, L);
+    sq += double(L) * L;
+  }
+  const int64_t N = int64_t(rows) * T;
+  std::mt19937 rng(1);
+  const size_t nq = size_t(N) * H * D, nk = size_t(N) * KV * D;
+  bf16 *q = rand_dev(nq, rng), *k = rand_dev(nk, rng), *v = rand_dev(nk, rng), *go = rand_dev(nq, rng);
+  auto* out = static_cast<bf16*>(cu::device_malloc(nq * sizeof(bf16)));
+  auto* dq = static_cast<bf16*>(cu::device_malloc(nq * sizeof(bf16)));
+  auto* dk = static_cast<bf16*>(cu::device_malloc(nk * sizeof(bf16)));
+  auto* dv = static_cast<bf16*>(cu::device_malloc(nk * sizeof(bf16)));
+  auto* lse = static_cast<float*>(cu::device_malloc(N * H * sizeof(float)));
+  auto* ws = static_cast<float*>(cu::device_malloc(N * H * (D + 1) * sizeof(float)));
+  auto* cu_d = static_cast<int32_t*>(cu::device_malloc(cu_h.size() * sizeof(int32_t)));
+  cu::memcpy_h2d(cu_d, cu_h.data(), cu_h.size() * sizeof(int32_t), cu::default_stream());
+  const double scale = 1.0 / std::sqrt(double(D));
+  auto fwd = [&] {
+    cu::attention_forward<bf16>(out, lse, q, k, v, cu_d, cu_d, nseq, max_len, N, N, H, KV, D, causal, scale,
+                                cu::default_stream());
+  };
+  auto fb = [&] {
+    fwd();
+    cu::attention_backward<bf16>(dq, dk, dv, go, q, k, v, out, lse, ws, cu_d, cu_d, nseq, max_len, N, N, H, KV, D,
+                                 causal, scale, cu::default_stream());
+  };
+  const double f = 4.0 * H * D * sq * (causal ? 0.5 : 1.0);
+  char shape[128];
+  std::snprintf(shape, sizeof shape, "packed rows%d T%d H%d KV%d D%d causal=%s nseq%d max%d", rows, T, H, KV, D,
+                causal ? "True" : "False", nseq, max_len);
+  const bool was = cu::deterministic_attention();
+  cu::set_deterministic_attention(false);
+  const cu::AttentionBackend before = cu::attention_backend();
+  for (auto b : {cu::AttentionBackend::Loom, cu::AttentionBackend::Cudnn}) {
+    cu::set_attention_backend(b);
+    cu::reset_attention_choices();
+    try {
+      const float ms = median_ms(fwd), ms_fb = median_ms(fb);
+      std::printf("{\"impl\":\"loom\",\"kernel\":\"attention_fwd[%s]\",\"ms\":%.4f,\"tflops\":%.1f,\"shape\":\"%s\"}\n",
+                  cu::attention_backend_name(b), ms, f / ms / 1e9, shape);
+      std::printf("{\"impl\":\"loom\",\"kernel\":\"attention_fwd_bwd[%s]\",\"ms\":%.4f,\"tflops\":%.1f,"
+                  "\"shape\":\"%s\"}\n", cu::attention_backend_name(b), ms_fb, 3.5 * f / ms_fb / 1e9, shape);
+    } catch (const std::exception& ex) {
+      std::fprintf(stderr, "%s: %s\n", cu::attention_backend_name(b), ex.what());
+    }
+  }
+  cu::set_attention_backend(before);
+  cu::set_deterministic_attention(was);
+  for (void* p : {(void*)q, (void*)k, (void*)v, (void*)go, (void*)out, (void*)dq, (void*)dk, (void*)dv, (void*)lse,
+                  (void*)ws, (void*)cu_d})
+    cu::device_free(p);
+  return true;
+}
+
 int main() {
   if (!cu::available()) {
     std::printf("{\"error\":\"no CUDA device\"}\n");
     return 4;
   }
+  if (bench_packed()) return 0;
   struct Shape { int B, H, T, D; bool causal; };
   std::vector<Shape> shapes = {{8, 12, 1024, 64, false}, {8, 16, 2048, 128, true}, {4, 9, 2048, 64, true}};
   // LOOM_BENCH_ATTN_SHAPES="B,H,T,D,causal;...": other shapes (our kernels only: forward and
