@@ -360,14 +360,16 @@ norm_bwd(BwdArgs a) {
 
 // v3 backward, rows in flight (the warp-per-row path with 16-byte vectors): v2 loads a row,
 // waits, reduces, stores, and only then loads the next one, so a warp has one row's loads in
-// flight and 16 warps an SM leave most of the memory latency exposed. Here each lane copies its
-// own vectors of dout, x (and dresid) for the row ST - 1 rows ahead into shared memory with
-// cp.async while it works on the current one from shared memory. A lane reads only the bytes it
-// copied itself, so cp.async.wait_group is the only synchronization (no barrier); the stage it
-// refills was read by the same lane an iteration earlier. The arithmetic is v2's, in v2's order:
-// dinp has v2's bits; dweight / dbias add the same per-row terms, but another grid (the
-// resident blocks differ) groups the rows into other partials (tests/cuda/test_cuda_norms.cpp
-// compares the two).
+// flight at a time. Here each lane copies its own vectors of dout, x (and dresid) for the row
+// ST - 1 rows ahead into shared memory with cp.async while it works on the current one from
+// shared memory. A lane reads only the bytes it copied itself, so cp.async.wait_group is the
+// only synchronization (no barrier); the stage it refills was read by the same lane an
+// iteration earlier. A row's dinp is written after its own bytes have landed (so, as in v2, it
+// may alias that row's dout or dresid). The arithmetic is v2's, in v2's order: dinp came out with v2's bits at
+// the models' bf16 widths (576, 768, 1024), while f32 rows differ in the last bits where the
+// compiler contracts a product differently; dweight / dbias add the same per-row terms, but
+// another grid (the resident blocks differ) groups the rows into other partials
+// (tests/cuda/test_cuda_norms.cpp compares the two).
 // Shared memory: 8 warps x ST stages x 3 tensors x CH vectors x 32 lanes x 16 bytes.
 template <class DT, int VEC, bool RMS, int CH, int ST>
 __global__ void __launch_bounds__(256, 2) norm_bwd_rows(BwdArgs a) {
