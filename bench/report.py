@@ -32,6 +32,9 @@ for r in loom:
     if k in ("attention_fwd", "attention_fwd_bwd"):
         for be, tgt in (("FLASH_ATTENTION", 1.0), ("CUDNN_ATTENTION", None)):
             add(f"{k} {shape} vs {be}", r, find(ref, f"{k}[{be}]", shape), tgt)
+    elif k and k.startswith(("attention_fwd[", "attention_fwd_bwd[")) and (shape or "").startswith("packed"):
+        base, be_ours = k[:-1].split("[")  # the packed VLM batch: ours and cuDNN, no reference row
+        add(f"{base} ({be_ours}) {shape}", r, None, None)
     elif k and k.startswith(("attention_fwd[", "attention_fwd_bwd[")):  # the cuDNN backend, auto
         base, be_ours = k[:-1].split("[")
         for be, tgt in (("FLASH_ATTENTION", None), ("CUDNN_ATTENTION", 1.0 if be_ours == "auto" else None)):

@@ -11,6 +11,8 @@ mkdir -p "$OUT"
 for b in bench_kernels_a bench_attention bench_losses; do
   if [ -x "$B/$b" ]; then "$B/$b" | tee -a "$OUT/loom.jsonl"; else echo "missing $B/$b (CUDA build?)"; fi
 done
+# SPEC §3's packed VLM batch through the LM's attention (ours and cuDNN; the reference has no such row)
+[ -x "$B/bench_attention" ] && LOOM_BENCH_ATTN_PACKED=8,2048,9,3,64,1 "$B/bench_attention" | tee -a "$OUT/loom.jsonl"
 REF=../shared/reference/torch_ref.py
 [ -f "$REF" ] || REF=.deps/shared/reference/torch_ref.py
 if [ -f "$REF" ] && python3 -c "import torch" 2>/dev/null; then
