@@ -58,10 +58,10 @@ static bf16* rand_dev(size_t n, std::mt19937& rng) {
 }
 
 // SPEC §3's packed VLM batch: samples of 49 image tokens + lognormal(median 200, sigma 0.7)
-// text tokens clipped to [24, 1500], laid into rows of T tokens in order (a sample that does
-// not fit starts the next row), each row's unused tail one more segment, as data/packing.cpp
-// lays them out. Returns cu_seqlens over rows x T tokens; fixed seed, so every call times the
-// same batch.
+// text tokens clipped to [24, 1500], laid into rows of T tokens in arrival order (a sample that
+// does not fit starts the next row; the loader's best-fit packing, data/packing.cpp, leaves
+// shorter tails), each row's unused tail one more segment as the loader lays it out. Returns
+// cu_seqlens over rows x T tokens; fixed seed, so every call times the same batch.
 static std::vector<int32_t> spec_packed_cu(int rows, int T, uint32_t seed) {
   std::mt19937 rng(seed);
   std::lognormal_distribution<double> text(std::log(200.0), 0.7);
