@@ -16,6 +16,7 @@
 #include <stdexcept>
 #include <string>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "kernels/kernels.h"
@@ -144,6 +145,18 @@ static bool bench_packed() {
                   cu::attention_backend_name(b), ms, f / ms / 1e9, shape);
       std::printf("{\"impl\":\"loom\",\"kernel\":\"attention_fwd_bwd[%s]\",\"ms\":%.4f,\"tflops\":%.1f,"
                   "\"shape\":\"%s\"}\n", cu::attention_backend_name(b), ms_fb, 3.5 * f / ms_fb / 1e9, shape);
+      // sums of out and dq over the batch (stderr): two kernel choices on the same inputs give
+      // the same values to a few bf16 roundings
+      auto sums = [&](const bf16* d, size_t n) {
+        std::vector<bf16> h(n);
+        cu::memcpy_d2h(h.data(), d, n * sizeof(bf16), cu::default_stream());
+        double a = 0, a2 = 0;
+        for (const bf16& x : h) a += double(float(x)), a2 += double(float(x)) * double(float(x));
+        return std::make_pair(a, a2);
+      };
+      const auto so = sums(out, nq), sq_ = sums(dq, nq), sk = sums(dk, nk);
+      std::fprintf(stderr, "%s: out sum %.6e sumsq %.6e, dq sum %.6e sumsq %.6e, dk sumsq %.6e\n",
+                   cu::attention_backend_name(b), so.first, so.second, sq_.first, sq_.second, sk.second);
     } catch (const std::exception& ex) {
       std::fprintf(stderr, "%s: %s\n", cu::attention_backend_name(b), ex.what());
     }
