@@ -52,7 +52,7 @@
  *     before built beside it, 2026-11-27), bit for bit the same losses.
  *   v3 backward, rows in flight (norm_bwd_rows, the default for a warp per row with 16-byte
  *     vectors): the next row's dout, x and dresid copied into shared memory by cp.async while
- *     the current one is computed from shared memory (70 registers for RMSNorm C 576, 96 for
+ *     the current one is computed from shared memory (71 registers for RMSNorm C 576, 95 for
  *     LayerNorm C 768, no spill; 74 KB of shared memory a block at 2 stages). H200, one
  *     binary, v2 (LOOM_NORM_BWD_ST=0) | 2 stages | 3 stages: rmsnorm_bwd 16384x576 + dresid
  *     0.0429 | 0.0373 | 0.0390 ms, layernorm_bwd 16384x768 0.0492 | 0.0458 | 0.0537 (a copy of
