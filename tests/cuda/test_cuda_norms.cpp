@@ -1,5 +1,6 @@
-// test_cuda_norms.cpp: kernels/cuda/norms.cu (layernorm and rmsnorm (+ residual), forward and
-// backward) against the loom::cpu reference, f32 and bf16 (tests/cuda/cuda_kernel_test_util.h).
+// test_cuda_norms.cpp: kernels/cuda/norms.cu and norms_backward.cu (layernorm and rmsnorm
+// (+ residual), forward and backward) against the loom::cpu reference, f32 and bf16
+// (tests/cuda/cuda_kernel_test_util.h).
 // Skipped without a GPU.
 //   bash tools/gpu-kernels.sh tests/cuda/test_cuda_norms.cpp
 #include <catch2/catch.hpp>
