@@ -43,7 +43,7 @@
  *     2 warpgroups x 64 keys, 2 blocks per SM         233 | 290 | 166
  *     2 warpgroups x 128-key tiles                    216 | 284 | 165
  *   PyTorch 2.11 FLASH_ATTENTION (earlier call)      224 | 277 | 145
- *   Kept: 3 x 128 except hd 64 full (2 x 64). Its exp2s use ex2.approx.ftz since 2026-11-23
+ *   Kept: 3 x 128 except hd 64 full and hd 64 causal with short sequences (2 x 64; fwd_sm90). Its exp2s use ex2.approx.ftz since 2026-11-23
  *   (hd 64 full 0.108 -> 0.101 ms on an H100, the others unchanged: this kernel waits at its
  *   block-wide barrier more than it computes).
  *   The producer warp with mbarriers, the softmax of one warpgroup overlapping another's
@@ -207,13 +207,29 @@ void fwd_sm90(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const 
               const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, int hd,
               bool causal, float scale_log2, cudaStream_t s) {
   // The warp-specialized kernel (attention_sm90_ws.cu) unless LOOM_ATTN_SM90=1 asks for this
-  // one: 3 warpgroups x 128-key tiles, except hd 64 without the causal mask: 2 x 64 (the
-  // header's version table has the configurations measured).
+  // one: 3 warpgroups x 128-key tiles, except hd 64 without the causal mask and hd 64 causal
+  // batches of short sequences (below): 2 x 64 (the header's version table has the
+  // configurations measured).
   const char* e = std::getenv("LOOM_ATTN_SM90");  // read at every call: tests switch it
   // Short sequences stay here: a warp-specialized block holds 128 or 192 query rows and a
   // producer, which a sequence of 49 or 196 tokens (the MIM encoder and predictor) mostly
   // leaves idle; measured: bench_mim.cfg 30.6 ms/step with it, 29.6-29.8 with this kernel.
   const char* m = std::getenv("LOOM_ATTN_WS_MIN");
+  // Causal hd 64 batches of short sequences (fewer than 512 query rows a sequence on average:
+  // the packed VLM batch, whose longest segment alone would send it to the warp-specialized
+  // kernel) run 2 warpgroups x 64-key tiles here: a 64-key tile wastes less of a short
+  // segment's diagonal than a 128-key one (0.74 of the computed scores used against 0.64 on
+  // SPEC's packed batch), and this kernel's smaller blocks start and finish sooner. Measured
+  // (H200, 2026-11-27, LOOM_BENCH_ATTN_PACKED=8,2048,9,3,64,1, forward ms): warp-specialized
+  // 3 x 128 0.0801, 4 x 64 0.0744; lock-step 3 x 128 0.0846, 2 x 64 0.0734. With this rule
+  // (H200, 2026-11-27, one call, rule | LOOM_ATTN_WS_MIN=768): packed batch forward 0.0764 |
+  // 0.0794 ms; dense B32 H9 T256 causal 0.0300 | 0.0398 (lock-step 3 x 128 before); the
+  // fixed-batch VLM step 52.69 / 52.50 | 52.69 / 52.64 ms (medians, two rounds: within noise).
+  // Setting LOOM_ATTN_WS_MIN or LOOM_ATTN_SM90=1 turns this rule off.
+  if (!m && !(e && e[0] == '1' && e[1] == 0) && causal && hd == 64 && Nq < int64_t(512) * nseq) {
+    launch<64, 2, 64>(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, causal, scale_log2, s);
+    return;
+  }
   const int ws_min = m ? std::atoi(m) : hd == 128 ? kWsMinSeqlenHd128 : kWsMinSeqlenHd64;
   if (!(e && e[0] == '1' && e[1] == 0) && max_seqlen >= ws_min && Nk > 0 && fwd_sm90_ws_supported(q, k, v)) {
     fwd_sm90_ws(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, hd, causal, scale_log2, s);

@@ -396,8 +396,10 @@ TEST_CASE("attention forward/backward f32 (v1) against the CPU reference", "[cud
 
 // On an H100/H200 build for sm_90a the bf16 forward at hd 64/128 is the warp-specialized wgmma
 // kernel (attention_sm90_ws.cu) from 768 tokens (hd 64) / 256 (hd 128) and the lock-step one (attention_sm90.cu)
-// below; the case below runs everything again with the warp-specialized kernel on every shape
-// (LOOM_ATTN_WS_MIN=0), with the lock-step one (LOOM_ATTN_SM90=1) and with both turned off, so
+// below, except causal hd 64 batches of short sequences (< 512 rows a sequence on average), which
+// run the lock-step one with 2 x 64-key tiles (the default and last sections below, the only ones
+// that run that configuration with the causal mask); the case below runs everything again with
+// the warp-specialized kernel on every shape (LOOM_ATTN_WS_MIN=0), with the lock-step one (LOOM_ATTN_SM90=1) and with both turned off, so
 // the mma.sync forward (v2) stays tested on the machine that has all three. The backward there is
 // the warp-specialized wgmma one (attention_sm90_bwd.cu) from 128 tokens (512 for causal hd 64)
 // and the mma.sync single pass below; the last section runs the wgmma backward on every case
@@ -422,7 +424,8 @@ TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU ref
   const std::string saved_dense = before_dense ? before_dense : "";
   const char* before_ws64 = std::getenv("LOOM_ATTN_WS64");
   const std::string saved_ws64 = before_ws64 ? before_ws64 : "";
-  SECTION("the default forward (on sm_90a: warp-specialized from 768 / 256 tokens, lock-step below)") {}
+  SECTION("the default forward (on sm_90a: warp-specialized from 768 / 256 tokens, lock-step below and for "
+          "causal hd 64 batches of short sequences)") {}
   SECTION("the warp-specialized wgmma forward on every shape (LOOM_ATTN_WS_MIN=0), chunks of 2 pairs, "
           "dense batches through their offsets (LOOM_ATTN_DENSE=0)") {
     setenv("LOOM_ATTN_WS_MIN", "0", 1);
