@@ -135,14 +135,13 @@ std::vector<Tensor> qkv_rope(const Tensor& x, const Tensor& wq, const Tensor& wk
   }
   const int64_t W = (H + 2 * KV) * hd;  // row n of qkv: q (H hd) | k (KV hd) | v (KV hd)
   Tensor xc = x.contiguous(), pc = pos.contiguous();
-  Tensor qkv = Tensor::empty({N, W}, x.dtype(), x.device());
   Tensor q = Tensor::empty({N, H, hd}, x.dtype(), x.device()), k = Tensor::empty({N, KV, hd}, x.dtype(), x.device());
   Tensor v = Tensor::empty({N, KV, hd}, x.dtype(), x.device());
+  // the product and the split (RoPE in the product's epilogue on Hopper: kernels.inc)
   dispatch_float(xc, [&](auto dev, auto zero) {
     using T = decltype(zero);
-    KERNEL(dev, linear_forward)(qkv.data<T>(), xc.data<T>(), w.data<T>(), (const T*)nullptr, N, C, int(W), stream_for(dev));
-    KERNEL(dev, rope_qkv_split)(q.data<T>(), k.data<T>(), v.data<T>(), qkv.data<T>(), pc.data<int32_t>(), N, int(H),
-                                int(KV), int(hd), theta, stream_for(dev));
+    KERNEL(dev, linear_qkv_rope)(q.data<T>(), k.data<T>(), v.data<T>(), xc.data<T>(), w.data<T>(), pc.data<int32_t>(),
+                                 N, C, int(H), int(KV), int(hd), theta, stream_for(dev));
   });
   if (any_requires_grad({x, wq, wk, wv}))
     record("qkv_rope", {q, k, v}, [x, xc, wq, wk, wv, w, pc, q, k, v, N, C, H, KV, hd, W, theta]() {

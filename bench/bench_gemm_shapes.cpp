@@ -156,6 +156,21 @@ int main() {
       unsetenv("LOOM_GEMM90");
       one("fwd_swiglu", [&] { cu::linear_swiglu_forward(y, dy, x, W, sh.M, sh.I, Ih, s); });
     }
+    // the LM's joined q | k | v with RoPE: the product then rope_qkv_split (two passes), and
+    // linear_qkv_rope (RoPE in the epilogue of gemm_sm90.cu on Hopper); positions 0 .. 2047
+    if (std::string(sh.layer) == "lm.qkv") {
+      const int hd = 64, H = 9, KV = 3;
+      std::vector<int32_t> hp(size_t(sh.M));
+      for (int64_t n = 0; n < sh.M; n++) hp[size_t(n)] = int32_t(n % 2048);
+      auto* pos = static_cast<int32_t*>(cu::device_malloc(hp.size() * sizeof(int32_t)));
+      cu::memcpy_h2d(pos, hp.data(), hp.size() * sizeof(int32_t), s);
+      bf16 *q = y, *k = y + sh.M * H * hd, *v = k + sh.M * KV * hd;  // q, k, v side by side in y
+      setenv("LOOM_GEMM90_QKV", "0", 1);
+      one("fwd_qkv_rope_2pass", [&] { cu::linear_qkv_rope(q, k, v, x, W, pos, sh.M, sh.I, H, KV, hd, 100000.0, s); });
+      unsetenv("LOOM_GEMM90_QKV");
+      one("fwd_qkv_rope", [&] { cu::linear_qkv_rope(q, k, v, x, W, pos, sh.M, sh.I, H, KV, hd, 100000.0, s); });
+      cu::device_free(pos);
+    }
     // a block's output projections add the residual in their epilogue (linear_forward_add)
     const std::string layer = sh.layer;
     const bool resid_layer = layer.size() > 5 && (layer.substr(layer.size() - 5) == ".proj" ||

@@ -97,11 +97,24 @@ void rope_qkv_join(T* dqkv, const T* dq, const T* dk, const T* dv, const int32_t
     for (int64_t j = 0; j < kw; j++) dqkv[n * W + qw + kw + j] = dv[n * kw + j];
 }
 
+// The product into a scratch of joined rows, then the split (the specification of the fused
+// CUDA path: kernels.inc)
+template <class T>
+void linear_qkv_rope(T* q, T* k, T* v, const T* inp, const T* w, const int32_t* pos, int64_t N, int C, int H, int KV,
+                     int hd, double theta, Stream s) {
+  const int W = (H + 2 * KV) * hd;
+  std::vector<T> qkv(size_t(N) * W);
+  linear_forward(qkv.data(), inp, w, (const T*)nullptr, N, C, W, s);
+  rope_qkv_split(q, k, v, qkv.data(), pos, N, H, KV, hd, theta, s);
+}
+
 #define LOOM_ROPE(T)                                                                            \
   template void rope_forward<T>(T*, const T*, const int32_t*, int64_t, int, int, double, Stream); \
   template void rope_backward<T>(T*, const T*, const int32_t*, int64_t, int, int, double, Stream); \
   template void rope_qkv_split<T>(T*, T*, T*, const T*, const int32_t*, int64_t, int, int, int, double, Stream); \
-  template void rope_qkv_join<T>(T*, const T*, const T*, const T*, const int32_t*, int64_t, int, int, int, double, Stream);
+  template void rope_qkv_join<T>(T*, const T*, const T*, const T*, const int32_t*, int64_t, int, int, int, double, Stream); \
+  template void linear_qkv_rope<T>(T*, T*, T*, const T*, const T*, const int32_t*, int64_t, int, int, int, int, double, \
+                                   Stream);
 LOOM_ROPE(float)
 LOOM_ROPE(double)
 #undef LOOM_ROPE

@@ -84,6 +84,7 @@
 #include <initializer_list>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/rope.cuh"
 #include "kernels/cuda/wgmma.cuh"
 
 namespace loom::cuda::gemm90 {
@@ -237,12 +238,106 @@ __device__ __forceinline__ void swiglu_bwd_tile(bf* sG, const float (&d)[2][8][4
   }
 }
 
+// What the q|k|v epilogue (EPI 6) needs beyond the maps: the joined row's q and k widths (the
+// columns from qw + kw on are v's), the rows' positions, the cos / sin table (rope_table) with
+// its row count, and log(theta) for positions past the table.
+struct RopeArgs {
+  const int32_t* pos = nullptr;
+  const float2* table = nullptr;
+  int table_rows = 0, qw = 0, kw = 0;
+  double log_theta = 0;
+};
+
+// The angles of positions past the table, formed as rope.cu's kernels do: a call, not inlined,
+// so that the epilogue's code stays short (32 inlined copies of the double sincos ran the
+// epilogue several times slower, table hits or not).
+__device__ __noinline__ float2 rope_angle(int32_t p, int i, double log_theta) {
+  float cs, sn;
+  rope_cos_sin<false>(cs, sn, p, i, 64, log_theta);
+  return make_float2(cs, sn);
+}
+
+// The q|k|v epilogue (EPI 6) of a joined q | k | v product with head dim 64: each 64-column half
+// of the tile is one head of q, k or v (qw and kw are multiples of 64). Every accumulator is
+// rounded to bf16 first (the value the product alone would store), and q's and k's pairs (i,
+// i + 32), which sit in the same thread (columns 8n + 2t and 8(n + 4) + 2t), are then rotated
+// with rope.cuh's rotate_pair and the table's cos / sin: bit for bit what rope_qkv_split makes
+// of the stored product. A thread's rows' positions (prow, loaded before the main loop) and
+// their 8 angles per row, the same for both heads of the tile, are looked up once per 64-row
+// half. Each half of the tile goes to q, k or v with its own map (tq, tk, tv: [N, width] views,
+// 64-column boxes); a half past the last column is not stored.
+__device__ __forceinline__ void rope_tile(bf* sOut, const float (&d)[2][BN / 8][4], const int32_t (&prow)[2][2],
+                                          const CUtensorMap* tq, const CUtensorMap* tk, const CUtensorMap* tv,
+                                          const RopeArgs& ra, int n0, int m0, int W, int wg_tid, int bar) {
+  using namespace attn;
+  const int w = wg_tid / 32, lane = wg_tid % 32, g = lane >> 2, t = lane & 3;
+  const bool rot[2] = {n0 < ra.qw + ra.kw, n0 + 64 < ra.qw + ra.kw};
+  if (wg_tid == 0) bulk_wait_read<0>();  // the last store from this tile has read it
+  named_sync(bar, 128);
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    float2 cs[2][8];  // [r][j]: pair i = (j / 2) * 8 + 2t + j % 2 of row h * 64 + w * 16 + g + 8r
+    if (rot[0]) {
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        const int32_t p = prow[h][r];
+        if (p >= 0 && p < ra.table_rows) {
+          const float4* row = reinterpret_cast<const float4*>(ra.table + int64_t(p) * 32 + 2 * t);
+#pragma unroll
+          for (int q4 = 0; q4 < 4; q4++) {  // i = q4 * 8 + 2t and the next: 16 bytes
+            const float4 c = __ldg(row + q4 * 4);
+            cs[r][2 * q4] = make_float2(c.x, c.y);
+            cs[r][2 * q4 + 1] = make_float2(c.z, c.w);
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < 8; j++) cs[r][j] = rope_angle(p, (j / 2) * 8 + 2 * t + j % 2, ra.log_theta);
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      const int row = h * 64 + w * 16 + g + 8 * r;
+#pragma unroll
+      for (int hh = 0; hh < 2; hh++)
+#pragma unroll
+        for (int n4 = 0; n4 < 4; n4++) {
+          const int n = hh * 8 + n4;
+          float y0[2], y1[2];
+#pragma unroll
+          for (int e = 0; e < 2; e++) {
+            const float x0 = __bfloat162float(__float2bfloat16_rn(d[h][n][2 * r + e]));
+            const float x1 = __bfloat162float(__float2bfloat16_rn(d[h][n + 4][2 * r + e]));
+            y0[e] = x0;
+            y1[e] = x1;
+            if (rot[hh]) rotate_pair(y0[e], y1[e], x0, x1, cs[r][2 * n4 + e].x, cs[r][2 * n4 + e].y);
+          }
+          *reinterpret_cast<uint32_t*>(sOut + sw128<BM>(row, n) + 2 * t) = pack_bf16(y0[0], y0[1]);
+          *reinterpret_cast<uint32_t*>(sOut + sw128<BM>(row, n + 4) + 2 * t) = pack_bf16(y1[0], y1[1]);
+        }
+    }
+  }
+  fence_smem_async();
+  named_sync(bar, 128);
+  if (wg_tid == 0) {
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+      const int col = n0 + hh * 64;
+      if (col >= W) break;
+      const CUtensorMap* map = col < ra.qw ? tq : col < ra.qw + ra.kw ? tk : tv;
+      const int c0 = col < ra.qw ? col : col < ra.qw + ra.kw ? col - ra.qw : col - ra.qw - ra.kw;
+      tma_store_3d(map, c0, 0, m0, sOut + hh * BM * 64);
+    }
+    bulk_commit();
+  }
+}
+
 template <int EPI>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_sm90_kernel(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb,
                      const __grid_constant__ CUtensorMap tout, const __grid_constant__ CUtensorMap tpre,
                      const __grid_constant__ CUtensorMap tres, const bf* bias, bool has_pre, int tiles_m, int tiles_n,
-                     int N, int K, int half) {
+                     int N, int K, int half, const RopeArgs ra) {
   pdl_entry();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace attn;
@@ -318,6 +413,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (c == 1) mbar_wait(&turn[1], i & 1);
     else if (i > 0) mbar_wait(&turn[0], (i - 1) & 1);
     const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * (EPI == 3 || EPI == 4 ? 64 : BN);
+    int32_t prow[2][2] = {{0, 0}, {0, 0}};  // EPI 6: the positions of this thread's rows (`half`: the rows)
+    if constexpr (EPI == 6) {
+#pragma unroll
+      for (int h = 0; h < 2; h++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+          const int m = m0 + h * 64 + (warp % 4) * 16 + (lane >> 2) + 8 * r;
+          if (m < half) prow[h][r] = __ldg(ra.pos + m);
+        }
+    }
     if ((EPI == 2 || EPI == 4 || EPI == 5) && wg_tid == 0) {  // the epilogue's inputs, behind the last
       // store's read. EPI 2: the residual into the output tile; EPI 4: gate and up (of gu) into
       // sG, sU; EPI 5: GELU's pre-activation into the output tile
@@ -390,6 +495,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       } else if constexpr (EPI == 5) {
         mbar_wait(&rbar[c], i & 1);
         store_tile<2>(sOut, d, bias2, id, &tout, n0, m0, wg_tid, 1 + c);
+      } else if constexpr (EPI == 6) {  // the kernel's N: the joined width
+        rope_tile(sOut, d, prow, &tout, &tpre, &tres, ra, n0, m0, N, wg_tid, 1 + c);
       } else {
         store_tile<0>(sOut, d, bias2, id, &tout, n0, m0, wg_tid, 1 + c);
       }
@@ -416,7 +523,7 @@ bool shapes_ok(int64_t N, std::initializer_list<int> cols, std::initializer_list
 template <int EPI>
 void run(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tout, const CUtensorMap& tpre,
          const CUtensorMap& tres, const bf* bias, bool has_pre, int tiles_m, int tiles_n, int N, int K, int half,
-         cudaStream_t s) {
+         cudaStream_t s, const RopeArgs& ra = RopeArgs()) {
   constexpr int smem = Smem<EPI>::bytes;
   static const bool once = [] {
     CUDA_CHECK(cudaFuncSetAttribute(gemm_sm90_kernel<EPI>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -425,7 +532,7 @@ void run(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tout, 
   (void)once;
   const int grid = std::min(tiles_m * tiles_n, sm_count());
   launch_kernel(gemm_sm90_kernel<EPI>, grid, kThreads, smem, s, ta, tb, tout, tpre, tres, bias, has_pre, tiles_m,
-                tiles_n, N, K, half);
+                tiles_n, N, K, half, ra);
   LAUNCH_CHECK();
 }
 
@@ -502,6 +609,30 @@ void linear_swiglu_backward(bf* dgu, bf* prod, const bf* dout, const bf* wd, con
   const CUtensorMap th = prod ? attn::make_map_3d(prod, false, N, 1, I, 64, BM) : tdgu;
   const CUtensorMap tgu = attn::make_map_3d(gu, false, N, 1, 2 * I, 64, BM);
   run<4>(ta, tb, tdgu, th, tgu, nullptr, prod != nullptr, ceil_div(N, BM), I / 64, 2 * I, C2, I, s);
+}
+
+bool qkv_rope_supported(const void* q, const void* k, const void* v, const void* inp, const void* w, int64_t N,
+                        int C, int H, int KV, int hd) {
+  return hd == 64 && H > 0 && KV > 0 && shapes_ok(N, {C, H * hd, KV * hd}, {q, k, v, inp, w});
+}
+
+void linear_qkv_rope(bf* q, bf* k, bf* v, const bf* inp, const bf* w, const int32_t* pos, const float2* table,
+                     int table_rows, int64_t N, int C, int H, int KV, int hd, double theta, cudaStream_t s) {
+  // A: inp [N, C]; B: the joined weight [W, C]; q, k, v out in 64-column boxes of 128 rows
+  const int qw = H * hd, kw = KV * hd, W = qw + 2 * kw;
+  const CUtensorMap ta = attn::make_map_3d(inp, false, N, 1, C, BK, BM);
+  const CUtensorMap tb = attn::make_map_3d(w, false, W, 1, C, BK, BN);
+  const CUtensorMap tq = attn::make_map_3d(q, false, N, 1, qw, 64, BM);
+  const CUtensorMap tk = attn::make_map_3d(k, false, N, 1, kw, 64, BM);
+  const CUtensorMap tv = attn::make_map_3d(v, false, N, 1, kw, 64, BM);
+  RopeArgs ra;
+  ra.pos = pos;
+  ra.table = table;
+  ra.table_rows = table ? table_rows : 0;
+  ra.qw = qw;
+  ra.kw = kw;
+  ra.log_theta = std::log(theta);
+  run<6>(ta, tb, tq, tk, tv, nullptr, false, ceil_div(N, BM), ceil_div(W, BN), W, C, int(N), s, ra);
 }
 
 }  // namespace loom::cuda::gemm90

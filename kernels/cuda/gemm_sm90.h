@@ -1,7 +1,7 @@
 // gemm_sm90.h: the host entry points of gemm_sm90.cu, products of our own on Hopper (TMA + wgmma;
-// bias, GELU, a residual add, DGELU, the SwiGLU or its gradient in the epilogue). matmul.cu's
-// cuBLASLt path is the reference contract and the fallback; the .cu's header says what it takes
-// and why.
+// bias, GELU, a residual add, DGELU, the SwiGLU or its gradient, RoPE of a joined q|k|v in the
+// epilogue). matmul.cu's cuBLASLt path is the reference contract and the fallback; the .cu's
+// header says what it takes and why.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -43,5 +43,19 @@ bool swiglu_bwd_supported(const void* dgu, const void* prod, const void* dout, c
                           int64_t N, int C2, int I);
 void linear_swiglu_backward(__nv_bfloat16* dgu, __nv_bfloat16* prod, const __nv_bfloat16* dout,
                             const __nv_bfloat16* wd, const __nv_bfloat16* gu, int64_t N, int C2, int I, cudaStream_t s);
+
+// A joined q | k | v product with RoPE in its epilogue (head dim 64): the product of inp[N, C]
+// and w[(H + 2 KV) 64, C]^T (rows of w: q's H heads, then k's KV, then v's KV) goes out as
+// q[N, H, 64] and k[N, KV, 64] rotated by the positions pos[N] and v[N, KV, 64] as is, bit for bit
+// what rope_qkv_split makes of the product rounded to bf16 (this kernel's product: its sums may
+// differ from cuBLASLt's in the last bit). table / table_rows: rope_table's (cos, sin) of head
+// dim 64 and this theta (rope.cuh); positions outside [0, table_rows) (or every position, with
+// a null table) form their angles in double as rope.cu's kernels do.
+// qkv_rope_supported: available(), hd == 64, C % 8 == 0, all five pointers 16-byte aligned.
+bool qkv_rope_supported(const void* q, const void* k, const void* v, const void* inp, const void* w, int64_t N, int C,
+                        int H, int KV, int hd);
+void linear_qkv_rope(__nv_bfloat16* q, __nv_bfloat16* k, __nv_bfloat16* v, const __nv_bfloat16* inp,
+                     const __nv_bfloat16* w, const int32_t* pos, const float2* table, int table_rows, int64_t N, int C,
+                     int H, int KV, int hd, double theta, cudaStream_t s);
 
 }  // namespace loom::cuda::gemm90

@@ -87,6 +87,7 @@
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/gemm_sm90.h"
+#include "kernels/cuda/rope_table.h"
 
 namespace loom::cuda {
 
@@ -480,6 +481,31 @@ void linear_swiglu_backward(T* dgu, T* prod, const T* dout, const T* wd, const T
   device_free(dh);  // stream-ordered reuse
 }
 
+// gemm_sm90.cu's q|k|v epilogue (RoPE on the accumulators) on Hopper for bf16 at hd 64 (off with
+// LOOM_GEMM90=0, or LOOM_GEMM90_QKV=0 alone, read at every call), else the product into a scratch
+// of joined rows and rope_qkv_split
+template <class T>
+void linear_qkv_rope(T* q, T* k, T* v, const T* inp, const T* w, const int32_t* pos, int64_t N, int C, int H, int KV,
+                     int hd, double theta, Stream s) {
+  if (N <= 0) return;
+  if constexpr (std::is_same_v<T, bf16>) {
+    const char* e = std::getenv("LOOM_GEMM90_QKV");
+    if (gemm90_mode() != Gemm90::off && !(e && e[0] == '0') &&
+        gemm90::qkv_rope_supported(q, k, v, inp, w, N, C, H, KV, hd)) {
+      int rows = 0;
+      const float2* table = rope_table(hd, theta, N, &rows, s);  // null while capturing, before a build
+      gemm90::linear_qkv_rope(dptr(q), dptr(k), dptr(v), dptr(inp), dptr(w), pos, table, rows, N, C, H, KV, hd, theta,
+                              s);
+      return;
+    }
+  }
+  const int W = (H + 2 * KV) * hd;
+  T* qkv = static_cast<T*>(device_malloc(sizeof(T) * size_t(N) * W));
+  linear_forward(qkv, inp, w, (const T*)nullptr, N, C, W, s);
+  rope_qkv_split(q, k, v, qkv, pos, N, H, KV, hd, theta, s);
+  device_free(qkv);  // stream-ordered reuse
+}
+
 template <class T>
 void linear_dgelu_backward(T* dpre, T* dbias, const T* dout, const T* weight, const T* pre, int64_t N, int I, int O,
                            Stream s) {
@@ -514,7 +540,9 @@ void linear_dgelu_backward(T* dpre, T* dbias, const T* dout, const T* weight, co
   template void linear_gelu_forward<T>(T*, T*, const T*, const T*, const T*, int64_t, int, int, Stream);  \
   template void linear_dgelu_backward<T>(T*, T*, const T*, const T*, const T*, int64_t, int, int, Stream); \
   template void linear_swiglu_forward<T>(T*, T*, const T*, const T*, int64_t, int, int, Stream); \
-  template void linear_swiglu_backward<T>(T*, T*, const T*, const T*, const T*, int64_t, int, int, Stream);
+  template void linear_swiglu_backward<T>(T*, T*, const T*, const T*, const T*, int64_t, int, int, Stream); \
+  template void linear_qkv_rope<T>(T*, T*, T*, const T*, const T*, const int32_t*, int64_t, int, int, int, int, double, \
+                                   Stream);
 LOOM_MATMUL(float)
 LOOM_MATMUL(bf16)
 LOOM_MATMUL(f16)

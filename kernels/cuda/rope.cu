@@ -44,30 +44,16 @@
  *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_rope.cpp
  */
 #include <algorithm>
+#include <map>
+#include <mutex>
+#include <utility>
+#include <vector>
 
-#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/rope.cuh"
 
 namespace loom::cuda {
 
 namespace {
-
-// cos and sin of pair i at position pos, formed in double (see Precision); sin negated in the
-// backward (the rotation by -angle).
-template <bool BACKWARD>
-__device__ __forceinline__ void rope_cos_sin(float& cs, float& sn, int32_t pos, int i, int hd, double log_theta) {
-  double sd, cd;
-  sincos(double(pos) * exp(-log_theta * (2.0 * i) / hd), &sd, &cd);
-  cs = float(cd);
-  sn = BACKWARD ? -float(sd) : float(sd);
-}
-
-// The rotation of one pair, rounded the same way in every kernel below: one multiply, then
-// one fused multiply-add (explicit intrinsics, so the compiler cannot contract the two
-// products differently from one kernel to the next; the kernels then agree bit for bit).
-__device__ __forceinline__ void rotate_pair(float& y0, float& y1, float x0, float x1, float cs, float sn) {
-  y0 = __fmaf_rn(x0, cs, __fmul_rn(-x1, sn));
-  y1 = __fmaf_rn(x1, cs, __fmul_rn(x0, sn));
-}
 
 template <class DT, bool BACKWARD>
 __global__ void rope_kernel(DT* __restrict__ out, int64_t ldo, const DT* __restrict__ inp, int64_t ldi,
@@ -219,7 +205,45 @@ void launch_qkv(T* joined, T* q, T* k, T* v, const int32_t* pos, int64_t N, int 
   }
 }
 
+// Row p of the table, entry i: (cos, sin) of pair i at position p (rope_table, rope.cuh).
+__global__ void rope_table_kernel(float2* __restrict__ table, int rows, int hd, double log_theta) {
+  pdl_entry();
+  const int half = hd / 2;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < int64_t(rows) * half;
+       e += int64_t(gridDim.x) * blockDim.x) {
+    const int p = int(e / half), i = int(e - int64_t(p) * half);
+    float cs, sn;
+    rope_cos_sin<false>(cs, sn, p, i, hd, log_theta);
+    table[e] = make_float2(cs, sn);
+  }
+}
+
 }  // namespace
+
+const float2* rope_table(int hd, double theta, int64_t rows, int* table_rows, cudaStream_t s) {
+  constexpr int64_t kMaxRows = 65536, kStep = 2048;
+  const int want = int(std::min(kMaxRows, std::max<int64_t>(kStep, (rows + kStep - 1) / kStep * kStep)));
+  static std::mutex mu;
+  static auto* tables = new std::map<std::pair<int, double>, std::pair<float2*, int>>();
+  std::lock_guard<std::mutex> lock(mu);
+  auto& t = (*tables)[{hd, theta}];
+  if (t.first && t.second >= want) {
+    *table_rows = t.second;
+    return t.first;
+  }
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  CUDA_CHECK(cudaStreamIsCapturing(s, &cap));
+  if (cap != cudaStreamCaptureStatusNone) return nullptr;
+  // the old table (if any) stays allocated: a graph captured earlier may read it
+  auto* table = static_cast<float2*>(device_malloc(sizeof(float2) * size_t(want) * (hd / 2)));
+  const int64_t n = int64_t(want) * (hd / 2);
+  launch_kernel(rope_table_kernel, unsigned(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, s, table, want, hd,
+                std::log(theta));
+  LAUNCH_CHECK();
+  t = {table, want};
+  *table_rows = want;
+  return table;
+}
 
 template <class T>
 void rope_qkv_split(T* q, T* k, T* v, const T* qkv, const int32_t* pos, int64_t N, int H, int KV, int hd,

@@ -2,7 +2,8 @@
 // loom::cpu reference, bf16: ragged row counts (the TMA zero fill and the stores' clipping),
 // widths and depths that are not whole tiles, bias or none, GELU with and without its
 // pre-activation, the residual (in place too), DGELU, the SwiGLU forward and backward epilogues (bit
-// for bit against the standalone SwiGLU kernels where their inputs are the same). Outputs start
+// for bit against the standalone SwiGLU kernels where their inputs are the same), RoPE of a
+// joined q|k|v product (bit for bit against rope_qkv_split of the kernel's own product). Outputs start
 // poisoned with NaN, so an element the kernel does not write fails. Skipped without a
 // compute-capability 9.0 GPU.
 //   bash tools/gpu-kernels.sh tests/cuda/test_cuda_gemm_sm90.cpp
@@ -12,6 +13,7 @@
 #include <cstring>
 
 #include "kernels/cuda/gemm_sm90.h"
+#include "kernels/cuda/rope_table.h"
 #include "kernels/kernels.h"
 #include "tests/tolerances.h"
 
@@ -235,5 +237,88 @@ TEST_CASE("gemm_sm90: matmul.cu's calls routed to it (LOOM_GEMM90=1) and the Swi
     cu::linear_swiglu_backward(dgu.p, prod.p, dd.p, dwd.p, gu.p, N, C, Ih, S());
     CHECK_CLOSE(dgu.get(), rdgu, tol_of<float>(true), "linear_swiglu_backward f32 dgu");
     CHECK_CLOSE(prod.get(), rprod, tol_of<float>(true), "linear_swiglu_backward f32 prod");
+  }
+}
+
+TEST_CASE("gemm_sm90: RoPE in a joined q|k|v product's epilogue, bit for bit rope_qkv_split of its product",
+          "[gemm_sm90]") {
+  need_sm90();
+  struct Case { int64_t N; int C, H, KV; };
+  // hd 64 (the epilogue's); N: one row, a partial row tile, several tiles with a ragged last one,
+  // the SPEC LM's 16384 x 576 with 9 q and 3 kv heads (1024 tiles, the last column tile half
+  // past the joined width); C 200 is not a whole K tile; H == KV, and one head each
+  const double theta = 100000.0;
+  for (Case c : {Case{1, 64, 1, 1}, Case{300, 200, 4, 4}, Case{1000, 576, 9, 3}, Case{16384, 576, 9, 3}}) {
+    INFO("N " << c.N << " C " << c.C << " H " << c.H << " KV " << c.KV);
+    const int hd = 64, qw = c.H * hd, kw = c.KV * hd, W = qw + 2 * kw;
+    auto hx = rounded<bf16>(rnd(c.N * c.C, 500 + c.C));
+    auto hw = rounded<bf16>(rnd(int64_t(W) * c.C, 501, -0.2f, 0.2f));
+    // positions: mostly in the table (2048 rows at least), some past it (formed in double)
+    auto pos = rnd_int(c.N, 502, 0, 2048);
+    for (int64_t n = 0; n < c.N; n += 7) pos[n] = 2048 + int32_t(n % 5000);
+    IBuf dpos(pos);
+    DBuf<bf16> x(hx), w(hw), qkv(c.N * W), q(c.N * qw), k(c.N * kw), v(c.N * kw);
+    DBuf<bf16> rq(c.N * qw), rk(c.N * kw), rv(c.N * kw);
+    REQUIRE(cu::gemm90::qkv_rope_supported(q.p, k.p, v.p, x.p, w.p, c.N, c.C, c.H, c.KV, hd));
+    // the reference: this kernel's plain product, then the standalone split
+    cu::gemm90::linear_forward(dev(qkv.p), nullptr, dev(x.p), dev(w.p), nullptr, nullptr, c.N, c.C, W, false, S());
+    cu::rope_qkv_split(rq.p, rk.p, rv.p, qkv.p, dpos.p, c.N, c.H, c.KV, hd, theta, S());
+    int rows = 0;
+    const float2* table = cu::rope_table(hd, theta, 1, &rows, S());
+    REQUIRE(table != nullptr);
+    REQUIRE(rows >= 2048);
+    for (bool with_table : {true, false}) {
+      INFO((with_table ? "the table, positions past it in double" : "no table: every angle in double"));
+      q.poison();
+      k.poison();
+      v.poison();
+      cu::gemm90::linear_qkv_rope(dev(q.p), dev(k.p), dev(v.p), dev(x.p), dev(w.p), dpos.p, with_table ? table : nullptr,
+                                  rows, c.N, c.C, c.H, c.KV, hd, theta, S());
+      CHECK(bits_differ(q.get(), rq.get()) == 0);
+      CHECK(bits_differ(k.get(), rk.get()) == 0);
+      CHECK(bits_differ(v.get(), rv.get()) == 0);
+    }
+    // and against the CPU reference (the product in fp32, the split of its bf16 rounding)
+    std::vector<float> cq(c.N * qw), ck(c.N * kw), cv(c.N * kw);
+    cpu::linear_qkv_rope(cq.data(), ck.data(), cv.data(), hx.data(), hw.data(), pos.data(), c.N, c.C, c.H, c.KV, hd,
+                         theta, nullptr);
+    CHECK_CLOSE(q.get(), cq, tol_of<bf16>(true), "qkv rope q");
+    CHECK_CLOSE(k.get(), ck, tol_of<bf16>(true), "qkv rope k");
+    CHECK_CLOSE(v.get(), cv, tol_of<bf16>(true), "qkv rope v");
+  }
+  // linear_qkv_rope (kernels.inc): bf16 at hd 64 takes the epilogue (against the CPU reference),
+  // bf16 at hd 32 and f32 the product and the split (bit for bit those two calls)
+  auto two_calls = [&](auto zero, int hd, const std::vector<float>& hx, const std::vector<float>& hw,
+                       const IBuf& dpos, int64_t N, int C, int H, int KV) {
+    using T = decltype(zero);
+    const int qw = H * hd, kw = KV * hd, W = qw + 2 * kw;
+    DBuf<T> x(hx), w(hw), qkv(N * W), q(N * qw), k(N * kw), v(N * kw), rq(N * qw), rk(N * kw), rv(N * kw);
+    cu::linear_forward(qkv.p, x.p, w.p, (const T*)nullptr, N, C, W, S());
+    cu::rope_qkv_split(rq.p, rk.p, rv.p, qkv.p, dpos.p, N, H, KV, hd, theta, S());
+    cu::linear_qkv_rope(q.p, k.p, v.p, x.p, w.p, dpos.p, N, C, H, KV, hd, theta, S());
+    CHECK(bits_differ(q.get(), rq.get()) == 0);
+    CHECK(bits_differ(k.get(), rk.get()) == 0);
+    CHECK(bits_differ(v.get(), rv.get()) == 0);
+  };
+  for (int hd : {64, 32}) {
+    const int64_t N = 130;
+    const int C = 96, H = 3, KV = 1, qw = H * hd, kw = KV * hd, W = qw + 2 * kw;
+    INFO("linear_qkv_rope, hd " << hd);
+    auto hx = rounded<bf16>(rnd(N * C, 600 + hd)), hw = rounded<bf16>(rnd(int64_t(W) * C, 601, -0.2f, 0.2f));
+    auto pos = rnd_int(N, 602, 0, 3000);
+    IBuf dpos(pos);
+    if (hd == 64) {
+      std::vector<float> cq(N * qw), ck(N * kw), cv(N * kw);
+      cpu::linear_qkv_rope(cq.data(), ck.data(), cv.data(), hx.data(), hw.data(), pos.data(), N, C, H, KV, hd, theta,
+                           nullptr);
+      DBuf<bf16> x(hx), w(hw), q(N * qw), k(N * kw), v(N * kw);
+      cu::linear_qkv_rope(q.p, k.p, v.p, x.p, w.p, dpos.p, N, C, H, KV, hd, theta, S());
+      CHECK_CLOSE(q.get(), cq, tol_of<bf16>(true), "linear_qkv_rope bf16 q");
+      CHECK_CLOSE(k.get(), ck, tol_of<bf16>(true), "linear_qkv_rope bf16 k");
+      CHECK_CLOSE(v.get(), cv, tol_of<bf16>(true), "linear_qkv_rope bf16 v");
+    } else {
+      two_calls(bf16{}, hd, hx, hw, dpos, N, C, H, KV);
+    }
+    two_calls(float{}, hd, hx, hw, dpos, N, C, H, KV);
   }
 }
