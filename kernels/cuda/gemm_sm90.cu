@@ -19,6 +19,9 @@
  *               main loop
  *   epilogue 5: dpre = acc * gelu'(pre), acc = dout W with W [O, I] read along its rows (B
  *               MN-major): linear_dgelu_backward's product, pre TMA-loaded into the output tile
+ *   epilogue 6: a Llama layer's joined q | k | v product (head dim 64): acc rounded to bf16, q's
+ *               and k's heads rotated by RoPE (rope_qkv_split's rounding, angles from
+ *               rope_table.h's table), each 64-column half stored to q, k or v: linear_qkv_rope
  *
  * Why: cuBLASLt's GELU epilogue made fc1 ~1.5x as long as a product of the same FLOPs without
  * one (docs/kernels/products.md), and every pass a product's epilogue can take over (bias, GELU,
@@ -52,7 +55,8 @@
  * call qualifies (also: built with sm_90a code, running on a compute-capability 9.0 device).
  *
  * Where it is used: linear_swiglu_forward and linear_swiglu_backward (matmul.cu: the LM's joined
- * gate | up with its SwiGLU, and its gradient; by default on Hopper); linear_forward /
+ * gate | up with its SwiGLU, and its gradient; by default on Hopper), linear_qkv_rope (the LM's
+ * joined q | k | v with RoPE; by default on Hopper, LOOM_GEMM90_QKV=0 turns it off); linear_forward /
  * linear_forward_add / linear_gelu_forward / linear_dgelu_backward only with
  * LOOM_GEMM90=1 (matmul.cu's header has the A/B that kept them on cuBLASLt).
  *
@@ -69,6 +73,14 @@
  *   the MIM step's 16 DGELU products 1.38 (cuBLASLt's xmma DGELU kernel) -> 1.53 ms, so DGELU
  *   stays on cuBLASLt; the MIM step with every forward product of inner size <= 1024 here
  *   15.00 -> 15.13 ms of products, so those stay on cuBLASLt.
+ *   The q | k | v epilogue (H200, 2026-11-27, the LM's 16384 x 576 -> 960, two runs): 0.0415 /
+ *   0.0432 ms against cuBLASLt's product + rope_qkv_split 0.0593 / 0.0633 (this kernel's plain
+ *   product 0.0385 / 0.0402, cuBLASLt's 0.0406 / 0.0448); fixed-batch VLM step 51.47 / 51.20 ms
+ *   against 51.82 / 51.74 with LOOM_GEMM90_QKV=0 (same call). Its first form, with the angle
+ *   lookups inside the element loop and the double fallback inlined at each of them, ran 0.0870
+ *   ms against 0.0667 (H100): the epilogue's code grew past what the instruction cache holds;
+ *   the angles are now looked up once per row half (16-byte loads, the positions loaded before
+ *   the main loop) and the fallback is a call.
  *   What bounds it: with 128 x 128 tiles a K-768 product reads (128 + 128) x K x 2 bytes per
  *   2 x 128^2 x K FLOPs from L2, ~9 TB/s at these rates; cuBLASLt's kernels here use 192 x 192
  *   and 256 x 128 tiles and clusters of two. An epilogue longer than the other consumer's main

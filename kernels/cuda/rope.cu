@@ -40,6 +40,10 @@
  *   written with intrinsics so that the compiler cannot contract differently per kernel): the
  *   one-pass kernel and the row kernels agree bit for bit (a test checks it), and so do the
  *   VLM's deterministic losses before and after the joined form (20 steps, H100).
+ * The angle table (rope_table.h, rope_table below): (cos, sin) per (position, pair), filled by a
+ *   kernel calling rope_cos_sin, so a lookup gives the very floats the kernels here form; for
+ *   gemm_sm90.cu's q|k|v epilogue (linear_qkv_rope), where forming them in double per tile would
+ *   cost more than the tile's product.
  * Test: tests/cuda/test_cuda_rope.cpp [rope]:
  *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_rope.cpp
  */
