@@ -237,13 +237,18 @@ const float2* rope_table(int hd, double theta, int64_t rows, int* table_rows, cu
   }
   cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
   CUDA_CHECK(cudaStreamIsCapturing(s, &cap));
-  if (cap != cudaStreamCaptureStatusNone) return nullptr;
+  if (cap != cudaStreamCaptureStatusNone) {  // no build inside a graph: the table there is, if any
+    *table_rows = t.first ? t.second : 0;
+    return t.first;
+  }
   // the old table (if any) stays allocated: a graph captured earlier may read it
   auto* table = static_cast<float2*>(device_malloc(sizeof(float2) * size_t(want) * (hd / 2)));
   const int64_t n = int64_t(want) * (hd / 2);
   launch_kernel(rope_table_kernel, unsigned(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, s, table, want, hd,
                 std::log(theta));
   LAUNCH_CHECK();
+  // once per build: a later call on another stream must not read the table before it is filled
+  CUDA_CHECK(cudaStreamSynchronize(s));
   t = {table, want};
   *table_rows = want;
   return table;
