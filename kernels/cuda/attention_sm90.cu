@@ -43,7 +43,8 @@
  *     2 warpgroups x 64 keys, 2 blocks per SM         233 | 290 | 166
  *     2 warpgroups x 128-key tiles                    216 | 284 | 165
  *   PyTorch 2.11 FLASH_ATTENTION (earlier call)      224 | 277 | 145
- *   Kept: 3 x 128 except hd 64 full and hd 64 causal with short sequences (2 x 64; fwd_sm90). Its exp2s use ex2.approx.ftz since 2026-11-23
+ *   Kept: 3 x 128 except hd 64 full and hd 64 causal with short sequences (2 x 64; fwd_sm90).
+ *   Its exp2s use ex2.approx.ftz since 2026-11-23
  *   (hd 64 full 0.108 -> 0.101 ms on an H100, the others unchanged: this kernel waits at its
  *   block-wide barrier more than it computes).
  *   The producer warp with mbarriers, the softmax of one warpgroup overlapping another's

@@ -49,7 +49,7 @@ void linear_swiglu_backward(__nv_bfloat16* dgu, __nv_bfloat16* prod, const __nv_
 // q[N, H, 64] and k[N, KV, 64] rotated by the positions pos[N] and v[N, KV, 64] as is, bit for bit
 // what rope_qkv_split makes of the product rounded to bf16 (this kernel's product: its sums may
 // differ from cuBLASLt's in the last bit). table / table_rows: rope_table's (cos, sin) of head
-// dim 64 and this theta (rope.cuh); positions outside [0, table_rows) (or every position, with
+// dim 64 and this theta (rope_table.h); positions outside [0, table_rows) (or every position, with
 // a null table) form their angles in double as rope.cu's kernels do.
 // qkv_rope_supported: available(), hd == 64, C % 8 == 0, all five pointers 16-byte aligned.
 bool qkv_rope_supported(const void* q, const void* k, const void* v, const void* inp, const void* w, int64_t N, int C,

@@ -54,6 +54,7 @@
 #include <vector>
 
 #include "kernels/cuda/rope.cuh"
+#include "kernels/cuda/rope_table.h"
 
 namespace loom::cuda {
 
@@ -209,7 +210,7 @@ void launch_qkv(T* joined, T* q, T* k, T* v, const int32_t* pos, int64_t N, int 
   }
 }
 
-// Row p of the table, entry i: (cos, sin) of pair i at position p (rope_table, rope.cuh).
+// Row p of the table, entry i: (cos, sin) of pair i at position p (rope_table.h).
 __global__ void rope_table_kernel(float2* __restrict__ table, int rows, int hd, double log_theta) {
   pdl_entry();
   const int half = hd / 2;

@@ -4,7 +4,6 @@
 // angles a product's epilogue looks up instead of forming them in double.
 #pragma once
 #include "kernels/cuda/common.cuh"
-#include "kernels/cuda/rope_table.h"
 
 namespace loom::cuda {
 
