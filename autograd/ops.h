@@ -125,6 +125,13 @@ struct SeqInfo {
 // q [Nq, H, hd], k, v [Nk, KV, hd] -> [Nq, H, hd]
 Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const SeqInfo& seq, bool causal,
                  double scale);
+// A Llama layer's causal self-attention from its input: attention(qkv_rope(x, ...), seq, causal,
+// scale) as [N, H hd], one node (ops_joined.cpp). With the three weights side by side and one
+// cu_seqlens for queries and keys, the backward writes the gradient of the joined product's rows
+// (rope^-1(dq) | rope^-1(dk) | dv) in the attention backward itself (attention_backward_qkv)
+// instead of dq, dk, dv and a pass that joins them; else the two ops.
+Tensor qkv_rope_attention(const Tensor& x, const Tensor& wq, const Tensor& wk, const Tensor& wv, const Tensor& pos,
+                          const SeqInfo& seq, int heads, int kv_heads, int head_dim, double theta, double scale);
 
 // ---- losses (ops_loss.cpp): scalars [1] in the accumulation dtype
 // logits [N, V], targets int32 [N] (< 0 ignored): mean CE over valid rows

@@ -115,18 +115,54 @@ Tensor mlp_swiglu_joined(const Tensor& x, const Tensor& w_gate, const Tensor& w_
   return out;
 }
 
-std::vector<Tensor> qkv_rope(const Tensor& x, const Tensor& wq, const Tensor& wk, const Tensor& wv, const Tensor& pos,
-                             int heads, int kv_heads, int head_dim, double theta) {
-  check_same("qkv_rope", {x, wq, wk, wv});
-  check_index("qkv_rope", pos, x);
+static void check_qkv_rope(const char* op, const Tensor& x, const Tensor& wq, const Tensor& wk, const Tensor& wv,
+                           const Tensor& pos, int heads, int kv_heads, int head_dim) {
+  check_same(op, {x, wq, wk, wv});
+  check_index(op, pos, x);
   const int64_t H = heads, KV = kv_heads, hd = head_dim;
   LOOM_CHECK(x.dim() == 2 && wq.dim() == 2 && wq.size(0) == H * hd && wk.dim() == 2 && wk.size(0) == KV * hd &&
                  wv.dim() == 2 && wv.size(0) == KV * hd && wq.size(1) == x.size(1) && wk.size(1) == x.size(1) &&
                  wv.size(1) == x.size(1) && pos.numel() == x.size(0) && hd % 2 == 0,
-             "qkv_rope: x %s, q %s, k %s, v %s, pos %s for %d heads, %d kv heads of %d", x.desc().c_str(),
+             "%s: x %s, q %s, k %s, v %s, pos %s for %d heads, %d kv heads of %d", op, x.desc().c_str(),
              wq.desc().c_str(), wk.desc().c_str(), wv.desc().c_str(), pos.desc().c_str(), heads, kv_heads, head_dim);
+}
+
+// q, k, v of the joined product w (the three weights stacked) with RoPE: linear_qkv_rope
+static std::vector<Tensor> qkv_rope_rows(const Tensor& xc, const Tensor& w, const Tensor& pc, int64_t H, int64_t KV,
+                                         int64_t hd, double theta) {
+  const int64_t N = xc.size(0);
+  Tensor q = Tensor::empty({N, H, hd}, xc.dtype(), xc.device()), k = Tensor::empty({N, KV, hd}, xc.dtype(), xc.device());
+  Tensor v = Tensor::empty({N, KV, hd}, xc.dtype(), xc.device());
+  // the product and the split (RoPE in the product's epilogue on Hopper: kernels.inc)
+  dispatch_float(xc, [&](auto dev, auto zero) {
+    using T = decltype(zero);
+    KERNEL(dev, linear_qkv_rope)(q.data<T>(), k.data<T>(), v.data<T>(), xc.data<T>(), w.data<T>(), pc.data<int32_t>(),
+                                 N, int(xc.size(1)), int(H), int(KV), int(hd), theta, stream_for(dev));
+  });
+  return {q, k, v};
+}
+
+// The backward of the joined product from its rows' gradient dqkv [N, W]: dx = dqkv w (one GEMM)
+// and the three weight gradients (joined_weight_grads)
+static void qkv_product_backward(const Tensor& x, const Tensor& xc, const Tensor& w, const Tensor& dqkv,
+                                 const std::vector<Tensor>& weights) {
+  if (x.requires_grad()) {
+    Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
+    dispatch_float(dqkv, [&](auto dev, auto zero) {
+      using T = decltype(zero);
+      KERNEL(dev, gemm)(dx.data<T>(), dqkv.data<T>(), w.data<T>(), int(xc.size(0)), int(xc.size(1)),
+                        int(dqkv.size(1)), false, false, 1.0, 0.0, 1, 0, 0, 0, stream_for(dev));
+    });
+    accumulate_grad(x, dx, true);
+  }
+  joined_weight_grads(dqkv, xc, weights);
+}
+
+std::vector<Tensor> qkv_rope(const Tensor& x, const Tensor& wq, const Tensor& wk, const Tensor& wv, const Tensor& pos,
+                             int heads, int kv_heads, int head_dim, double theta) {
+  check_qkv_rope("qkv_rope", x, wq, wk, wv, pos, heads, kv_heads, head_dim);
+  const int64_t H = heads, KV = kv_heads, hd = head_dim;
   const int64_t N = x.size(0);
-  const int C = int(x.size(1));
   Tensor w = stacked_view({wq, wk, wv});
   if (!w.defined()) {
     std::vector<Tensor> p = linear_many(x, {wq, wk, wv});
@@ -135,16 +171,10 @@ std::vector<Tensor> qkv_rope(const Tensor& x, const Tensor& wq, const Tensor& wk
   }
   const int64_t W = (H + 2 * KV) * hd;  // row n of qkv: q (H hd) | k (KV hd) | v (KV hd)
   Tensor xc = x.contiguous(), pc = pos.contiguous();
-  Tensor q = Tensor::empty({N, H, hd}, x.dtype(), x.device()), k = Tensor::empty({N, KV, hd}, x.dtype(), x.device());
-  Tensor v = Tensor::empty({N, KV, hd}, x.dtype(), x.device());
-  // the product and the split (RoPE in the product's epilogue on Hopper: kernels.inc)
-  dispatch_float(xc, [&](auto dev, auto zero) {
-    using T = decltype(zero);
-    KERNEL(dev, linear_qkv_rope)(q.data<T>(), k.data<T>(), v.data<T>(), xc.data<T>(), w.data<T>(), pc.data<int32_t>(),
-                                 N, C, int(H), int(KV), int(hd), theta, stream_for(dev));
-  });
+  std::vector<Tensor> qkv = qkv_rope_rows(xc, w, pc, H, KV, hd, theta);
+  Tensor q = qkv[0], k = qkv[1], v = qkv[2];
   if (any_requires_grad({x, wq, wk, wv}))
-    record("qkv_rope", {q, k, v}, [x, xc, wq, wk, wv, w, pc, q, k, v, N, C, H, KV, hd, W, theta]() {
+    record("qkv_rope", {q, k, v}, [x, xc, wq, wk, wv, w, pc, q, k, v, N, H, KV, hd, W, theta]() {
       // dqkv in the forward's row layout: rope^-1 of dq and dk, dv copied, in one pass (a part
       // without a gradient counts as zeros)
       auto grad_or_zeros = [](const Tensor& t) {
@@ -158,18 +188,49 @@ std::vector<Tensor> qkv_rope(const Tensor& x, const Tensor& wq, const Tensor& wk
         KERNEL(dev, rope_qkv_join)(dqkv.data<T>(), gq.data<T>(), gk.data<T>(), gv.data<T>(), pc.data<int32_t>(), N,
                                    int(H), int(KV), int(hd), theta, stream_for(dev));
       });
-      if (x.requires_grad()) {
-        Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
-        dispatch_float(dqkv, [&](auto dev, auto zero) {
-          using T = decltype(zero);
-          KERNEL(dev, gemm)(dx.data<T>(), dqkv.data<T>(), w.data<T>(), int(N), C, int(W), false, false, 1.0, 0.0, 1, 0, 0,
-                            0, stream_for(dev));
-        });
-        accumulate_grad(x, dx, true);
-      }
-      joined_weight_grads(dqkv, xc, {wq, wk, wv});
+      qkv_product_backward(x, xc, w, dqkv, {wq, wk, wv});
     });
   return {q, k, v};
+}
+
+Tensor qkv_rope_attention(const Tensor& x, const Tensor& wq, const Tensor& wk, const Tensor& wv, const Tensor& pos,
+                          const SeqInfo& seq, int heads, int kv_heads, int head_dim, double theta, double scale) {
+  check_qkv_rope("qkv_rope_attention", x, wq, wk, wv, pos, heads, kv_heads, head_dim);
+  Tensor w = stacked_view({wq, wk, wv});
+  if (!w.defined() || seq.cu_q.raw() != seq.cu_k.raw()) {  // the two ops
+    std::vector<Tensor> qkv = qkv_rope(x, wq, wk, wv, pos, heads, kv_heads, head_dim, theta);
+    return reshape(attention(qkv[0], qkv[1], qkv[2], seq, /*causal=*/true, scale), {x.size(0), int64_t(heads) * head_dim});
+  }
+  check_index("qkv_rope_attention", seq.cu_q, x);
+  const int64_t H = heads, KV = kv_heads, hd = head_dim, N = x.size(0), W = (H + 2 * KV) * hd;
+  Tensor xc = x.contiguous(), pc = pos.contiguous();
+  std::vector<Tensor> qkv = qkv_rope_rows(xc, w, pc, H, KV, hd, theta);
+  Tensor q = qkv[0], k = qkv[1], v = qkv[2];
+  Tensor out = Tensor::empty_like(q), lse = acc_empty({N, H}, q);
+  dispatch_float(q, [&](auto dev, auto zero) {
+    using T = decltype(zero);
+    KERNEL(dev, attention_forward)(out.data<T>(), lse.data<acc_t<T>>(), q.data<T>(), k.data<T>(), v.data<T>(),
+                                   seq.cu_q.data<int32_t>(), seq.cu_q.data<int32_t>(), seq.nseq, seq.max_seqlen, N, N,
+                                   int(H), int(KV), int(hd), true, scale, stream_for(dev));
+  });
+  if (any_requires_grad({x, wq, wk, wv}))
+    record("qkv_rope_attention", {out}, [x, xc, wq, wk, wv, w, pc, q, k, v, out, lse, seq, N, H, KV, hd, W, theta,
+                                         scale]() {
+      Tensor g = grad_of(out).contiguous();
+      // delta [N, H]; on CUDA also the fp32 dq accumulator [N, H, hd] (attention's workspace)
+      Tensor ws = acc_empty({N, H, q.is_cuda() ? hd + 1 : 1}, q);
+      Tensor dqkv = Tensor::empty({N, W}, xc.dtype(), xc.device());
+      dispatch_float(g, [&](auto dev, auto zero) {
+        using T = decltype(zero);
+        using A = acc_t<T>;
+        KERNEL(dev, attention_backward_qkv)(dqkv.data<T>(), g.data<T>(), q.data<T>(), k.data<T>(), v.data<T>(),
+                                            out.data<T>(), lse.data<A>(), ws.data<A>(), seq.cu_q.data<int32_t>(),
+                                            pc.data<int32_t>(), seq.nseq, seq.max_seqlen, N, int(H), int(KV), int(hd),
+                                            true, scale, theta, stream_for(dev));
+      });
+      qkv_product_backward(x, xc, w, dqkv, {wq, wk, wv});
+    });
+  return reshape(out, {N, H * hd});
 }
 
 }  // namespace loom

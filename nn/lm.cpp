@@ -30,17 +30,16 @@ Tensor LMBlock::forward(const Tensor& x, const Tensor& pos, const SeqInfo& seq) 
 
 std::vector<Tensor> LMBlock::forward_fused(const Tensor& x, const Tensor& h, const Tensor& pos, const SeqInfo& seq,
                                            const RMSNorm* next) const {
-  int64_t N = x.size(0);
   int hd = cfg.head_dim();
-  // q, k, v from one input, RoPE on q and k: one GEMM when the three weights lie side by side
-  // (the optimizer's flat buffer), else three (qkv_rope)
-  std::vector<Tensor> qkv = qkv_rope(h, q_proj.weight, k_proj.weight, v_proj.weight, pos, cfg.heads, cfg.kv_heads, hd,
-                                     cfg.rope_theta);
-  Tensor a = attention(qkv[0], qkv[1], qkv[2], seq, /*causal=*/true, 1.0 / std::sqrt(double(hd)));
+  // q, k, v from one input, RoPE on q and k, causal attention: one GEMM when the three weights
+  // lie side by side (the optimizer's flat buffer), else three; the backward writes the joined
+  // product's gradient rows itself (qkv_rope_attention)
+  Tensor a = qkv_rope_attention(h, q_proj.weight, k_proj.weight, v_proj.weight, pos, seq, cfg.heads, cfg.kv_heads, hd,
+                                cfg.rope_theta, 1.0 / std::sqrt(double(hd)));
   // r = x + o_proj(a) with the residual read by the product (cuBLASLt's C, beta = 1), then its
   // RMSNorm; out = r + down(...) likewise. The MLP's backward recomputes silu(gate) * up instead
   // of keeping it (mlp_swiglu); each norm's backward adds the residual stream's other gradient.
-  Tensor r = linear(reshape(a, {N, cfg.heads * hd}), o_proj.weight, o_proj.bias, x);
+  Tensor r = linear(a, o_proj.weight, o_proj.bias, x);
   Tensor out = mlp_swiglu(rmsnorm(r, post_attention_layernorm.weight, post_attention_layernorm.eps), gate_proj.weight,
                           up_proj.weight, down_proj.weight, r);
   if (!next) return {out};

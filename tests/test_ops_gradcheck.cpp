@@ -471,6 +471,14 @@ TEST_CASE("joined products: q|k|v and gate|up as one GEMM when the weights lie s
   auto mlp = [](const vector<Tensor>& in) { return mlp_swiglu(in[0], in[1], in[2], in[3]); };
   // the joined path itself (its weights' gradients in buffers of their own: one GEMM per part)
   check("qkv_rope, weights side by side", attn_in, {x, wq, wk, wv});
+  // a Llama layer's attention from its input in one node: two sequences and a row outside both
+  const SeqInfo seq = SeqInfo::packed({0, 3, 6}, Device::CPU);
+  auto rope_attn = [&](const vector<Tensor>& in) {
+    return qkv_rope_attention(in[0], in[1], in[2], in[3], pos, seq, H, KV, hd, theta, 0.6);
+  };
+  check("qkv_rope_attention, weights side by side", rope_attn, {x, wq, wk, wv});
+  check("qkv_rope_attention, separate weights (qkv_rope and attention)", rope_attn,
+        {x, wq.clone().requires_grad_(), wk.clone().requires_grad_(), wv.clone().requires_grad_()});
   check("mlp_swiglu, gate and up side by side", mlp, {x, wg, wu, wd});
   check("mlp_swiglu, gate and up side by side, with residual",
         [](const vector<Tensor>& in) { return mlp_swiglu(in[0], in[1], in[2], in[3], in[4]); },

@@ -242,6 +242,17 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T*
   }
 }
 
+template <class T>
+void attention_backward_qkv(T* dqkv, const T* dout, const T* q, const T* k, const T* v, const T* out,
+                            const acc_t<T>* lse, acc_t<T>* workspace, const int32_t* cu, const int32_t* pos,
+                            int nseq, int max_seqlen, int64_t N, int H, int KV, int hd, bool causal,
+                            double scale, double theta, Stream s) {
+  std::vector<T> dq(size_t(N) * H * hd), dk(size_t(N) * KV * hd), dv(size_t(N) * KV * hd);
+  attention_backward(dq.data(), dk.data(), dv.data(), dout, q, k, v, out, lse, workspace, cu, cu, nseq, max_seqlen, N,
+                     N, H, KV, hd, causal, scale, s);
+  rope_qkv_join(dqkv, dq.data(), dk.data(), dv.data(), pos, N, H, KV, hd, theta, s);
+}
+
 #define LOOM_INSTANTIATE(T)                                                                      \
   template void attention_forward<T>(T*, acc_t<T>*, const T*, const T*, const T*, const int32_t*, \
                                      const int32_t*, int, int, int64_t, int64_t, int, int, int,   \
@@ -249,7 +260,11 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T*
   template void attention_backward<T>(T*, T*, T*, const T*, const T*, const T*, const T*,          \
                                       const T*, const acc_t<T>*, acc_t<T>*, const int32_t*,        \
                                       const int32_t*, int, int, int64_t, int64_t, int, int, int,  \
-                                      bool, double, Stream);
+                                      bool, double, Stream);                                       \
+  template void attention_backward_qkv<T>(T*, const T*, const T*, const T*, const T*, const T*,    \
+                                          const acc_t<T>*, acc_t<T>*, const int32_t*,              \
+                                          const int32_t*, int, int, int64_t, int, int, int, bool,  \
+                                          double, double, Stream);
 LOOM_INSTANTIATE(float)
 LOOM_INSTANTIATE(double)
 #undef LOOM_INSTANTIATE

@@ -293,6 +293,41 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T*
   ours();
 }
 
+// attention_backward_qkv (kernels.inc). The joined rows straight from loom's warp-specialized
+// backward (attn::bwd_qkv_rope: dk, dv stored into them, dk rotated in that store, dq rotated by
+// the finish) where it runs: bf16, hd 64, the loom backend (train.attention = loom; cuDNN's and
+// the `auto` choice keep the two calls), not deterministic, its length and alignment rules.
+// Else attention_backward into a scratch dq | dk | dv, then rope_qkv_join. LOOM_ATTN_QKV_JOIN=0
+// forces the latter (the same dk, dv bits; dq within the atomic backward's run-to-run spread).
+template <class T>
+void attention_backward_qkv(T* dqkv, const T* dout, const T* q, const T* k, const T* v, const T* out,
+                            const acc_t<T>* lse, acc_t<T>* workspace, const int32_t* cu, const int32_t* pos,
+                            int nseq, int max_seqlen, int64_t N, int H, int KV, int hd, bool causal,
+                            double scale, double theta, Stream s) {
+  check_args("attention_backward_qkv", nseq, max_seqlen, H, KV, hd);
+  if (N <= 0) return;
+  if constexpr (std::is_same<T, bf16>::value) {
+    const char* e = std::getenv("LOOM_ATTN_QKV_JOIN");  // read at every call: tests switch it
+    float* dq_acc = workspace;
+    float* delta = workspace + N * H * hd;
+    if (!(e && e[0] == '0') && hd == 64 && nseq > 0 && max_seqlen > 0 && !deterministic_attention() &&
+        (side_scope_active() || attention_backend() == AttentionBackend::Loom) && aligned(dqkv, 16) &&
+        attn::bwd_sm90_ws_available(hd, causal, max_seqlen, N, N, q, k, v, dout, dq_acc)) {
+      attn::bwd_qkv_rope(reinterpret_cast<bf*>(dqkv), dq_acc, delta, reinterpret_cast<const bf*>(dout),
+                         reinterpret_cast<const bf*>(out), reinterpret_cast<const bf*>(q),
+                         reinterpret_cast<const bf*>(k), reinterpret_cast<const bf*>(v), lse, cu, pos, nseq,
+                         max_seqlen, N, H, KV, causal, float(scale), theta, s);
+      return;
+    }
+  }
+  const int64_t nq = N * H * hd, nk = N * KV * hd;
+  T* scratch = static_cast<T*>(device_malloc(sizeof(T) * size_t(nq + 2 * nk)));
+  attention_backward(scratch, scratch + nq, scratch + nq + nk, dout, q, k, v, out, lse, workspace, cu, cu, nseq,
+                     max_seqlen, N, N, H, KV, hd, causal, scale, s);
+  rope_qkv_join(dqkv, scratch, scratch + nq, scratch + nq + nk, pos, N, H, KV, hd, theta, s);
+  device_free(scratch);  // stream-ordered reuse
+}
+
 template void attention_forward<float>(float*, float*, const float*, const float*, const float*, const int32_t*,
                                        const int32_t*, int, int, int64_t, int64_t, int, int, int, bool, double, Stream);
 template void attention_forward<bf16>(bf16*, float*, const bf16*, const bf16*, const bf16*, const int32_t*,
@@ -308,5 +343,14 @@ template void attention_backward<bf16>(bf16*, bf16*, bf16*, const bf16*, const b
 template void attention_backward<f16>(f16*, f16*, f16*, const f16*, const f16*, const f16*, const f16*,
                                        const f16*, const float*, float*, const int32_t*, const int32_t*, int, int,
                                        int64_t, int64_t, int, int, int, bool, double, Stream);
+
+#define LOOM_QKV(T)                                                                                             \
+  template void attention_backward_qkv<T>(T*, const T*, const T*, const T*, const T*, const T*, const acc_t<T>*,    \
+                                          acc_t<T>*, const int32_t*, const int32_t*, int, int, int64_t, int, int, \
+                                          int, bool, double, double, Stream);
+LOOM_QKV(float)
+LOOM_QKV(bf16)
+LOOM_QKV(f16)
+#undef LOOM_QKV
 
 }  // namespace loom::cuda

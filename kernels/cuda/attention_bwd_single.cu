@@ -44,6 +44,8 @@
 #include <algorithm>
 
 #include "kernels/cuda/attention_tiles.cuh"
+#include "kernels/cuda/rope.cuh"
+#include "kernels/cuda/rope_table.h"
 
 namespace loom::cuda {
 namespace {
@@ -228,6 +230,42 @@ __global__ void attn_bwd_finish(bf* __restrict__ dq, const float* __restrict__ a
   }
 }
 
+// The finish of the joined q|k|v gradient (bwd_qkv_rope, hd 64): dq = bf16(scale dq_acc) rotated
+// by -angle into the q part of dqkv's rows, W = (H + 2 KV) 64 apart. A thread takes pairs i .. i + 3
+// and i + 32 .. i + 35 of one (row, head): 16-byte loads of dq_acc, 8-byte stores. Each value is
+// rounded to bf16 before the rotation, as rope_qkv_join reads the dq the plain finish stores, and
+// rotated with the same rotate_pair and angles: the same bits. Then, as attn_bwd_finish, the k
+// and v parts of the rows outside every sequence set to 0.
+__global__ void attn_bwd_finish_qkv(bf* __restrict__ dqkv, const float* __restrict__ acc, int64_t N, int H, int KV,
+                                    float scale, const int32_t* __restrict__ pos, const float2* __restrict__ table,
+                                    int table_rows, double log_theta, const int32_t* __restrict__ cu, int nseq) {
+  pdl_entry();
+  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, W = int64_t(H + 2 * KV) * 64;
+  if (t < N * H * 8) {
+    const int64_t rh = t / 8, n = rh / H;
+    const int h = int(rh - n * H), i = int(t % 8) * 4;
+    const float4 a = *reinterpret_cast<const float4*>(acc + rh * 64 + i);
+    const float4 b = *reinterpret_cast<const float4*>(acc + rh * 64 + i + 32);
+    const float x0[4] = {a.x, a.y, a.z, a.w}, x1[4] = {b.x, b.y, b.z, b.w};
+    float y0[4], y1[4];
+    const int32_t p = pos[n];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+      const float2 c = rope_lookup(table, table_rows, p, i + j, log_theta);
+      rotate_pair(y0[j], y1[j], __bfloat162float(__float2bfloat16_rn(x0[j] * scale)),
+                  __bfloat162float(__float2bfloat16_rn(x1[j] * scale)), c.x, -c.y);
+    }
+    bf* row = dqkv + n * W + h * 64 + i;
+    *reinterpret_cast<uint2*>(row) = make_uint2(pack_bf16(y0[0], y0[1]), pack_bf16(y0[2], y0[3]));
+    *reinterpret_cast<uint2*>(row + 32) = make_uint2(pack_bf16(y1[0], y1[1]), pack_bf16(y1[2], y1[3]));
+  }
+  const int64_t lo = cu[0], hi = cu[nseq], cpr = int64_t(KV) * 64 * 2 / 8, m = (lo + N - hi) * cpr;
+  for (int64_t j = t; j < m; j += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t rr = j / cpr, row = rr < lo ? rr : hi + (rr - lo);
+    *reinterpret_cast<uint4*>(dqkv + row * W + int64_t(H) * 64 + (j % cpr) * 8) = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
 // =========================================================================== launchers
 template <int HD, int NW, int BRQ, int WM>
 void bwd_atomic_launch(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, const bf* k,
@@ -281,6 +319,27 @@ void bwd_v2_atomic_hd(bf* dq, bf* dk, bf* dv, float* dq_acc, float* delta, const
 }  // namespace
 
 namespace attn {
+
+void bwd_qkv_rope(bf* dqkv, float* dq_acc, float* delta, const bf* dout, const bf* out, const bf* q, const bf* k,
+                  const bf* v, const float* lse, const int32_t* cu, const int32_t* pos, int nseq, int max_seqlen,
+                  int64_t N, int H, int KV, bool causal, float scale, double theta, cudaStream_t s) {
+  const int64_t rows = N * H, W = int64_t(H + 2 * KV) * 64;
+  if (rows <= 0) return;
+  if (!bwd_sm90_ws_available(64, causal, max_seqlen, N, N, q, k, v, dout, dq_acc) || nseq <= 0 || max_seqlen <= 0)
+    throw std::runtime_error("bwd_qkv_rope: needs the warp-specialized backward (attention_backward_qkv checks it)");
+  launch_kernel(attn_bwd_prep<64>, ceil_div(rows * 8, 256), 256, 0, s, delta, dq_acc, dout, out, rows);
+  LAUNCH_CHECK();
+  QkvRope rope;
+  rope.pos = pos;
+  rope.table = rope_table(64, theta, N, &rope.table_rows, s);
+  rope.log_theta = std::log(theta);
+  rope.stride = W;
+  bwd_sm90_ws(dqkv + int64_t(H) * 64, dqkv + int64_t(H + KV) * 64, dq_acc, dout, q, k, v, lse, delta, cu, cu, nseq,
+              max_seqlen, N, N, H, KV, 64, causal, scale, s, rope);
+  launch_kernel(attn_bwd_finish_qkv, std::max<int64_t>(1, ceil_div(rows * 8, 256)), 256, 0, s, dqkv, dq_acc, N, H, KV,
+                scale, pos, rope.table, rope.table_rows, rope.log_theta, cu, nseq);
+  LAUNCH_CHECK();
+}
 
 void bwd_v2_atomic(bf* dq, bf* dk, bf* dv, float* dq_acc, float* delta, const bf* dout, const bf* out,
                    const bf* q, const bf* k, const bf* v, const float* lse, const int32_t* cu_q,

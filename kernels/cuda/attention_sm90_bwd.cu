@@ -131,6 +131,7 @@
 #include <cstdlib>
 #include <type_traits>
 
+#include "kernels/cuda/rope.cuh"
 #include "kernels/cuda/wgmma.cuh"
 
 namespace loom::cuda::attn {
@@ -148,7 +149,7 @@ struct BwdSmem {
                                2 * STAGES * BR * 4 + (1 + 2 * STAGES) * 8 + 1024;
 };
 
-template <int HD, int STAGES>
+template <int HD, int STAGES, bool ROPE>
 __global__ void __launch_bounds__(384, 1)
 attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ dq_acc, const bf* __restrict__ dout,
                  const bf* __restrict__ q, const bf* __restrict__ k, const bf* __restrict__ v,
@@ -157,7 +158,7 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
                  const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                  const __grid_constant__ CUtensorMap tm_dq, const int32_t* __restrict__ cu_q,
                  const int32_t* __restrict__ cu_k, int dense, int nseq, int H, int KV, int n_kt, int chunk,
-                 bool causal, bool skip_masked, float scale, float scale_log2) {
+                 bool causal, bool skip_masked, float scale, float scale_log2, const QkvRope rope) {
   pdl_entry();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = BwdSmem<HD, STAGES>;
@@ -482,18 +483,41 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
   }
 
   if (elected) bulk_wait<0>();  // the last reductions are done before the block ends
-  // dK (scaled) and dV: this thread's rows kr, kr + 8 that lie in the sequence
+  // dK (scaled) and dV: this thread's rows kr, kr + 8 that lie in the sequence. ROPE (hd 64): into
+  // the joined rows (rope.stride), dK rounded to bf16 first (what the store alone would keep) and
+  // its pairs (i, i + 32), columns 8n + 2t (+ 1) and 8(n + 4) + 2t (+ 1) of this thread, rotated
+  // by -angle with rotate_pair: bit for bit rope_qkv_join of the dK this kernel stores without it.
+  const int64_t ostride = ROPE ? rope.stride : kvstride;
+  const int64_t ooff = (int64_t(k0) + ks) * ostride + kvh * HD;
 #pragma unroll
   for (int r = 0; r < 2; r++) {
     const int key = kr + 8 * r;
     if (key < nk) {
-      bf* pk = dk + koff + int64_t(key) * kvstride + 2 * t;
-      bf* pv = dv + koff + int64_t(key) * kvstride + 2 * t;
+      bf* pk = dk + ooff + int64_t(key) * ostride + 2 * t;
+      bf* pv = dv + ooff + int64_t(key) * ostride + 2 * t;
+      if constexpr (ROPE) {
+        static_assert(!ROPE || HD == 64, "the joined q|k|v gradient is for head dim 64");
+        const int32_t p = rope.pos[k0 + ks + key];
+        float y[8][2];
 #pragma unroll
-      for (int n = 0; n < HD / 8; n++) {
-        *reinterpret_cast<uint32_t*>(pk + 8 * n) = pack_bf16(dka[n][2 * r] * scale, dka[n][2 * r + 1] * scale);
-        *reinterpret_cast<uint32_t*>(pv + 8 * n) = pack_bf16(dva[n][2 * r], dva[n][2 * r + 1]);
+        for (int n = 0; n < 4; n++)
+#pragma unroll
+          for (int e = 0; e < 2; e++) {
+            const float2 a = rope_lookup(rope.table, rope.table_rows, p, 8 * n + 2 * t + e, rope.log_theta);
+            const float x0 = __bfloat162float(__float2bfloat16_rn(dka[n][2 * r + e] * scale));
+            const float x1 = __bfloat162float(__float2bfloat16_rn(dka[n + 4][2 * r + e] * scale));
+            rotate_pair(y[n][e], y[n + 4][e], x0, x1, a.x, -a.y);
+          }
+#pragma unroll
+        for (int n = 0; n < 8; n++) *reinterpret_cast<uint32_t*>(pk + 8 * n) = pack_bf16(y[n][0], y[n][1]);
+      } else {
+#pragma unroll
+        for (int n = 0; n < HD / 8; n++)
+          *reinterpret_cast<uint32_t*>(pk + 8 * n) = pack_bf16(dka[n][2 * r] * scale, dka[n][2 * r + 1] * scale);
       }
+#pragma unroll
+      for (int n = 0; n < HD / 8; n++)
+        *reinterpret_cast<uint32_t*>(pv + 8 * n) = pack_bf16(dva[n][2 * r], dva[n][2 * r + 1]);
     }
   }
 #endif
@@ -506,13 +530,14 @@ bool skip_masked() {
   return !(e && e[0] == '0');
 }
 
-template <int HD, int STAGES>
+template <int HD, int STAGES, bool ROPE>
 void launch_bwd(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, const bf* k, const bf* v,
                 const float* lse, const float* delta, const int32_t* cu_q, const int32_t* cu_k, int nseq,
-                int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, bool causal, float scale, cudaStream_t s) {
+                int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, bool causal, float scale, const QkvRope& rope,
+                cudaStream_t s) {
   constexpr int smem = BwdSmem<HD, STAGES>::bytes, BC = BwdSmem<HD, STAGES>::BC;
   static const bool once = [] {
-    CUDA_CHECK(cudaFuncSetAttribute(attn_bwd_sm90_ws<HD, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    CUDA_CHECK(cudaFuncSetAttribute(attn_bwd_sm90_ws<HD, STAGES, ROPE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     smem));
     return true;
   }();
@@ -523,9 +548,9 @@ void launch_bwd(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, cons
   // chunks of (kv head, sequence) pairs whose Q, dO (bf16) and dq_acc (fp32) rows share L2
   const int n_kt = ceil_div(max_seqlen, BC), pairs = KV * nseq;
   const int chunk = chunk_pairs(pairs, double(H / KV) * std::max(max_seqlen, 1) * HD * 8.0);
-  launch_kernel(attn_bwd_sm90_ws<HD, STAGES>, pairs * n_kt, 384, smem, s, dk, dv, dq_acc, dout, q, k, v, lse, delta, tq,
-                tdo, tk, tv, tdq, cu_q, cu_k, dense_seqlen(cu_q, cu_k, nseq, max_seqlen, Nq, Nk), nseq, H, KV, n_kt,
-                chunk, causal, skip_masked(), scale, scale * kLog2e);
+  launch_kernel(attn_bwd_sm90_ws<HD, STAGES, ROPE>, pairs * n_kt, 384, smem, s, dk, dv, dq_acc, dout, q, k, v, lse,
+                delta, tq, tdo, tk, tv, tdq, cu_q, cu_k, dense_seqlen(cu_q, cu_k, nseq, max_seqlen, Nq, Nk), nseq, H,
+                KV, n_kt, chunk, causal, skip_masked(), scale, scale * kLog2e, rope);
   LAUNCH_CHECK();
 }
 
@@ -555,15 +580,19 @@ bool bwd_sm90_ws_available(int hd, bool causal, int max_seqlen, int64_t Nq, int6
 void bwd_sm90_ws(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, const bf* k, const bf* v,
                  const float* lse, const float* delta, const int32_t* cu_q, const int32_t* cu_k, int nseq,
                  int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, int hd, bool causal, float scale,
-                 cudaStream_t s) {
+                 cudaStream_t s, const QkvRope& rope) {
   // hd 128: 2 buffers of Q / dO (160 KB of shared memory with the dQ staging: 192 KB);
   // hd 64: 3 (0.3565 against 0.3612 ms fwd+bwd at B8 H12 T1024, H100)
+  if (rope.pos && hd != 64) throw std::runtime_error("bwd_sm90_ws: the joined q|k|v gradient needs head dim 64");
   if (hd == 128)
-    launch_bwd<128, 2>(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, causal,
-                       scale, s);
+    launch_bwd<128, 2, false>(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV,
+                              causal, scale, rope, s);
+  else if (rope.pos)
+    launch_bwd<64, 3, true>(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV,
+                            causal, scale, rope, s);
   else
-    launch_bwd<64, 3>(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, causal,
-                      scale, s);
+    launch_bwd<64, 3, false>(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV,
+                             causal, scale, rope, s);
 }
 
 }  // namespace loom::cuda::attn

@@ -260,14 +260,7 @@ struct RopeArgs {
   double log_theta = 0;
 };
 
-// The angles of positions past the table, formed as rope.cu's kernels do: a call, not inlined,
-// so that the epilogue's code stays short (32 inlined copies of the double sincos ran the
-// epilogue several times slower, table hits or not).
-__device__ __noinline__ float2 rope_angle(int32_t p, int i, double log_theta) {
-  float cs, sn;
-  rope_cos_sin<false>(cs, sn, p, i, 64, log_theta);
-  return make_float2(cs, sn);
-}
+// The angles of positions past the table: rope.cuh's rope_angle (a call, not inlined).
 
 // The q|k|v epilogue (EPI 6) of a joined q | k | v product with head dim 64: each 64-column half
 // of the tile is one head of q, k or v (qw and kw are multiples of 64). Every accumulator is

@@ -25,4 +25,21 @@ __device__ __forceinline__ void rotate_pair(float& y0, float& y1, float x0, floa
   y1 = __fmaf_rn(x1, cs, __fmul_rn(x0, sn));
 }
 
+// (cos, sin) of pair i at position p for head dim 64, forward sign, in double: the fallback of
+// the kernels that look angles up in rope_table.h's table (gemm_sm90.cu's q|k|v epilogue, the
+// attention backward's joined q|k|v gradient) for positions past it. A call, not inlined, so
+// that their code stays short (32 inlined copies of the double sincos ran the product's
+// epilogue several times slower, table hits or not).
+static __device__ __noinline__ float2 rope_angle(int32_t p, int i, double log_theta) {
+  float cs, sn;
+  rope_cos_sin<false>(cs, sn, p, i, 64, log_theta);
+  return make_float2(cs, sn);
+}
+
+// The table's entry where it has one, else the formula.
+static __device__ __forceinline__ float2 rope_lookup(const float2* table, int table_rows, int32_t p, int i,
+                                                     double log_theta) {
+  return p >= 0 && p < table_rows ? table[int64_t(p) * 32 + i] : rope_angle(p, i, log_theta);
+}
+
 }  // namespace loom::cuda

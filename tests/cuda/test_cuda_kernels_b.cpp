@@ -10,6 +10,8 @@
 // Exits with code 4 (ctest: skipped) when no GPU is present.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -469,6 +471,76 @@ TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU ref
   else unsetenv("LOOM_ATTN_DENSE");
   if (before_ws64) setenv("LOOM_ATTN_WS64", saved_ws64.c_str(), 1);
   else unsetenv("LOOM_ATTN_WS64");
+}
+
+// attention_backward_qkv (kernels.inc): the gradient of a joined q|k|v product's rows. bf16 at
+// hd 64 with sequences of >= 512 tokens takes loom's warp-specialized backward writing the rows
+// itself (dk rotated in its store, dq in the finish); LOOM_ATTN_QKV_JOIN=0 the two calls
+// (attention_backward into a scratch, rope_qkv_join). Both against the CPU reference (those two
+// calls in f32), and against each other: the k and v parts bit for bit, the q part within the
+// atomic dq's run-to-run spread. Positions run past rope_table.h's table (the double formula
+// there), rows outside every sequence get zeros in k and v, outputs start poisoned.
+TEST_CASE("attention_backward_qkv: the joined q|k|v gradient rows against the two calls", "[cuda][attention]") {
+  need_gpu();
+  const char* before = std::getenv("LOOM_ATTN_QKV_JOIN");
+  const std::string saved = before ? before : "";
+  struct Case { std::vector<int> len; int pad, H, KV; bool causal; };
+  const Case cases[] = {{{700, 513, 64, 901}, 5, 9, 3, true}, {{530, 260}, 0, 4, 2, true}, {{600, 131}, 3, 2, 1, false}};
+  uint32_t seed = 900;
+  for (const Case& c : cases) {
+    std::mt19937 rng(seed++);
+    const int nseq = int(c.len.size()), hd = 64, H = c.H, KV = c.KV;
+    std::vector<int32_t> cu{0};
+    int max_seqlen = 0;
+    for (int l : c.len) {
+      cu.push_back(cu.back() + l);
+      max_seqlen = std::max(max_seqlen, l);
+    }
+    const int64_t N = cu.back() + c.pad, W = int64_t(H + 2 * KV) * hd;
+    const double scale = 1.0 / std::sqrt(double(hd)), theta = 10000.0;
+    // positions within each sequence, a stretch of them past the table (65536 rows at most)
+    std::vector<int32_t> pos(N);
+    for (int64_t i = 0; i < N; i++) pos[i] = int32_t(i % 977) + (i % 5 == 3 ? 70000 : 0);
+    const size_t nq = size_t(N) * H * hd, nk = size_t(N) * KV * hd;
+    auto q = randn(nq, rng), k = randn(nk, rng), v = randn(nk, rng), dout = randn(nq, rng);
+    auto qs = seen<bf16>(q), ks = seen<bf16>(k), vs = seen<bf16>(v), dos = seen<bf16>(dout);
+    std::vector<float> out(nq), lse(N * H), ws(N * H), ref(N * W);
+    loom::cpu::attention_forward<float>(out.data(), lse.data(), qs.data(), ks.data(), vs.data(), cu.data(), cu.data(),
+                                        nseq, max_seqlen, N, N, H, KV, hd, c.causal, scale, nullptr);
+    auto outs = seen<bf16>(out);
+    loom::cpu::attention_backward_qkv<float>(ref.data(), dos.data(), qs.data(), ks.data(), vs.data(), outs.data(),
+                                             lse.data(), ws.data(), cu.data(), pos.data(), nseq, max_seqlen, N, H, KV,
+                                             hd, c.causal, scale, theta, nullptr);
+    Dev<bf16> dq(to_t<bf16>(q)), dk(to_t<bf16>(k)), dv(to_t<bf16>(v)), ddo(to_t<bf16>(dout)), dout_(to_t<bf16>(out));
+    Dev<float> dlse(lse), dws(size_t(N) * H * (hd + 1));
+    Dev<int32_t> dcu(cu), dpos(pos);
+    std::vector<std::vector<bf16>> got;
+    for (const char* join : {"1", "0"}) {
+      setenv("LOOM_ATTN_QKV_JOIN", join, 1);
+      INFO("lengths " << c.len.size() << " H" << H << " KV" << KV << (c.causal ? " causal" : " full")
+                      << " LOOM_ATTN_QKV_JOIN=" << join);
+      Dev<bf16> dqkv(size_t(N) * W);
+      dqkv.poison();
+      dws.poison();
+      cu::attention_backward_qkv<bf16>(dqkv.p, ddo.p, dq.p, dk.p, dv.p, dout_.p, dlse.p, dws.p, dcu.p, dpos.p, nseq,
+                                       max_seqlen, N, H, KV, hd, c.causal, scale, theta, cu::default_stream());
+      got.push_back(dqkv.down());
+      LOOM_CHECK_CLOSE(tol::compare(to_f(got.back()), ref, gemm_tol<bf16>(), "dqkv rows"));
+    }
+    std::vector<float> q0, q1;
+    for (int64_t n = 0; n < N; n++) {
+      const bf16* a = got[0].data() + n * W;
+      const bf16* b = got[1].data() + n * W;
+      CHECK(std::memcmp(a + H * hd, b + H * hd, sizeof(bf16) * 2 * KV * hd) == 0);  // k | v
+      for (int i = 0; i < H * hd; i++) {
+        q0.push_back(float(a[i]));
+        q1.push_back(float(b[i]));
+      }
+    }
+    LOOM_CHECK_CLOSE(tol::compare(q0, q1, gemm_tol<bf16>(), "dq rows, joined against the two calls"));
+  }
+  if (before) setenv("LOOM_ATTN_QKV_JOIN", saved.c_str(), 1);
+  else unsetenv("LOOM_ATTN_QKV_JOIN");
 }
 
 TEST_CASE("attention: invalid head configuration throws with the sizes", "[cuda][attention]") {

@@ -363,6 +363,75 @@ TEST_CASE("joined q|k|v and gate|up products on CUDA against separate weights on
   }
 }
 
+// A Llama layer's attention from its input in one node (autograd/ops.h qkv_rope_attention): with
+// the weights as windows of one buffer and sequences of >= 512 tokens, bf16 on CUDA runs the
+// backward that writes the joined product's gradient rows itself (attention_backward_qkv). Against
+// qkv_rope + attention: on the CPU in f64 (separate weights, the reference), on CUDA in f32 (the
+// joined op's two-call path), and on CUDA in bf16 with the same joined weights (the same forward
+// bits; gradients within bf16's tolerance, dq's reductions running in another order).
+TEST_CASE("qkv_rope_attention against qkv_rope and attention", "[optim][attention]") {
+  need_gpu();
+  const int C = 64, H = 2, KV = 1, hd = 64, R = (H + 2 * KV) * hd;
+  const std::vector<int32_t> cuv = {0, 600, 1130};
+  const int N = 1130;
+  Rng rng(91);
+  std::vector<int32_t> pv(N);
+  for (int i = 0; i < N; i++) pv[size_t(i)] = i < 600 ? i : i - 600;
+  auto in = [&](const Shape& sh, double std) { return Tensor::randn(sh, rng, std, DType::F64).to(DType::BF16).to(DType::F64); };
+  Tensor x = in({N, C}, 0.5), buf = in({R, C}, 0.125), rout = in({N, H * hd}, 0.5);
+  const int64_t rows[] = {H * hd, KV * hd, KV * hd};
+  struct Out { Tensor val; std::vector<Tensor> grads; };
+  auto run = [&](Device dev, DType dt, bool joined, bool one_node) {
+    auto mv = [&](const Tensor& t) { return t.to(dev).to(dt); };
+    Tensor b = mv(buf), gb = Tensor::zeros({R, C}, dt, dev), xd = mv(x).requires_grad_();
+    std::vector<Tensor> w;
+    int64_t r0 = 0;
+    for (int64_t n : rows) {
+      Tensor t = joined ? b.narrow(0, r0, n) : b.narrow(0, r0, n).clone();
+      t.requires_grad_();
+      if (joined) t.set_grad(gb.narrow(0, r0, n));
+      w.push_back(t);
+      r0 += n;
+    }
+    SeqInfo seq = SeqInfo::packed(cuv, dev);
+    Tensor p = Tensor::from_vector(pv, {N}).to(dev);
+    const double scale = 1.0 / std::sqrt(double(hd));
+    Tensor a;
+    if (one_node) {
+      a = qkv_rope_attention(xd, w[0], w[1], w[2], p, seq, H, KV, hd, 1e4, scale);
+    } else {
+      auto qkv = qkv_rope(xd, w[0], w[1], w[2], p, H, KV, hd, 1e4);
+      a = reshape(attention(qkv[0], qkv[1], qkv[2], seq, true, scale), {N, H * hd});
+    }
+    backward(sum(mul(a, mv(rout))));
+    Out o{a, {xd.grad()}};
+    for (auto& t : w) o.grads.push_back(t.grad());
+    return o;
+  };
+  const char* gn[] = {"dx", "dWq", "dWk", "dWv"};
+  auto compare = [&](const Out& got, const Out& want, const tol::Tol& t) {
+    LOOM_CHECK_CLOSE(tol::compare(got.val.to(Device::CPU).to_vector<double>(), want.val.to(Device::CPU).to_vector<double>(), t, "attention out"));
+    for (size_t i = 0; i < want.grads.size(); i++)
+      LOOM_CHECK_CLOSE(tol::compare(got.grads[i].to(Device::CPU).to_vector<double>(),
+                                    want.grads[i].to(Device::CPU).to_vector<double>(), t, gn[i]));
+  };
+  Out ref = run(Device::CPU, DType::F64, false, false);
+  {
+    INFO("CPU f64, one node with joined weights");
+    compare(run(Device::CPU, DType::F64, true, true), ref, tol::kSameMathF64);
+  }
+  {
+    INFO("CUDA f32, one node with joined weights");
+    compare(run(Device::CUDA, DType::F32, true, true), ref, tol::kCudaF32Gemm);
+  }
+  {
+    INFO("CUDA bf16, one node against the two ops, joined weights both");
+    Out one = run(Device::CUDA, DType::BF16, true, true), two = run(Device::CUDA, DType::BF16, true, false);
+    CHECK(one.val.to(Device::CPU).to_vector<double>() == two.val.to(Device::CPU).to_vector<double>());
+    compare(one, two, tol::kCudaBF16);
+  }
+}
+
 TEST_CASE("Tensor::copy_ into a window of a CUDA tensor, from every kind of source", "[cuda][tensor]") {
   // A window (narrow) of a contiguous CUDA tensor takes one 2-D copy; a contiguous CUDA source
   // of its dtype goes straight into it, the others (CPU, another dtype, strided) through a
