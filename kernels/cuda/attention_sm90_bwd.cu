@@ -123,8 +123,24 @@
  *   70.5 / 70.3 ms (H100, same call, 2026-11-24): not kept, for a saving of at most the
  *   reads of O and dO in prep (~7 of its 16 us at B8 H12 T1024).
  *
+ *   Tried and dropped (2026-11-28, H100, one binary with a switch): a consumer issuing no products
+ *   (empty commit groups, no dQ store) for a query tile where the mask keeps none of its 64 keys'
+ *   scores (10.5% of the consumer tiles of SPEC's packed VLM batch lie wholly above the
+ *   diagonal, 2.4% past the sequence's end). The same results, but ptxas put a warpgroup.arrive
+ *   at each of the 16 branches around the wgmmas, and it ran slower, fwd+bwd ms with | without,
+ *   two rounds: packed VLM batch 0.2938 / 0.2940 | 0.2887 / 0.2898, B4 H9 T2048 causal 0.2984 /
+ *   0.3292 | 0.2895 / 0.2874, B32 H9 T256 causal 0.1137 / 0.1120 | 0.1140 / 0.1134; the
+ *   fixed-batch VLM step 54.81 / 54.92 | 54.78 / 54.99 ms.
+ *
+ * ROPE (hd 64; attention_backward_qkv through attn::bwd_qkv_rope, attention_bwd_single.cu): dK and
+ *   dV go into the rows of a joined q|k|v gradient (row stride rope.stride), dK rotated by -angle
+ *   in its store (the pairs (i, i + 32) sit in one thread: columns 8n + 2t and 8(n + 4) + 2t),
+ *   each value rounded to bf16 before the rotation as rope_qkv_join reads the dK stored without
+ *   it: the same values (docs/kernels/attention.md, "The joined q|k|v gradient").
+ *
  * Test: tests/cuda/test_cuda_kernels_b.cpp ("attention ...": the default sections run it on
- *   the cases of 128 tokens and more, LOOM_ATTN_BWD_WS_MIN=0 on every bf16 hd 64 / 128 case).
+ *   the cases of 128 tokens and more, LOOM_ATTN_BWD_WS_MIN=0 on every bf16 hd 64 / 128 case;
+ *   "attention_backward_qkv ...": the ROPE form against the two calls).
  */
 #include <algorithm>
 #include <cstdint>
@@ -158,7 +174,7 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
                  const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                  const __grid_constant__ CUtensorMap tm_dq, const int32_t* __restrict__ cu_q,
                  const int32_t* __restrict__ cu_k, int dense, int nseq, int H, int KV, int n_kt, int chunk,
-                 bool causal, bool skip_masked, float scale, float scale_log2, const QkvRope rope) {
+                 bool causal, float scale, float scale_log2, const QkvRope rope) {
   pdl_entry();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = BwdSmem<HD, STAGES>;
@@ -298,34 +314,19 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
       if (!(last && c == 1)) named_arrive(5 - c, 256);
   };
   if (PIPE && c == 1 && n_it > 0) named_arrive(4, 256);
-  // SKIPPED (hd 64 with PIPE): tile it holds no score of this consumer's 64 keys that the mask
-  // keeps (its first key lies past the sequence, or, causal, past the tile's last query), so
-  // P^T = dS^T = 0 there and its products would add exact zeros to dV, dK and dq_acc: the
-  // consumer issues none of them (the commits stay, as empty groups, so that every wg_wait
-  // counts the same groups) and stores no dQ. The results are the same bits either way.
-  auto skipped = [&](int it) {
-    if (!PIPE || !skip_masked) return false;
-    const int qt = t_min + (it % n_qt) * BR, nq = min(BR, Lq - qt), key0 = ks + 64 * c;
-    return key0 >= Lk || (causal && key0 > qt + nq - 1 + shift);
-  };
   // S^T = K_c Q^T and dP^T = V_c dO^T of tile it (two groups; the caller fences)
   auto issue_s_dp = [&](int it, float (&s)[8][4], float (&dp)[8][4]) {
     const int st = it % STAGES;
     const uint64_t qs = qB + st * kQStage, os = oB + st * kQStage;
-    const bool live = !skipped(it);
-    if (live) {
 #pragma unroll
-      for (int kk = 0; kk < HD / 16; kk++)
-        wgmma_ss<0>(s, kA + ((kk / 4) * BC * 128 + (kk % 4) * 32) / 16, qs + ((kk / 4) * BR * 128 + (kk % 4) * 32) / 16,
-                    kk > 0);
-    }
+    for (int kk = 0; kk < HD / 16; kk++)
+      wgmma_ss<0>(s, kA + ((kk / 4) * BC * 128 + (kk % 4) * 32) / 16, qs + ((kk / 4) * BR * 128 + (kk % 4) * 32) / 16,
+                  kk > 0);
     wg_commit();
-    if (live) {
 #pragma unroll
-      for (int kk = 0; kk < HD / 16; kk++)
-        wgmma_ss<0>(dp, vA + ((kk / 4) * BC * 128 + (kk % 4) * 32) / 16, os + ((kk / 4) * BR * 128 + (kk % 4) * 32) / 16,
-                    kk > 0);
-    }
+    for (int kk = 0; kk < HD / 16; kk++)
+      wgmma_ss<0>(dp, vA + ((kk / 4) * BC * 128 + (kk % 4) * 32) / 16, os + ((kk / 4) * BR * 128 + (kk % 4) * 32) / 16,
+                  kk > 0);
     wg_commit();
   };
   // P^T, dS^T of tile it from S^T, dP^T in flight (the last two groups): A fragments pa, da,
@@ -336,7 +337,6 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
     const float* cL = sL + st * BR;
     const float* cD = sD + st * BR;
     const bool need_mask = klast >= Lk || nq < BR || (causal && klast > qt + shift);
-    if (skipped(it)) return;  // nothing of this tile is read (products skips it too)
     wg_wait<1>();
     fence_regs(s);
     // two loops, not one with the test inside: the compiler turned that one into selects
@@ -393,55 +393,48 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
     if constexpr (NEXT) mbar_wait(&full[(it + 1) % STAGES], ((it + 1) / STAGES) & 1);
     float dq[DQN / 8][4];  // dQ rows = the tile's queries, columns c HD/2 .. + HD/2 (OWN: all, my keys)
     float s[8][4], dp[8][4];
-    const bool live = !skipped(it);
     // dQ first, then dV and dK: dQ goes out while they run
     my_turn();
     wg_fence();
-    if (live) {
 #pragma unroll
-      for (int kk = 0; kk < (OWN ? 4 : BC / 16); kk++)
-        wgmma_ss<1, 1>(dq, dsA + buf * kDsBuf + kk * kRows16, kT + kk * kRows16, kk > 0);
-    }
+    for (int kk = 0; kk < (OWN ? 4 : BC / 16); kk++)
+      wgmma_ss<1, 1>(dq, dsA + buf * kDsBuf + kk * kRows16, kT + kk * kRows16, kk > 0);
     wg_commit();
-    if (live) {
 #pragma unroll
-      for (int kk = 0; kk < 4; kk++) wgmma_rs<1>(dva, pa[kk], oT + st * kQStage + kk * kRows16);
+    for (int kk = 0; kk < 4; kk++) wgmma_rs<1>(dva, pa[kk], oT + st * kQStage + kk * kRows16);
 #pragma unroll
-      for (int kk = 0; kk < 4; kk++) wgmma_rs<1>(dka, da[kk], qT + st * kQStage + kk * kRows16);
-    }
+    for (int kk = 0; kk < 4; kk++) wgmma_rs<1>(dka, da[kk], qT + st * kQStage + kk * kRows16);
     wg_commit();
     if constexpr (NEXT) issue_s_dp(it + 1, s, dp);
     hand_over(!NEXT);
     wg_wait<NEXT ? 3 : 1>();
-    if (live) {
-      fence_regs(dq);
-      // dQ through shared memory: boxes of 32 columns x 16 rows (each warp its own rows), 128-byte
-      // swizzle (16-byte chunk j of row r at chunk j ^ (r & 7)), added to dq_acc by the TMA unit
-      // while the warp goes on; its lane 0 waits until its previous reduction has read them.
-      // Per warp, not per warpgroup: the four warps' dQ products finish at different times, and
-      // a warpgroup barrier here made every warp wait for the last one (ncu, B8 H12 T1024 hd 64:
-      // 8% of the consumers' stall samples at that barrier, 5% at the one after the stores).
-      if (elected) bulk_wait_read<0>();
-      __syncwarp();
+    fence_regs(dq);
+    // dQ through shared memory: boxes of 32 columns x 16 rows (each warp its own rows), 128-byte
+    // swizzle (16-byte chunk j of row r at chunk j ^ (r & 7)), added to dq_acc by the TMA unit
+    // while the warp goes on; its lane 0 waits until its previous reduction has read them.
+    // Per warp, not per warpgroup: the four warps' dQ products finish at different times, and
+    // a warpgroup barrier here made every warp wait for the last one (ncu, B8 H12 T1024 hd 64:
+    // 8% of the consumers' stall samples at that barrier, 5% at the one after the stores).
+    if (elected) bulk_wait_read<0>();
+    __syncwarp();
 #pragma unroll
-      for (int r = 0; r < 2; r++) {
-        const int row = 16 * warp + g + 8 * r;
+    for (int r = 0; r < 2; r++) {
+      const int row = 16 * warp + g + 8 * r;
 #pragma unroll
-        for (int n = 0; n < DQN / 8; n++) {
-          const int j = 2 * (n % 4) + (t >> 1);
-          *reinterpret_cast<float2*>(sq + (n / 4) * BR * 32 + row * 32 + ((j ^ (row & 7)) * 4) + 2 * (t & 1)) =
-              make_float2(dq[n][2 * r], dq[n][2 * r + 1]);
-        }
+      for (int n = 0; n < DQN / 8; n++) {
+        const int j = 2 * (n % 4) + (t >> 1);
+        *reinterpret_cast<float2*>(sq + (n / 4) * BR * 32 + row * 32 + ((j ^ (row & 7)) * 4) + 2 * (t & 1)) =
+            make_float2(dq[n][2 * r], dq[n][2 * r + 1]);
       }
-      fence_smem_async();
-      __syncwarp();
-      if (elected) {
+    }
+    fence_smem_async();
+    __syncwarp();
+    if (elected) {
 #pragma unroll
-        for (int b = 0; b < DQN / 32; b++)
-          tma_reduce_add_3d(&tm_dq, (OWN ? 0 : c * (HD / 2)) + 32 * b, h, q0 + qt + 16 * warp,
-                            sq + b * BR * 32 + 16 * warp * 32);
-        bulk_commit();
-      }
+      for (int b = 0; b < DQN / 32; b++)
+        tma_reduce_add_3d(&tm_dq, (OWN ? 0 : c * (HD / 2)) + 32 * b, h, q0 + qt + 16 * warp,
+                          sq + b * BR * 32 + 16 * warp * 32);
+      bulk_commit();
     }
     wg_wait<NEXT ? 2 : 0>();  // dV, dK done: Q and dO of this stage are free
     fence_regs(dva);
@@ -523,13 +516,6 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
 #endif
 }
 
-// LOOM_ATTN_BWD_SKIP=0 makes the consumers compute their fully masked tiles too (SKIPPED in
-// the kernel; the same results, for timing the skip)
-bool skip_masked() {
-  const char* e = std::getenv("LOOM_ATTN_BWD_SKIP");  // read at every call: benchmarks switch it
-  return !(e && e[0] == '0');
-}
-
 template <int HD, int STAGES, bool ROPE>
 void launch_bwd(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, const bf* k, const bf* v,
                 const float* lse, const float* delta, const int32_t* cu_q, const int32_t* cu_k, int nseq,
@@ -550,7 +536,7 @@ void launch_bwd(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, cons
   const int chunk = chunk_pairs(pairs, double(H / KV) * std::max(max_seqlen, 1) * HD * 8.0);
   launch_kernel(attn_bwd_sm90_ws<HD, STAGES, ROPE>, pairs * n_kt, 384, smem, s, dk, dv, dq_acc, dout, q, k, v, lse,
                 delta, tq, tdo, tk, tv, tdq, cu_q, cu_k, dense_seqlen(cu_q, cu_k, nseq, max_seqlen, Nq, Nk), nseq, H,
-                KV, n_kt, chunk, causal, skip_masked(), scale, scale * kLog2e, rope);
+                KV, n_kt, chunk, causal, scale, scale * kLog2e, rope);
   LAUNCH_CHECK();
 }
 

@@ -383,7 +383,8 @@ TEST_CASE("qkv_rope_attention against qkv_rope and attention", "[optim][attentio
   struct Out { Tensor val; std::vector<Tensor> grads; };
   auto run = [&](Device dev, DType dt, bool joined, bool one_node) {
     auto mv = [&](const Tensor& t) { return t.to(dev).to(dt); };
-    Tensor b = mv(buf), gb = Tensor::zeros({R, C}, dt, dev), xd = mv(x).requires_grad_();
+    // clones: on the CPU in f64 mv hands back x itself, whose gradient would pile up run after run
+    Tensor b = mv(buf).clone(), gb = Tensor::zeros({R, C}, dt, dev), xd = mv(x).clone().requires_grad_();
     std::vector<Tensor> w;
     int64_t r0 = 0;
     for (int64_t n : rows) {
