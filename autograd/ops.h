@@ -57,10 +57,12 @@ std::vector<Tensor> linear_many(const Tensor& x, const std::vector<Tensor>& weig
 // The transformer MLP fc2(gelu(fc1(x))): x [..., C], w1 [H, C], b1 [H], w2 [C2, H], b2 [C2]
 // (biases may be undefined) -> [..., C2]. The GELU runs in fc1's GEMM epilogue and its backward
 // in the epilogue of fc2's input-gradient GEMM; only x and the pre-activation are saved (the
-// activation is recomputed in backward: one elementwise pass instead of N*H kept).
+// activation is recomputed in backward: one elementwise pass instead of N*H kept), unless
+// keep_activation: then the activation fc1's GEMM wrote is kept for fc2's weight gradient
+// (N*H more memory until the backward, one pass less; the same values).
 // With `residual` [..., C2]: residual + fc2(gelu(fc1(x))), the add in fc2's product (linear).
 Tensor mlp_gelu(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,
-                const Tensor& residual = Tensor());
+                const Tensor& residual = Tensor(), bool keep_activation = false);
 // The Llama MLP down(silu(gate(x)) * up(x)): x [..., C], w_gate and w_up [I, C], w_down
 // [C2, I] (no biases) -> [..., C2]. Saves x, gate(x) and up(x) but not their product: the
 // backward recomputes it (one elementwise pass) for w_down's gradient, so a layer keeps N*I

@@ -182,7 +182,7 @@ std::vector<Tensor> linear_many(const Tensor& x, const std::vector<Tensor>& weig
 }
 
 Tensor mlp_gelu(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,
-                const Tensor& residual) {
+                const Tensor& residual, bool keep_activation) {
   check_same("mlp_gelu", {x, w1, b1, w2, b2, residual});
   LOOM_CHECK(w1.dim() == 2 && w2.dim() == 2 && x.dim() >= 1 && x.size(-1) == w1.size(1) && w2.size(1) == w1.size(0) &&
                  (!b1.defined() || b1.numel() == w1.size(0)) && (!b2.defined() || b2.numel() == w2.size(0)),
@@ -208,8 +208,9 @@ Tensor mlp_gelu(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tenso
                                      ptr<T>(b1), N, C, H, stream_for(dev));
     linear_out(dev, out.data<T>(), h.data<T>(), w2c.data<T>(), ptr<T>(b2), ptr<T>(rc), N, H, C2);
   });
+  const Tensor kept = grad && keep_activation ? h : Tensor();  // else freed after the forward
   if (grad || any_requires_grad({residual}))
-    record("linear", {out}, [x, xc, w1, w1c, b1, w2, w2c, b2, residual, out, pre, N, C, H, C2]() {
+    record("linear", {out}, [x, xc, w1, w1c, b1, w2, w2c, b2, residual, out, pre, kept, N, C, H, C2]() {
       Tensor g = grad_of(out).contiguous();
       accumulate_grad(residual, g);  // passed on (aliased)
       if (!pre.defined()) return;    // only the residual wanted a gradient
@@ -220,9 +221,12 @@ Tensor mlp_gelu(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tenso
       Tensor dx = x.requires_grad() ? Tensor::empty(x.shape(), x.dtype(), x.device()) : Tensor();
       dispatch_float(g, [&](auto dev, auto zero) {
         using T = decltype(zero);
-        if (dw2.defined()) {  // fc2's weight needs the activation: recomputed from pre
-          Tensor h = Tensor::empty({N, H}, g.dtype(), g.device());
-          KERNEL(dev, gelu_forward)(h.data<T>(), pre.data<T>(), N * H, stream_for(dev));
+        if (dw2.defined()) {  // fc2's weight needs the activation: kept, or recomputed from pre
+          Tensor h = kept;
+          if (!h.defined()) {
+            h = Tensor::empty({N, H}, g.dtype(), g.device());
+            KERNEL(dev, gelu_forward)(h.data<T>(), pre.data<T>(), N * H, stream_for(dev));
+          }
           KERNEL(dev, linear_backward)((T*)nullptr, dw2.data<T>(), ptr<T>(db2), g.data<T>(), h.data<T>(), w2c.data<T>(),
                                        N, H, C2, stream_for(dev));
         } else if (db2.defined()) {

@@ -42,7 +42,8 @@ std::vector<Tensor> ViTBlock::forward_fused(const Tensor& x, const Tensor& xn, c
   // norm2(h); out = h + fc2(gelu(fc1(.))) likewise, the GELU in fc1's epilogue (mlp_gelu). In
   // the backward each norm adds the residual stream's other gradient in its own pass.
   Tensor h = linear(a, proj.weight, proj.bias, xr);
-  Tensor out = mlp_gelu(layernorm(h, norm2.weight, norm2.bias, norm2.eps), fc1.weight, fc1.bias, fc2.weight, fc2.bias, h);
+  Tensor out = mlp_gelu(layernorm(h, norm2.weight, norm2.bias, norm2.eps), fc1.weight, fc1.bias, fc2.weight, fc2.bias, h,
+                        keep_gelu);
   if (!next) return {out};  // forward(): no next norm
   return {out, layernorm(out, next->weight, next->bias, next->eps)};
 }

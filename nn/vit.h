@@ -51,6 +51,7 @@ class ViTBlock : public Module {
   int dim, heads;
   LayerNorm norm1, norm2;
   Linear qkv, proj, fc1, fc2;
+  bool keep_gelu = false;  // train.keep_gelu: the MLP keeps its activation for the backward (mlp_gelu)
 };
 
 // x through a stack of blocks and then `final`: final(blocks(x)). Without gradient

@@ -210,6 +210,9 @@ TEST_CASE("gradcheck: linear and matmul", "[gradcheck]") {
         {P({2, 3, 5}), P({4, 5}), P({2, 3, 4})});
   check("mlp_gelu with residual", [](auto& in) { return mlp_gelu(in[0], in[1], in[2], in[3], in[4], in[5]); },
         {P({5, 6}), P({9, 6}), P({9}), P({4, 9}), P({4}), P({5, 4})});
+  check("mlp_gelu with residual, keeping its activation (train.keep_gelu)",
+        [](auto& in) { return mlp_gelu(in[0], in[1], in[2], in[3], in[4], in[5], true); },
+        {P({5, 6}), P({9, 6}), P({9}), P({4, 9}), P({4}), P({5, 4})});
   check("a residual block: the norms fold the residual stream's other gradient",
         [](auto& in) {
           Tensor h = linear(in[0], in[1], in[2], in[3]);
