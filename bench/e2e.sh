@@ -37,7 +37,7 @@ run mim "$STEPS" 5 bench_mim.cfg
 run mim_loom_attention "$STEPS" 5 bench_mim.cfg --train.attention=loom
 run mim_eager "$STEPS" 5 bench_mim.cfg --train.cuda_graph=false
 run mim_ckpt "$STEPS" 5 bench_mim.cfg --train.grad_checkpointing=true
-run mim_contrastive "$STEPS" 5 bench_mim.cfg --model.contrastive=true
+run mim_contrastive "$STEPS" 5 bench_mim.cfg --model.contrastive=true --train.keep_gelu=true  # (bench_mim.cfg says why)
 run vlm_sft $((2 * STEPS)) "$STEPS" bench_vlm_sft.cfg
 run vlm_sft_fixed "$STEPS" 5 bench_vlm_sft.cfg --data.repeat_batch=true  # one batch every step, as the reference
 run vlm_sft_ckpt $((2 * STEPS)) "$STEPS" bench_vlm_sft.cfg --train.grad_checkpointing=true  # new batches too
