@@ -59,7 +59,8 @@ std::vector<Tensor> linear_many(const Tensor& x, const std::vector<Tensor>& weig
 // in the epilogue of fc2's input-gradient GEMM; only x and the pre-activation are saved (the
 // activation is recomputed in backward: one elementwise pass instead of N*H kept), unless
 // keep_activation: then the activation fc1's GEMM wrote is kept for fc2's weight gradient
-// (N*H more memory until the backward, one pass less; the same values).
+// (N*H more memory until the backward, one pass less; the GEMM epilogue's GELU and
+// gelu_forward's may differ in the last bit).
 // With `residual` [..., C2]: residual + fc2(gelu(fc1(x))), the add in fc2's product (linear).
 Tensor mlp_gelu(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,
                 const Tensor& residual = Tensor(), bool keep_activation = false);
