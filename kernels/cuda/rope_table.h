@@ -1,7 +1,8 @@
 // rope_table.h: the forward angles of rotary embeddings as a device table (rope.cu), for
 // kernels that look them up instead of forming them in double per element (gemm_sm90.cu's
 // q|k|v epilogue: 32 angles per row of a tile, which in double would take longer than the
-// tile's product).
+// tile's product; the attention backward's joined q|k|v gradient, attention_sm90_bwd.cu's ROPE
+// store and attention_bwd_single.cu's attn_bwd_finish_qkv). rope.cuh's rope_lookup reads it.
 #pragma once
 #include <cuda_runtime.h>
 
