@@ -36,6 +36,24 @@ SeqInfo SeqInfo::packed(const std::vector<int32_t>& cu, Device device) {
   return s;
 }
 
+AttentionOut attention_rows(const Tensor& qc, const Tensor& kc, const Tensor& vc, const SeqInfo& seq, bool causal,
+                            double scale) {
+  const int64_t Nq = qc.size(0), Nk = kc.size(0);
+  const int H = int(qc.size(1)), KV = int(kc.size(1)), hd = int(qc.size(2));
+  AttentionOut r{Tensor::empty_like(qc), acc_empty({Nq, H}, qc)};
+  dispatch_float(qc, [&](auto dev, auto zero) {
+    using T = decltype(zero);
+    KERNEL(dev, attention_forward)(r.out.data<T>(), r.lse.data<acc_t<T>>(), qc.data<T>(), kc.data<T>(), vc.data<T>(),
+                                   seq.cu_q.data<int32_t>(), seq.cu_k.data<int32_t>(), seq.nseq, seq.max_seqlen, Nq,
+                                   Nk, H, KV, hd, causal, scale, stream_for(dev));
+  });
+  return r;
+}
+
+Tensor attention_workspace(const Tensor& q) {
+  return acc_empty({q.size(0), q.size(1), q.is_cuda() ? q.size(2) + 1 : 1}, q);
+}
+
 Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const SeqInfo& seq, bool causal, double scale) {
   check_same("attention", {q, k, v});
   LOOM_CHECK(q.dim() == 3 && k.dim() == 3 && v.shape() == k.shape() && q.size(2) == k.size(2) &&
@@ -47,13 +65,8 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const SeqInf
   int64_t Nq = q.size(0), Nk = k.size(0);
   int H = int(q.size(1)), KV = int(k.size(1)), hd = int(q.size(2));
   Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-  Tensor out = Tensor::empty_like(qc), lse = acc_empty({Nq, H}, q);
-  dispatch_float(qc, [&](auto dev, auto zero) {
-    using T = decltype(zero);
-    KERNEL(dev, attention_forward)(out.data<T>(), lse.data<acc_t<T>>(), qc.data<T>(), kc.data<T>(), vc.data<T>(),
-                                   seq.cu_q.data<int32_t>(), seq.cu_k.data<int32_t>(), seq.nseq, seq.max_seqlen, Nq,
-                                   Nk, H, KV, hd, causal, scale, stream_for(dev));
-  });
+  AttentionOut fwd = attention_rows(qc, kc, vc, seq, causal, scale);
+  Tensor out = fwd.out, lse = fwd.lse;
   if (any_requires_grad({q, k, v}))
     record("attention", {out}, [q, k, v, qc, kc, vc, out, lse, seq, Nq, Nk, H, KV, hd, causal, scale]() {
       Tensor g = grad_of(out).contiguous();
@@ -69,8 +82,7 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const SeqInf
       } else {
         dq = Tensor::empty_like(qc), dk = Tensor::empty_like(kc), dv = Tensor::empty_like(vc);
       }
-      // delta [Nq, H]; the CUDA single pass also needs its fp32 dq accumulator [Nq, H, hd]
-      Tensor ws = acc_empty({Nq, H, q.is_cuda() ? hd + 1 : 1}, q);
+      Tensor ws = attention_workspace(qc);
       dispatch_float(g, [&](auto dev, auto zero) {
         using T = decltype(zero);
         using A = acc_t<T>;

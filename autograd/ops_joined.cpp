@@ -206,19 +206,13 @@ Tensor qkv_rope_attention(const Tensor& x, const Tensor& wq, const Tensor& wk, c
   Tensor xc = x.contiguous(), pc = pos.contiguous();
   std::vector<Tensor> qkv = qkv_rope_rows(xc, w, pc, H, KV, hd, theta);
   Tensor q = qkv[0], k = qkv[1], v = qkv[2];
-  Tensor out = Tensor::empty_like(q), lse = acc_empty({N, H}, q);
-  dispatch_float(q, [&](auto dev, auto zero) {
-    using T = decltype(zero);
-    KERNEL(dev, attention_forward)(out.data<T>(), lse.data<acc_t<T>>(), q.data<T>(), k.data<T>(), v.data<T>(),
-                                   seq.cu_q.data<int32_t>(), seq.cu_q.data<int32_t>(), seq.nseq, seq.max_seqlen, N, N,
-                                   int(H), int(KV), int(hd), true, scale, stream_for(dev));
-  });
+  AttentionOut fwd = attention_rows(q, k, v, seq, /*causal=*/true, scale);
+  Tensor out = fwd.out, lse = fwd.lse;
   if (any_requires_grad({x, wq, wk, wv}))
     record("qkv_rope_attention", {out}, [x, xc, wq, wk, wv, w, pc, q, k, v, out, lse, seq, N, H, KV, hd, W, theta,
                                          scale]() {
       Tensor g = grad_of(out).contiguous();
-      // delta [N, H]; on CUDA also the fp32 dq accumulator [N, H, hd] (attention's workspace)
-      Tensor ws = acc_empty({N, H, q.is_cuda() ? hd + 1 : 1}, q);
+      Tensor ws = attention_workspace(q);
       Tensor dqkv = Tensor::empty({N, W}, xc.dtype(), xc.device());
       dispatch_float(g, [&](auto dev, auto zero) {
         using T = decltype(zero);

@@ -44,4 +44,14 @@ Tensor stacked_view(const std::vector<Tensor>& ts);
 Tensor mlp_swiglu_joined(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, const Tensor& wgu,
                          const Tensor& w_down, const Tensor& residual);
 
+// ops_attention.cpp, for the ops that run the attention kernels (attention, qkv_rope_attention):
+// out [Nq, H, hd] and lse [Nq, H] from contiguous q, k, v (attention_forward), and the backward's
+// workspace for q's shape (delta [Nq, H]; on CUDA also the fp32 dq accumulator [Nq, H, hd])
+struct AttentionOut {
+  Tensor out, lse;
+};
+AttentionOut attention_rows(const Tensor& qc, const Tensor& kc, const Tensor& vc, const SeqInfo& seq, bool causal,
+                            double scale);
+Tensor attention_workspace(const Tensor& q);
+
 }  // namespace loom

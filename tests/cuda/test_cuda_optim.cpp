@@ -307,6 +307,22 @@ TEST_CASE("CUDA ema_update_many: many tensors, several slices each, skipped step
   }
 }
 
+// Weights of rows[i] rows each, one after another in b: windows of b whose gradients are windows
+// of gb (the layout of the optimizer's flat buffers: the joined products), or, not joined, clones
+// with gradients of their own
+static vector<Tensor> weight_windows(const Tensor& b, const Tensor& gb, const vector<int64_t>& rows, bool joined) {
+  vector<Tensor> w;
+  int64_t r0 = 0;
+  for (int64_t n : rows) {
+    Tensor t = joined ? b.narrow(0, r0, n) : b.narrow(0, r0, n).clone();
+    t.requires_grad_();
+    if (joined) t.set_grad(gb.narrow(0, r0, n));
+    w.push_back(t);
+    r0 += n;
+  }
+  return w;
+}
+
 // The joined products of a Llama layer on the GPU (autograd/ops.h qkv_rope, mlp_swiglu): with the
 // weights and their gradients as windows of one buffer (the optimizer's flat buffers) one GEMM
 // runs for q|k|v and one for gate|up, with RoPE and SwiGLU on the joined rows; against the CPU
@@ -325,21 +341,13 @@ TEST_CASE("joined q|k|v and gate|up products on CUDA against separate weights on
   auto in = [&](const Shape& sh, double std) { return Tensor::randn(sh, rng, std, DType::F64).to(DType::BF16).to(DType::F64); };
   Tensor x = in({N, C}, 0.5), buf = in({R + 2 * I, C}, 0.125), wd = in({C, I}, 0.15);
   Tensor rq = in({N, H, hd}, 0.5), rk = in({N, KV, hd}, 0.5), rv = in({N, KV, hd}, 0.5), rm = in({N, C}, 0.5);
-  const int64_t rows[] = {H * hd, KV * hd, KV * hd, I, I};
+  const std::vector<int64_t> rows = {H * hd, KV * hd, KV * hd, I, I};
   struct Out { std::vector<Tensor> vals, grads; };
   // joined: weights and gradients as windows of one buffer each (on `dev` in `dt`); else clones
   auto run = [&](Device dev, DType dt, bool joined) {
     auto mv = [&](const Tensor& t) { return t.to(dev).to(dt); };
     Tensor b = mv(buf), gb = Tensor::zeros({R + 2 * I, C}, dt, dev), xd = mv(x).requires_grad_(), wdd = mv(wd).requires_grad_();
-    std::vector<Tensor> w;
-    int64_t r0 = 0;
-    for (int64_t n : rows) {
-      Tensor t = joined ? b.narrow(0, r0, n) : b.narrow(0, r0, n).clone();
-      t.requires_grad_();
-      if (joined) t.set_grad(gb.narrow(0, r0, n));
-      w.push_back(t);
-      r0 += n;
-    }
+    std::vector<Tensor> w = weight_windows(b, gb, rows, joined);
     Tensor p = pos.to(dev);
     auto qkv = qkv_rope(xd, w[0], w[1], w[2], p, H, KV, hd, 1e4);
     Tensor m = mlp_swiglu(xd, w[3], w[4], wdd);
@@ -379,21 +387,13 @@ TEST_CASE("qkv_rope_attention against qkv_rope and attention", "[optim][attentio
   for (int i = 0; i < N; i++) pv[size_t(i)] = i < 600 ? i : i - 600;
   auto in = [&](const Shape& sh, double std) { return Tensor::randn(sh, rng, std, DType::F64).to(DType::BF16).to(DType::F64); };
   Tensor x = in({N, C}, 0.5), buf = in({R, C}, 0.125), rout = in({N, H * hd}, 0.5);
-  const int64_t rows[] = {H * hd, KV * hd, KV * hd};
+  const std::vector<int64_t> rows = {H * hd, KV * hd, KV * hd};
   struct Out { Tensor val; std::vector<Tensor> grads; };
   auto run = [&](Device dev, DType dt, bool joined, bool one_node) {
     auto mv = [&](const Tensor& t) { return t.to(dev).to(dt); };
     // clones: on the CPU in f64 mv hands back x itself, whose gradient would pile up run after run
     Tensor b = mv(buf).clone(), gb = Tensor::zeros({R, C}, dt, dev), xd = mv(x).clone().requires_grad_();
-    std::vector<Tensor> w;
-    int64_t r0 = 0;
-    for (int64_t n : rows) {
-      Tensor t = joined ? b.narrow(0, r0, n) : b.narrow(0, r0, n).clone();
-      t.requires_grad_();
-      if (joined) t.set_grad(gb.narrow(0, r0, n));
-      w.push_back(t);
-      r0 += n;
-    }
+    std::vector<Tensor> w = weight_windows(b, gb, rows, joined);
     SeqInfo seq = SeqInfo::packed(cuv, dev);
     Tensor p = Tensor::from_vector(pv, {N}).to(dev);
     const double scale = 1.0 / std::sqrt(double(hd));
