@@ -56,7 +56,11 @@
  *             bf16, hd 16/32/64/128           attention_bwd.cu (two passes, bitwise reproducible)
  *             f32, or another hd              attention_v1.cu
  *   attention_forward / attention_backward first ask attention_cudnn.cu (train.attention =
- *   cudnn, or auto's choice for the shape) and run our kernels otherwise.
+ *   cudnn, or auto's choice for the shape) and run our kernels otherwise. A dense batch (every
+ *   sequence max_seqlen long: a ViT's images) of more than 8 sequences, not a multiple of 8,
+ *   goes there as two calls when cuDNN may take it, the largest multiple of 8 and the rest
+ *   (split_dense below): cuDNN plans a dense batch for its exact sequence count, and a VLM
+ *   tower's image count changes from step to step.
  *
  * Versions (H200, bf16, bench/bench_attention.cpp, medians of 20; the three SPEC shapes
  * B8 H12 T1024 D64 | B8 H16 T2048 D128 causal | B4 H9 T2048 D64 causal):
@@ -262,12 +266,39 @@ void backward_loom(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, c
 
 }  // namespace
 
+// The dense split (header): the sequences of the first call when a dense batch goes to the
+// cuDNN backend as two calls, else 0. cuDNN's dense plans then exist for multiples of 8 and for
+// 1..7 sequences only (a few plans, each built and, under auto, timed once) instead of one per
+// image count met. The two calls read and write disjoint rows; a backward's workspace serves
+// both in turn (each needs less than the whole call's).
+// Only where cuDNN may take the call: bf16 under auto or cudnn, f32 under cudnn (auto keeps f32
+// and f16 on our kernels, and cudnn refuses f16 with its own error).
+namespace {
+constexpr int kDenseGroup = 8;
+template <class T>
+int split_dense(const int32_t* cu_q, const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int64_t Nk) {
+  const AttentionBackend be = attention_backend();
+  const bool cudnn_may = be == AttentionBackend::Cudnn || (be == AttentionBackend::Auto && std::is_same<T, bf16>::value);
+  if (!cudnn_may || std::is_same<T, f16>::value || nseq <= kDenseGroup || nseq % kDenseGroup == 0 ||
+      side_scope_active() || !attn::dense_batch(cu_q, cu_k, nseq, max_seqlen, Nq, Nk))
+    return 0;
+  return nseq - nseq % kDenseGroup;
+}
+}  // namespace
+
 template <class T>
 void attention_forward(T* out, acc_t<T>* lse, const T* q, const T* k, const T* v,
                        const int32_t* cu_q, const int32_t* cu_k, int nseq, int max_seqlen,
                        int64_t Nq, int64_t Nk, int H, int KV, int hd, bool causal, double scale,
                        Stream s) {
   check_args("attention_forward", nseq, max_seqlen, H, KV, hd);
+  if (const int a = split_dense<T>(cu_q, cu_k, nseq, max_seqlen, Nq, Nk)) {
+    const int64_t r = int64_t(a) * max_seqlen, b = nseq - a;  // cu's first b + 1 entries: 0, S, .. b S
+    attention_forward(out, lse, q, k, v, cu_q, cu_q, a, max_seqlen, r, r, H, KV, hd, causal, scale, s);
+    attention_forward(out + r * H * hd, lse + r * H, q + r * H * hd, k + r * KV * hd, v + r * KV * hd, cu_q, cu_q,
+                      int(b), max_seqlen, Nq - r, Nq - r, H, KV, hd, causal, scale, s);
+    return;
+  }
   auto ours = [&] { forward_loom(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, hd, causal, scale, s); };
   // a side scope (runtime.cu) runs ours: cuDNN's plans keep per-plan state and one workspace
   if (!side_scope_active() && cudnn_attention_forward(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H,
@@ -283,6 +314,15 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T*
                         int64_t Nq, int64_t Nk, int H, int KV, int hd, bool causal, double scale,
                         Stream s) {
   check_args("attention_backward", nseq, max_seqlen, H, KV, hd);
+  if (const int a = split_dense<T>(cu_q, cu_k, nseq, max_seqlen, Nq, Nk)) {
+    const int64_t r = int64_t(a) * max_seqlen, b = nseq - a;
+    attention_backward(dq, dk, dv, dout, q, k, v, out, lse, workspace, cu_q, cu_q, a, max_seqlen, r, r, H, KV, hd,
+                       causal, scale, s);
+    const int64_t oq = r * H * hd, ok = r * KV * hd;
+    attention_backward(dq + oq, dk + ok, dv + ok, dout + oq, q + oq, k + ok, v + ok, out + oq, lse + r * H, workspace,
+                       cu_q, cu_q, int(b), max_seqlen, Nq - r, Nq - r, H, KV, hd, causal, scale, s);
+    return;
+  }
   auto ours = [&] {
     backward_loom(dq, dk, dv, dout, q, k, v, out, lse, workspace, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, hd,
                   causal, scale, s);
@@ -310,8 +350,14 @@ void attention_backward_qkv(T* dqkv, const T* dout, const T* q, const T* k, cons
     const char* e = std::getenv("LOOM_ATTN_QKV_JOIN");  // read at every call: tests switch it
     float* dq_acc = workspace;
     float* delta = workspace + N * H * hd;
-    if (!(e && e[0] == '0') && hd == 64 && nseq > 0 && max_seqlen > 0 && !deterministic_attention() &&
-        (side_scope_active() || attention_backend() == AttentionBackend::Loom) && aligned(dqkv, 16) &&
+    // loom's kernels run the call: the loom backend, a side scope, or auto's choice for its bucket
+    const AttentionBackend be = attention_backend();
+    const bool on_loom = side_scope_active() || be == AttentionBackend::Loom ||
+                         (be == AttentionBackend::Auto &&
+                          attn::cudnn_auto_choice(true, nseq, max_seqlen, N, N, H, KV, hd, causal,
+                                                  attn::dense_batch(cu, cu, nseq, max_seqlen, N, N)) == 0);
+    if (!(e && e[0] == '0') && hd == 64 && nseq > 0 && max_seqlen > 0 && !deterministic_attention() && on_loom &&
+        aligned(dqkv, 16) &&
         attn::bwd_sm90_ws_available(hd, causal, max_seqlen, N, N, q, k, v, dout, dq_acc)) {
       attn::bwd_qkv_rope(reinterpret_cast<bf*>(dqkv), dq_acc, delta, reinterpret_cast<const bf*>(dout),
                          reinterpret_cast<const bf*>(out), reinterpret_cast<const bf*>(q),

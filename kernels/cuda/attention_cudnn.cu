@@ -481,6 +481,21 @@ bool attn::cudnn_attention_backward(T* dq, T* dk, T* dv, const T* dout, const T*
   }, run_loom, s);
 }
 
+int attn::cudnn_auto_choice(bool backward, int nseq, int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, int hd,
+                            bool causal, bool dense) {
+  if (!unsupported(false, backward, Nq, Nk, H, KV, hd).empty()) return 0;
+  // a dense batch is in the dense bucket, or in the ragged one where cuDNN refused the dense plan
+  const Key ragged = make_key(backward, nseq, max_seqlen, H, KV, hd, causal, false);
+  const Key exact = make_key(backward, nseq, max_seqlen, H, KV, hd, causal, true);
+  std::lock_guard<std::mutex> lock(choice_mu());
+  for (const Key* k : {&exact, &ragged}) {
+    if (k == &exact && !dense) continue;
+    auto it = choices().find(*k);
+    if (it != choices().end()) return it->second ? 1 : 0;
+  }
+  return -1;
+}
+
 void reset_attention_choices() {
   std::lock_guard<std::mutex> lock(choice_mu());
   choices().clear();
@@ -511,6 +526,7 @@ bool attn::cudnn_attention_backward(T*, T*, T*, const T*, const T*, const T*, co
 }
 void reset_attention_choices() {}
 int attention_cudnn_dense_plans() { return 0; }
+int attn::cudnn_auto_choice(bool, int, int, int64_t, int64_t, int, int, int, bool, bool) { return 0; }
 
 #endif  // LOOM_HAVE_CUDNN
 

@@ -209,6 +209,11 @@ bool cudnn_attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, co
                               const float* lse, float* ws, const int32_t* cu_q, const int32_t* cu_k, int nseq,
                               int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, int hd, bool causal, double scale,
                               cudaStream_t s, const std::function<void()>& run_loom);
+// Under train.attention = auto, the choice already made for the bucket of a bf16 call: 1 cuDNN,
+// 0 loom's kernels (also for a case cuDNN cannot run, and without cuDNN), -1 not probed yet.
+// attention_backward_qkv asks it: its joined path runs where the choice is loom's kernels.
+int cudnn_auto_choice(bool backward, int nseq, int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, int hd,
+                      bool causal, bool dense);
 
 // Host entry points of attention_sm90.cu (the wgmma forwards). available: built for sm_90a
 // (LOOM_SM90A), running on a compute-capability 9.0 device, hd 64 or 128, and not turned off

@@ -7,8 +7,8 @@
 // ragged cu_seqlens with rows outside every sequence (before the first and after the last),
 // GQA (H/KV 3 and 4) and H == KV, Lq != Lk both ways, a decode step (Lq = 1 against a KV cache),
 // causal (bottom-right) and not, head dims 64 and 128 (16, the fixtures' head dim; 32), batches
-// that share a plan bucket, dense batches (the graph without ragged offsets), f32 inputs
-// through `cudnn`, `auto`, and the errors of `cudnn`.
+// that share a plan bucket, dense batches (the graph without ragged offsets; a count not a
+// multiple of 8 as two calls), f32 inputs through `cudnn`, `auto`, and the errors of `cudnn`.
 // Exits with code 4 (ctest: skipped) when no GPU is present.
 #include <catch2/catch.hpp>
 
@@ -215,6 +215,31 @@ TEST_CASE("cudnn attention: dense batches run the graph without offsets or paddi
   run_case<bf16>({{96, 96, 96}, {96, 96, 96}, 0, 0, 0, 0, 4, 2, 64, true}, 993);
   run_case<bf16>({{96, 95, 96}, {96, 95, 96}, 0, 0, 0, 1, 4, 2, 64, true}, 994, true);
   CHECK(cu::attention_cudnn_dense_plans() - before == 6);
+}
+
+TEST_CASE("cudnn attention: a dense batch of a count not a multiple of 8 runs as two calls", "[cuda][attention][cudnn]") {
+  need_gpu();
+  auto dense = [](int n, int S, int H, int KV, bool causal) {
+    return Case{std::vector<int>(size_t(n), S), std::vector<int>(size_t(n), S), 0, 0, 0, 0, H, KV, 64, causal};
+  };
+  {
+    BackendScope scope(cu::AttentionBackend::Cudnn);
+    const int before = cu::attention_cudnn_dense_plans();
+    run_case<bf16>(dense(11, 70, 3, 3, false), 995, true);  // 8 + 3: two plans a direction
+    CHECK(cu::attention_cudnn_dense_plans() - before == 4);
+    run_case<bf16>(dense(13, 70, 3, 3, false), 996, true);  // 8 (planned) + 5
+    CHECK(cu::attention_cudnn_dense_plans() - before == 6);
+    run_case<bf16>(dense(8, 70, 3, 3, false), 997, true);   // one call, planned
+    CHECK(cu::attention_cudnn_dense_plans() - before == 6);
+    run_case<bf16>(dense(17, 50, 4, 2, true), 998, true);   // 16 + 1, causal, GQA
+    run_case<float>(dense(10, 33, 2, 1, false), 999, true);  // f32 through bf16: 8 + 2
+  }
+  {
+    BackendScope scope(cu::AttentionBackend::Auto);
+    run_case<bf16>(dense(11, 70, 3, 3, false), 1000, true);  // the probes of both parts
+    run_case<bf16>(dense(11, 70, 3, 3, false), 1001, true);  // the cached choices
+    run_case<float>(dense(11, 70, 3, 3, false), 1002, true);  // f32 under auto: ours, one call
+  }
 }
 
 TEST_CASE("cudnn attention: more queries than keys, causal (rows that see no key)", "[cuda][attention][cudnn]") {

@@ -541,6 +541,24 @@ TEST_CASE("attention_backward_qkv: the joined q|k|v gradient rows against the tw
     }
     CHECK(kv_differ == 0);
     LOOM_CHECK_CLOSE(tol::compare(q0, q1, gemm_tol<bf16>(), "dq rows, joined against the two calls"));
+    // train.attention = auto: the first call probes both backends on the two calls' scratch,
+    // the second runs the cached choice (loom's kernels: the joined rows; cuDNN: the two calls)
+    setenv("LOOM_ATTN_QKV_JOIN", "1", 1);
+    const cu::AttentionBackend was = cu::attention_backend();
+    cu::set_attention_backend(cu::AttentionBackend::Auto);
+    cu::reset_attention_choices();
+    for (int run = 0; run < 2; run++) {
+      INFO("lengths " << c.len.size() << " H" << H << " KV" << KV << (c.causal ? " causal" : " full")
+                      << " auto, call " << run);
+      Dev<bf16> dqkv(size_t(N) * W);
+      dqkv.poison();
+      dws.poison();
+      cu::attention_backward_qkv<bf16>(dqkv.p, ddo.p, dq.p, dk.p, dv.p, dout_.p, dlse.p, dws.p, dcu.p, dpos.p, nseq,
+                                       max_seqlen, N, H, KV, hd, c.causal, scale, theta, cu::default_stream());
+      LOOM_CHECK_CLOSE(tol::compare(to_f(dqkv.down()), ref, gemm_tol<bf16>(), "dqkv rows (auto)"));
+    }
+    cu::set_attention_backend(was);
+    cu::reset_attention_choices();
   }
   if (before) setenv("LOOM_ATTN_QKV_JOIN", saved.c_str(), 1);
   else unsetenv("LOOM_ATTN_QKV_JOIN");
