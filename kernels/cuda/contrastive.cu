@@ -25,6 +25,7 @@
  *   pred, dpred, target [B, M, D] T      loss [1] A =      dpred, da, db =
  *   a, da, b, db [B, D] T
  *   patch workspace [B M M + 2 B M] A: raw / W' [B, M, M], rp -> s [B, M], rt -> row loss [B, M]
+ *   (v2's padded raw and target copy come from device_malloc, freed stream-ordered)
  *   infonce workspace [B B + 4 B] A:   L / G [B, B], rlse [B], clse [B], (2B unused)
  *
  * bf16: W' (or G) is written as bf16 into the first half of its own fp32 row (leading dim 2M),
@@ -41,15 +42,27 @@
  * Tried and dropped (H100, 2026-11-27): raw with its rows padded to a multiple of 4 floats, to
  *   move cuBLAS off the align1 kernels it picks at M 147 (cutlass_75 ..._align1, 136 + 116 us a
  *   MIM step in a CUPTI trace): the same kernels and times (bench_losses 0.3858 against 0.3827
- *   ms); the odd M itself decides the alignment.
- * Versions: v1 only (cuBLAS batched GEMMs + warp-per-row kernels). Measured on H200, bf16
+ *   ms); the odd M itself decides the alignment (raw's columns, W''s inner dimension): v2 pads
+ *   the problem, not only the rows.
+ * Versions: v1 cuBLAS batched GEMMs + warp-per-row kernels. Measured on H200, bf16
  *   (bench/bench_losses.cpp): patch_disc B128 M147 D768 forward+backward 0.38 ms; InfoNCE
  *   B128 D768 0.039 ms.
+ *   v2 (2026-11-28) the padded layout: M not a multiple of 8 -> each sample's target rows
+ *   copied with zero rows up to Mp = M rounded up to 8, raw [B, M, Mp] (Mp floats a row), W'
+ *   zero past M. Every product's contiguous dimension (raw's and W''s Mp, D) is then a
+ *   multiple of 8 and cuBLAS leaves its align1 kernels; pred and dpred keep M rows (their M is
+ *   the strided dimension). The zero rows give raw 0 and add 0 to dpred: the same math.
+ *   H100, same binary, LOOM_PATCH_PAD=0 | default: patch_disc B128 M147 D768 forward+backward
+ *   0.4034 / 0.4046 | 0.2382 / 0.2378 ms; bench_mim 25.16 / 25.20 | 25.07 / 25.12 ms,
+ *   contrastive 46.99 / 46.94 | 46.70 / 46.57 (steps 6-30), peak +63 MB (the padded copy and
+ *   raw, transient at the loss). LOOM_PATCH_PAD=0 keeps M (read at every call).
  *
  * Reference: kernels/cpu/contrastive.cpp. Test: tests/cuda/test_cuda_kernels_b.cpp
  *   ("patch_disc_loss", "infonce_loss"); bash tools/gpu-kernels.sh tests/cuda/test_cuda_kernels_b.cpp
  */
+#include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include "kernels/cuda/common.cuh"
 
@@ -150,16 +163,18 @@ __global__ void row_rnorm(float* __restrict__ rnorm, const T* __restrict__ x, in
 
 // One block per sample b, one warp per row m: logits, row loss, W' = rp W (as TOut, in place)
 // and s_m (over rp in place); then the row losses over rt (once every warp is done with rt).
+// Rows of raw are ld floats apart (ld >= M: the padded layout, below); W' gets ld values a row,
+// those past M zero.
 template <class TOut>
 __global__ void patch_rows(float* __restrict__ raw, float* __restrict__ rp, float* __restrict__ rt,
-                           int B, int M, float inv_tau) {
+                           int B, int M, int ld, float inv_tau) {
   pdl_entry();
   extern __shared__ float row_loss[];  // [M]
   const int b = blockIdx.x, warp = threadIdx.x / 32, nw = blockDim.x / 32, lane = threadIdx.x % 32;
   const float* rtb = rt + int64_t(b) * M;
   const float inv_bm = 1.f / (float(B) * float(M));
   for (int m = warp; m < M; m += nw) {
-    float* x = raw + (int64_t(b) * M + m) * M;  // raw dot products of row m
+    float* x = raw + (int64_t(b) * M + m) * ld;  // raw dot products of row m
     const float rpm = rp[int64_t(b) * M + m];
     auto logit = [&](int n) { return x[n] * rpm * rtb[n] * inv_tau; };
     const float lse = warp_lse(M, logit);
@@ -171,7 +186,8 @@ __global__ void patch_rows(float* __restrict__ raw, float* __restrict__ rp, floa
       c += g * rtb[n] * inv_tau * x[n];
     }
     c = warp_sum(c);
-    warp_write_row<TOut>(x, M, [&](int n) {
+    warp_write_row<TOut>(x, ld, [&](int n) {
+      if (n >= M) return 0.f;
       const float g = (exp2f((logit(n) - lse) * kLog2e) - (n == m ? 1.f : 0.f)) * inv_bm;
       return rpm * g * rtb[n] * inv_tau;
     });
@@ -183,6 +199,23 @@ __global__ void patch_rows(float* __restrict__ raw, float* __restrict__ rp, floa
   }
   __syncthreads();  // every warp has finished reading rt[b, :]
   for (int m = threadIdx.x; m < M; m += blockDim.x) rt[int64_t(b) * M + m] = row_loss[m];
+}
+
+// dst [B, Mp, D] = src [B, M, D] with zero rows M..Mp-1 in each sample; U the unit of copy
+// (16 bytes where D allows it), D in units of U
+template <class U>
+__global__ void pad_sample_rows(U* __restrict__ dst, const U* __restrict__ src, int M, int Mp, int64_t D, int64_t n) {
+  pdl_entry();
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t d = i % D, r = (i / D) % Mp, b = i / (D * Mp);
+    if (r < M) {
+      dst[i] = src[(b * M + r) * D + d];
+    } else if constexpr (std::is_same<U, uint4>::value) {
+      dst[i] = make_uint4(0u, 0u, 0u, 0u);
+    } else {
+      dst[i] = from_float<U>(0.f);
+    }
+  }
 }
 
 // out[r, :] = -s[r] * x[r, :]  over [rows, D]
@@ -260,24 +293,50 @@ void patch_disc_loss(acc_t<T>* loss, T* dpred, const T* pred, const T* target, i
   float* raw = workspace;        // [B, M, M]
   float* rp = raw + BM * M;      // [B, M]
   float* rt = rp + BM;           // [B, M]
+  // Padded layout (header): M not a multiple of 8 (the MIM's 147) -> target's samples padded with
+  // zero rows to Mp, raw [B, M, Mp]; LOOM_PATCH_PAD=0 keeps M (read at every call: A/B, tests).
+  const char* pad_env = std::getenv("LOOM_PATCH_PAD");
+  const int Mp = (pad_env && pad_env[0] == '0') ? M : (M + 7) / 8 * 8;
+  const T* tgt = target;
+  T* tpad = nullptr;
+  if (Mp != M) {
+    raw = static_cast<float*>(device_malloc(sizeof(float) * size_t(BM) * Mp));
+    tpad = static_cast<T*>(device_malloc(sizeof(T) * size_t(B) * Mp * D));
+    const int64_t n = int64_t(B) * Mp * D;
+    if ((int64_t(D) * sizeof(T)) % 16 == 0 && aligned(target, 16)) {
+      const int64_t du = int64_t(D) * sizeof(T) / 16;
+      launch_kernel(pad_sample_rows<uint4>, std::min<int64_t>(ceil_div(n * sizeof(T) / 16, 256), 8192), 256, 0, s,
+                    reinterpret_cast<uint4*>(tpad), reinterpret_cast<const uint4*>(target), M, Mp, du,
+                    n * int64_t(sizeof(T)) / 16);
+    } else {
+      launch_kernel(pad_sample_rows<dev_t<T>>, std::min<int64_t>(ceil_div(n, 256), 8192), 256, 0, s, dptr(tpad),
+                    dptr(target), M, Mp, int64_t(D), n);
+    }
+    LAUNCH_CHECK();
+    tgt = tpad;
+  }
   // rp over pred rows and rt over target rows (two launches: the inputs are separate arrays)
   launch_kernel(row_rnorm<dev_t<T>>, ceil_div(BM, 8), 256, 0, s, rp, dptr(pred), BM, D);
   LAUNCH_CHECK();
   launch_kernel(row_rnorm<dev_t<T>>, ceil_div(BM, 8), 256, 0, s, rt, dptr(target), BM, D);
   LAUNCH_CHECK();
-  // raw[b] = pred[b] target[b]^T
-  gemm_rm_batched(s, M, M, D, pred, tT, D, int64_t(M) * D, false, target, tT, D, int64_t(M) * D,
-                  true, raw, CUDA_R_32F, M, int64_t(M) * M, 1.f, 0.f, B);
-  launch_kernel(patch_rows<dev_t<T>>, B, 256, sizeof(float) * M, s, raw, rp, rt, B, M, float(1.0 / tau));
+  // raw[b] = pred[b] target[b]^T (columns M..Mp-1: the zero rows' 0)
+  gemm_rm_batched(s, M, Mp, D, pred, tT, D, int64_t(M) * D, false, tgt, tT, D, int64_t(Mp) * D, true, raw, CUDA_R_32F,
+                  Mp, int64_t(M) * Mp, 1.f, 0.f, B);
+  launch_kernel(patch_rows<dev_t<T>>, B, 256, sizeof(float) * M, s, raw, rp, rt, B, M, Mp, float(1.0 / tau));
   LAUNCH_CHECK();
   launch_kernel(sum_scaled, 1, 1024, 0, s, loss, rt, BM, 1.f / float(BM));
   LAUNCH_CHECK();
   // dpred = -s pred, then dpred[b] += W'[b] target[b]
   launch_kernel(scale_rows_neg<dev_t<T>>, ceil_div(BM * D, 256), 256, 0, s, dptr(dpred), dptr(pred), rp, BM, D);
   LAUNCH_CHECK();
-  const int64_t ldw = sizeof(T) == 4 ? M : 2 * int64_t(M);  // bf16 W' packed in fp32 rows
-  gemm_rm_batched(s, M, D, M, raw, tT, ldw, ldw * M, false, target, tT, D, int64_t(M) * D, false,
-                  dpred, tT, D, int64_t(M) * D, 1.f, 1.f, B);
+  const int64_t ldw = sizeof(T) == 4 ? Mp : 2 * int64_t(Mp);  // bf16 W' packed in fp32 rows
+  gemm_rm_batched(s, M, D, Mp, raw, tT, ldw, ldw * M, false, tgt, tT, D, int64_t(Mp) * D, false, dpred, tT, D,
+                  int64_t(M) * D, 1.f, 1.f, B);
+  if (Mp != M) {  // stream-ordered reuse
+    device_free(raw);
+    device_free(tpad);
+  }
 }
 
 template <class T>

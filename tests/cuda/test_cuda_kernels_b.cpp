@@ -623,6 +623,14 @@ TEST_CASE("patch_disc_loss against the CPU reference", "[cuda][contrastive]") {
   run_patch<float>(1, 150, 96, 25);  // the workload's M, B = 1
   run_patch<bf16>(1, 150, 96, 26);
   run_patch<f16>(2, 37, 130, 27);
+  // M not a multiple of 8 runs on target rows padded to one (above: M 7, 37, 150 with 2- and
+  // 16-byte copies); the MIM's own M and D; M 16 unpadded; LOOM_PATCH_PAD=0 the unpadded layout
+  run_patch<bf16>(3, 147, 768, 28);
+  run_patch<bf16>(2, 16, 64, 29);
+  setenv("LOOM_PATCH_PAD", "0", 1);
+  run_patch<bf16>(2, 37, 130, 30);
+  run_patch<float>(1, 150, 96, 31);
+  unsetenv("LOOM_PATCH_PAD");
 }
 
 TEST_CASE("infonce_loss against the CPU reference", "[cuda][contrastive]") {
