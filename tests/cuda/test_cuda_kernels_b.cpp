@@ -515,18 +515,22 @@ TEST_CASE("attention_backward_qkv: the joined q|k|v gradient rows against the tw
     Dev<bf16> dq(to_t<bf16>(q)), dk(to_t<bf16>(k)), dv(to_t<bf16>(v)), ddo(to_t<bf16>(dout)), dout_(to_t<bf16>(out));
     Dev<float> dlse(lse), dws(size_t(N) * H * (hd + 1));
     Dev<int32_t> dcu(cu), dpos(pos);
-    std::vector<std::vector<bf16>> got;
-    for (const char* join : {"1", "0"}) {
-      setenv("LOOM_ATTN_QKV_JOIN", join, 1);
-      INFO("lengths " << c.len.size() << " H" << H << " KV" << KV << (c.causal ? " causal" : " full")
-                      << " LOOM_ATTN_QKV_JOIN=" << join);
+    // one call on poisoned rows and workspace, checked against the reference; returns the rows
+    auto rows = [&](const std::string& how) {
+      INFO("lengths " << c.len.size() << " H" << H << " KV" << KV << (c.causal ? " causal" : " full") << " " << how);
       Dev<bf16> dqkv(size_t(N) * W);
       dqkv.poison();
       dws.poison();
       cu::attention_backward_qkv<bf16>(dqkv.p, ddo.p, dq.p, dk.p, dv.p, dout_.p, dlse.p, dws.p, dcu.p, dpos.p, nseq,
                                        max_seqlen, N, H, KV, hd, c.causal, scale, theta, cu::default_stream());
-      got.push_back(dqkv.down());
-      LOOM_CHECK_CLOSE(tol::compare(to_f(got.back()), ref, gemm_tol<bf16>(), "dqkv rows"));
+      std::vector<bf16> r = dqkv.down();
+      LOOM_CHECK_CLOSE(tol::compare(to_f(r), ref, gemm_tol<bf16>(), "dqkv rows"));
+      return r;
+    };
+    std::vector<std::vector<bf16>> got;
+    for (const char* join : {"1", "0"}) {
+      setenv("LOOM_ATTN_QKV_JOIN", join, 1);
+      got.push_back(rows(std::string("LOOM_ATTN_QKV_JOIN=") + join));
     }
     std::vector<float> q0, q1;
     int64_t kv_differ = 0;
@@ -547,16 +551,7 @@ TEST_CASE("attention_backward_qkv: the joined q|k|v gradient rows against the tw
     const cu::AttentionBackend was = cu::attention_backend();
     cu::set_attention_backend(cu::AttentionBackend::Auto);
     cu::reset_attention_choices();
-    for (int run = 0; run < 2; run++) {
-      INFO("lengths " << c.len.size() << " H" << H << " KV" << KV << (c.causal ? " causal" : " full")
-                      << " auto, call " << run);
-      Dev<bf16> dqkv(size_t(N) * W);
-      dqkv.poison();
-      dws.poison();
-      cu::attention_backward_qkv<bf16>(dqkv.p, ddo.p, dq.p, dk.p, dv.p, dout_.p, dlse.p, dws.p, dcu.p, dpos.p, nseq,
-                                       max_seqlen, N, H, KV, hd, c.causal, scale, theta, cu::default_stream());
-      LOOM_CHECK_CLOSE(tol::compare(to_f(dqkv.down()), ref, gemm_tol<bf16>(), "dqkv rows (auto)"));
-    }
+    for (int run = 0; run < 2; run++) rows("auto, call " + std::to_string(run));
     cu::set_attention_backend(was);
     cu::reset_attention_choices();
   }
