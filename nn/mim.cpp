@@ -47,12 +47,15 @@ LatentMIM::LatentMIM(const MIMConfig& c, const Init& init)
 
 Tensor LatentMIM::view_loss(const MIMView& v, Tensor* z_out) const {
   int B = int(v.keep.size(0)), N = cfg.vit.num_patches();
-  Tensor z = encoder.forward(v.images, v.keep);  // [B, K, D]
+  // the images are cut into patches once, for both encoders (and let go before the loss)
+  Tensor patches = encoder.patches(v.images);
+  Tensor z = encoder.forward_patches(patches, v.keep);  // [B, K, D]
   Tensor t;
   {
     NoGradGuard ng;
-    t = target.forward(v.images, Tensor(), v.masked);  // [B, N-K, D]: its last block on those tokens alone
+    t = target.forward_patches(patches, Tensor(), v.masked);  // [B, N-K, D]: its last block on those tokens alone
   }
+  patches = Tensor();
   profile_phase("EMA target forward (no grad)");  // records no op: its own row in the profile
   // sync-free unmask: scatter the visible tokens into a full sequence of mask tokens
   Tensor full = expand(mask_token, {B, N, cfg.pred_dim});

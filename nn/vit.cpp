@@ -124,17 +124,27 @@ Tensor ViT::embed(const Tensor& images) const {
   return add(patch_embed_proj.forward(patchify(images, cfg.patch_size)), pos_embed);
 }
 
+Tensor ViT::patches(const Tensor& images) const {
+  check_images(cfg, images);
+  return patchify(images, cfg.patch_size);
+}
+
 Tensor ViT::forward(const Tensor& images, const Tensor& keep, const Tensor& out_rows) const {
+  return forward_patches(patches(images), keep, out_rows);
+}
+
+Tensor ViT::forward_patches(const Tensor& patches, const Tensor& keep, const Tensor& out_rows) const {
+  const int64_t F = int64_t(cfg.patch_size) * cfg.patch_size * cfg.channels;
+  LOOM_CHECK(patches.dim() == 3 && patches.size(1) == cfg.num_patches() && patches.size(2) == F,
+             "ViT: expected patches [B, %d, %lld], got %s", cfg.num_patches(), (long long)F, patches.desc().c_str());
   Tensor x;
   if (keep.defined()) {
     // Only the kept patches are embedded: their pixels are gathered first, the product runs on
     // K rows instead of N, and each row's position is looked up by its index and added inside
     // the product (linear's residual). The same values as embedding every patch and gathering.
-    check_images(cfg, images);
-    Tensor patches = gather_rows(patchify(images, cfg.patch_size), keep);
-    x = linear(patches, patch_embed_proj.weight, patch_embed_proj.bias, embedding(keep, pos_embed));
+    x = linear(gather_rows(patches, keep), patch_embed_proj.weight, patch_embed_proj.bias, embedding(keep, pos_embed));
   } else {
-    x = embed(images);
+    x = add(patch_embed_proj.forward(patches), pos_embed);
   }
   SeqInfo rows = SeqInfo::dense(int(x.size(0)), int(x.size(1)), x.device());
   return vit_stack(blocks, norm, x, rows, checkpoint_blocks, out_rows);

@@ -68,6 +68,11 @@ class ViT : public Module {
   // out_rows int32 [B, M] (distinct within a row, positions among the kept tokens): only
   // those tokens of the output, [B, M, D] (vit_stack)
   Tensor forward(const Tensor& images, const Tensor& keep = Tensor(), const Tensor& out_rows = Tensor()) const;
+  // images checked against the config and cut into patches: [B, N, p p C]
+  Tensor patches(const Tensor& images) const;
+  // forward() from patches(images): two encoders of the same images (the MIM's online encoder
+  // and its EMA target) cut them once
+  Tensor forward_patches(const Tensor& patches, const Tensor& keep = Tensor(), const Tensor& out_rows = Tensor()) const;
   // patch embedding + positions only: [B, N, D]
   Tensor embed(const Tensor& images) const;
   ViTConfig cfg;

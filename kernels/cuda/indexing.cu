@@ -53,16 +53,78 @@ inline int grid_for(int64_t n, int threads = 256) {
 #define GRID_STRIDE(i, n) \
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < (n); i += int64_t(gridDim.x) * blockDim.x)
 
-template <class DT>
-__global__ void embedding_fwd_kernel(DT* __restrict__ out, const int32_t* __restrict__ ids,
-                                     const DT* __restrict__ table, int64_t N, int C, int V) {
-  pdl_entry();
-  GRID_STRIDE(i, N * C) {
-    int64_t n = i / C;
-    int c = int(i - n * C);
-    int id = ids[n];
-    out[i] = (id >= 0 && id < V) ? table[int64_t(id) * C + c] : from_float<DT>(0.f);
+// ---- v2: whole rows moved as words, one warp per row
+// Gathers, scatters, zeroed rows, the embedding lookup and the pixel shuffle move rows of C
+// contiguous elements. v1 gave each element its own thread and found its row with 64-bit
+// divisions per element; here a warp takes a row (one index or mapping per row) and its lanes
+// move the row's words w = lane, lane + 32, ..., a word being the widest of 16 / 8 / 4 / 2 bytes
+// that divides the row's bytes and every pointer's alignment. `Map` gives, for row r of the
+// side walked in order, the row of the other side (-1: the row is zeros).
+struct GatherMap {  // row (b, k) of [B, K, C] <-> row b N + idx[b K + k] of [B, N, C]
+  const int32_t* idx;
+  int K, N;
+  __device__ int64_t operator()(int64_t r) const { return (r / K) * N + idx[r]; }
+};
+struct EmbedMap {  // out row n <- table row ids[n]; an id outside [0, V) gives zeros
+  const int32_t* ids;
+  int V;
+  __device__ int64_t operator()(int64_t r) const {
+    const int id = ids[r];
+    return id >= 0 && id < V ? id : -1;
   }
+};
+struct ShuffleMap {  // row ((b, i Gs + j), u s + v) of the shuffled [B, Gs^2, s^2, D] <- row b G^2 + (i s + u) G + j s + v
+  int G, s;
+  __device__ int64_t operator()(int64_t r) const {
+    const int ss = s * s, Gs = G / s;
+    const int64_t bt = r / ss;
+    const int uv = int(r - bt * ss), u = uv / s, v = uv - u * s;
+    const int64_t b = bt / (int64_t(Gs) * Gs);
+    const int tok = int(bt - b * Gs * Gs), i = tok / Gs, j = tok - i * Gs;
+    return (b * G + i * s + u) * G + j * s + v;
+  }
+};
+
+// SCATTER false: dst row r = src row map(r) (zeros where map(r) < 0).
+// SCATTER true:  dst row map(r) = src row r, or zeros when src is null (zero_rows).
+template <class Wd, class Map, bool SCATTER>
+__global__ void move_rows(Wd* __restrict__ dst, const Wd* __restrict__ src, Map map, int64_t rows, int words) {
+  pdl_entry();
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  for (int64_t r = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += warps) {
+    const int64_t o = map(r);
+    Wd* d = dst + (SCATTER ? o : r) * words;
+    if (!src || o < 0) {
+#pragma unroll 4
+      for (int w = lane; w < words; w += 32) d[w] = Wd{};
+      continue;
+    }
+    const Wd* sr = src + (SCATTER ? r : o) * words;
+#pragma unroll 4
+    for (int w = lane; w < words; w += 32) d[w] = sr[w];
+  }
+}
+
+// move_rows with the widest word the rows and pointers allow (elements are 2 or 4 bytes).
+template <bool SCATTER, class Map>
+void launch_move_rows(void* dst, const void* src, Map map, int64_t rows, int64_t row_bytes, Stream s) {
+  if (rows <= 0 || row_bytes <= 0) return;
+  auto fits = [&](size_t a) { return row_bytes % int64_t(a) == 0 && aligned(dst, a) && (!src || aligned(src, a)); };
+  const int grid = int(std::min<int64_t>((rows + 7) / 8, 16384));
+  if (fits(16))
+    launch_kernel(move_rows<uint4, Map, SCATTER>, grid, 256, 0, s, static_cast<uint4*>(dst),
+                  static_cast<const uint4*>(src), map, rows, int(row_bytes / 16));
+  else if (fits(8))
+    launch_kernel(move_rows<uint2, Map, SCATTER>, grid, 256, 0, s, static_cast<uint2*>(dst),
+                  static_cast<const uint2*>(src), map, rows, int(row_bytes / 8));
+  else if (fits(4))
+    launch_kernel(move_rows<uint32_t, Map, SCATTER>, grid, 256, 0, s, static_cast<uint32_t*>(dst),
+                  static_cast<const uint32_t*>(src), map, rows, int(row_bytes / 4));
+  else
+    launch_kernel(move_rows<uint16_t, Map, SCATTER>, grid, 256, 0, s, static_cast<uint16_t*>(dst),
+                  static_cast<const uint16_t*>(src), map, rows, int(row_bytes / 2));
+  LAUNCH_CHECK();
 }
 
 __global__ void embedding_keys(int32_t* __restrict__ keys, int32_t* __restrict__ vals, const int32_t* __restrict__ ids,
@@ -151,16 +213,55 @@ __global__ void embedding_bwd_runs(DT* __restrict__ dtable, const DT* __restrict
   }
 }
 
+// embedding backward v3, small tables (V <= 1024, N <= 24576 ids: a ViT's positions looked up
+// by the kept patches' indices): block (v, 256 columns) copies the ids into shared memory, lists
+// the positions n with ids[n] == v in increasing n (ballots, a tile of 256 at a time, the list
+// written over the ids already read) and adds their dout rows in that order, 8 loads in flight.
+// No sort: v2's sort, chunk and run passes took 0.20 ms for the contrastive MIM's [12544, 768]
+// into 196 rows (H200, 2026-11-28). A row's sum is v2's for runs of up to 64 ids (v2 adds longer
+// runs in pieces of 64, so those may differ in the last bits); deterministic either way.
+constexpr int kEmbSmallV = 1024, kEmbSmallN = 24576;
 template <class DT>
-__global__ void gather_rows_kernel(DT* __restrict__ out, const DT* __restrict__ inp, const int32_t* __restrict__ idx,
-                                   int B, int N, int K, int C) {
+__global__ void embedding_bwd_small(DT* __restrict__ dtable, const DT* __restrict__ dout,
+                                    const int32_t* __restrict__ ids, int N, int C) {
   pdl_entry();
-  GRID_STRIDE(i, int64_t(B) * K * C) {
-    int64_t bk = i / C;
-    int c = int(i - bk * C);
-    int b = int(bk / K);
-    out[i] = inp[(int64_t(b) * N + idx[bk]) * C + c];
+  extern __shared__ int32_t emb_ids[];  // [N]: the ids, then the list of positions
+  __shared__ int wcount[8];
+  const int v = blockIdx.x, c = blockIdx.y * 256 + threadIdx.x;
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  for (int i = threadIdx.x; i < N; i += 256) emb_ids[i] = ids[i];
+  __syncthreads();
+  int total = 0;  // positions listed so far (the same in every thread)
+  for (int t0 = 0; t0 < N; t0 += 256) {
+    const int n = t0 + threadIdx.x;
+    const bool hit = n < N && emb_ids[n] == v;
+    const unsigned m = __ballot_sync(0xffffffffu, hit);
+    if (lane == 0) wcount[w] = __popc(m);
+    __syncthreads();  // every id of this tile is read before the list overwrites any
+    int before = 0, tile = 0;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+      const int x = wcount[k];
+      before += k < w ? x : 0;
+      tile += x;
+    }
+    if (hit) emb_ids[total + before + __popc(m & ((1u << lane) - 1))] = n;  // total + before <= n
+    total += tile;
+    __syncthreads();  // wcount is rewritten by the next tile
   }
+  if (c >= C) return;
+  float acc = 0.f;
+  int j = 0;
+  for (; j + 8 <= total; j += 8) {
+    float x[8];
+#pragma unroll
+    for (int k = 0; k < 8; k++) x[k] = to_float(dout[int64_t(emb_ids[j + k]) * C + c]);
+#pragma unroll
+    for (int k = 0; k < 8; k++) acc += x[k];
+  }
+  for (; j < total; j++) acc += to_float(dout[int64_t(emb_ids[j]) * C + c]);
+  DT* d = dtable + int64_t(v) * C + c;
+  *d = from_float<DT>(to_float(*d) + acc);
 }
 
 template <class DT>
@@ -175,32 +276,6 @@ __global__ void scatter_rows_kernel(DT* __restrict__ out, const int32_t* __restr
       float v = to_float(src[(int64_t(b) * K + k) * C + c]);
       *o = from_float<DT>(accumulate ? to_float(*o) + v : v);
     }
-  }
-}
-
-// scatter_rows without accumulation (indices distinct within a b): one thread per element of
-// src, like the gather. The loop over k above leaves only B * C threads: with B = 1 (a VLM
-// batch's image tokens, 576 wide) 576 threads walking thousands of rows each.
-template <class DT>
-__global__ void scatter_rows_set_kernel(DT* __restrict__ out, const int32_t* __restrict__ idx,
-                                        const DT* __restrict__ src, int B, int N, int K, int C) {
-  pdl_entry();
-  GRID_STRIDE(i, int64_t(B) * K * C) {
-    const int64_t bk = i / C;
-    const int c = int(i - bk * C);
-    const int b = int(bk / K);
-    out[(int64_t(b) * N + idx[bk]) * C + c] = src[i];
-  }
-}
-
-template <class DT>
-__global__ void zero_rows_kernel(DT* __restrict__ out, const int32_t* __restrict__ idx, int B, int N, int K, int C) {
-  pdl_entry();
-  GRID_STRIDE(i, int64_t(B) * K * C) {
-    int64_t bk = i / C;
-    int c = int(i - bk * C);
-    int b = int(bk / K);
-    out[(int64_t(b) * N + idx[bk]) * C + c] = from_float<DT>(0.f);
   }
 }
 
@@ -247,20 +322,37 @@ __global__ void patchify_rows_kernel(DT* __restrict__ out, const DT* __restrict_
   }
 }
 
-// pixel shuffle: i indexes the shuffled layout; BACKWARD writes the grid layout.
-template <class DT, bool BACKWARD>
-__global__ void pixel_shuffle_kernel(DT* __restrict__ dst, const DT* __restrict__ src, int B, int G, int D, int s) {
+// patchify v3, the same block per (image b, patch row pi) with the channel count and patch size
+// known at compile time (3 and 16: the SPEC ViTs): the runs come in as 16-byte words and every
+// thread writes 16-byte words of the output row, each of its VEC elements found in shared memory
+// by index arithmetic on constants (v2 divides by runtime values per element and moves 2 bytes
+// per access). Needs each channel's run (P W elements), the output row (W / P patches of
+// P P CH elements) and both pointers to fall on 16 bytes.
+template <class DT, int CH, int P>
+__global__ void patchify_rows_vec(DT* __restrict__ out, const DT* __restrict__ img, int H, int W) {
   pdl_entry();
-  const int Gs = G / s, F = s * s * D;
-  GRID_STRIDE(i, int64_t(B) * Gs * Gs * F) {
-    int f = int(i % F);
-    int64_t bt = i / F;
-    int tok = int(bt % (Gs * Gs)), b = int(bt / (Gs * Gs));
-    int ti = tok / Gs, tj = tok % Gs;
-    int d = f % D, uv = f / D, u = uv / s, v = uv % s;
-    int64_t g = (int64_t(b) * G * G + int64_t(ti * s + u) * G + tj * s + v) * D + d;
-    if (BACKWARD) dst[g] = src[i];
-    else dst[i] = src[g];
+  constexpr int VEC = 16 / int(sizeof(DT)), F = P * P * CH;
+  extern __shared__ __align__(16) unsigned char patch_smem_v[];
+  DT* sm = reinterpret_cast<DT*>(patch_smem_v);  // [CH][P][W]
+  const int Wp = W / P, Hp = H / P;
+  const int pi = blockIdx.x % Hp, b = blockIdx.x / Hp;
+  const int run = P * W, runv = run / VEC;
+  for (int c = 0; c < CH; c++) {
+    const uint4* src = reinterpret_cast<const uint4*>(img + ((int64_t(b) * CH + c) * H + int64_t(pi) * P) * W);
+    uint4* dsm = reinterpret_cast<uint4*>(sm + c * run);
+    for (int k = threadIdx.x; k < runv; k += blockDim.x) dsm[k] = src[k];
+  }
+  __syncthreads();
+  Pack<DT, VEC>* dst = reinterpret_cast<Pack<DT, VEC>*>(out + (int64_t(b) * Hp + pi) * Wp * F);
+  for (int o = threadIdx.x; o < Wp * F / VEC; o += blockDim.x) {
+    Pack<DT, VEC> w;
+#pragma unroll
+    for (int e = 0; e < VEC; e++) {
+      const int oe = o * VEC + e, pj = oe / F, f = oe - pj * F;
+      const int c = f % CH, uv = f / CH, u = uv / P, v = uv % P;
+      w.v[e] = sm[c * run + u * W + pj * P + v];
+    }
+    dst[o] = w;
   }
 }
 
@@ -361,14 +453,26 @@ __global__ void argmax_kernel(int32_t* __restrict__ out, const DT* __restrict__ 
 template <class T>
 void embedding_forward(T* out, const int32_t* ids, const T* table, int64_t N, int C, int V, Stream s) {
   if (N <= 0 || C <= 0) return;
-  launch_kernel(embedding_fwd_kernel<dev_t<T>>, grid_for(N * C), 256, 0, s, dptr(out), ids, dptr(table), N, C, V);
-  LAUNCH_CHECK();
+  launch_move_rows<false>(out, table, EmbedMap{ids, V}, N, int64_t(C) * sizeof(T), s);
 }
 
 template <class T>
 void embedding_backward(T* dtable, const T* dout, const int32_t* ids, int64_t N, int C, int V, Stream s) {
   if (N <= 0 || C <= 0) return;
   if (N > INT32_MAX) throw std::runtime_error("embedding_backward: N must fit in int32");
+  if (V <= kEmbSmallV && N <= kEmbSmallN) {
+    const size_t smem = sizeof(int32_t) * size_t(N);
+    static bool attr = [] {  // up to 96 KB of ids (one attribute per instance: set once each)
+      CUDA_CHECK(cudaFuncSetAttribute(embedding_bwd_small<dev_t<T>>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      int(sizeof(int32_t) * kEmbSmallN)));
+      return true;
+    }();
+    (void)attr;
+    launch_kernel(embedding_bwd_small<dev_t<T>>, dim3(unsigned(V), unsigned(ceil_div(C, 256))), 256, smem, s,
+                  dptr(dtable), dptr(dout), ids, int(N), C);
+    LAUNCH_CHECK();
+    return;
+  }
   int bits = 1;
   while ((int64_t(1) << bits) <= V) bits++;  // keys are in [0, V]
   size_t temp_bytes = 0;
@@ -400,27 +504,24 @@ void embedding_backward(T* dtable, const T* dout, const int32_t* ids, int64_t N,
 template <class T>
 void gather_rows(T* out, const T* inp, const int32_t* idx, int B, int N, int K, int C, Stream s) {
   if (int64_t(B) * K * C <= 0) return;
-  launch_kernel(gather_rows_kernel<dev_t<T>>, grid_for(int64_t(B) * K * C), 256, 0, s, dptr(out), dptr(inp), idx, B, N,
-                K, C);
-  LAUNCH_CHECK();
+  launch_move_rows<false>(out, inp, GatherMap{idx, K, N}, int64_t(B) * K, int64_t(C) * sizeof(T), s);
 }
 
 template <class T>
 void scatter_rows(T* out, const int32_t* idx, const T* src, int B, int N, int K, int C, bool accumulate, Stream s) {
   if (int64_t(B) * K * C <= 0) return;
-  if (!accumulate)
-    launch_kernel(scatter_rows_set_kernel<dev_t<T>>, grid_for(int64_t(B) * K * C), 256, 0, s, dptr(out), idx, dptr(src),
-                  B, N, K, C);
-  else
-    launch_kernel(scatter_rows_kernel<dev_t<T>>, grid_for(int64_t(B) * C), 256, 0, s, dptr(out), idx, dptr(src), B, N,
-                  K, C, accumulate);
+  if (!accumulate) {
+    launch_move_rows<true>(out, src, GatherMap{idx, K, N}, int64_t(B) * K, int64_t(C) * sizeof(T), s);
+    return;
+  }
+  launch_kernel(scatter_rows_kernel<dev_t<T>>, grid_for(int64_t(B) * C), 256, 0, s, dptr(out), idx, dptr(src), B, N, K,
+                C, accumulate);
   LAUNCH_CHECK();
 }
 
 template <class T> void zero_rows(T* out, const int32_t* idx, int B, int N, int K, int C, Stream s) {
   if (int64_t(B) * K * C <= 0) return;
-  launch_kernel(zero_rows_kernel<dev_t<T>>, grid_for(int64_t(B) * K * C), 256, 0, s, dptr(out), idx, B, N, K, C);
-  LAUNCH_CHECK();
+  launch_move_rows<true>(out, nullptr, GatherMap{idx, K, N}, int64_t(B) * K, int64_t(C) * sizeof(T), s);
 }
 
 namespace {
@@ -440,7 +541,11 @@ template <class T> void patchify(T* out, const T* img, int B, int Ch, int H, int
   int64_t n = int64_t(B) * Ch * H * W;
   if (n <= 0) return;
   const size_t smem = sizeof(T) * size_t(Ch) * p * W;
-  if (smem <= 48 * 1024 && int64_t(B) * (H / p) < (int64_t(1) << 31))
+  const int64_t blocks = int64_t(B) * (H / p);
+  if (Ch == 3 && p == 16 && smem <= 48 * 1024 && blocks < (int64_t(1) << 31) && aligned(out, 16) && aligned(img, 16) &&
+      (int64_t(p) * W * sizeof(T)) % 16 == 0 && (int64_t(W) * p * Ch * sizeof(T)) % 16 == 0) {
+    launch_kernel(patchify_rows_vec<dev_t<T>, 3, 16>, unsigned(blocks), 256, smem, s, dptr(out), dptr(img), H, W);
+  } else if (smem <= 48 * 1024 && blocks < (int64_t(1) << 31))
     launch_kernel(patchify_rows_kernel<dev_t<T>>, unsigned(int64_t(B) * (H / p)), 256, smem, s, dptr(out), dptr(img),
                   Ch, H, W, p);
   else
@@ -459,15 +564,13 @@ template <class T> void pixel_shuffle(T* out, const T* inp, int B, int G, int D,
   check_shuffle(G, s);
   int64_t n = int64_t(B) * G * G * D;
   if (n <= 0) return;
-  launch_kernel(pixel_shuffle_kernel<dev_t<T>, false>, grid_for(n), 256, 0, s_, dptr(out), dptr(inp), B, G, D, s);
-  LAUNCH_CHECK();
+  launch_move_rows<false>(out, inp, ShuffleMap{G, s}, int64_t(B) * G * G, int64_t(D) * sizeof(T), s_);
 }
 template <class T> void pixel_shuffle_backward(T* dinp, const T* dout, int B, int G, int D, int s, Stream s_) {
   check_shuffle(G, s);
   int64_t n = int64_t(B) * G * G * D;
   if (n <= 0) return;
-  launch_kernel(pixel_shuffle_kernel<dev_t<T>, true>, grid_for(n), 256, 0, s_, dptr(dinp), dptr(dout), B, G, D, s);
-  LAUNCH_CHECK();
+  launch_move_rows<true>(dinp, dout, ShuffleMap{G, s}, int64_t(B) * G * G, int64_t(D) * sizeof(T), s_);
 }
 
 template <class T> void mean_pool_forward(T* out, const T* inp, int B, int K, int C, Stream s) {

@@ -34,7 +34,9 @@
  * Test: tests/cuda/test_cuda_memory.cpp [memory]:
  *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_memory.cpp
  */
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 
 #include "kernels/cuda/common.cuh"
@@ -113,6 +115,15 @@ __global__ void copy_strided_kernel(T* __restrict__ out, const T* __restrict__ i
   pdl_entry();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     out[i] = in[strided_offset(i, l)];
+}
+
+// out[i] = in[i % period] in 16-byte words: a table broadcast over leading dims made contiguous
+// (expand() then contiguous(); the MIM predictor's mask tokens). The flat path above did one
+// div/mod per dim per element (124 us for a [256, 196, 384] bf16 expand, H200, 2026-11-28).
+__global__ void broadcast_words(uint4* __restrict__ out, const uint4* __restrict__ in, int64_t pw, int64_t nw) {
+  pdl_entry();
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < nw; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = in[i % pw];
 }
 
 __device__ __forceinline__ float apply(BinaryOp op, float a, float b) {
@@ -204,12 +215,18 @@ __global__ void axpby_vec_kernel(DT* out, const DT* a, float alpha, const DT* b,
   }
 }
 
-template <class DT>
+// VEC elements a step (16 bytes; n a multiple of VEC and the pointers aligned, else VEC 1)
+template <class DT, int VEC>
 __global__ void axpy_dev_kernel(DT* y, const float* __restrict__ alpha, const DT* __restrict__ x, int64_t n) {
   pdl_entry();
-  float a = *alpha;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    y[i] = from_float<DT>(to_float(y[i]) + a * to_float(x[i]));
+  const float a = *alpha;
+  for (int64_t v = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; v < n / VEC; v += int64_t(gridDim.x) * blockDim.x) {
+    Pack<DT, VEC> yv = reinterpret_cast<const Pack<DT, VEC>*>(y)[v];
+    const Pack<DT, VEC> xv = reinterpret_cast<const Pack<DT, VEC>*>(x)[v];
+#pragma unroll
+    for (int k = 0; k < VEC; k++) yv.v[k] = from_float<DT>(to_float(yv.v[k]) + a * to_float(xv.v[k]));
+    reinterpret_cast<Pack<DT, VEC>*>(y)[v] = yv;
+  }
 }
 
 // reduce_sum_to: the input's dims split into kept dims (shape/stride `kept`, row-major order =
@@ -243,6 +260,55 @@ __global__ void reduce_block_per_out(DT* __restrict__ out, const DT* __restrict_
   }
 }
 
+// reduce_sum_to v2, when the reduced dims are the leading dims of a contiguous input: the column
+// sums of in[R, C]. Block (32, 8): lane x holds VEC adjacent columns (16-byte loads when C and
+// the pointer allow), row group y walks rows y, y + 8, ... of the block's split; the 8 groups
+// add in shared memory in a fixed order and the split writes its partial row; colsum_finish
+// adds the splits in order. The split count depends on R and C only: same result every run.
+// v1 ran these as one thread (or block) per output with a div/mod per dim per element:
+// the MIM predictor's position and mask-token gradients (sums of [256, 196, 384] over its
+// first dim and over its first two) took 158 and 194 us (H200, 2026-11-28).
+template <class DT, int VEC>
+__global__ void colsum_partial_vec(float* __restrict__ partial, const DT* __restrict__ in, int64_t R, int64_t C,
+                                   int64_t rows_per_split) {
+  pdl_entry();
+  __shared__ float red[8][32 * VEC];
+  const int64_t c0 = (int64_t(blockIdx.x) * 32 + threadIdx.x) * VEC;
+  const int64_t r0 = int64_t(blockIdx.y) * rows_per_split, r1 = min(R, r0 + rows_per_split);
+  float acc[VEC];
+#pragma unroll
+  for (int e = 0; e < VEC; e++) acc[e] = 0.f;
+  if (c0 < C) {
+#pragma unroll 4
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += 8) {
+      const Pack<DT, VEC> x = *reinterpret_cast<const Pack<DT, VEC>*>(in + r * C + c0);
+#pragma unroll
+      for (int e = 0; e < VEC; e++) acc[e] += to_float(x.v[e]);
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < VEC; e++) red[threadIdx.y][threadIdx.x * VEC + e] = acc[e];
+  __syncthreads();
+  const int j = threadIdx.y * 32 + threadIdx.x;  // a column of the block's 32 VEC
+  const int64_t c = int64_t(blockIdx.x) * 32 * VEC + j;
+  if (j < 32 * VEC && c < C) {
+    float sum = 0.f;
+#pragma unroll
+    for (int y = 0; y < 8; y++) sum += red[y][j];
+    partial[int64_t(blockIdx.y) * C + c] = sum;
+  }
+}
+
+template <class DT>
+__global__ void colsum_finish(DT* __restrict__ out, const float* __restrict__ partial, int splits, int64_t C) {
+  pdl_entry();
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  float sum = 0.f;
+  for (int i = 0; i < splits; i++) sum += partial[int64_t(i) * C + c];
+  out[c] = from_float<DT>(sum);
+}
+
 template <class DT>
 __global__ void sum_partials(float* __restrict__ partial, const DT* __restrict__ in, int64_t n) {
   pdl_entry();
@@ -272,24 +338,25 @@ template <class T> T host_value(double v) {
 // ---------------------------------------------------------------- launchers
 template <class T> void fill(T* out, double value, int64_t n, Stream s) {
   if (n <= 0) return;
-  launch_kernel(fill_kernel<T>, grid_for(n), kThreads, 0, s, out, host_value<T>(value), n);
+  const T v = host_value<T>(value);
+  if constexpr (sizeof(T) <= 8) {
+    // 16-byte stores of the value repeated (a zeroed gradient buffer is tens of MB)
+    if ((n * int64_t(sizeof(T))) % 16 == 0 && aligned(out, 16)) {
+      uint4 w;
+      for (size_t k = 0; k < 16 / sizeof(T); k++) std::memcpy(reinterpret_cast<char*>(&w) + k * sizeof(T), &v, sizeof(T));
+      const int64_t nw = n * int64_t(sizeof(T)) / 16;
+      launch_kernel(fill_kernel<uint4>, grid_for(nw), kThreads, 0, s, reinterpret_cast<uint4*>(out), w, nw);
+      LAUNCH_CHECK();
+      return;
+    }
+  }
+  launch_kernel(fill_kernel<T>, grid_for(n), kThreads, 0, s, out, v, n);
   LAUNCH_CHECK();
 }
 
 template <class To, class From> void convert(To* out, const From* in, int64_t n, Stream s) {
   if (n <= 0) return;
   launch_kernel(convert_kernel<dev_t<To>, dev_t<From>>, grid_for(n), kThreads, 0, s, dptr(out), dptr(in), n);
-  LAUNCH_CHECK();
-}
-
-template <class T> void copy_strided(T* out, const T* in, Layout l, Stream s) {
-  int64_t n = l.numel();
-  if (n <= 0) return;
-  if (is_contiguous(l)) {
-    CUDA_CHECK(cudaMemcpyAsync(out, in, size_t(n) * sizeof(T), cudaMemcpyDeviceToDevice, s));
-    return;
-  }
-  launch_kernel(copy_strided_kernel<T>, grid_for(n), kThreads, 0, s, out, in, l, n);
   LAUNCH_CHECK();
 }
 
@@ -306,6 +373,26 @@ int64_t period_of(const Layout& l) {
   for (; d >= 0; d--)
     if (l.shape[d] != 1 && l.stride[d] != 0) return 0;
   return expect;
+}
+
+template <class T> void copy_strided(T* out, const T* in, Layout l, Stream s) {
+  int64_t n = l.numel();
+  if (n <= 0) return;
+  if (is_contiguous(l)) {
+    CUDA_CHECK(cudaMemcpyAsync(out, in, size_t(n) * sizeof(T), cudaMemcpyDeviceToDevice, s));
+    return;
+  }
+  const int64_t period = period_of(l);
+  if (period > 0 && (period * int64_t(sizeof(T))) % 16 == 0 && (n * int64_t(sizeof(T))) % 16 == 0 && aligned(out, 16) &&
+      aligned(in, 16)) {
+    const int64_t nw = n * int64_t(sizeof(T)) / 16;
+    launch_kernel(broadcast_words, grid_for(nw), kThreads, 0, s, reinterpret_cast<uint4*>(out),
+                  reinterpret_cast<const uint4*>(in), period * int64_t(sizeof(T)) / 16, nw);
+    LAUNCH_CHECK();
+    return;
+  }
+  launch_kernel(copy_strided_kernel<T>, grid_for(n), kThreads, 0, s, out, in, l, n);
+  LAUNCH_CHECK();
 }
 
 template <class T>
@@ -348,7 +435,11 @@ void axpby(T* out, const T* a, double alpha, const T* b, double beta, int64_t n,
 
 template <class T> void axpy_dev(T* y, const acc_t<T>* alpha_dev, const T* x, int64_t n, Stream s) {
   if (n <= 0) return;
-  launch_kernel(axpy_dev_kernel<dev_t<T>>, grid_for(n), kThreads, 0, s, dptr(y), alpha_dev, dptr(x), n);
+  constexpr int V = 16 / int(sizeof(T));
+  if (n % V == 0 && aligned(y, 16) && aligned(x, 16))
+    launch_kernel(axpy_dev_kernel<dev_t<T>, V>, grid_for(n / V), kThreads, 0, s, dptr(y), alpha_dev, dptr(x), n);
+  else
+    launch_kernel(axpy_dev_kernel<dev_t<T>, 1>, grid_for(n), kThreads, 0, s, dptr(y), alpha_dev, dptr(x), n);
   LAUNCH_CHECK();
 }
 
@@ -368,6 +459,33 @@ template <class T> void reduce_sum_to(T* out, Layout ob, const T* in, Layout il,
   }
   if (p.nout <= 0) return;
   if (p.nred == 0) { fill(out, 0.0, p.nout, s); return; }
+  // the reduced dims lead (no kept dim of size > 1 before one) in a contiguous input: column sums
+  bool leading = is_contiguous(il);
+  for (int d = 0, kept_seen = 0; d < il.ndim && leading; d++) {
+    if (il.shape[d] == 1) continue;
+    if (ob.stride[d] == 0) leading = !kept_seen;
+    else kept_seen = 1;
+  }
+  if (leading) {
+    constexpr int V = 16 / int(sizeof(T));
+    const bool vec = p.nout % V == 0 && aligned(in, 16);
+    const int64_t cols = vec ? 32 * V : 32, bx = (p.nout + cols - 1) / cols;
+    const int splits = int(std::max<int64_t>(1, std::min<int64_t>({(512 + bx - 1) / bx, 128, (p.nred + 63) / 64})));
+    const int64_t rows = (p.nred + splits - 1) / splits;
+    float* partial = static_cast<float*>(device_malloc(sizeof(float) * size_t(splits) * size_t(p.nout)));
+    if (vec)
+      launch_kernel(colsum_partial_vec<dev_t<T>, V>, dim3(unsigned(bx), unsigned(splits)), dim3(32, 8), 0, s, partial,
+                    dptr(in), p.nred, p.nout, rows);
+    else
+      launch_kernel(colsum_partial_vec<dev_t<T>, 1>, dim3(unsigned(bx), unsigned(splits)), dim3(32, 8), 0, s, partial,
+                    dptr(in), p.nred, p.nout, rows);
+    LAUNCH_CHECK();
+    launch_kernel(colsum_finish<dev_t<T>>, unsigned((p.nout + 255) / 256), 256, 0, s, dptr(out), partial, splits,
+                  p.nout);
+    LAUNCH_CHECK();
+    device_free(partial);  // stream-ordered reuse
+    return;
+  }
   if (p.nout >= 8192 || p.nred < 256)
     launch_kernel(reduce_thread_per_out<dev_t<T>>, grid_for(p.nout), kThreads, 0, s, dptr(out), dptr(in), p);
   else

@@ -14,7 +14,10 @@ TEMPLATE_TEST_CASE("indexing: embedding forward and deterministic backward", "[i
   using T = TestType;
   const auto t = tol_of<T>();
   struct Case { int64_t N; int C, V; };
-  for (Case c : {Case{1, 1, 1}, Case{37, 33, 11}, Case{500, 64, 7}, Case{2049, 130, 1000}, Case{4099, 70, 300}}) {
+  // V <= 1024 and N <= 24576 take the small-table backward (one block per table row), the rest
+  // the sorted one; the N 4099 cases repeat ids in long runs under both
+  for (Case c : {Case{1, 1, 1}, Case{37, 33, 11}, Case{500, 64, 7}, Case{2049, 130, 1000}, Case{4099, 70, 300},
+                 Case{300, 600, 50}, Case{3000, 40, 5000}, Case{4099, 70, 3000}}) {
     INFO("N " << c.N << " C " << c.C << " V " << c.V);
     auto ids = rnd_int(c.N, 70, 0, c.V);
     if (c.N == 4099) {  // long runs (the image placeholder of a VLM batch): 1500, 200, 65 and 64 repeats
@@ -30,6 +33,18 @@ TEMPLATE_TEST_CASE("indexing: embedding forward and deterministic backward", "[i
     cpu::embedding_forward(r.data(), ids.data(), ht.data(), c.N, c.C, c.V, nullptr);
     cu::embedding_forward(out.p, di.p, table.p, c.N, c.C, c.V, S());
     CHECK_CLOSE(out.get(), r, t, "embedding_forward");
+    {  // on the GPU an id outside [0, V) gives a zero row (the CPU reference throws on it)
+      auto bad = ids;
+      for (size_t i = 0; i < bad.size(); i += 3) bad[i] = i % 2 ? c.V : -1 - int32_t(i);
+      IBuf db(bad);
+      std::vector<float> rb(c.N * c.C, 0.f);
+      for (int64_t n = 0; n < c.N; n++)
+        if (bad[size_t(n)] >= 0 && bad[size_t(n)] < c.V)
+          for (int k = 0; k < c.C; k++) rb[size_t(n * c.C + k)] = ht[size_t(int64_t(bad[size_t(n)]) * c.C + k)];
+      out.poison();
+      cu::embedding_forward(out.p, db.p, table.p, c.N, c.C, c.V, S());
+      CHECK_CLOSE(out.get(), rb, t, "embedding_forward, ids outside the table");
+    }
     std::vector<float> rdt = ht;  // += into a non-zero table
     cpu::embedding_backward(rdt.data(), hd.data(), ids.data(), c.N, c.C, c.V, nullptr);
     std::vector<float> first;
@@ -48,8 +63,10 @@ TEMPLATE_TEST_CASE("indexing: gather, scatter, zero rows; patchify; pixel shuffl
   need_gpu();
   using T = TestType;
   const auto t = tol_of<T>();
-  {
-    const int B = 3, N = 13, K = 5, C = 7;
+  // row widths for each word the row kernels move: bf16 C 7 (2-byte words), 6 (4), 4 (8), 40 (16)
+  for (int C : {7, 6, 4, 40}) {
+    INFO("C " << C);
+    const int B = 3, N = 13, K = 5;
     std::vector<int32_t> idx;
     for (int b = 0; b < B; b++) {  // distinct indices per b
       auto perm = rnd_int(N, 80 + b, 0, 1000);
@@ -63,6 +80,7 @@ TEMPLATE_TEST_CASE("indexing: gather, scatter, zero rows; patchify; pixel shuffl
     DBuf<T> in(hin), src(hsrc), out(B * K * C);
     std::vector<float> r(B * K * C);
     cpu::gather_rows(r.data(), hin.data(), idx.data(), B, N, K, C, nullptr);
+    out.poison();
     cu::gather_rows(out.p, in.p, di.p, B, N, K, C, S());
     CHECK_CLOSE(out.get(), r, t, "gather_rows");
     for (bool acc : {false, true}) {
@@ -102,6 +120,17 @@ TEMPLATE_TEST_CASE("indexing: gather, scatter, zero rows; patchify; pixel shuffl
     CHECK(back.get() == himg);
     REQUIRE_THROWS(cu::patchify(out.p, img.p, B, Ch, H, W, 5, S()));
   }
+  {  // 3 channels, patch 16: the kernel with both known at compile time (16-byte words)
+    const int B = 3, Ch = 3, H = 32, W = 48, p = 16;
+    const int64_t n = int64_t(B) * Ch * H * W;
+    auto himg = rounded<T>(rnd(n, 88));
+    DBuf<T> img(himg), out(n);
+    std::vector<float> r(n);
+    cpu::patchify(r.data(), himg.data(), B, Ch, H, W, p, nullptr);
+    out.poison();
+    cu::patchify(out.p, img.p, B, Ch, H, W, p, S());
+    CHECK_CLOSE(out.get(), r, t, "patchify, 3 channels, patch 16");
+  }
   {  // rows too wide for the shared-memory kernel (3 x 16 x 1024 elements): the per-element one
     const int B = 2, Ch = 3, H = 32, W = 1024, p = 16;
     const int64_t n = int64_t(B) * Ch * H * W;
@@ -113,16 +142,20 @@ TEMPLATE_TEST_CASE("indexing: gather, scatter, zero rows; patchify; pixel shuffl
     cu::patchify(out.p, img.p, B, Ch, H, W, p, S());
     CHECK_CLOSE(out.get(), r, t, "patchify, wide rows");
   }
-  for (int s : {2, 3}) {
-    const int B = 2, G = 6, D = 5;
+  for (int s : {2, 3})
+    for (int D : {5, 16}) {
+    INFO("s " << s << " D " << D);
+    const int B = 2, G = 6;
     const int64_t n = int64_t(B) * G * G * D;
     auto h = rounded<T>(rnd(n, 85));
     DBuf<T> in(h), out(n), back(n);
     std::vector<float> r(n), rb(n);
     cpu::pixel_shuffle(r.data(), h.data(), B, G, D, s, nullptr);
+    out.poison();
     cu::pixel_shuffle(out.p, in.p, B, G, D, s, S());
     CHECK_CLOSE(out.get(), r, t, "pixel_shuffle");
     cpu::pixel_shuffle_backward(rb.data(), r.data(), B, G, D, s, nullptr);
+    back.poison();
     cu::pixel_shuffle_backward(back.p, out.p, B, G, D, s, S());
     CHECK_CLOSE(back.get(), rb, t, "pixel_shuffle_backward");
   }

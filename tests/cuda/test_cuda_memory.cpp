@@ -15,6 +15,9 @@ TEMPLATE_TEST_CASE("memory: fill, copy_strided, convert", "[memory]", float, bf1
   DBuf<T> out(1001);
   cu::fill(out.p, 3.0, 1001, S());
   CHECK(out.get() == std::vector<float>(1001, 3.f));
+  DBuf<T> out16(1024);  // 16-byte stores (1024 elements of any width fill whole words)
+  cu::fill(out16.p, -5.0, 1024, S());
+  CHECK(out16.get() == std::vector<float>(1024, -5.f));
   // a [5, 7, 3] view of a [3, 5, 7] tensor (permute 1, 2, 0)
   auto h = rnd_int(105, 2, -50, 50);
   std::vector<float> hf(h.begin(), h.end());
@@ -27,6 +30,23 @@ TEMPLATE_TEST_CASE("memory: fill, copy_strided, convert", "[memory]", float, bf1
     for (int b = 0; b < 7; b++)
       for (int c = 0; c < 3; c++) ref[(a * 7 + b) * 3 + c] = hf[a * 7 + b + c * 35];
   CHECK(dst.get() == ref);
+  // a table broadcast over leading dims ([3, 5, 16] from [16], and [4, 6, 8] from [6, 8]): the
+  // 16-byte path where the period's bytes allow it, the per-dim one otherwise
+  for (auto [shape, stride] : {std::pair{std::vector<int64_t>{3, 5, 16}, std::vector<int64_t>{0, 0, 1}},
+                               std::pair{std::vector<int64_t>{4, 6, 8}, std::vector<int64_t>{0, 8, 1}},
+                               std::pair{std::vector<int64_t>{4, 3, 5}, std::vector<int64_t>{0, 5, 1}}}) {
+    Layout lb = make_layout(shape, stride);
+    const int64_t n = lb.numel();
+    DBuf<T> bd(n);
+    cu::copy_strided(bd.p, in.p, lb, S());
+    std::vector<float> rb(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; i++) {
+      int64_t off = 0, r = i;
+      for (int d = 2; d >= 0; d--) { off += (r % shape[d]) * stride[d]; r /= shape[d]; }
+      rb[size_t(i)] = hf[size_t(off)];
+    }
+    CHECK(bd.get() == rb);
+  }
   // convert to every other type and back
   DBuf<float> f(105);
   cu::convert(f.p, in.p, 105, S());
@@ -141,12 +161,13 @@ TEMPLATE_TEST_CASE("memory: binary, unary, axpby, axpy_dev, reduce_sum_to, sum_a
     got.resize(671);
     CHECK_CLOSE(got, r671, t, "axpby, unaligned operand");
   }
-  {
+  for (int64_t n : {660, 656}) {  // 656: 16-byte accesses in every width; 660: f32 only
     std::vector<float> y = hp, alpha = {-0.37f};
-    cpu::axpy_dev(y.data(), alpha.data(), ha.data(), 660, nullptr);
+    cpu::axpy_dev(y.data(), alpha.data(), ha.data(), n, nullptr);
     DBuf<T> dy(hp);
     DBuf<float> dal(alpha);
-    cu::axpy_dev(dy.p, dal.p, a.p, 660, S());
+    cu::axpy_dev(dy.p, dal.p, a.p, n, S());
+    INFO("n " << n);
     CHECK_CLOSE(dy.get(), y, t, "axpy_dev");
   }
   // reduce_sum_to: [4, 33, 5] -> [1, 33, 1], -> [4, 1, 5], -> [1,1,1]; a strided input too
@@ -167,6 +188,26 @@ TEMPLATE_TEST_CASE("memory: binary, unary, axpby, axpy_dev, reduce_sum_to, sum_a
     DBuf<T> o(nout);
     cu::reduce_sum_to(o.p, ob, a.p, il, S());
     CHECK_CLOSE(o.get(), ref, t, "reduce_sum_to");
+  }
+  // the reduced dims lead in a contiguous input: column sums (16-byte loads where the row's
+  // width allows: [37, 5, 48] -> [48] and -> [5, 48]; [300, 7] -> [7]; [2, 3000, 8] -> [8])
+  for (auto [shape, keep] : {std::pair{std::vector<int64_t>{37, 5, 48}, 1}, std::pair{std::vector<int64_t>{37, 5, 48}, 2},
+                             std::pair{std::vector<int64_t>{300, 7}, 1}, std::pair{std::vector<int64_t>{2, 3000, 8}, 1}}) {
+    const int nd = int(shape.size());
+    Layout il = make_layout(shape), ob = make_layout(shape);
+    int64_t n = 1, nout = 1;
+    for (int d = 0; d < nd; d++) {
+      n *= shape[size_t(d)];
+      if (d < nd - keep) ob.stride[d] = 0;
+      else nout *= shape[size_t(d)];
+    }
+    auto hl = rounded<T>(rnd(n, 10 + n));
+    DBuf<T> l(hl), o(nout);
+    std::vector<float> ref(static_cast<size_t>(nout));
+    cpu::reduce_sum_to(ref.data(), ob, hl.data(), il, nullptr);
+    cu::reduce_sum_to(o.p, ob, l.p, il, S());
+    INFO("n " << n << " -> " << nout);
+    CHECK_CLOSE(o.get(), ref, t, "reduce_sum_to, leading dims");
   }
   {  // long reduction to few outputs: the block-per-output path
     auto hl = rounded<T>(rnd(3 * 5000, 8));
