@@ -26,14 +26,25 @@
  *   H100); v2_chunked_runs finds run ends by binary search and spreads long runs over blocks.
  *   scatter_rows with accumulate: one thread per (b, c) walks k in order: no races even when
  *   an index repeats; without (distinct indices) one thread per element (scatter_rows_set).
+ *   A small table (V <= 1024, N <= 24576: a ViT's positions looked up by its kept patches) takes
+ *   v3 instead: a block per table row lists that row's positions in order and adds their rows.
  * Napkin bytes: all of these move each element once (embedding backward: dout once, the
  *   sort 16 B per token).
- * Launch shape: grid-stride, 256 threads, one thread per output element (gathers read
- *   coalesced along C); warp per row for l2norm/argmax; warp per id run for embedding bwd.
- * Versions: embedding backward v2_chunked_runs (above); patchify forward v2 through shared
- *   memory (one block per patch row: the p image rows of every channel are contiguous runs in,
- *   the row's patches one contiguous run out; 148 -> 103 us for 128 images of 224 px, H100);
- *   the others v1 only.
+ * Launch shape: rows (gather, scatter without accumulation, zero rows, the embedding lookup,
+ *   the pixel shuffle) a warp per row, its lanes moving 16-, 8-, 4- or 2-byte words (the widest
+ *   the row's bytes and the pointers allow); a block per patch row for patchify; grid-stride,
+ *   one thread per element or column for the rest; warp per row for l2norm/argmax; warp per id
+ *   run for the sorted embedding backward.
+ * Versions: embedding backward v2_chunked_runs (above), v3 for small tables; patchify forward
+ *   v2 through shared memory (one block per patch row: the p image rows of every channel are
+ *   contiguous runs in, the row's patches one contiguous run out; 148 -> 103 us for 128 images
+ *   of 224 px, H100), v3 with 3 channels and patch 16 known at compile time and 16-byte words
+ *   both ways; the row ops v2 (move_rows, 2026-11-28). A trace of the contrastive MIM step
+ *   (H200, 256 images) had v1's row ops at 0.3-1 TB/s: 6 gathers 568 us, 3 scatters 189,
+ *   2 patchify 394, the position embedding's backward 189; with v2 / v3 (and one patchify for
+ *   both encoders, nn/mim.cpp) 165, -, 67 and 36 us; bench_mim 23.70 -> 22.78 ms, contrastive
+ *   43.95 -> 42.69 (with memory.cu's v3, same call). The VLM's pixel shuffle (2 x 72 us) and
+ *   image-token scatter are the same row kernel.
  * Test: tests/cuda/test_cuda_indexing.cpp [indexing]:
  *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_indexing.cpp
  */

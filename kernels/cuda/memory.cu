@@ -23,14 +23,21 @@
  *   strided ones decompose the flat index with one div/mod per dim (measured 2026-11-24,
  *   H100: [128,196,768] + [196,768] in bf16 took 199 us on that path).
  * Launch shape: grid-stride loops, 256 threads, at most 16 blocks per SM-ish (4096 blocks).
- *   reduce_sum_to: one thread per output element when there are many outputs or short
- *   reductions; one 256-thread block per output element otherwise (long reductions to a few
- *   outputs, e.g. a bias-gradient-shaped sum over all rows).
+ *   reduce_sum_to: when the reduced dims lead in a contiguous input (a position table's or a
+ *   broadcast vector's gradient), column sums: blocks of 32 x 8 threads, each lane VEC columns
+ *   (16-byte loads), split over rows into partials added in order by a second launch; else one
+ *   thread per output element when there are many outputs or short reductions, one 256-thread
+ *   block per output element otherwise.
  *   sum_all: two deterministic passes (<= 1024 block partials, then one block), no atomics.
  * Versions: v1 plain grid-stride; v2 (2026-11-24) 16-byte accesses for contiguous binary ops,
  *   a table broadcast over leading dims and axpby, after a CUPTI trace of the SPEC steps found
  *   them on the hot path (residual adds, position embeddings, gradient sums): the MIM step's
  *   binary ops 1.47 -> 0.65 ms, the VLM's 1.16 -> 0.68 ms (H100).
+ *   v3 (2026-11-28, from a trace of the contrastive MIM step, H200): reduce_sum_to's column-sum
+ *   path (the predictor's position and mask-token gradients 158 + 194 -> 27 us), copies of a
+ *   table broadcast over leading dims in 16-byte words (the mask-token expand 124 -> 10 us),
+ *   fill and axpy_dev in 16-byte words (zeroed gradient buffers, the patch loss's scaled
+ *   gradient).
  * Test: tests/cuda/test_cuda_memory.cpp [memory]:
  *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_memory.cpp
  */
