@@ -557,8 +557,7 @@ template <class T> void patchify(T* out, const T* img, int B, int Ch, int H, int
       (int64_t(p) * W * sizeof(T)) % 16 == 0 && (int64_t(W) * p * Ch * sizeof(T)) % 16 == 0) {
     launch_kernel(patchify_rows_vec<dev_t<T>, 3, 16>, unsigned(blocks), 256, smem, s, dptr(out), dptr(img), H, W);
   } else if (smem <= 48 * 1024 && blocks < (int64_t(1) << 31))
-    launch_kernel(patchify_rows_kernel<dev_t<T>>, unsigned(int64_t(B) * (H / p)), 256, smem, s, dptr(out), dptr(img),
-                  Ch, H, W, p);
+    launch_kernel(patchify_rows_kernel<dev_t<T>>, unsigned(blocks), 256, smem, s, dptr(out), dptr(img), Ch, H, W, p);
   else
     launch_kernel(patchify_kernel<dev_t<T>, false>, grid_for(n), 256, 0, s, dptr(out), dptr(img), B, Ch, H, W, p);
   LAUNCH_CHECK();

@@ -70,9 +70,9 @@
  *   algorithms fit the new shapes less well), a loss in any run longer than its first steps.
  * Napkin: gemm_bf16 8192^3 = 1.1 TFLOP; at ~700 TFLOP/s dense bf16 that is ~1.6 ms.
  *   Column sum: N*O*sizeof(T) read once.
- * Launch shape (column sum): grid (ceil(O/32), R row-splits), block 32x8; partial sums
- *   [R, O] in fp32, then one thread per column adds the R partials in order to dbias:
- *   deterministic, no atomics.
+ * Launch shape (column sum, colsum.cuh, shared with reduce_sum_to): grid (ceil(O/32), R
+ *   row-splits), block 32x8; partial sums [R, O] in fp32, then one thread per column adds the R
+ *   partials in order to dbias: deterministic, no atomics.
  * Versions: v1 cuBLASLt + BIAS epilogue. Measured (H200, bench/bench_kernels_a.cpp):
  *   gemm_bf16 8192^3 1.37-1.38 ms = 798-803 TFLOP/s (PyTorch a @ b: 1.396 ms, 788 TFLOP/s).
  * Test: tests/cuda/test_cuda_matmul.cpp [matmul]:
@@ -85,6 +85,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "kernels/cuda/colsum.cuh"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/gemm_sm90.h"
 #include "kernels/cuda/rope_table.h"
@@ -288,37 +289,6 @@ void add_bias(T* out, const T* bias, int64_t N, int O, Stream s) {
   LAUNCH_CHECK();
 }
 
-// partial[split, c] = sum over this split's rows of x[r, c]; block 32 x 8.
-template <class DT>
-__global__ void colsum_partial(float* __restrict__ partial, const DT* __restrict__ x, int64_t N, int O,
-                               int64_t rows_per_split) {
-  pdl_entry();
-  __shared__ float red[8][33];
-  int c = blockIdx.x * 32 + threadIdx.x;
-  int64_t r0 = blockIdx.y * rows_per_split;
-  int64_t r1 = min(N, r0 + rows_per_split);
-  float acc = 0.f;
-  if (c < O)
-    for (int64_t r = r0 + threadIdx.y; r < r1; r += 8) acc += to_float(x[r * O + c]);
-  red[threadIdx.y][threadIdx.x] = acc;
-  __syncthreads();
-  if (threadIdx.y == 0 && c < O) {
-    float s = 0.f;
-    for (int i = 0; i < 8; i++) s += red[i][threadIdx.x];
-    partial[int64_t(blockIdx.y) * O + c] = s;
-  }
-}
-
-template <class DT>
-__global__ void colsum_finish(DT* __restrict__ dbias, const float* __restrict__ partial, int splits, int O) {
-  pdl_entry();
-  int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= O) return;
-  float s = 0.f;
-  for (int i = 0; i < splits; i++) s += partial[int64_t(i) * O + c];
-  dbias[c] = from_float<DT>(to_float(dbias[c]) + s);
-}
-
 }  // namespace
 
 template <class T>
@@ -417,17 +387,7 @@ void linear_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* inp,
   if (N > INT32_MAX) throw std::runtime_error("linear_backward: N too large for one GEMM");
   if (dinp) gemm(dinp, dout, weight, int(N), I, O, false, false, 1.0, 0.0, 1, 0, 0, 0, s);
   if (dweight) gemm(dweight, dout, inp, O, I, int(N), true, false, 1.0, 1.0, 1, 0, 0, 0, s);
-  if (dbias) {
-    int splits = int(std::min<int64_t>(64, std::max<int64_t>(1, (N + 255) / 256)));
-    int64_t rows = (N + splits - 1) / splits;
-    float* partial = static_cast<float*>(device_malloc(sizeof(float) * size_t(splits) * O));
-    launch_kernel(colsum_partial<dev_t<T>>, dim3(ceil_div(O, 32), splits), dim3(32, 8), 0, s, partial, dptr(dout), N, O,
-                  rows);
-    LAUNCH_CHECK();
-    launch_kernel(colsum_finish<dev_t<T>>, ceil_div(O, 256), 256, 0, s, dptr(dbias), partial, splits, O);
-    LAUNCH_CHECK();
-    device_free(partial);  // stream-ordered reuse
-  }
+  if (dbias) column_sums(dbias, dout, N, O, /*accumulate=*/true, s);
 }
 
 // The fallbacks of the fused GELU GEMMs, when cuBLASLt offers no epilogue algorithm for a

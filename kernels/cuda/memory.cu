@@ -24,17 +24,18 @@
  *   H100: [128,196,768] + [196,768] in bf16 took 199 us on that path).
  * Launch shape: grid-stride loops, 256 threads, at most 16 blocks per SM-ish (4096 blocks).
  *   reduce_sum_to: when the reduced dims lead in a contiguous input (a position table's or a
- *   broadcast vector's gradient), column sums: blocks of 32 x 8 threads, each lane VEC columns
- *   (16-byte loads), split over rows into partials added in order by a second launch; else one
- *   thread per output element when there are many outputs or short reductions, one 256-thread
- *   block per output element otherwise.
+ *   broadcast vector's gradient), colsum.cuh's column sums (linear_backward's bias gradient:
+ *   partials over row splits added in order by a second launch); else one thread per output
+ *   element when there are many outputs or short reductions, one 256-thread block per output
+ *   element otherwise.
  *   sum_all: two deterministic passes (<= 1024 block partials, then one block), no atomics.
  * Versions: v1 plain grid-stride; v2 (2026-11-24) 16-byte accesses for contiguous binary ops,
  *   a table broadcast over leading dims and axpby, after a CUPTI trace of the SPEC steps found
  *   them on the hot path (residual adds, position embeddings, gradient sums): the MIM step's
  *   binary ops 1.47 -> 0.65 ms, the VLM's 1.16 -> 0.68 ms (H100).
  *   v3 (2026-11-28, from a trace of the contrastive MIM step, H200): reduce_sum_to's column-sum
- *   path (the predictor's position and mask-token gradients 158 + 194 -> 27 us), copies of a
+ *   path (the predictor's position and mask-token gradients 158 + 194 -> 27 us with a 16-byte
+ *   form of its own; it now calls colsum.cuh's, linear's bias-gradient sums), copies of a
  *   table broadcast over leading dims in 16-byte words (the mask-token expand 124 -> 10 us),
  *   fill and axpy_dev in 16-byte words (zeroed gradient buffers, the patch loss's scaled
  *   gradient).
@@ -46,6 +47,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "kernels/cuda/colsum.cuh"
 #include "kernels/cuda/common.cuh"
 
 namespace loom::cuda {
@@ -267,55 +269,6 @@ __global__ void reduce_block_per_out(DT* __restrict__ out, const DT* __restrict_
   }
 }
 
-// reduce_sum_to v2, when the reduced dims are the leading dims of a contiguous input: the column
-// sums of in[R, C]. Block (32, 8): lane x holds VEC adjacent columns (16-byte loads when C and
-// the pointer allow), row group y walks rows y, y + 8, ... of the block's split; the 8 groups
-// add in shared memory in a fixed order and the split writes its partial row; colsum_finish
-// adds the splits in order. The split count depends on R and C only: same result every run.
-// v1 ran these as one thread (or block) per output with a div/mod per dim per element:
-// the MIM predictor's position and mask-token gradients (sums of [256, 196, 384] over its
-// first dim and over its first two) took 158 and 194 us (H200, 2026-11-28).
-template <class DT, int VEC>
-__global__ void colsum_partial_vec(float* __restrict__ partial, const DT* __restrict__ in, int64_t R, int64_t C,
-                                   int64_t rows_per_split) {
-  pdl_entry();
-  __shared__ float red[8][32 * VEC];
-  const int64_t c0 = (int64_t(blockIdx.x) * 32 + threadIdx.x) * VEC;
-  const int64_t r0 = int64_t(blockIdx.y) * rows_per_split, r1 = min(R, r0 + rows_per_split);
-  float acc[VEC];
-#pragma unroll
-  for (int e = 0; e < VEC; e++) acc[e] = 0.f;
-  if (c0 < C) {
-#pragma unroll 4
-    for (int64_t r = r0 + threadIdx.y; r < r1; r += 8) {
-      const Pack<DT, VEC> x = *reinterpret_cast<const Pack<DT, VEC>*>(in + r * C + c0);
-#pragma unroll
-      for (int e = 0; e < VEC; e++) acc[e] += to_float(x.v[e]);
-    }
-  }
-#pragma unroll
-  for (int e = 0; e < VEC; e++) red[threadIdx.y][threadIdx.x * VEC + e] = acc[e];
-  __syncthreads();
-  const int j = threadIdx.y * 32 + threadIdx.x;  // a column of the block's 32 VEC
-  const int64_t c = int64_t(blockIdx.x) * 32 * VEC + j;
-  if (j < 32 * VEC && c < C) {
-    float sum = 0.f;
-#pragma unroll
-    for (int y = 0; y < 8; y++) sum += red[y][j];
-    partial[int64_t(blockIdx.y) * C + c] = sum;
-  }
-}
-
-template <class DT>
-__global__ void colsum_finish(DT* __restrict__ out, const float* __restrict__ partial, int splits, int64_t C) {
-  pdl_entry();
-  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= C) return;
-  float sum = 0.f;
-  for (int i = 0; i < splits; i++) sum += partial[int64_t(i) * C + c];
-  out[c] = from_float<DT>(sum);
-}
-
 template <class DT>
 __global__ void sum_partials(float* __restrict__ partial, const DT* __restrict__ in, int64_t n) {
   pdl_entry();
@@ -474,23 +427,7 @@ template <class T> void reduce_sum_to(T* out, Layout ob, const T* in, Layout il,
     else kept_seen = 1;
   }
   if (leading) {
-    constexpr int V = 16 / int(sizeof(T));
-    const bool vec = p.nout % V == 0 && aligned(in, 16);
-    const int64_t cols = vec ? 32 * V : 32, bx = (p.nout + cols - 1) / cols;
-    const int splits = int(std::max<int64_t>(1, std::min<int64_t>({(512 + bx - 1) / bx, 128, (p.nred + 63) / 64})));
-    const int64_t rows = (p.nred + splits - 1) / splits;
-    float* partial = static_cast<float*>(device_malloc(sizeof(float) * size_t(splits) * size_t(p.nout)));
-    if (vec)
-      launch_kernel(colsum_partial_vec<dev_t<T>, V>, dim3(unsigned(bx), unsigned(splits)), dim3(32, 8), 0, s, partial,
-                    dptr(in), p.nred, p.nout, rows);
-    else
-      launch_kernel(colsum_partial_vec<dev_t<T>, 1>, dim3(unsigned(bx), unsigned(splits)), dim3(32, 8), 0, s, partial,
-                    dptr(in), p.nred, p.nout, rows);
-    LAUNCH_CHECK();
-    launch_kernel(colsum_finish<dev_t<T>>, unsigned((p.nout + 255) / 256), 256, 0, s, dptr(out), partial, splits,
-                  p.nout);
-    LAUNCH_CHECK();
-    device_free(partial);  // stream-ordered reuse
+    column_sums(out, in, p.nred, p.nout, /*accumulate=*/false, s);
     return;
   }
   if (p.nout >= 8192 || p.nred < 256)

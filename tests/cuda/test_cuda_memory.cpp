@@ -189,8 +189,8 @@ TEMPLATE_TEST_CASE("memory: binary, unary, axpby, axpy_dev, reduce_sum_to, sum_a
     cu::reduce_sum_to(o.p, ob, a.p, il, S());
     CHECK_CLOSE(o.get(), ref, t, "reduce_sum_to");
   }
-  // the reduced dims lead in a contiguous input: column sums (16-byte loads where the row's
-  // width allows: [37, 5, 48] -> [48] and -> [5, 48]; [300, 7] -> [7]; [2, 3000, 8] -> [8])
+  // the reduced dims lead in a contiguous input: column sums ([37, 5, 48] -> [48] and -> [5, 48];
+  // [300, 7] -> [7]; [2, 3000, 8] -> [8]: several row splits)
   for (auto [shape, keep] : {std::pair{std::vector<int64_t>{37, 5, 48}, 1}, std::pair{std::vector<int64_t>{37, 5, 48}, 2},
                              std::pair{std::vector<int64_t>{300, 7}, 1}, std::pair{std::vector<int64_t>{2, 3000, 8}, 1}}) {
     const int nd = int(shape.size());
