@@ -223,9 +223,13 @@ void accumulate_grad(const Tensor& x, const Tensor& g, bool fresh) {
   });
 }
 
-Tensor grad_buffer(const Tensor& x) {
+Tensor grad_buffer(const Tensor& x, bool* is_new) {
+  if (is_new) *is_new = false;
   if (!x.defined() || !x.requires_grad()) return Tensor();
-  if (!x.grad().defined()) x.impl()->grad = Tensor::zeros_like(x).impl();
+  if (!x.grad().defined() && is_new) {
+    x.impl()->grad = Tensor::empty(x.shape(), x.dtype(), x.device()).impl();
+    *is_new = true;
+  } else if (!x.grad().defined()) x.impl()->grad = Tensor::zeros_like(x).impl();
   else if (x.grad().impl()->storage->grad_shared) x.impl()->grad = x.grad().clone().impl();  // about to be written
   return x.grad();
 }

@@ -66,8 +66,10 @@ void accumulate_grad(const Tensor& x, const Tensor& g, bool fresh = false);
 Tensor pending_grad(const Tensor& x);
 void replace_grad(const Tensor& x, const Tensor& g);
 // x's gradient buffer for a `+=` kernel, created as zeros when absent. Undefined when x does
-// not require grad (the kernel then skips that output: pass a null pointer).
-Tensor grad_buffer(const Tensor& x);
+// not require grad (the kernel then skips that output: pass a null pointer). With `is_new`
+// given, an absent buffer is created uninitialized and *is_new says so: the caller's kernel
+// must then write (`=`) every element instead of adding (one pass over memory less).
+Tensor grad_buffer(const Tensor& x, bool* is_new = nullptr);
 
 // ---- profiling (--train.profile=1)
 // While on, the GPU work of a step is cut at every recorded op, after every backward node and

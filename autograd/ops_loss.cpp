@@ -6,13 +6,16 @@
 
 namespace loom {
 
-// x.grad += (*dloss) * g, with dloss a device scalar tensor of the accumulation dtype
+// x.grad += (*dloss) * g, with dloss a device scalar tensor of the accumulation dtype; a
+// gradient buffer made here is written (=), not zeroed and then added to
 static void add_scaled_grad(const Tensor& x, const Tensor& dloss, const Tensor& g) {
-  Tensor buf = grad_buffer(x);
+  bool is_new = false;
+  Tensor buf = grad_buffer(x, &is_new);
   if (!buf.defined()) return;
   dispatch_float(buf, [&](auto dev, auto zero) {
     using T = decltype(zero);
-    KERNEL(dev, axpy_dev)(buf.data<T>(), dloss.data<acc_t<T>>(), g.data<T>(), g.numel(), stream_for(dev));
+    KERNEL(dev, axpy_dev)(buf.data<T>(), dloss.data<acc_t<T>>(), g.data<T>(), g.numel(), !is_new,
+                          stream_for(dev));
   });
 }
 

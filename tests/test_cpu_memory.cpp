@@ -1,6 +1,8 @@
 // test_cpu_memory.cpp: the CPU reference kernels of kernels/cpu/memory.cpp (fill, convert,
 // copy_strided, binary, unary, axpby, reduce_sum_to, sum_all) against naive formulas and central
 // differences in double (the method: tests/cpu_kernel_test_util.h).
+#include <algorithm>
+#include <limits>
 #include <catch2/catch.hpp>
 
 #include "kernels/kernels.h"
@@ -182,9 +184,14 @@ TEMPLATE_TEST_CASE("axpby and axpy_dev", "[memory]", float, double) {
     // axpy_dev: y += alpha x
     vector<T> y = at;
     const acc_t<T> alpha = acc_t<T>(0.3);
-    cpu::axpy_dev(y.data(), &alpha, bt.data(), n, s0);
+    cpu::axpy_dev(y.data(), &alpha, bt.data(), n, true, s0);
     for (int64_t i = 0; i < n; i++) ref[sz(i)] = double(at[i]) + double(alpha) * double(bt[i]);
     LOOM_CHECK_CLOSE(tol::compare(y, ref, t, "axpy_dev"));
+    // axpy_dev without accumulation: y = alpha x, y (poisoned) never read
+    std::fill(y.begin(), y.end(), std::numeric_limits<T>::quiet_NaN());
+    cpu::axpy_dev(y.data(), &alpha, bt.data(), n, false, s0);
+    for (int64_t i = 0; i < n; i++) ref[sz(i)] = double(alpha) * double(bt[i]);
+    LOOM_CHECK_CLOSE(tol::compare(y, ref, t, "axpy_dev ="));
   }
 }
 

@@ -498,3 +498,25 @@ TEST_CASE("a checkpoint's trainer.json with a bad step count is an error naming 
   CHECK(st.extra.at("best") == 0.5);
   std::system(("rm -rf " + d).c_str());
 }
+
+TEST_CASE("train.keep_gelu: false, encoder and true train the MIM to the same losses (CPU)", "[trainer]") {
+  // keeping fc1's GELU output for the backward instead of recomputing it from the pre-activation
+  // changes when the activation is made, not its value: the losses agree bit for bit
+  auto mim = [](const std::string& out, const char* keep) {
+    return std::vector<std::string>{"vit_mim.cfg", "--train.out_dir=" + out, "--data.dataset=synthetic",
+                                    "--train.batch_size=8", "--train.steps=3", "--train.warmup_steps=0",
+                                    "--train.log_every=1", "--train.eval_every=0",
+                                    std::string("--train.keep_gelu=") + keep};
+  };
+  std::vector<std::vector<std::pair<int64_t, std::string>>> runs;
+  for (const char* keep : {"false", "encoder", "true"}) {
+    std::string d = tmpdir((std::string("keep_gelu_") + keep).c_str());
+    REQUIRE(run_train(mim(d, keep)) == 0);
+    runs.push_back(losses(d));
+    REQUIRE(runs.back().size() == 3);
+  }
+  CHECK(runs[1] == runs[0]);
+  CHECK(runs[2] == runs[0]);
+  std::string d = tmpdir("keep_gelu_bad");
+  REQUIRE_THROWS_WITH(run_train(mim(d, "sometimes")), Contains("train.keep_gelu"));
+}

@@ -190,9 +190,9 @@ int train_mim(const RunContext& ctx) {
   LatentMIM m(mc, Init{DType::F32, ctx.device, &init_rng});
   freeze_prefixes(m, cfg.get_str("train.freeze"));
   m.encoder.checkpoint_blocks = m.checkpoint_blocks = cfg.get_bool("train.grad_checkpointing");
-  const bool keep_gelu = cfg.get_bool("train.keep_gelu");
-  for (auto* blocks : {&m.encoder.blocks, &m.pred_blocks})
-    for (auto& b : *blocks) b->keep_gelu = keep_gelu;
+  const std::string keep_gelu = cfg.get_str("train.keep_gelu");  // false | true | encoder
+  for (auto& b : m.encoder.blocks) b->keep_gelu = keep_gelu != "false";
+  for (auto& b : m.pred_blocks) b->keep_gelu = keep_gelu == "true";
   m.target.requires_grad_(false);
   std::printf("%s\n", describe_params(m).c_str());
   OptimConfig oc = optim_config_from(cfg);

@@ -7,7 +7,8 @@
 //   binary         out[shape] = a op b, a and b read through broadcast strides (0 = broadcast)
 //   unary          out[n] = f(in[n])
 //   axpby          out[n] = alpha a + beta b   (b nullable)
-//   axpy_dev       y[n] += alpha * x, alpha read from memory (a device scalar on CUDA)
+//   axpy_dev       y[n] += alpha * x (accumulate) or y[n] = alpha * x, alpha read from memory
+//                  (a device scalar on CUDA)
 //   reduce_sum_to  out = sum of in over the dims where out_bcast.stride is 0
 //   sum_all        out[1] = sum(in[n]) in A precision
 //
@@ -151,11 +152,11 @@ void axpby(T* out, const T* a, double alpha, const T* b, double beta, int64_t n,
   }
 }
 
-template <class T> void axpy_dev(T* y, const acc_t<T>* alpha_dev, const T* x, int64_t n, Stream) {
+template <class T> void axpy_dev(T* y, const acc_t<T>* alpha_dev, const T* x, int64_t n, bool accumulate, Stream) {
   using A = acc_t<T>;
   const A alpha = *alpha_dev;  // on the CPU the "device" scalar is host memory
 #pragma omp parallel for if (n > kParallelMin)
-  for (int64_t i = 0; i < n; i++) y[i] = T(A(y[i]) + alpha * A(x[i]));
+  for (int64_t i = 0; i < n; i++) y[i] = T((accumulate ? A(y[i]) : A(0)) + alpha * A(x[i]));
 }
 
 // Serial on purpose: threads over rows would race on `out` wherever a reduced dim is not the
@@ -249,7 +250,7 @@ LOOM_COPY(uint8_t)
   template void binary<T>(T*, const T*, Layout, const T*, Layout, BinaryOp, Stream);      \
   template void unary<T>(T*, const T*, UnaryOp, int64_t, Stream);                          \
   template void axpby<T>(T*, const T*, double, const T*, double, int64_t, Stream);         \
-  template void axpy_dev<T>(T*, const acc_t<T>*, const T*, int64_t, Stream);               \
+  template void axpy_dev<T>(T*, const acc_t<T>*, const T*, int64_t, bool, Stream);               \
   template void reduce_sum_to<T>(T*, Layout, const T*, Layout, Stream);                    \
   template void sum_all<T>(acc_t<T>*, const T*, int64_t, Stream);
 LOOM_FLOAT_OPS(float)

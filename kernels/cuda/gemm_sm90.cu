@@ -86,6 +86,20 @@
  *   and 256 x 128 tiles and clusters of two. An epilogue longer than the other consumer's main
  *   loop is not hidden: the SwiGLU epilogue with expf and an IEEE divide took ~40 us more than
  *   the product alone (139.4 against 99.0), with the fast sigmoid (common.cuh) ~20 us.
+ *   Tried and dropped (H200, 2026-11-28): 256 x 128 tiles with both consumers on one tile (rows
+ *   128c .. 128c + 127 each, a stage of 256 inp rows and 128 weight rows, 48 KB, three stages),
+ *   which reads a quarter less from L2 per FLOP than two ping-pong tiles but runs both epilogues
+ *   at once. Correct on the forward tests (bias, GELU with and without pre, residual, in place),
+ *   alone (bench_gemm_shapes, us, cuBLASLt | ping-pong | 256 rows): target.fc1 (GELU, no pre)
+ *   208.4 | 204.4 | 196.8, target.qkv 142.0 | 140.0 | 137.9, vit.fc1 114.2 | 102.3 | 102.1,
+ *   pred.fc1 93.5 | 74.6 | 77.4, but the K-3072 products lost (target.fc2 160.0 | 162.1 | 185.0,
+ *   enc.fc2 50.0 | 57.4 | 76.3). In the steps (same call against a build without it, medians of
+ *   steps 6-30 / 31-60): every forward on it (LOOM_GEMM90=2 then) bench_mim 22.70 -> 23.88 ms,
+ *   contrastive 42.34 -> 43.48, VLM 51.45 -> 52.76; only the GELU forwards (256 rows without a
+ *   pre-activation, else ping-pong) bench_mim 22.83 / 22.96 -> 22.79 / 22.89, contrastive 42.84
+ *   -> 42.97, VLM 52.21 -> 52.40: the wins alone do not survive the step, as with LOOM_GEMM90=1
+ *   above (not measured apart; likely: the benchmark's inputs sit in L2, and in the step the
+ *   kernel before still holds SMs while a persistent grid starts).
  *
  * Test: tests/cuda/test_cuda_gemm_sm90.cpp against the CPU reference;
  * bench: bench/bench_gemm_shapes.cpp ("impl":"sm90" rows beside cuBLASLt's on the SPEC shapes).

@@ -10,10 +10,11 @@
  *   binary        out[la.shape] = a (strides la) op b (strides lb), 0-strides broadcast
  *   unary         out[n] = f(in[n])
  *   axpby         out[n] = alpha a + beta b (b nullable)
- *   axpy_dev      y[n] += (*alpha_dev) x               (alpha on the device: no host sync)
+ *   axpy_dev      y[n] += (*alpha_dev) x               (alpha on the device: no host sync), or
+ *                 y[n] = (*alpha_dev) x without reading y (accumulate false: a new gradient buffer)
  *   reduce_sum_to out[kept dims] = sum over dims where out_bcast.stride == 0 (and shape > 1)
  *   sum_all       out[1] = sum(in[n]) in float
- * All outputs are `=` except axpy_dev (`+=`). Arithmetic is in float (bf16 and f16 are storage only).
+ * All outputs are `=` except axpy_dev (`+=` unless told `=`). Arithmetic is in float (bf16 and f16 are storage only).
  *
  * Napkin bytes: every kernel here is one read of each input and one write of the output;
  *   they are bandwidth-bound and run at whatever the access pattern allows. Contiguous
@@ -225,15 +226,16 @@ __global__ void axpby_vec_kernel(DT* out, const DT* a, float alpha, const DT* b,
 }
 
 // VEC elements a step (16 bytes; n a multiple of VEC and the pointers aligned, else VEC 1)
-template <class DT, int VEC>
+template <class DT, int VEC, bool ACC>
 __global__ void axpy_dev_kernel(DT* y, const float* __restrict__ alpha, const DT* __restrict__ x, int64_t n) {
   pdl_entry();
   const float a = *alpha;
   for (int64_t v = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; v < n / VEC; v += int64_t(gridDim.x) * blockDim.x) {
-    Pack<DT, VEC> yv = reinterpret_cast<const Pack<DT, VEC>*>(y)[v];
+    Pack<DT, VEC> yv;
+    if (ACC) yv = reinterpret_cast<const Pack<DT, VEC>*>(y)[v];
     const Pack<DT, VEC> xv = reinterpret_cast<const Pack<DT, VEC>*>(x)[v];
 #pragma unroll
-    for (int k = 0; k < VEC; k++) yv.v[k] = from_float<DT>(to_float(yv.v[k]) + a * to_float(xv.v[k]));
+    for (int k = 0; k < VEC; k++) yv.v[k] = from_float<DT>((ACC ? to_float(yv.v[k]) : 0.f) + a * to_float(xv.v[k]));
     reinterpret_cast<Pack<DT, VEC>*>(y)[v] = yv;
   }
 }
@@ -393,13 +395,18 @@ void axpby(T* out, const T* a, double alpha, const T* b, double beta, int64_t n,
   LAUNCH_CHECK();
 }
 
-template <class T> void axpy_dev(T* y, const acc_t<T>* alpha_dev, const T* x, int64_t n, Stream s) {
-  if (n <= 0) return;
+template <class T, bool ACC> void axpy_dev_launch(T* y, const acc_t<T>* alpha_dev, const T* x, int64_t n, Stream s) {
   constexpr int V = 16 / int(sizeof(T));
   if (n % V == 0 && aligned(y, 16) && aligned(x, 16))
-    launch_kernel(axpy_dev_kernel<dev_t<T>, V>, grid_for(n / V), kThreads, 0, s, dptr(y), alpha_dev, dptr(x), n);
+    launch_kernel(axpy_dev_kernel<dev_t<T>, V, ACC>, grid_for(n / V), kThreads, 0, s, dptr(y), alpha_dev, dptr(x), n);
   else
-    launch_kernel(axpy_dev_kernel<dev_t<T>, 1>, grid_for(n), kThreads, 0, s, dptr(y), alpha_dev, dptr(x), n);
+    launch_kernel(axpy_dev_kernel<dev_t<T>, 1, ACC>, grid_for(n), kThreads, 0, s, dptr(y), alpha_dev, dptr(x), n);
+}
+
+template <class T> void axpy_dev(T* y, const acc_t<T>* alpha_dev, const T* x, int64_t n, bool accumulate, Stream s) {
+  if (n <= 0) return;
+  if (accumulate) axpy_dev_launch<T, true>(y, alpha_dev, x, n, s);
+  else axpy_dev_launch<T, false>(y, alpha_dev, x, n, s);
   LAUNCH_CHECK();
 }
 
@@ -476,7 +483,7 @@ LOOM_CONVERT(float, double)
   template void binary<T>(T*, const T*, Layout, const T*, Layout, BinaryOp, Stream);      \
   template void unary<T>(T*, const T*, UnaryOp, int64_t, Stream);                         \
   template void axpby<T>(T*, const T*, double, const T*, double, int64_t, Stream);        \
-  template void axpy_dev<T>(T*, const acc_t<T>*, const T*, int64_t, Stream);              \
+  template void axpy_dev<T>(T*, const acc_t<T>*, const T*, int64_t, bool, Stream);              \
   template void reduce_sum_to<T>(T*, Layout, const T*, Layout, Stream);                   \
   template void sum_all<T>(acc_t<T>*, const T*, int64_t, Stream);
 LOOM_MEM(float)

@@ -2,6 +2,7 @@
 // reductions) against the loom::cpu reference, f32, bf16 and f16 (tests/cuda/cuda_kernel_test_util.h).
 // Skipped without a GPU.
 //   bash tools/gpu-kernels.sh tests/cuda/test_cuda_memory.cpp
+#include <cmath>
 #include <catch2/catch.hpp>
 
 #include "kernels/kernels.h"
@@ -163,12 +164,21 @@ TEMPLATE_TEST_CASE("memory: binary, unary, axpby, axpy_dev, reduce_sum_to, sum_a
   }
   for (int64_t n : {660, 656}) {  // 656: 16-byte accesses in every width; 660: f32 only
     std::vector<float> y = hp, alpha = {-0.37f};
-    cpu::axpy_dev(y.data(), alpha.data(), ha.data(), n, nullptr);
+    cpu::axpy_dev(y.data(), alpha.data(), ha.data(), n, true, nullptr);
     DBuf<T> dy(hp);
     DBuf<float> dal(alpha);
-    cu::axpy_dev(dy.p, dal.p, a.p, n, S());
+    cu::axpy_dev(dy.p, dal.p, a.p, n, true, S());
     INFO("n " << n);
     CHECK_CLOSE(dy.get(), y, t, "axpy_dev");
+    // y = alpha x into a NaN-poisoned buffer: y must not be read
+    std::vector<float> y2(hp.size(), std::nanf("")), p2 = y2;
+    cpu::axpy_dev(y2.data(), alpha.data(), ha.data(), n, false, nullptr);
+    DBuf<T> dy2(p2);
+    cu::axpy_dev(dy2.p, dal.p, a.p, n, false, S());
+    std::vector<float> got2 = dy2.get();
+    got2.resize(size_t(n));
+    y2.resize(size_t(n));
+    CHECK_CLOSE(got2, y2, t, "axpy_dev =");
   }
   // reduce_sum_to: [4, 33, 5] -> [1, 33, 1], -> [4, 1, 5], -> [1,1,1]; a strided input too
   for (int pattern = 0; pattern < 4; pattern++) {
