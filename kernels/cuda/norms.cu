@@ -73,6 +73,17 @@
  *     grid-stride kernel: 2.35 (same); without the streaming cache hints: 2.11 (-11%).
  *   the row kept as packed bf16 instead of floats: same registers (53), same time;
  *     10-12 blocks/SM forced with __launch_bounds__: spills of 24-64 B.
+ * Measured and dropped (H200, 2026-11-28): the LayerNorm backward also adding up the dinp rows it
+ *   stores per column (a third partial row per block, finished with dweight and dbias), handed
+ *   by autograd to the linear whose output gradient dinp is (a ViT block's proj and fc2: their
+ *   bias gradient without a column sum of dout). Correct (the column sums against the stored
+ *   dinp at N 4099 and every test width, a gradient check where the gradient is added to after
+ *   the norm), but the rows kernel with the sums took 31.9 against 27.0 us (C 768) and 39.0
+ *   against 32.9 (C 384), its finish 6.5 against 4.8: in a trace of the MIM step (LOOM_PDL=0)
+ *   the 33 column sums it saved (0.175 ms) cost as much in the norms (+0.18 ms); steps, same
+ *   call: bench_mim 22.73 / 22.60 -> 22.65 / 22.66 ms, contrastive 43.34 -> 42.93, VLM 52.01 ->
+ *   51.95 (noise). Where the norm's extra time goes was not measured apart (a round trip to
+ *   bf16 and an add per element, a second shared-memory reduction per block, 121 registers).
  * History: docs/kernels/norms.md.
  * Test: tests/cuda/test_cuda_norms.cpp [norms] (C = 1, 31, 64, 576, 768, 1030, 3000,
  *   5000, odd N, N = 1), on a CUDA machine:
