@@ -11,11 +11,86 @@ by total time; the host runtime calls by total time (syncs, pageable copies, mal
 --gaps MS lists every idle gap longer than MS ms: where it lies (ms from the window's start),
 the GPU work before and after it, and the host runtime calls that overlap it, by thread (a gap
 with no call on the launching thread is host work outside CUDA: planning, allocation, waiting).
+--against OTHER.csv compares the window with the same window of another trace (the step before
+and after a change, or with a kernel switched by an environment variable): per-step GPU busy
+time of both, and the kernels whose time per step moved most, each with both times.
 """
 import argparse
 import collections
 import csv
 import gzip
+
+
+def load(path):
+    """(gpu, host) records (start_ns, end_ns, kind, stream, name) of a trace, GPU ones sorted."""
+    gpu, host = [], []
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        for r in csv.DictReader(f):
+            rec = (int(r["start_ns"]), int(r["end_ns"]), r["kind"], r["stream"], r["name"])
+            (host if r["kind"] == "R" else gpu).append(rec)
+    gpu.sort()
+    return gpu, host
+
+
+def window(gpu, frm, steps_arg, step_kernel):
+    """The part of the timeline to report: (records in it, w0, t1, step marks, steps, counted)."""
+    t0, t1 = gpu[0][0], max(g[1] for g in gpu)
+    # the end-of-run checkpoint (device-to-host copies of the weights) is not a training step
+    big = [g[0] for g in gpu if g[4].startswith("memcpy DtoH") and int(g[4].split()[-1]) > (64 << 20)]
+    if big and min(big) > t0:
+        t1 = min(big)
+        gpu = [g for g in gpu if g[0] < t1]
+    w0 = t0 + (t1 - t0) * frm
+    marks = [g[0] for g in gpu if step_kernel in g[4]]
+    auto_steps = 0
+    if len(marks) >= 4 and not steps_arg:  # whole steps: from one step-kernel launch to another
+        i0 = int(len(marks) * frm)
+        w0, t1, auto_steps = marks[i0], marks[-1], len(marks) - 1 - i0
+    win = [g for g in gpu if w0 <= g[0] < t1]
+    return win, w0, t1, marks, auto_steps
+
+
+def busy_ms(win):
+    """Time covered by at least one record (union of the intervals), ms."""
+    busy, cur_s, cur_e = 0, None, None
+    for s, e, *_ in win:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return (busy + (cur_e - cur_s if cur_e is not None else 0)) / 1e6
+
+
+def per_kernel(win):
+    by = collections.defaultdict(lambda: [0, 0.0])
+    for s, e, k, st, n in win:
+        by[n][0] += 1
+        by[n][1] += (e - s) / 1e6
+    return by
+
+
+def compare(a, win, steps, other):
+    """The --against table: this window against the same window of another trace."""
+    gpu2, _ = load(other)
+    if not gpu2:
+        print(f"\n{other}: no GPU activity")
+        return
+    win2, w02, t12, _, auto2 = window(gpu2, a.frm, a.steps, a.step_kernel)
+    steps2 = a.steps or auto2 or 1
+    b1, b2 = busy_ms(win) / steps, busy_ms(win2) / steps2
+    print(f"\nagainst {other} ({steps2} steps): GPU busy per step {b1:.2f} ms here, {b2:.2f} there "
+          f"({b1 - b2:+.2f})")
+    k1, k2 = per_kernel(win), per_kernel(win2)
+    rows = []
+    for n in set(k1) | set(k2):
+        c1, t1 = k1.get(n, (0, 0.0))
+        c2, t2 = k2.get(n, (0, 0.0))
+        rows.append((t1 / steps - t2 / steps2, n, c1 / steps, t1 / steps, c2 / steps2, t2 / steps2))
+    print(f"{'kernel / copy':<80} {'calls':>6} {'ms/step':>8} {'calls':>6} {'there':>8} {'diff':>8}")
+    for d, n, c1, t1, c2, t2 in sorted(rows, key=lambda r: -abs(r[0]))[: a.top]:
+        print(f"{n[:80]:<80} {c1:>6.1f} {t1:>8.3f} {c2:>6.1f} {t2:>8.3f} {d:>+8.3f}")
 
 
 def main():
@@ -27,29 +102,13 @@ def main():
     ap.add_argument("--gaps", type=float, default=0.0, help="list the idle gaps longer than this (ms)")
     ap.add_argument("--step-kernel", default="step_control",
                     help="a kernel launched once per training step: counts the steps in the window")
+    ap.add_argument("--against", default="", help="another trace: compare per-step kernel times with it")
     a = ap.parse_args()
-    gpu, host = [], []
-    with (gzip.open(a.trace, "rt") if a.trace.endswith(".gz") else open(a.trace)) as f:
-        for r in csv.DictReader(f):
-            rec = (int(r["start_ns"]), int(r["end_ns"]), r["kind"], r["stream"], r["name"])
-            (host if r["kind"] == "R" else gpu).append(rec)
-    gpu.sort()
+    gpu, host = load(a.trace)
     if not gpu:
         print("no GPU activity")
         return
-    t0, t1 = gpu[0][0], max(g[1] for g in gpu)
-    # the end-of-run checkpoint (device-to-host copies of the weights) is not a training step
-    big = [g[0] for g in gpu if g[4].startswith("memcpy DtoH") and int(g[4].split()[-1]) > (64 << 20)]
-    if big and min(big) > t0:
-        t1 = min(big)
-        gpu = [g for g in gpu if g[0] < t1]
-    w0 = t0 + (t1 - t0) * a.frm
-    marks = [g[0] for g in gpu if a.step_kernel in g[4]]
-    auto_steps = 0
-    if len(marks) >= 4 and not a.steps:  # whole steps: from one step-kernel launch to another
-        i0 = int(len(marks) * a.frm)
-        w0, t1, auto_steps = marks[i0], marks[-1], len(marks) - 1 - i0
-    win = [g for g in gpu if w0 <= g[0] < t1]
+    win, w0, t1, marks, auto_steps = window(gpu, a.frm, a.steps, a.step_kernel)
     hwin = [h for h in host if h[0] >= w0 and h[0] <= t1]
     span = (t1 - w0) / 1e6
     busy, cur_s, cur_e, spans = 0, None, None, []
@@ -109,6 +168,8 @@ def main():
     print(f"\n{'host runtime call':<50} {'calls/step':>10} {'ms/step':>9}")
     for n, (c, t) in sorted(hb.items(), key=lambda kv: -kv[1][1])[:15]:
         print(f"{n:<50} {c / steps:>10.1f} {t / steps:>9.3f}")
+    if a.against:
+        compare(a, win, steps, a.against)
 
 
 if __name__ == "__main__":
