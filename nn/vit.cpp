@@ -119,10 +119,7 @@ static void check_images(const ViTConfig& cfg, const Tensor& images) {
              images.desc().c_str());
 }
 
-Tensor ViT::embed(const Tensor& images) const {
-  check_images(cfg, images);
-  return add(patch_embed_proj.forward(patchify(images, cfg.patch_size)), pos_embed);
-}
+Tensor ViT::embed(const Tensor& images) const { return add(patch_embed_proj.forward(patches(images)), pos_embed); }
 
 Tensor ViT::patches(const Tensor& images) const {
   check_images(cfg, images);

@@ -483,7 +483,7 @@ LOOM_CONVERT(float, double)
   template void binary<T>(T*, const T*, Layout, const T*, Layout, BinaryOp, Stream);      \
   template void unary<T>(T*, const T*, UnaryOp, int64_t, Stream);                         \
   template void axpby<T>(T*, const T*, double, const T*, double, int64_t, Stream);        \
-  template void axpy_dev<T>(T*, const acc_t<T>*, const T*, int64_t, bool, Stream);              \
+  template void axpy_dev<T>(T*, const acc_t<T>*, const T*, int64_t, bool, Stream);        \
   template void reduce_sum_to<T>(T*, Layout, const T*, Layout, Stream);                   \
   template void sum_all<T>(acc_t<T>*, const T*, int64_t, Stream);
 LOOM_MEM(float)

@@ -33,7 +33,8 @@ def load(path):
 
 
 def window(gpu, frm, steps_arg, step_kernel):
-    """The part of the timeline to report: (records in it, w0, t1, step marks, steps, counted)."""
+    """The part of the timeline to report: (its GPU records, start w0, end t1, the step kernel's
+    launches, the whole steps between them in the window or 0 when they were not counted)."""
     t0, t1 = gpu[0][0], max(g[1] for g in gpu)
     # the end-of-run checkpoint (device-to-host copies of the weights) is not a training step
     big = [g[0] for g in gpu if g[4].startswith("memcpy DtoH") and int(g[4].split()[-1]) > (64 << 20)]
@@ -64,6 +65,7 @@ def busy_ms(win):
 
 
 def per_kernel(win):
+    """name -> [calls, ms] over the window's records."""
     by = collections.defaultdict(lambda: [0, 0.0])
     for s, e, k, st, n in win:
         by[n][0] += 1
@@ -77,7 +79,7 @@ def compare(a, win, steps, other):
     if not gpu2:
         print(f"\n{other}: no GPU activity")
         return
-    win2, w02, t12, _, auto2 = window(gpu2, a.frm, a.steps, a.step_kernel)
+    win2, _, _, _, auto2 = window(gpu2, a.frm, a.steps, a.step_kernel)
     steps2 = a.steps or auto2 or 1
     b1, b2 = busy_ms(win) / steps, busy_ms(win2) / steps2
     print(f"\nagainst {other} ({steps2} steps): GPU busy per step {b1:.2f} ms here, {b2:.2f} there "
@@ -154,10 +156,7 @@ def main():
                 print(f"      thread {th}: " + ", ".join(f"{n} x{c} {t:.2f} ms" for n, (c, t) in top))
             if not calls:
                 print("      no host runtime call overlaps it")
-    by = collections.defaultdict(lambda: [0, 0.0])
-    for s, e, k, st, n in win:
-        by[n][0] += 1
-        by[n][1] += (e - s) / 1e6
+    by = per_kernel(win)
     print(f"\n{'kernel / copy':<90} {'calls/step':>10} {'ms/step':>9} {'avg us':>8}")
     for n, (c, t) in sorted(by.items(), key=lambda kv: -kv[1][1])[: a.top]:
         print(f"{n[:90]:<90} {c / steps:>10.1f} {t / steps:>9.3f} {1e3 * t / c:>8.1f}")
