@@ -18,6 +18,10 @@
  *                     sequence = 0.
  *   The order of the fp32 additions into dq_acc changes from run to run: dq differs in the
  *   last bits between runs (dk, dv do not).
+ *   A dense batch at hd 64 with sequences of at most 64 tokens (one key tile: the MIM encoder's
+ *   49 / 50 kept patches) has every dq row in one block: the block stores bf16 dq itself
+ *   (STORE_DQ), prep computes delta alone and finish does not run (no fp32 workspace pass, dq
+ *   bitwise reproducible there).
  * Launch: hd 128: 8 warps = 128 keys per block, query tiles of 64 (255 registers, no spill,
  *   145 KB shared memory, 1 block per SM); hd 64: 4 warps = 64 keys, query tiles of 64
  *   (225 registers, 2 blocks per SM). Blocks go by chunks of (kv head, sequence) pairs
@@ -60,14 +64,14 @@ using namespace attn;
 // and add it with fp32 vector reductions into dq_acc (zeroed before, converted to bf16 after).
 // 5 tile GEMMs per tile pair instead of 7. The order in which blocks add into a dq_acc row
 // changes from run to run: dq is not bitwise reproducible (fp32 rounding only).
-template <int HD, int NW, int BRQ, int WM>
+template <int HD, int NW, int BRQ, int WM, bool STORE_DQ>
 __global__ void __launch_bounds__(NW * 32)
 attn_bwd_v2_atomic_dq(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ dq_acc,
                       const bf* __restrict__ dout, const bf* __restrict__ q, const bf* __restrict__ k,
                       const bf* __restrict__ v, const float* __restrict__ lse,
                       const float* __restrict__ delta, const int32_t* __restrict__ cu_q,
                       const int32_t* __restrict__ cu_k, int nseq, int H, int KV, int n_kt,
-                      int chunk, bool causal, float scale, float scale_log2) {
+                      int chunk, bool causal, float scale, float scale_log2, bf* __restrict__ dq) {
   pdl_entry();
   constexpr int BC = 16 * NW, NT = NW * 32;
   constexpr int WN = NW / WM, QM = BRQ / WM, QN = HD / WN;  // a warp's block of dQ: QM x QN
@@ -159,9 +163,11 @@ attn_bwd_v2_atomic_dq(bf* __restrict__ dk, bf* __restrict__ dv, float* __restric
       }
     }
     // Each lane adds pairs of columns (a warp's reduction: 8 rows x 32 bytes). Query rows past
-    // the sequence are skipped (they belong to the next sequence or to no row at all).
+    // the sequence are skipped (they belong to the next sequence or to no row at all). STORE_DQ
+    // (a dense batch of one key tile a sequence: this block is the only one that sees these
+    // rows): the pairs are scaled, rounded and stored to dq as attn_bwd_finish would, same bits.
     const int nq = min(BRQ, Lq - qt);
-    float* dst = dq_acc + ((int64_t(q0) + qt) * H + h) * HD + wn * QN + 2 * t;
+    const int64_t off = ((int64_t(q0) + qt) * H + h) * HD + wn * QN + 2 * t;
 #pragma unroll
     for (int mt = 0; mt < QM / 16; mt++)
 #pragma unroll
@@ -169,8 +175,13 @@ attn_bwd_v2_atomic_dq(bf* __restrict__ dk, bf* __restrict__ dv, float* __restric
         const int row = wm * QM + mt * 16 + g + 8 * r;
         if (row < nq) {
 #pragma unroll
-          for (int nt = 0; nt < QN / 8; nt++)
-            red_add_f32x2(dst + row * qstride + nt * 8, dqa[mt][nt][2 * r], dqa[mt][nt][2 * r + 1]);
+          for (int nt = 0; nt < QN / 8; nt++) {
+            const float a = dqa[mt][nt][2 * r], b = dqa[mt][nt][2 * r + 1];
+            if constexpr (STORE_DQ)
+              *reinterpret_cast<uint32_t*>(dq + off + row * qstride + nt * 8) = pack_bf16(a * scale, b * scale);
+            else
+              red_add_f32x2(dq_acc + off + row * qstride + nt * 8, a, b);
+          }
         }
       }
   }
@@ -181,7 +192,8 @@ attn_bwd_v2_atomic_dq(bf* __restrict__ dk, bf* __restrict__ dv, float* __restric
 }
 
 // The single pass's first launch (replaces attn_delta and a memset): for every (row, head) r
-// of [Nq * H, HD], delta[r] = dout[r, :] . out[r, :] in fp32 and dq_acc[r, :] = 0. HD / 8
+// of [Nq * H, HD], delta[r] = dout[r, :] . out[r, :] in fp32 and dq_acc[r, :] = 0 (dq_acc
+// null: the block kernel stores dq itself, nothing to zero). HD / 8
 // threads per row, 16-byte loads; the row's threads are adjacent lanes (HD / 8 divides 32).
 template <int HD>
 __global__ void attn_bwd_prep(float* __restrict__ delta, float* __restrict__ dq_acc, const bf* __restrict__ dout,
@@ -198,9 +210,11 @@ __global__ void attn_bwd_prep(float* __restrict__ delta, float* __restrict__ dq_
     const bf* pb = reinterpret_cast<const bf*>(&b);
 #pragma unroll
     for (int j = 0; j < 8; j++) s += __bfloat162float(pa[j]) * __bfloat162float(pb[j]);
-    float4* z = reinterpret_cast<float4*>(dq_acc + r * HD + c * 8);
-    z[0] = make_float4(0.f, 0.f, 0.f, 0.f);
-    z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (dq_acc) {
+      float4* z = reinterpret_cast<float4*>(dq_acc + r * HD + c * 8);
+      z[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+      z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
   }
 #pragma unroll
   for (int o = TPR / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
@@ -267,48 +281,62 @@ __global__ void attn_bwd_finish_qkv(bf* __restrict__ dqkv, const float* __restri
 }
 
 // =========================================================================== launchers
-template <int HD, int NW, int BRQ, int WM>
+template <int HD, int NW, int BRQ, int WM, bool STORE_DQ = false>
 void bwd_atomic_launch(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, const bf* k,
                        const bf* v, const float* lse, const float* delta, const int32_t* cu_q,
                        const int32_t* cu_k, int nseq, int max_seqlen, int H, int KV, bool causal,
-                       float scale, cudaStream_t s) {
+                       float scale, bf* dq, cudaStream_t s) {
   constexpr int BC = 16 * NW;
   const int smem = (2 * BC + 4 * BRQ) * HD * int(sizeof(bf)) + BRQ * BC * int(sizeof(bf)) +
                    4 * BRQ * int(sizeof(float));
-  static bool once = (set_smem(attn_bwd_v2_atomic_dq<HD, NW, BRQ, WM>, smem), true);
+  static bool once = (set_smem(attn_bwd_v2_atomic_dq<HD, NW, BRQ, WM, STORE_DQ>, smem), true);
   (void)once;
   // chunks of (kv head, sequence) pairs whose Q, dO (bf16) and dq_acc (fp32) rows share L2
   const int n_kt = ceil_div(max_seqlen, BC), pairs = KV * nseq;
   const int chunk = chunk_pairs(pairs, double(H / KV) * std::max(max_seqlen, 1) * HD * 8.0);
-  launch_kernel(attn_bwd_v2_atomic_dq<HD, NW, BRQ, WM>, pairs * n_kt, NW * 32, smem, s, dk, dv, dq_acc, dout, q, k, v,
-                lse, delta, cu_q, cu_k, nseq, H, KV, n_kt, chunk, causal, scale, scale * kLog2e);
+  launch_kernel(attn_bwd_v2_atomic_dq<HD, NW, BRQ, WM, STORE_DQ>, pairs * n_kt, NW * 32, smem, s, dk, dv, dq_acc, dout, q, k, v,
+                lse, delta, cu_q, cu_k, nseq, H, KV, n_kt, chunk, causal, scale, scale * kLog2e, dq);
   LAUNCH_CHECK();
 }
 
 // Single pass (hd 64 / 128), three launches: prep (delta, dq_acc = 0), the block kernel
 // (dk, dv, dq_acc +=), finish (dq from dq_acc; dk, dv rows outside every sequence = 0). Rows of
 // dq outside every sequence are never added to: dq = 0 there.
+// A dense batch at hd 64 whose sequences fit one key tile (the MIM encoder's 49 / 50 kept
+// tokens) has one block per (sequence, kv head) and every dq row in one of them: the block kernel
+// stores dq itself and prep only computes delta, two launches and no fp32 workspace pass.
 template <int HD>
 void bwd_v2_atomic_hd(bf* dq, bf* dk, bf* dv, float* dq_acc, float* delta, const bf* dout, const bf* out,
                    const bf* q, const bf* k, const bf* v, const float* lse, const int32_t* cu_q,
                    const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV,
                    bool causal, float scale, cudaStream_t s) {
   const int64_t rows = Nq * H, n = rows * HD;
+  const bool ws = nseq > 0 && max_seqlen > 0 && bwd_sm90_ws_available(HD, causal, max_seqlen, Nq, Nk, q, k, v, dout, dq_acc);
+  // hd 64 only (64 keys a block); the hd 128 instance with the stores spilled 8 bytes
+  const bool direct = HD == 64 && !ws && nseq > 0 && max_seqlen > 0 && max_seqlen <= 64 &&
+                      dense_seqlen(cu_q, cu_k, nseq, max_seqlen, Nq, Nk) > 0;
   if (rows > 0) {
-    launch_kernel(attn_bwd_prep<HD>, ceil_div(rows * (HD / 8), 256), 256, 0, s, delta, dq_acc, dout, out, rows);
+    launch_kernel(attn_bwd_prep<HD>, ceil_div(rows * (HD / 8), 256), 256, 0, s, delta, direct ? nullptr : dq_acc,
+                  dout, out, rows);
     LAUNCH_CHECK();
   }
-  if (nseq > 0 && max_seqlen > 0 && bwd_sm90_ws_available(HD, causal, max_seqlen, Nq, Nk, q, k, v, dout, dq_acc)) {
+  if (ws) {
     bwd_sm90_ws(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, HD, causal,
                 scale, s);
   } else if (nseq > 0 && max_seqlen > 0) {
     // hd 128: 8 warps x 16 keys, query tiles of 64 (255 registers, no spill; 1 block per SM).
     // hd 64: 4 warps x 16 keys, query tiles of 64 (225 registers; 2 blocks per SM).
     if constexpr (HD == 128)
-      bwd_atomic_launch<HD, 8, 64, 2>(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, scale, s);
+      bwd_atomic_launch<HD, 8, 64, 2>(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, H, KV,
+                                      causal, scale, nullptr, s);
+    else if (direct)
+      bwd_atomic_launch<HD, 4, 64, 2, true>(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, H,
+                                            KV, causal, scale, dq, s);
     else
-      bwd_atomic_launch<HD, 4, 64, 2>(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, H, KV, causal, scale, s);
+      bwd_atomic_launch<HD, 4, 64, 2>(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, H, KV,
+                                      causal, scale, nullptr, s);
   }
+  if (direct) return;  // dq stored; a dense batch has no rows outside its sequences
   if (n > 0 || Nk > 0) {
     launch_kernel(attn_bwd_finish, std::max(1, ceil_div(n / 4, 256)), 256, 0, s, dq, dq_acc, n, scale, dk, dv, cu_k,
                   nseq, Nk, KV * HD);

@@ -43,7 +43,8 @@
  *     2 warpgroups x 64 keys, 2 blocks per SM         233 | 290 | 166
  *     2 warpgroups x 128-key tiles                    216 | 284 | 165
  *   PyTorch 2.11 FLASH_ATTENTION (earlier call)      224 | 277 | 145
- *   Kept: 3 x 128 except hd 64 full and hd 64 causal with short sequences (2 x 64; fwd_sm90).
+ *   Kept: 3 x 128 except hd 64 full and hd 64 causal with short sequences (2 x 64; fwd_sm90),
+ *   and 1 x 64 (one warpgroup a block) for sequences of at most 64 tokens at hd 64.
  *   Its exp2s use ex2.approx.ftz since 2026-11-23
  *   (hd 64 full 0.108 -> 0.101 ms on an H100, the others unchanged: this kernel waits at its
  *   block-wide barrier more than it computes).
@@ -227,6 +228,13 @@ void fwd_sm90(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const 
   // 0.0794 ms; dense B32 H9 T256 causal 0.0300 | 0.0398 (lock-step 3 x 128 before); the
   // fixed-batch VLM step 52.69 / 52.50 | 52.69 / 52.64 ms (medians, two rounds: within noise).
   // Setting LOOM_ATTN_WS_MIN or LOOM_ATTN_SM90=1 turns this rule off.
+  // Sequences of at most 64 rows (the MIM encoder's 49 / 50 kept tokens) fill one warpgroup's
+  // 64 rows: a block of one warpgroup (1 x 64) instead of two, the second of which would have no
+  // rows, so that twice as many working warpgroups fit on a multiprocessor.
+  if (!m && !(e && e[0] == '1' && e[1] == 0) && hd == 64 && max_seqlen <= 64) {
+    launch<64, 1, 64>(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, causal, scale_log2, s);
+    return;
+  }
   if (!m && !(e && e[0] == '1' && e[1] == 0) && causal && hd == 64 && Nq < int64_t(512) * nseq) {
     launch<64, 2, 64>(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, causal, scale_log2, s);
     return;

@@ -237,6 +237,12 @@ const std::vector<AttnCase>& attn_cases() {
       {{256, 256, 256}, {256, 256, 256}, 0, 0, 6, 2, 64, true},
       {{300, 300}, {300, 300}, 0, 0, 4, 2, 128, true},
       {{800, 800}, {800, 800}, 0, 0, 2, 1, 64, false},
+      // sequences of at most 64 rows at hd 64: one warpgroup a forward block; dense, the
+      // backward stores dq from its block (the MIM encoder's 50 kept tokens; causal with GQA,
+      // each block walking its group's three heads), ragged with padding rows through dq_acc
+      {{50, 50, 50}, {50, 50, 50}, 0, 0, 4, 4, 64, false},
+      {{64, 64}, {64, 64}, 0, 0, 6, 2, 64, true},
+      {{33, 64, 5}, {33, 64, 5}, 2, 1, 4, 2, 64, true},
   };
   return cases;
 }
@@ -398,7 +404,8 @@ TEST_CASE("attention forward/backward f32 (v1) against the CPU reference", "[cud
 
 // On an H100/H200 build for sm_90a the bf16 forward at hd 64/128 is the warp-specialized wgmma
 // kernel (attention_sm90_ws.cu) from 768 tokens (hd 64) / 256 (hd 128) and the lock-step one (attention_sm90.cu)
-// below, except causal hd 64 batches of short sequences (< 512 rows a sequence on average), which
+// below (one warpgroup a block for sequences of at most 64 rows at hd 64), except causal hd 64
+// batches of short sequences (< 512 rows a sequence on average), which
 // run the lock-step one with 2 x 64-key tiles (the default and last sections below, the only ones
 // that run that configuration with the causal mask); the case below runs everything again with
 // the warp-specialized kernel on every shape (LOOM_ATTN_WS_MIN=0), with the lock-step one (LOOM_ATTN_SM90=1) and with both turned off, so
