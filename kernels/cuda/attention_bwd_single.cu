@@ -19,7 +19,7 @@
  *   The order of the fp32 additions into dq_acc changes from run to run: dq differs in the
  *   last bits between runs (dk, dv do not).
  *   A dense batch at hd 64 with sequences of at most 64 tokens (one key tile: the MIM encoder's
- *   49 / 50 kept patches) has every dq row in one block: the block stores bf16 dq itself
+ *   49 kept patches) has every dq row in one block: the block stores bf16 dq itself
  *   (STORE_DQ), prep computes delta alone and finish does not run (no fp32 workspace pass, dq
  *   bitwise reproducible there).
  * Launch: hd 128: 8 warps = 128 keys per block, query tiles of 64 (255 registers, no spill,
@@ -302,8 +302,8 @@ void bwd_atomic_launch(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* 
 // Single pass (hd 64 / 128), three launches: prep (delta, dq_acc = 0), the block kernel
 // (dk, dv, dq_acc +=), finish (dq from dq_acc; dk, dv rows outside every sequence = 0). Rows of
 // dq outside every sequence are never added to: dq = 0 there.
-// A dense batch at hd 64 whose sequences fit one key tile (the MIM encoder's 49 / 50 kept
-// tokens) has one block per (sequence, kv head) and every dq row in one of them: the block kernel
+// A dense batch at hd 64 whose sequences fit one key tile (the MIM encoder's 49 kept
+// patches) has one block per (sequence, kv head) and every dq row in one of them: the block kernel
 // stores dq itself and prep only computes delta, two launches and no fp32 workspace pass.
 template <int HD>
 void bwd_v2_atomic_hd(bf* dq, bf* dk, bf* dv, float* dq_acc, float* delta, const bf* dout, const bf* out,

@@ -228,7 +228,7 @@ void fwd_sm90(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const 
   // 0.0794 ms; dense B32 H9 T256 causal 0.0300 | 0.0398 (lock-step 3 x 128 before); the
   // fixed-batch VLM step 52.69 / 52.50 | 52.69 / 52.64 ms (medians, two rounds: within noise).
   // Setting LOOM_ATTN_WS_MIN or LOOM_ATTN_SM90=1 turns this rule off.
-  // Sequences of at most 64 rows (the MIM encoder's 49 / 50 kept tokens) fill one warpgroup's
+  // Sequences of at most 64 rows (the MIM encoder's 49 kept patches) fill one warpgroup's
   // 64 rows: a block of one warpgroup (1 x 64) instead of two, the second of which would have no
   // rows, so that twice as many working warpgroups fit on a multiprocessor.
   if (!m && !(e && e[0] == '1' && e[1] == 0) && hd == 64 && max_seqlen <= 64) {

@@ -97,9 +97,11 @@
  *   steps 6-30 / 31-60): every forward on it (LOOM_GEMM90=2 then) bench_mim 22.70 -> 23.88 ms,
  *   contrastive 42.34 -> 43.48, VLM 51.45 -> 52.76; only the GELU forwards (256 rows without a
  *   pre-activation, else ping-pong) bench_mim 22.83 / 22.96 -> 22.79 / 22.89, contrastive 42.84
- *   -> 42.97, VLM 52.21 -> 52.40: the wins alone do not survive the step, as with LOOM_GEMM90=1
- *   above (not measured apart; likely: the benchmark's inputs sit in L2, and in the step the
- *   kernel before still holds SMs while a persistent grid starts).
+ *   -> 42.97, VLM 52.21 -> 52.40: the wins alone do not survive the step, as with LOOM_GEMM90=1.
+ *   Why (H200, 2026-11-28, kernel traces of the MIM step, LOOM_PDL=0, per step, cuBLASLt |
+ *   LOOM_GEMM90=1): the products run in the step as they do alone, nothing is lost to the step:
+ *   the GELU forwards 3.458 | 3.399 ms (the wins), the residual forwards 3.625 | 3.959 (half at
+ *   K 3072, where this kernel is slower alone too), DGELU 1.389 | 1.593; GPU busy 22.65 | 23.22.
  *
  * Test: tests/cuda/test_cuda_gemm_sm90.cpp against the CPU reference;
  * bench: bench/bench_gemm_shapes.cpp ("impl":"sm90" rows beside cuBLASLt's on the SPEC shapes).

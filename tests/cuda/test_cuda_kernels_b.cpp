@@ -238,8 +238,9 @@ const std::vector<AttnCase>& attn_cases() {
       {{300, 300}, {300, 300}, 0, 0, 4, 2, 128, true},
       {{800, 800}, {800, 800}, 0, 0, 2, 1, 64, false},
       // sequences of at most 64 rows at hd 64: one warpgroup a forward block; dense, the
-      // backward stores dq from its block (the MIM encoder's 50 kept tokens; causal with GQA,
-      // each block walking its group's three heads), ragged with padding rows through dq_acc
+      // backward stores dq from its block (50 tokens, near the MIM encoder's 49 kept patches;
+      // causal with GQA, each block walking its group's three heads), ragged with padding rows
+      // through dq_acc
       {{50, 50, 50}, {50, 50, 50}, 0, 0, 4, 4, 64, false},
       {{64, 64}, {64, 64}, 0, 0, 6, 2, 64, true},
       {{33, 64, 5}, {33, 64, 5}, 2, 1, 4, 2, 64, true},
