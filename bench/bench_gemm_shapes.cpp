@@ -155,6 +155,15 @@ int main() {
       one("fwd_swiglu_2pass", [&] { cu::linear_swiglu_forward(y, dy, x, W, sh.M, sh.I, Ih, s); });
       unsetenv("LOOM_GEMM90");
       one("fwd_swiglu", [&] { cu::linear_swiglu_forward(y, dy, x, W, sh.M, sh.I, Ih, s); });
+      // its backward behind the down projection (dh = dout wd, wd [576, 1536]; half the FLOPs the
+      // row's tflops assume): the product then swiglu_backward_joined (two passes), and
+      // linear_swiglu_backward (gemm_sm90.cu's epilogue 4 on Hopper); dgu into y, h into dy
+      bf16* gu = random_buffer(out, 9);
+      setenv("LOOM_GEMM90", "0", 1);
+      one("bwd_swiglu_2pass", [&] { cu::linear_swiglu_backward(y, dy, dx, W, gu, sh.M, sh.I, Ih, s); });
+      unsetenv("LOOM_GEMM90");
+      one("bwd_swiglu", [&] { cu::linear_swiglu_backward(y, dy, dx, W, gu, sh.M, sh.I, Ih, s); });
+      cu::device_free(gu);
     }
     // the LM's joined q | k | v with RoPE: the product then rope_qkv_split (two passes), and
     // linear_qkv_rope (RoPE in the epilogue of gemm_sm90.cu on Hopper); positions 0 .. 2047

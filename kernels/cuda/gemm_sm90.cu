@@ -81,9 +81,14 @@
  *   ms against 0.0667 (H100): the epilogue's code grew past what the instruction cache holds;
  *   the angles are now looked up once per row half (16-byte loads, the positions loaded before
  *   the main loop) and the fallback is a call.
- *   What bounds it: with 128 x 128 tiles a K-768 product reads (128 + 128) x K x 2 bytes per
- *   2 x 128^2 x K FLOPs from L2, ~9 TB/s at these rates; cuBLASLt's kernels here use 192 x 192
- *   and 256 x 128 tiles and clusters of two. An epilogue longer than the other consumer's main
+ *   What bounds it (Nsight Compute, H200, 2026-11-28, bench/RESULTS.md "sixth"): not bandwidth.
+ *   The tensor pipe is busy 29.8% of epilogue 4's time (SwiGLU backward), 61.1% of epilogue 3's,
+ *   69.1% of epilogue 1's on the target's fc1 (cuBLASLt's 192 x 192 kernel with a cluster of two:
+ *   66.1%), with L2 at 48 / 48 / 60% of its peak (cuBLASLt 29%) and DRAM at 36 / 22 / 15%: the
+ *   time lost is where one consumer's epilogue is longer than the other's main loop. (An earlier
+ *   estimate here, ~9 TB/s from L2, was wrong.) Measured and dropped for epilogue 4 the same day:
+ *   dout's rows resident in shared memory with wd streamed (0.1689 against 0.1194 ms: the ring
+ *   left holds 32 KB) and the next tile's gate / up prefetched into L2 (no change). An epilogue longer than the other consumer's main
  *   loop is not hidden: the SwiGLU epilogue with expf and an IEEE divide took ~40 us more than
  *   the product alone (139.4 against 99.0), with the fast sigmoid (common.cuh) ~20 us.
  *   Tried and dropped (H200, 2026-11-28): 256 x 128 tiles with both consumers on one tile (rows
