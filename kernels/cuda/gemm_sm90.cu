@@ -85,11 +85,13 @@
  *   The tensor pipe is busy 29.8% of epilogue 4's time (SwiGLU backward), 61.1% of epilogue 3's,
  *   69.1% of epilogue 1's on the target's fc1 (cuBLASLt's 192 x 192 kernel with a cluster of two:
  *   66.1%), with L2 at 48 / 48 / 60% of its peak (cuBLASLt 29%) and DRAM at 36 / 22 / 15%: the
- *   time lost is where one consumer's epilogue is longer than the other's main loop. (An earlier
- *   estimate here, ~9 TB/s from L2, was wrong.) Measured and dropped for epilogue 4 the same day:
- *   dout's rows resident in shared memory with wd streamed (0.1689 against 0.1194 ms: the ring
- *   left holds 32 KB) and the next tile's gate / up prefetched into L2 (no change). An epilogue longer than the other consumer's main
- *   loop is not hidden: the SwiGLU epilogue with expf and an IEEE divide took ~40 us more than
+ *   time is lost in the consumers' own sequence, not in moving bytes. (An earlier estimate here,
+ *   ~9 TB/s from L2, was wrong.) Measured and dropped for epilogue 4 the same day: dout's rows
+ *   resident in shared memory with wd streamed (0.1689 against 0.1194 ms: the ring left holds
+ *   32 KB), the next tile's gate / up prefetched into L2 (no change), and the outputs stored
+ *   from registers (16-byte stores after a quad transpose; 0.1163 against 0.1173 ms, steps
+ *   unchanged): neither its loads nor its stores are what it waits on. An epilogue longer than
+ *   the other consumer's main loop is not hidden: the SwiGLU epilogue with expf and an IEEE divide took ~40 us more than
  *   the product alone (139.4 against 99.0), with the fast sigmoid (common.cuh) ~20 us.
  *   Tried and dropped (H200, 2026-11-28): 256 x 128 tiles with both consumers on one tile (rows
  *   128c .. 128c + 127 each, a stage of 256 inp rows and 128 weight rows, 48 KB, three stages),
