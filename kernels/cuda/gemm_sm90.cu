@@ -110,12 +110,20 @@
  *   the GELU forwards 3.458 | 3.399 ms (the wins), the residual forwards 3.625 | 3.959 (half at
  *   K 3072, where this kernel is slower alone too), DGELU 1.389 | 1.593; GPU busy 22.65 | 23.22.
  *
+ *   Where a consumer's time goes (H200, 2026-11-28, -DLOOM_GEMM90_TIMING, cycles per tile): main
+ *   loop 7550 against an ideal 2304 and epilogue 7248 for epilogue 4 (K 576, 64-column tiles);
+ *   main loop 8400 / 4608 and epilogue 3305 for epilogue 3; 27412 / 24576 and 2361 for a plain
+ *   K-3072 product. The producer waits on a free stage about half its time, so the K-576 main
+ *   loops are slow by themselves (shared-memory traffic: two m64n64 products per K step read 32 KB
+ *   a stage), and epilogue 4's epilogue is latency bound (one warp per scheduler).
+ *
  * Test: tests/cuda/test_cuda_gemm_sm90.cpp against the CPU reference;
  * bench: bench/bench_gemm_shapes.cpp ("impl":"sm90" rows beside cuBLASLt's on the SPEC shapes).
  */
 #include "kernels/cuda/gemm_sm90.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <initializer_list>
 
 #include "kernels/cuda/common.cuh"
@@ -360,6 +368,18 @@ __device__ __forceinline__ void rope_tile(bf* sOut, const float (&d)[2][BN / 8][
   }
 }
 
+#ifdef LOOM_GEMM90_TIMING
+// A timing build (-DLOOM_GEMM90_TIMING): each consumer's thread 0 sums the SM clock cycles of the
+// phases of its tiles, and run() prints the means per tile after each launch (it synchronizes):
+// [0] waiting for its turn, [1] main loop (first stage wait to the last wgmma's completion),
+// [2] waiting for the epilogue's inputs, [3] the epilogue, [4] tiles; the producer's [5] waits on
+// empty stages, [6] its loop.
+__device__ unsigned long long g_timing[8];
+#define GEMM90_T(...) __VA_ARGS__
+#else
+#define GEMM90_T(...)
+#endif
+
 template <int EPI>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_sm90_kernel(const __grid_constant__ CUtensorMap ta, const __grid_constant__ CUtensorMap tb,
@@ -401,12 +421,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (warp >= 8) {  // producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
     if (warp == 8 && lane == 0) {
+      GEMM90_T(long long pw = 0; const long long p0 = clock64();)
       int pos = 0;
       for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * (EPI == 3 || EPI == 4 ? 64 : BN);
         for (int kt = 0; kt < KT; kt++, pos++) {
           const int s = pos % STAGES;
+          GEMM90_T(const long long w0 = clock64();)
           if (pos >= STAGES) mbar_wait(&empty[s], ((pos / STAGES) - 1) & 1);
+          GEMM90_T(pw += clock64() - w0;)
           unsigned char* st = base + s * Sm::stage;
           mbar_expect_tx(&full[s], Sm::stage);
           tma_load_3d(st, &ta, kt * BK, 0, m0, &full[s]);
@@ -423,6 +446,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       }
+      GEMM90_T(atomicAdd(&g_timing[5], (unsigned long long)pw); atomicAdd(&g_timing[6], (unsigned long long)(clock64() - p0));)
     }
     return;
   }
@@ -435,11 +459,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
   const int c = warp / 4, wg_tid = threadIdx.x % 128, t = lane & 3;
   bf* sOut = sEpi + c * (Sm::epi / 2);
+  GEMM90_T(long long tsum[5] = {0, 0, 0, 0, 0}; long long ta0 = clock64(), ta1 = 0;)
   for (int j = c, i = 0;; j += 2, i++) {
     const int tile = blockIdx.x + j * gridDim.x;
     if (tile >= tiles) break;
+    GEMM90_T(ta0 = clock64();)
     if (c == 1) mbar_wait(&turn[1], i & 1);
     else if (i > 0) mbar_wait(&turn[0], (i - 1) & 1);
+    GEMM90_T(ta1 = clock64(); tsum[0] += ta1 - ta0; tsum[4]++;)
     const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * (EPI == 3 || EPI == 4 ? 64 : BN);
     int32_t prow[2][2] = {{0, 0}, {0, 0}};  // EPI 6: the positions of this thread's rows (`half`: the rows)
     if constexpr (EPI == 6) {
@@ -495,11 +522,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     fence_regs(d[0]);
     fence_regs(d[1]);
     if (lane == 0) mbar_arrive(&empty[prev]);
+    GEMM90_T(const long long tb1 = clock64(); tsum[1] += tb1 - ta1;)
 
     if constexpr (EPI == 4) {
       mbar_wait(&rbar[c], i & 1);
+      GEMM90_T(const long long tc1 = clock64(); tsum[2] += tc1 - tb1;)
       swiglu_bwd_tile(sOut, d, &tout, &tpre, has_pre, n0, half, m0, wg_tid, 1 + c);
+      GEMM90_T(tsum[3] += clock64() - tc1;)
     } else {
+      GEMM90_T(const long long tc1 = clock64();)
       float bias2[BN / 8][2];
 #pragma unroll
       for (int n = 0; n < BN / 8; n++) {
@@ -528,9 +559,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       } else {
         store_tile<0>(sOut, d, bias2, id, &tout, n0, m0, wg_tid, 1 + c);
       }
+      GEMM90_T(tsum[3] += clock64() - tc1;)
     }
   }
   if (wg_tid == 0) bulk_wait<0>();
+  GEMM90_T(if (wg_tid == 0) for (int q = 0; q < 5; q++) atomicAdd(&g_timing[q], (unsigned long long)tsum[q]);)
 #endif
 }
 
@@ -559,9 +592,24 @@ void run(const CUtensorMap& ta, const CUtensorMap& tb, const CUtensorMap& tout, 
   }();
   (void)once;
   const int grid = std::min(tiles_m * tiles_n, sm_count());
+#ifdef LOOM_GEMM90_TIMING
+  const unsigned long long zero[8] = {};
+  CUDA_CHECK(cudaMemcpyToSymbolAsync(g_timing, zero, sizeof zero, 0, cudaMemcpyHostToDevice, s));
+#endif
   launch_kernel(gemm_sm90_kernel<EPI>, grid, kThreads, smem, s, ta, tb, tout, tpre, tres, bias, has_pre, tiles_m,
                 tiles_n, N, K, half, ra);
   LAUNCH_CHECK();
+#ifdef LOOM_GEMM90_TIMING
+  unsigned long long t[8];
+  CUDA_CHECK(cudaMemcpyFromSymbolAsync(t, g_timing, sizeof t, 0, cudaMemcpyDeviceToHost, s));
+  CUDA_CHECK(cudaStreamSynchronize(s));
+  const double n = t[4] ? double(t[4]) : 1.0;
+  std::fprintf(stderr,
+               "gemm90 timing: epilogue %d, %dx%d tiles, K %d: cycles per consumer tile: turn %.0f, main loop %.0f, "
+               "input wait %.0f, epilogue %.0f; producer per block: empty waits %.0f of %.0f\n",
+               EPI, tiles_m, tiles_n, K, t[0] / n, t[1] / n, t[2] / n, t[3] / n, double(t[5]) / grid,
+               double(t[6]) / grid);
+#endif
 }
 
 }  // namespace
