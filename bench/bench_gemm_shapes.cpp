@@ -163,6 +163,9 @@ int main() {
       one("bwd_swiglu_2pass", [&] { cu::linear_swiglu_backward(y, dy, dx, W, gu, sh.M, sh.I, Ih, s); });
       unsetenv("LOOM_GEMM90");
       one("bwd_swiglu", [&] { cu::linear_swiglu_backward(y, dy, dx, W, gu, sh.M, sh.I, Ih, s); });
+      setenv("LOOM_GEMM90_SWB", "0", 1);  // 128 x 64 tiles (epilogue 4) instead of 64 x 128 (7)
+      one("bwd_swiglu_128x64", [&] { cu::linear_swiglu_backward(y, dy, dx, W, gu, sh.M, sh.I, Ih, s); });
+      unsetenv("LOOM_GEMM90_SWB");
       cu::device_free(gu);
     }
     // the LM's joined q | k | v with RoPE: the product then rope_qkv_split (two passes), and

@@ -17,6 +17,9 @@
  *               dout wd (wd [C2, I] read along its rows: B MN-major), dgu = swiglu'(dh, gu),
  *               h again for wd's gradient; 64-column tiles, gate and up TMA-loaded during the
  *               main loop
+ *   epilogue 7: epilogue 4 in tiles of 64 rows x 128 columns (I % 128 == 0): one m64n128k16 per
+ *               K step instead of two m64n64k16, a quarter less shared-memory traffic per FLOP
+ *               in the main loop, the same epilogue size; LOOM_GEMM90_SWB=0 keeps epilogue 4
  *   epilogue 5: dpre = acc * gelu'(pre), acc = dout W with W [O, I] read along its rows (B
  *               MN-major): linear_dgelu_backward's product, pre TMA-loaded into the output tile
  *   epilogue 6: a Llama layer's joined q | k | v product (head dim 64): acc rounded to bf16, q's
@@ -127,6 +130,7 @@
 #include "kernels/cuda/gemm_sm90.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstdio>
 #include <initializer_list>
 
@@ -194,7 +198,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       GEMM90_T(long long pw = 0; const long long p0 = clock64();)
       int pos = 0;
       for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * (EPI == 3 || EPI == 4 ? 64 : BN);
+        const int m0 = (tile / tiles_n) * (EPI == 7 ? 64 : BM), n0 = (tile % tiles_n) * (EPI == 3 || EPI == 4 ? 64 : BN);
         for (int kt = 0; kt < KT; kt++, pos++) {
           const int s = pos % STAGES;
           GEMM90_T(const long long w0 = clock64();)
@@ -208,7 +212,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             tma_load_3d(st + Sm::a_bytes + 64 * BK * 2, &tb, kt * BK, 0, half + n0, &full[s]);
           } else if (EPI == 4) {  // B MN-major: 64 K rows x 64 columns of the [K, half] weight
             tma_load_3d(st + Sm::a_bytes, &tb, n0, 0, kt * BK, &full[s]);
-          } else if (EPI == 5) {  // B MN-major, two such boxes: the tile's 128 columns
+          } else if (EPI == 5 || EPI == 7) {  // B MN-major, two such boxes: the tile's 128 columns
             tma_load_3d(st + Sm::a_bytes, &tb, n0, 0, kt * BK, &full[s]);
             tma_load_3d(st + Sm::a_bytes + 64 * BK * 2, &tb, n0 + 64, 0, kt * BK, &full[s]);
           } else {
@@ -238,7 +242,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (c == 1) mbar_wait(&turn[1], i & 1);
     else if (i > 0) mbar_wait(&turn[0], (i - 1) & 1);
     GEMM90_T(ta1 = clock64(); tsum[0] += ta1 - ta0; tsum[4]++;)
-    const int m0 = (tile / tiles_n) * BM, n0 = (tile % tiles_n) * (EPI == 3 || EPI == 4 ? 64 : BN);
+    const int m0 = (tile / tiles_n) * (EPI == 7 ? 64 : BM), n0 = (tile % tiles_n) * (EPI == 3 || EPI == 4 ? 64 : BN);
     int32_t prow[2][2] = {{0, 0}, {0, 0}};  // EPI 6: the positions of this thread's rows (`half`: the rows)
     if constexpr (EPI == 6) {
 #pragma unroll
@@ -257,10 +261,19 @@ __global__ void __launch_bounds__(kThreads, 1)
       tma_load_3d(sOut, &tres, n0, 0, m0, &rbar[c]);
       tma_load_3d(sOut + BM * 64, &tres, EPI == 4 ? half + n0 : n0 + 64, 0, m0, &rbar[c]);
     }
+    if (EPI == 7 && wg_tid == 0) {  // gate and up of the tile's 128 hidden units, 64 x 64 boxes
+      bulk_wait_read<0>();
+      mbar_expect_tx(&rbar[c], 4 * 64 * 64 * 2);
+      tma_load_3d(sOut, &tres, n0, 0, m0, &rbar[c]);
+      tma_load_3d(sOut + 64 * 64, &tres, n0 + 64, 0, m0, &rbar[c]);
+      tma_load_3d(sOut + 2 * 64 * 64, &tres, half + n0, 0, m0, &rbar[c]);
+      tma_load_3d(sOut + 3 * 64 * 64, &tres, half + n0 + 64, 0, m0, &rbar[c]);
+    }
     constexpr int TBN = EPI == 4 ? 64 : BN;  // the tile's columns
-    float d[2][TBN / 8][4];
+    constexpr int MH = EPI == 7 ? 1 : 2;     // its 64-row halves
+    float d[MH][TBN / 8][4];
 #pragma unroll
-    for (int h = 0; h < 2; h++)
+    for (int h = 0; h < MH; h++)
 #pragma unroll
       for (int i = 0; i < TBN / 8; i++) d[h][i][0] = d[h][i][1] = d[h][i][2] = d[h][i][3] = 0.f;
     int prev = -1;
@@ -272,15 +285,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       wg_fence();
 #pragma unroll
       for (int k = 0; k < BK / 16; k++) {
-        if constexpr (EPI == 4 || EPI == 5) {  // B MN-major: a k-step is 16 rows of 128 bytes, the
-          // 64-column halves (EPI 5) 8 KB apart
+        if constexpr (EPI == 4 || EPI == 5 || EPI == 7) {  // B MN-major: a k-step is 16 rows of 128
+          // bytes, the 64-column halves (EPI 5, 7) 8 KB apart
           const uint64_t db = sdesc(sb + k * 16 * 64, 64 * BK * 2);
           wgmma_ss<1>(d[0], sdesc(sa + k * 16, 16), db, 1);
-          wgmma_ss<1>(d[1], sdesc(sa + 64 * BK + k * 16, 16), db, 1);
+          if constexpr (MH == 2) wgmma_ss<1>(d[MH - 1], sdesc(sa + 64 * BK + k * 16, 16), db, 1);
         } else {
           const uint64_t db = sdesc(sb + k * 16, 16);
           wgmma_ss<0>(d[0], sdesc(sa + k * 16, 16), db, 1);
-          wgmma_ss<0>(d[1], sdesc(sa + 64 * BK + k * 16, 16), db, 1);
+          wgmma_ss<0>(d[MH - 1], sdesc(sa + 64 * BK + k * 16, 16), db, 1);
         }
       }
       wg_commit();
@@ -290,8 +303,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if (lane == 0) mbar_arrive(&turn[1 - c]);
     wg_wait<0>();
-    fence_regs(d[0]);
-    fence_regs(d[1]);
+#pragma unroll
+    for (int h = 0; h < MH; h++) fence_regs(d[h]);
     if (lane == 0) mbar_arrive(&empty[prev]);
     GEMM90_T(const long long tb1 = clock64(); tsum[1] += tb1 - ta1;)
 
@@ -299,6 +312,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_wait(&rbar[c], i & 1);
       GEMM90_T(const long long tc1 = clock64(); tsum[2] += tc1 - tb1;)
       swiglu_bwd_tile(sOut, d, &tout, &tpre, has_pre, n0, half, m0, wg_tid, 1 + c);
+      GEMM90_T(tsum[3] += clock64() - tc1;)
+    } else if constexpr (EPI == 7) {
+      mbar_wait(&rbar[c], i & 1);
+      GEMM90_T(const long long tc1 = clock64(); tsum[2] += tc1 - tb1;)
+      swiglu_bwd_tile_n128(sOut, d[0], &tout, &tpre, has_pre, n0, half, m0, wg_tid, 1 + c);
       GEMM90_T(tsum[3] += clock64() - tc1;)
     } else {
       GEMM90_T(const long long tc1 = clock64();)
@@ -450,8 +468,17 @@ void linear_swiglu_backward(bf* dgu, bf* prod, const bf* dout, const bf* wd, con
                             cudaStream_t s) {
   // A: dout's rows; B: the down projection's weight [C2, I] read along its rows (MN-major), in
   // boxes of 64 columns x 64 K rows; gu in (gate and up tiles) and dgu out in 64-column boxes
-  const CUtensorMap ta = attn::make_map_3d(dout, false, N, 1, C2, BK, BM);
   const CUtensorMap tb = attn::make_map_3d(wd, false, C2, 1, I, 64, BK);
+  const char* e = std::getenv("LOOM_GEMM90_SWB");
+  if (I % 128 == 0 && !(e && e[0] == '0')) {  // EPI 7: 64-row x 128-column tiles, 64 x 64 boxes
+    const CUtensorMap ta = attn::make_map_3d(dout, false, N, 1, C2, BK, 64);
+    const CUtensorMap tdgu = attn::make_map_3d(dgu, false, N, 1, 2 * I, 64, 64);
+    const CUtensorMap th = prod ? attn::make_map_3d(prod, false, N, 1, I, 64, 64) : tdgu;
+    const CUtensorMap tgu = attn::make_map_3d(gu, false, N, 1, 2 * I, 64, 64);
+    run<7>(ta, tb, tdgu, th, tgu, nullptr, prod != nullptr, ceil_div(N, 64), I / 128, 2 * I, C2, I, s);
+    return;
+  }
+  const CUtensorMap ta = attn::make_map_3d(dout, false, N, 1, C2, BK, BM);
   const CUtensorMap tdgu = attn::make_map_3d(dgu, false, N, 1, 2 * I, 64, BM);
   const CUtensorMap th = prod ? attn::make_map_3d(prod, false, N, 1, I, 64, BM) : tdgu;
   const CUtensorMap tgu = attn::make_map_3d(gu, false, N, 1, 2 * I, 64, BM);

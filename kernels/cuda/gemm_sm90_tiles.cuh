@@ -24,8 +24,9 @@ constexpr int kThreads = 384;  // two consumer warpgroups, then the producer's w
 template <int EPI>
 struct Smem {
   static constexpr int stages = EPI == 3 ? 4 : 5;
-  static constexpr int a_bytes = BM * BK * 2, b_bytes = (EPI == 4 ? 64 : BN) * BK * 2, stage = a_bytes + b_bytes;
-  static constexpr int epi = EPI == 4 ? 3 * BM * 64 * 2 : BM * BN * 2 + (EPI == 3 ? BM * 64 * 2 : 0);
+  static constexpr int a_bytes = (EPI == 7 ? 64 : BM) * BK * 2, b_bytes = (EPI == 4 ? 64 : BN) * BK * 2,
+                       stage = a_bytes + b_bytes;
+  static constexpr int epi = EPI == 4 || EPI == 7 ? 3 * BM * 64 * 2 : BM * BN * 2 + (EPI == 3 ? BM * 64 * 2 : 0);
   static constexpr int bytes = 1024 /* alignment */ + stages * stage + 2 * epi + (2 * stages + 4) * 8;
 };
 
@@ -157,6 +158,63 @@ __device__ __forceinline__ void swiglu_bwd_tile(bf* sG, const float (&d)[2][8][4
     tma_store_3d(tdgu, n0, 0, m0, sG);
     tma_store_3d(tdgu, half + n0, 0, m0, sU);
     if (prod) tma_store_3d(th, n0, 0, m0, sH);
+    bulk_commit();
+  }
+}
+
+// The SwiGLU backward epilogue in 64-row x 128-column tiles (EPI 7): the accumulators are dh of
+// one m64n128 product (rows 16w + g + 8r, columns 8n + 2t), gate and up for its 128 hidden units
+// were TMA-loaded as two 64-column halves each (sG, sU: 64-row sw128 tiles); the same arithmetic
+// as swiglu_bwd_tile, dgate and dup in place, h into sH, then six TMA stores of 64 x 64 boxes.
+__device__ __forceinline__ void swiglu_bwd_tile_n128(bf* sG, const float (&d)[16][4], const CUtensorMap* tdgu,
+                                                     const CUtensorMap* th, bool prod, int n0, int half, int m0,
+                                                     int wg_tid, int bar) {
+  using namespace attn;
+  const int w = wg_tid / 32, lane = wg_tid % 32, g = lane >> 2, t = lane & 3;
+  bf* sU = sG + 2 * 64 * 64;
+  bf* sH = sU + 2 * 64 * 64;
+  // Loads first, then the arithmetic and the stores, in two passes of 64 columns: written in
+  // place, the stores could alias the next elements' loads, which the compiler would then keep
+  // behind them, one shared-memory round trip per element pair.
+#pragma unroll
+  for (int c8 = 0; c8 < 2; c8++) {
+    __nv_bfloat162 g2[8][2], u2[8][2];
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        const int pos = sw128<64>(w * 16 + g + 8 * r, c8 * 8 + n) + 2 * t;
+        g2[n][r] = *reinterpret_cast<const __nv_bfloat162*>(sG + pos);
+        u2[n][r] = *reinterpret_cast<const __nv_bfloat162*>(sU + pos);
+      }
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        const int pos = sw128<64>(w * 16 + g + 8 * r, c8 * 8 + n) + 2 * t;
+        const __nv_bfloat162 d2 = __floats2bfloat162_rn(d[c8 * 8 + n][2 * r], d[c8 * 8 + n][2 * r + 1]);
+        const float gv[2] = {__low2float(g2[n][r]), __high2float(g2[n][r])};
+        const float uv[2] = {__low2float(u2[n][r]), __high2float(u2[n][r])};
+        const float dv[2] = {__low2float(d2), __high2float(d2)};
+        float dg[2], du[2];
+        swiglu_b(dg[0], du[0], dv[0], gv[0], uv[0]);
+        swiglu_b(dg[1], du[1], dv[1], gv[1], uv[1]);
+        *reinterpret_cast<uint32_t*>(sG + pos) = pack_bf16(dg[0], dg[1]);
+        *reinterpret_cast<uint32_t*>(sU + pos) = pack_bf16(du[0], du[1]);
+        if (prod) *reinterpret_cast<uint32_t*>(sH + pos) = pack_bf16(swiglu_f(gv[0], uv[0]), swiglu_f(gv[1], uv[1]));
+      }
+  }
+  fence_smem_async();
+  named_sync(bar, 128);
+  if (wg_tid == 0) {
+    tma_store_3d(tdgu, n0, 0, m0, sG);
+    tma_store_3d(tdgu, n0 + 64, 0, m0, sG + 64 * 64);
+    tma_store_3d(tdgu, half + n0, 0, m0, sU);
+    tma_store_3d(tdgu, half + n0 + 64, 0, m0, sU + 64 * 64);
+    if (prod) {
+      tma_store_3d(th, n0, 0, m0, sH);
+      tma_store_3d(th, n0 + 64, 0, m0, sH + 64 * 64);
+    }
     bulk_commit();
   }
 }

@@ -168,6 +168,18 @@ TEST_CASE("gemm_sm90: the SwiGLU backward epilogue, bit for bit swiglu_backward_
     cpu::linear_swiglu_backward(rdgu.data(), rprod.data(), hd.data(), hw.data(), hgu.data(), c.N, c.C2, c.I, nullptr);
     CHECK_CLOSE(dgu.get(), rdgu, tol_of<bf16>(true), "swiglu backward epilogue dgu");
     CHECK_CLOSE(prod.get(), rprod, tol_of<bf16>(true), "swiglu backward epilogue prod");
+    // I % 128 == 0 takes the 64 x 128 tiles (epilogue 7); LOOM_GEMM90_SWB=0 the 128 x 64 ones
+    // (epilogue 4): h comes from gu alone (the same bits), dh from m64n128 against m64n64 products
+    {
+      DBuf<bf16> dgu4(c.N * 2 * c.I), prod4(c.N * c.I);
+      setenv("LOOM_GEMM90_SWB", "0", 1);
+      cu::gemm90::linear_swiglu_backward(dev(dgu4.p), dev(prod4.p), dev(dout.p), dev(wd.p), dev(gu.p), c.N, c.C2,
+                                         c.I, cu::default_stream());
+      unsetenv("LOOM_GEMM90_SWB");
+      CHECK(bits_differ(prod.get(), prod4.get()) == 0);
+      CHECK_CLOSE(dgu4.get(), rdgu, tol_of<bf16>(true), "swiglu backward epilogue 4 dgu");
+      WARN("dgu values that differ between the two tilings: " << bits_differ(dgu.get(), dgu4.get()));
+    }
     // the two-pass CUDA path on the same inputs (cuBLASLt's dh, then swiglu_backward_joined): its
     // dh may round differently, so bit equality is asked of prod (from gu alone) and closeness of dgu
     DBuf<bf16> dgu2(c.N * 2 * c.I), prod2(c.N * c.I);
