@@ -120,6 +120,12 @@
  *   K-3072 product. The producer waits on a free stage about half its time, so the K-576 main
  *   loops are slow by themselves (shared-memory traffic: two m64n64 products per K step read 32 KB
  *   a stage), and epilogue 4's epilogue is latency bound (one warp per scheduler).
+ *   Epilogue 7 (H200, 2026-11-28, bench/RESULTS.md "seventh"): 0.1107 / 0.1104 ms against
+ *   epilogue 4's 0.1205 / 0.1210 (16384 x 576 -> 1536), main loop 6750, epilogue 6603 cycles a
+ *   tile; fixed-batch VLM 49.69 / 49.86 against 50.22 / 49.87 ms. Its main loop is slow by
+ *   itself: 7510 cycles with the epilogue's arithmetic left out, 6796 reading a K-major copy of wd
+ *   (an epilogue 8 with a transpose, 0.1148 ms with it: dropped), no faster with two accumulator
+ *   chains (dropped).
  *
  * Files: this one holds the kernel, its launch and the entry points; gemm_sm90_tiles.cuh the tile
  * constants, the shared-memory layout (Smem) and the epilogues' tile functions.
