@@ -118,8 +118,10 @@
  *   loop 7550 against an ideal 2304 and epilogue 7248 for epilogue 4 (K 576, 64-column tiles);
  *   main loop 8400 / 4608 and epilogue 3305 for epilogue 3; 27412 / 24576 and 2361 for a plain
  *   K-3072 product. The producer waits on a free stage about half its time, so the K-576 main
- *   loops are slow by themselves (shared-memory traffic: two m64n64 products per K step read 32 KB
- *   a stage), and epilogue 4's epilogue is latency bound (one warp per scheduler).
+ *   loops are slow by themselves (first read as shared-memory traffic, two m64n64 products per K
+ *   step reading 32 KB a stage; epilogue 7 below reads 24 and stays ~3x its ideal, so a 64-row
+ *   warpgroup tile is slow as such), and epilogue 4's epilogue is latency bound (one warp per
+ *   scheduler).
  *   Epilogue 7 (H200, 2026-11-28, bench/RESULTS.md "seventh"): 0.1107 / 0.1104 ms against
  *   epilogue 4's 0.1205 / 0.1210 (16384 x 576 -> 1536), main loop 6750, epilogue 6603 cycles a
  *   tile; fixed-batch VLM 49.69 / 49.86 against 50.22 / 49.87 ms. Its main loop is slow by
