@@ -120,12 +120,28 @@ __device__ __forceinline__ void swiglu_tile(bf* sOut, const float (&d)[2][BN / 8
   }
 }
 
+// One element pair of the SwiGLU backward epilogues (EPI 4, 7): dh (d0, d1) rounded to bf16 (the
+// value the two-pass path stores) with that pair's bf16 gate and up give, through common.cuh's
+// swiglu_b / swiglu_f, dgate and dup written over gate and up at `pos` and (prod) h into sH,
+// each bit for bit what swiglu_backward_joined computes.
+__device__ __forceinline__ void swiglu_bwd_pair(bf* sG, bf* sU, bf* sH, int pos, __nv_bfloat162 g2,
+                                                __nv_bfloat162 u2, float d0, float d1, bool prod) {
+  using namespace attn;
+  const __nv_bfloat162 d2 = __floats2bfloat162_rn(d0, d1);
+  const float gv[2] = {__low2float(g2), __high2float(g2)}, uv[2] = {__low2float(u2), __high2float(u2)};
+  const float dv[2] = {__low2float(d2), __high2float(d2)};
+  float dg[2], du[2];
+  swiglu_b(dg[0], du[0], dv[0], gv[0], uv[0]);
+  swiglu_b(dg[1], du[1], dv[1], gv[1], uv[1]);
+  *reinterpret_cast<uint32_t*>(sG + pos) = pack_bf16(dg[0], dg[1]);
+  *reinterpret_cast<uint32_t*>(sU + pos) = pack_bf16(du[0], du[1]);
+  if (prod) *reinterpret_cast<uint32_t*>(sH + pos) = pack_bf16(swiglu_f(gv[0], uv[0]), swiglu_f(gv[1], uv[1]));
+}
+
 // The SwiGLU backward epilogue (EPI 4): the accumulators are dh (the down projection's input
 // gradient) for 64 hidden units; gate and up for them were TMA-loaded into sG and sU during the
-// main loop. From dh rounded to bf16 (the value the two-pass path stores) and those bf16 inputs,
-// common.cuh's swiglu_b / swiglu_f give dgate, dup and (prod) h, each bit for bit what
-// swiglu_backward_joined computes; dgate and dup overwrite gate and up in place (each thread
-// reads and writes the same elements), then three TMA stores.
+// main loop. swiglu_bwd_pair per element pair: dgate and dup overwrite gate and up in place (each
+// thread reads and writes the same elements), then three TMA stores.
 __device__ __forceinline__ void swiglu_bwd_tile(bf* sG, const float (&d)[2][8][4], const CUtensorMap* tdgu,
                                                 const CUtensorMap* th, bool prod, int n0, int half, int m0,
                                                 int wg_tid, int bar) {
@@ -142,15 +158,7 @@ __device__ __forceinline__ void swiglu_bwd_tile(bf* sG, const float (&d)[2][8][4
         const int pos = sw128<BM>(hh * 64 + w * 16 + g + 8 * r, n) + 2 * t;
         const __nv_bfloat162 g2 = *reinterpret_cast<const __nv_bfloat162*>(sG + pos);
         const __nv_bfloat162 u2 = *reinterpret_cast<const __nv_bfloat162*>(sU + pos);
-        const __nv_bfloat162 d2 = __floats2bfloat162_rn(d[hh][n][2 * r], d[hh][n][2 * r + 1]);
-        const float gv[2] = {__low2float(g2), __high2float(g2)}, uv[2] = {__low2float(u2), __high2float(u2)};
-        const float dv[2] = {__low2float(d2), __high2float(d2)};
-        float dg[2], du[2];
-        swiglu_b(dg[0], du[0], dv[0], gv[0], uv[0]);
-        swiglu_b(dg[1], du[1], dv[1], gv[1], uv[1]);
-        *reinterpret_cast<uint32_t*>(sG + pos) = pack_bf16(dg[0], dg[1]);
-        *reinterpret_cast<uint32_t*>(sU + pos) = pack_bf16(du[0], du[1]);
-        if (prod) *reinterpret_cast<uint32_t*>(sH + pos) = pack_bf16(swiglu_f(gv[0], uv[0]), swiglu_f(gv[1], uv[1]));
+        swiglu_bwd_pair(sG, sU, sH, pos, g2, u2, d[hh][n][2 * r], d[hh][n][2 * r + 1], prod);
       }
   fence_smem_async();
   named_sync(bar, 128);
@@ -164,8 +172,8 @@ __device__ __forceinline__ void swiglu_bwd_tile(bf* sG, const float (&d)[2][8][4
 
 // The SwiGLU backward epilogue in 64-row x 128-column tiles (EPI 7): the accumulators are dh of
 // one m64n128 product (rows 16w + g + 8r, columns 8n + 2t), gate and up for its 128 hidden units
-// were TMA-loaded as two 64-column halves each (sG, sU: 64-row sw128 tiles); the same arithmetic
-// as swiglu_bwd_tile, dgate and dup in place, h into sH, then six TMA stores of 64 x 64 boxes.
+// were TMA-loaded as two 64-column halves each (sG, sU: 64-row sw128 tiles); swiglu_bwd_pair per
+// element pair, dgate and dup in place, h into sH, then six TMA stores of 64 x 64 boxes.
 __device__ __forceinline__ void swiglu_bwd_tile_n128(bf* sG, const float (&d)[16][4], const CUtensorMap* tdgu,
                                                      const CUtensorMap* th, bool prod, int n0, int half, int m0,
                                                      int wg_tid, int bar) {
@@ -192,16 +200,7 @@ __device__ __forceinline__ void swiglu_bwd_tile_n128(bf* sG, const float (&d)[16
 #pragma unroll
       for (int r = 0; r < 2; r++) {
         const int pos = sw128<64>(w * 16 + g + 8 * r, c8 * 8 + n) + 2 * t;
-        const __nv_bfloat162 d2 = __floats2bfloat162_rn(d[c8 * 8 + n][2 * r], d[c8 * 8 + n][2 * r + 1]);
-        const float gv[2] = {__low2float(g2[n][r]), __high2float(g2[n][r])};
-        const float uv[2] = {__low2float(u2[n][r]), __high2float(u2[n][r])};
-        const float dv[2] = {__low2float(d2), __high2float(d2)};
-        float dg[2], du[2];
-        swiglu_b(dg[0], du[0], dv[0], gv[0], uv[0]);
-        swiglu_b(dg[1], du[1], dv[1], gv[1], uv[1]);
-        *reinterpret_cast<uint32_t*>(sG + pos) = pack_bf16(dg[0], dg[1]);
-        *reinterpret_cast<uint32_t*>(sU + pos) = pack_bf16(du[0], du[1]);
-        if (prod) *reinterpret_cast<uint32_t*>(sH + pos) = pack_bf16(swiglu_f(gv[0], uv[0]), swiglu_f(gv[1], uv[1]));
+        swiglu_bwd_pair(sG, sU, sH, pos, g2[n][r], u2[n][r], d[c8 * 8 + n][2 * r], d[c8 * 8 + n][2 * r + 1], prod);
       }
   }
   fence_smem_async();
