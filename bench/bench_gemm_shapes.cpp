@@ -155,6 +155,9 @@ int main() {
       one("fwd_swiglu_2pass", [&] { cu::linear_swiglu_forward(y, dy, x, W, sh.M, sh.I, Ih, s); });
       unsetenv("LOOM_GEMM90");
       one("fwd_swiglu", [&] { cu::linear_swiglu_forward(y, dy, x, W, sh.M, sh.I, Ih, s); });
+      setenv("LOOM_GEMM90_SWF", "0", 1);  // four stages (epilogue 3) instead of five (8)
+      one("fwd_swiglu_4stage", [&] { cu::linear_swiglu_forward(y, dy, x, W, sh.M, sh.I, Ih, s); });
+      unsetenv("LOOM_GEMM90_SWF");
       // its backward behind the down projection (dh = dout wd, wd [576, 1536]; half the FLOPs the
       // row's tflops assume): the product then swiglu_backward_joined (two passes), and
       // linear_swiglu_backward (gemm_sm90.cu's epilogue 4 on Hopper); dgu into y, h into dy

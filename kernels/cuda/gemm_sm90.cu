@@ -13,6 +13,9 @@
  *               gelu: the tanh approximation (activations.cu), tanh.approx.f32 on the SFU
  *   epilogue 2: out = resid + acc + bias, rounded once (linear_forward_add; out may be resid)
  *   epilogue 3: the SwiGLU of a joined gate | up product: gu = acc, h = silu(gate) up
+ *   epilogue 8: epilogue 3 in five stages instead of four (the default; LOOM_GEMM90_SWF=0 keeps
+ *               epilogue 3): gu's gate and up halves are stored first, then h, kept in registers,
+ *               overwrites the gate half once its store has read it; a 32 KB output tile
  *   epilogue 4: the SwiGLU's gradient behind the down projection's input gradient: acc = dh =
  *               dout wd (wd [C2, I] read along its rows: B MN-major), dgu = swiglu'(dh, gu),
  *               h again for wd's gradient; 64-column tiles, gate and up TMA-loaded during the
@@ -206,7 +209,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       GEMM90_T(long long pw = 0; const long long p0 = clock64();)
       int pos = 0;
       for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const int m0 = (tile / tiles_n) * (EPI == 7 ? 64 : BM), n0 = (tile % tiles_n) * (EPI == 3 || EPI == 4 ? 64 : BN);
+        const int m0 = (tile / tiles_n) * (EPI == 7 ? 64 : BM), n0 = (tile % tiles_n) * (EPI == 3 || EPI == 8 || EPI == 4 ? 64 : BN);
         for (int kt = 0; kt < KT; kt++, pos++) {
           const int s = pos % STAGES;
           GEMM90_T(const long long w0 = clock64();)
@@ -215,7 +218,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           unsigned char* st = base + s * Sm::stage;
           mbar_expect_tx(&full[s], Sm::stage);
           tma_load_3d(st, &ta, kt * BK, 0, m0, &full[s]);
-          if (EPI == 3) {  // 64 gate rows and the 64 up rows `half` further
+          if (EPI == 3 || EPI == 8) {  // 64 gate rows and the 64 up rows `half` further
             tma_load_3d(st + Sm::a_bytes, &tb, kt * BK, 0, n0, &full[s]);
             tma_load_3d(st + Sm::a_bytes + 64 * BK * 2, &tb, kt * BK, 0, half + n0, &full[s]);
           } else if (EPI == 4) {  // B MN-major: 64 K rows x 64 columns of the [K, half] weight
@@ -250,7 +253,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (c == 1) mbar_wait(&turn[1], i & 1);
     else if (i > 0) mbar_wait(&turn[0], (i - 1) & 1);
     GEMM90_T(ta1 = clock64(); tsum[0] += ta1 - ta0; tsum[4]++;)
-    const int m0 = (tile / tiles_n) * (EPI == 7 ? 64 : BM), n0 = (tile % tiles_n) * (EPI == 3 || EPI == 4 ? 64 : BN);
+    const int m0 = (tile / tiles_n) * (EPI == 7 ? 64 : BM), n0 = (tile % tiles_n) * (EPI == 3 || EPI == 8 || EPI == 4 ? 64 : BN);
     int32_t prow[2][2] = {{0, 0}, {0, 0}};  // EPI 6: the positions of this thread's rows (`half`: the rows)
     if constexpr (EPI == 6) {
 #pragma unroll
@@ -345,6 +348,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         store_tile<0>(sOut, d, bias2, [](float x) { return gelu_tanh(x); }, &tout, n0, m0, wg_tid, 1 + c);
       } else if constexpr (EPI == 3) {
         swiglu_tile(sOut, d, &tout, &tpre, n0, half, m0, wg_tid, 1 + c);
+      } else if constexpr (EPI == 8) {
+        swiglu_tile_5(sOut, d, &tout, &tpre, n0, half, m0, wg_tid, 1 + c);
       } else if constexpr (EPI == 2) {
         mbar_wait(&rbar[c], i & 1);
         store_tile<1>(sOut, d, bias2, id, &tout, n0, m0, wg_tid, 1 + c);
@@ -449,7 +454,11 @@ void linear_swiglu_forward(bf* gu, bf* h, const bf* inp, const bf* wgu, int64_t 
   const CUtensorMap tb = attn::make_map_3d(wgu, false, 2 * int64_t(I), 1, C, BK, 64);
   const CUtensorMap tgu = attn::make_map_3d(gu, false, N, 1, 2 * I, 64, BM);
   const CUtensorMap th = attn::make_map_3d(h, false, N, 1, I, 64, BM);
-  run<3>(ta, tb, tgu, th, tgu, nullptr, false, ceil_div(N, BM), I / 64, 2 * I, C, I, s);
+  const char* e = std::getenv("LOOM_GEMM90_SWF");
+  if (e && e[0] == '0')  // EPI 3: four stages, gu and h in their own tiles
+    run<3>(ta, tb, tgu, th, tgu, nullptr, false, ceil_div(N, BM), I / 64, 2 * I, C, I, s);
+  else  // EPI 8: five stages, h written over gu's gate half once its store has read it
+    run<8>(ta, tb, tgu, th, tgu, nullptr, false, ceil_div(N, BM), I / 64, 2 * I, C, I, s);
 }
 
 bool dgelu_supported(const void* dpre, const void* dout, const void* weight, const void* pre, int64_t N, int I,

@@ -19,7 +19,8 @@ constexpr int kThreads = 384;  // two consumer warpgroups, then the producer's w
 // registers per thread after setmaxnreg: 128 x 40 + 256 x 232 = 64512 of the 65536
 
 // Shared memory of a block: the ring of stages, each consumer's output tiles, the mbarriers.
-// EPI 3 (SwiGLU forward): the 128 x 128 gu tile and a 128 x 64 h tile (one stage fewer);
+// EPI 3 (SwiGLU forward): the 128 x 128 gu tile and a 128 x 64 h tile (one stage fewer; EPI 8,
+// the same epilogue with h written over gu's gate half, keeps five);
 // EPI 4 (SwiGLU backward, 64-column tiles): the gate, up and h tiles of 128 x 64.
 template <int EPI>
 struct Smem {
@@ -214,6 +215,57 @@ __device__ __forceinline__ void swiglu_bwd_tile_n128(bf* sG, const float (&d)[16
       tma_store_3d(th, n0, 0, m0, sH);
       tma_store_3d(th, n0 + 64, 0, m0, sH + 64 * 64);
     }
+    bulk_commit();
+  }
+}
+
+// The SwiGLU epilogue in five stages (EPI 8): EPI 3's arithmetic with a 32 KB output tile
+// instead of 48, so the ring keeps a fifth stage. gu's gate and up halves go out first (two
+// TMA stores, two bulk groups); h, kept in registers meanwhile, then overwrites the gate half
+// once its store has read it (bulk_wait_read<1>: all but the up store's group), and leaves by
+// a third store. The bits are EPI 3's.
+__device__ __forceinline__ void swiglu_tile_5(bf* sOut, const float (&d)[2][BN / 8][4], const CUtensorMap* tgu,
+                                              const CUtensorMap* th, int n0, int half, int m0, int wg_tid, int bar) {
+  using namespace attn;
+  const int w = wg_tid / 32, lane = wg_tid % 32, g = lane >> 2, t = lane & 3;
+  if (wg_tid == 0) bulk_wait_read<0>();  // the last tile's stores have read the tile
+  named_sync(bar, 128);
+  uint32_t hp[2][8][2];
+#pragma unroll
+  for (int hh = 0; hh < 2; hh++)
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        const int row = hh * 64 + w * 16 + g + 8 * r;
+        const __nv_bfloat162 gb = __floats2bfloat162_rn(d[hh][n][2 * r], d[hh][n][2 * r + 1]);
+        const __nv_bfloat162 ub = __floats2bfloat162_rn(d[hh][n + 8][2 * r], d[hh][n + 8][2 * r + 1]);
+        *reinterpret_cast<__nv_bfloat162*>(sOut + sw128<BM>(row, n) + 2 * t) = gb;
+        *reinterpret_cast<__nv_bfloat162*>(sOut + sw128<BM>(row, n + 8) + 2 * t) = ub;
+        const float g0 = __low2float(gb), g1 = __high2float(gb), u0 = __low2float(ub), u1 = __high2float(ub);
+        hp[hh][n][r] = pack_bf16(swiglu_f(g0, u0), swiglu_f(g1, u1));
+      }
+  fence_smem_async();
+  named_sync(bar, 128);
+  if (wg_tid == 0) {
+    tma_store_3d(tgu, n0, 0, m0, sOut);
+    bulk_commit();
+    tma_store_3d(tgu, half + n0, 0, m0, sOut + BM * 64);
+    bulk_commit();
+    bulk_wait_read<1>();  // the gate half's store has read it
+  }
+  named_sync(bar, 128);
+#pragma unroll
+  for (int hh = 0; hh < 2; hh++)
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+      for (int r = 0; r < 2; r++)
+        *reinterpret_cast<uint32_t*>(sOut + sw128<BM>(hh * 64 + w * 16 + g + 8 * r, n) + 2 * t) = hp[hh][n][r];
+  fence_smem_async();
+  named_sync(bar, 128);
+  if (wg_tid == 0) {
+    tma_store_3d(th, n0, 0, m0, sOut);
     bulk_commit();
   }
 }
