@@ -129,8 +129,15 @@
  *   epilogue 4's 0.1205 / 0.1210 (16384 x 576 -> 1536), main loop 6750, epilogue 6603 cycles a
  *   tile; fixed-batch VLM 49.69 / 49.86 against 50.22 / 49.87 ms. Its main loop is slow by
  *   itself: 7510 cycles with the epilogue's arithmetic left out, 6796 reading a K-major copy of wd
- *   (an epilogue 8 with a transpose, 0.1148 ms with it: dropped), no faster with two accumulator
- *   chains (dropped).
+ *   (a K-major epilogue with a transpose, 0.1148 ms with it: dropped), no faster with two
+ *   accumulator chains (dropped).
+ *   The ring's depth (H200, 2026-11-28, bench/RESULTS.md "eighth"): a consumer holds two stages
+ *   (the one its products read, the one whose products are in flight), and at K 576 a 128-row
+ *   main loop waits on how far the rest run ahead: 13516 cycles with three stages, 7331 with six
+ *   (tried for the SwiGLU backward in 128 x 128 tiles; each form lost in its epilogue, so
+ *   epilogue 7 stays; a 64-row main loop does not move with a sixth stage). Epilogue 8 gives the
+ *   SwiGLU forward its fifth stage: 0.1064-0.1106 ms against epilogue 3's 0.1162-0.1205, main loop
+ *   7504 against 8413 cycles.
  *
  * Files: this one holds the kernel, its launch and the entry points; gemm_sm90_tiles.cuh the tile
  * constants, the shared-memory layout (Smem) and the epilogues' tile functions.
