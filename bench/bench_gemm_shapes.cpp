@@ -148,7 +148,7 @@ int main() {
                                    sh.bias ? dev(b) : nullptr, nullptr, sh.M, sh.I, sh.O, sh.gelu, s);
       }, "sm90");
     // the LM's joined gate | up with its SwiGLU: the product then swiglu_forward_joined (two
-    // passes), and linear_swiglu_forward (the epilogue of gemm_sm90.cu on Hopper)
+    // passes), and linear_swiglu_forward (gemm_sm90.cu's epilogue 8 on Hopper)
     if (std::string(sh.layer) == "lm.gate_up") {
       const int Ih = sh.O / 2;
       setenv("LOOM_GEMM90", "0", 1);
@@ -160,7 +160,8 @@ int main() {
       unsetenv("LOOM_GEMM90_SWF");
       // its backward behind the down projection (dh = dout wd, wd [576, 1536]; half the FLOPs the
       // row's tflops assume): the product then swiglu_backward_joined (two passes), and
-      // linear_swiglu_backward (gemm_sm90.cu's epilogue 4 on Hopper); dgu into y, h into dy
+      // linear_swiglu_backward (gemm_sm90.cu's epilogue 7 on Hopper, I % 128 == 0); dgu into y,
+      // h into dy
       bf16* gu = random_buffer(out, 9);
       setenv("LOOM_GEMM90", "0", 1);
       one("bwd_swiglu_2pass", [&] { cu::linear_swiglu_backward(y, dy, dx, W, gu, sh.M, sh.I, Ih, s); });
