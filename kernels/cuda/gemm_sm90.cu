@@ -354,9 +354,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (has_pre) store_tile<0>(sOut, d, bias2, id, &tpre, n0, m0, wg_tid, 1 + c);
         store_tile<0>(sOut, d, bias2, [](float x) { return gelu_tanh(x); }, &tout, n0, m0, wg_tid, 1 + c);
       } else if constexpr (EPI == 3) {
-        swiglu_tile(sOut, d, &tout, &tpre, n0, half, m0, wg_tid, 1 + c);
+        swiglu_tile<false>(sOut, d, &tout, &tpre, n0, half, m0, wg_tid, 1 + c);
       } else if constexpr (EPI == 8) {
-        swiglu_tile_5(sOut, d, &tout, &tpre, n0, half, m0, wg_tid, 1 + c);
+        swiglu_tile<true>(sOut, d, &tout, &tpre, n0, half, m0, wg_tid, 1 + c);
       } else if constexpr (EPI == 2) {
         mbar_wait(&rbar[c], i & 1);
         store_tile<1>(sOut, d, bias2, id, &tout, n0, m0, wg_tid, 1 + c);

@@ -83,18 +83,23 @@ __device__ __forceinline__ void store_tile(bf* sOut, const float (&d)[2][BN / 8]
   }
 }
 
-// The SwiGLU epilogue (EPI 3): the tile's 64 gate columns (accumulators n < 8) and the 64 up
-// columns of the same hidden units (n >= 8) go out to gu rounded to bf16 (the backward reads
+// The SwiGLU epilogue (EPI 3, EPI 8): the tile's 64 gate columns (accumulators n < 8) and the 64
+// up columns of the same hidden units (n >= 8) go out to gu rounded to bf16 (the backward reads
 // them), and h = silu(gate) up from those bf16 values, computed as swiglu_forward_joined does
-// (common.cuh's swiglu_f, activations.cu's SwigluF), so h is bit for bit
-// what that kernel would make of gu. One pass writes both into shared memory (sOut: gu's two
-// 64-column halves, sH: h's 64 columns), then three TMA stores.
+// (common.cuh's swiglu_f, activations.cu's SwigluF), so h is bit for bit what that kernel would
+// make of gu. One pass writes gu into shared memory (sOut: its two 64-column halves).
+// EPI 3 (FIVE false) writes h there too (sH: 64 more columns), then three TMA stores. EPI 8
+// (FIVE true: a 32 KB tile, so the ring keeps a fifth stage) keeps h in registers, stores gu's
+// gate and up halves as two bulk groups, and writes h over the gate half once that store has read
+// it (bulk_wait_read<1>: all but the up store's group), then a third store. The bits are the same.
+template <bool FIVE>
 __device__ __forceinline__ void swiglu_tile(bf* sOut, const float (&d)[2][BN / 8][4], const CUtensorMap* tgu,
                                             const CUtensorMap* th, int n0, int half, int m0, int wg_tid, int bar) {
   using namespace attn;
   const int w = wg_tid / 32, lane = wg_tid % 32, g = lane >> 2, t = lane & 3;
   bf* sH = sOut + BM * BN;
-  if (wg_tid == 0) bulk_wait_read<0>();  // the last tile's stores have read both
+  uint32_t hp[2][8][2];  // FIVE: h until the gate half has been read
+  if (wg_tid == 0) bulk_wait_read<0>();  // the last tile's stores have read the tile
   named_sync(bar, 128);
 #pragma unroll
   for (int hh = 0; hh < 2; hh++)
@@ -108,15 +113,39 @@ __device__ __forceinline__ void swiglu_tile(bf* sOut, const float (&d)[2][BN / 8
         *reinterpret_cast<__nv_bfloat162*>(sOut + sw128<BM>(row, n) + 2 * t) = gb;
         *reinterpret_cast<__nv_bfloat162*>(sOut + sw128<BM>(row, n + 8) + 2 * t) = ub;
         const float g0 = __low2float(gb), g1 = __high2float(gb), u0 = __low2float(ub), u1 = __high2float(ub);
-        const float h0 = swiglu_f(g0, u0), h1 = swiglu_f(g1, u1);
-        *reinterpret_cast<uint32_t*>(sH + sw128<BM>(row, n) + 2 * t) = pack_bf16(h0, h1);
+        hp[hh][n][r] = pack_bf16(swiglu_f(g0, u0), swiglu_f(g1, u1));
+        if (!FIVE) *reinterpret_cast<uint32_t*>(sH + sw128<BM>(row, n) + 2 * t) = hp[hh][n][r];
       }
   fence_smem_async();
   named_sync(bar, 128);
+  if (!FIVE) {
+    if (wg_tid == 0) {
+      tma_store_3d(tgu, n0, 0, m0, sOut);
+      tma_store_3d(tgu, half + n0, 0, m0, sOut + BM * 64);
+      tma_store_3d(th, n0, 0, m0, sH);
+      bulk_commit();
+    }
+    return;
+  }
   if (wg_tid == 0) {
     tma_store_3d(tgu, n0, 0, m0, sOut);
+    bulk_commit();
     tma_store_3d(tgu, half + n0, 0, m0, sOut + BM * 64);
-    tma_store_3d(th, n0, 0, m0, sH);
+    bulk_commit();
+    bulk_wait_read<1>();  // the gate half's store has read it
+  }
+  named_sync(bar, 128);
+#pragma unroll
+  for (int hh = 0; hh < 2; hh++)
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+      for (int r = 0; r < 2; r++)
+        *reinterpret_cast<uint32_t*>(sOut + sw128<BM>(hh * 64 + w * 16 + g + 8 * r, n) + 2 * t) = hp[hh][n][r];
+  fence_smem_async();
+  named_sync(bar, 128);
+  if (wg_tid == 0) {
+    tma_store_3d(th, n0, 0, m0, sOut);
     bulk_commit();
   }
 }
@@ -215,57 +244,6 @@ __device__ __forceinline__ void swiglu_bwd_tile_n128(bf* sG, const float (&d)[16
       tma_store_3d(th, n0, 0, m0, sH);
       tma_store_3d(th, n0 + 64, 0, m0, sH + 64 * 64);
     }
-    bulk_commit();
-  }
-}
-
-// The SwiGLU epilogue in five stages (EPI 8): EPI 3's arithmetic with a 32 KB output tile
-// instead of 48, so the ring keeps a fifth stage. gu's gate and up halves go out first (two
-// TMA stores, two bulk groups); h, kept in registers meanwhile, then overwrites the gate half
-// once its store has read it (bulk_wait_read<1>: all but the up store's group), and leaves by
-// a third store. The bits are EPI 3's.
-__device__ __forceinline__ void swiglu_tile_5(bf* sOut, const float (&d)[2][BN / 8][4], const CUtensorMap* tgu,
-                                              const CUtensorMap* th, int n0, int half, int m0, int wg_tid, int bar) {
-  using namespace attn;
-  const int w = wg_tid / 32, lane = wg_tid % 32, g = lane >> 2, t = lane & 3;
-  if (wg_tid == 0) bulk_wait_read<0>();  // the last tile's stores have read the tile
-  named_sync(bar, 128);
-  uint32_t hp[2][8][2];
-#pragma unroll
-  for (int hh = 0; hh < 2; hh++)
-#pragma unroll
-    for (int n = 0; n < 8; n++)
-#pragma unroll
-      for (int r = 0; r < 2; r++) {
-        const int row = hh * 64 + w * 16 + g + 8 * r;
-        const __nv_bfloat162 gb = __floats2bfloat162_rn(d[hh][n][2 * r], d[hh][n][2 * r + 1]);
-        const __nv_bfloat162 ub = __floats2bfloat162_rn(d[hh][n + 8][2 * r], d[hh][n + 8][2 * r + 1]);
-        *reinterpret_cast<__nv_bfloat162*>(sOut + sw128<BM>(row, n) + 2 * t) = gb;
-        *reinterpret_cast<__nv_bfloat162*>(sOut + sw128<BM>(row, n + 8) + 2 * t) = ub;
-        const float g0 = __low2float(gb), g1 = __high2float(gb), u0 = __low2float(ub), u1 = __high2float(ub);
-        hp[hh][n][r] = pack_bf16(swiglu_f(g0, u0), swiglu_f(g1, u1));
-      }
-  fence_smem_async();
-  named_sync(bar, 128);
-  if (wg_tid == 0) {
-    tma_store_3d(tgu, n0, 0, m0, sOut);
-    bulk_commit();
-    tma_store_3d(tgu, half + n0, 0, m0, sOut + BM * 64);
-    bulk_commit();
-    bulk_wait_read<1>();  // the gate half's store has read it
-  }
-  named_sync(bar, 128);
-#pragma unroll
-  for (int hh = 0; hh < 2; hh++)
-#pragma unroll
-    for (int n = 0; n < 8; n++)
-#pragma unroll
-      for (int r = 0; r < 2; r++)
-        *reinterpret_cast<uint32_t*>(sOut + sw128<BM>(hh * 64 + w * 16 + g + 8 * r, n) + 2 * t) = hp[hh][n][r];
-  fence_smem_async();
-  named_sync(bar, 128);
-  if (wg_tid == 0) {
-    tma_store_3d(th, n0, 0, m0, sOut);
     bulk_commit();
   }
 }
