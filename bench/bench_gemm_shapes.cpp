@@ -148,15 +148,18 @@ int main() {
                                    sh.bias ? dev(b) : nullptr, nullptr, sh.M, sh.I, sh.O, sh.gelu, s);
       }, "sm90");
     // the LM's joined gate | up with its SwiGLU: the product then swiglu_forward_joined (two
-    // passes), and linear_swiglu_forward (gemm_sm90.cu's epilogue 8 on Hopper)
+    // passes), and linear_swiglu_forward (gemm_sm90.cu's epilogue 13 on Hopper)
     if (std::string(sh.layer) == "lm.gate_up") {
       const int Ih = sh.O / 2;
       setenv("LOOM_GEMM90", "0", 1);
       one("fwd_swiglu_2pass", [&] { cu::linear_swiglu_forward(y, dy, x, W, sh.M, sh.I, Ih, s); });
       unsetenv("LOOM_GEMM90");
       one("fwd_swiglu", [&] { cu::linear_swiglu_forward(y, dy, x, W, sh.M, sh.I, Ih, s); });
-      setenv("LOOM_GEMM90_SWF", "0", 1);  // four stages (epilogue 3) instead of five (8)
+      // four and five stages (epilogues 3 and 8) instead of six (13)
+      setenv("LOOM_GEMM90_SWF", "4", 1);
       one("fwd_swiglu_4stage", [&] { cu::linear_swiglu_forward(y, dy, x, W, sh.M, sh.I, Ih, s); });
+      setenv("LOOM_GEMM90_SWF", "5", 1);
+      one("fwd_swiglu_5stage", [&] { cu::linear_swiglu_forward(y, dy, x, W, sh.M, sh.I, Ih, s); });
       unsetenv("LOOM_GEMM90_SWF");
       // its backward behind the down projection (dh = dout wd, wd [576, 1536]; half the FLOPs the
       // row's tflops assume): the product then swiglu_backward_joined (two passes), and

@@ -216,7 +216,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       GEMM90_T(long long pw = 0; const long long p0 = clock64();)
       int pos = 0;
       for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const int m0 = (tile / tiles_n) * (EPI == 7 ? 64 : BM), n0 = (tile % tiles_n) * (EPI == 3 || EPI == 8 || EPI == 4 ? 64 : BN);
+        const int m0 = (tile / tiles_n) * (EPI == 7 ? 64 : BM), n0 = (tile % tiles_n) * (EPI == 3 || EPI == 8 || EPI == 13 || EPI == 4 ? 64 : BN);
         for (int kt = 0; kt < KT; kt++, pos++) {
           const int s = pos % STAGES;
           GEMM90_T(const long long w0 = clock64();)
@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           unsigned char* st = base + s * Sm::stage;
           mbar_expect_tx(&full[s], Sm::stage);
           tma_load_3d(st, &ta, kt * BK, 0, m0, &full[s]);
-          if (EPI == 3 || EPI == 8) {  // 64 gate rows and the 64 up rows `half` further
+          if (EPI == 3 || EPI == 8 || EPI == 13) {  // 64 gate rows and the 64 up rows `half` further
             tma_load_3d(st + Sm::a_bytes, &tb, kt * BK, 0, n0, &full[s]);
             tma_load_3d(st + Sm::a_bytes + 64 * BK * 2, &tb, kt * BK, 0, half + n0, &full[s]);
           } else if (EPI == 4) {  // B MN-major: 64 K rows x 64 columns of the [K, half] weight
@@ -260,7 +260,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (c == 1) mbar_wait(&turn[1], i & 1);
     else if (i > 0) mbar_wait(&turn[0], (i - 1) & 1);
     GEMM90_T(ta1 = clock64(); tsum[0] += ta1 - ta0; tsum[4]++;)
-    const int m0 = (tile / tiles_n) * (EPI == 7 ? 64 : BM), n0 = (tile % tiles_n) * (EPI == 3 || EPI == 8 || EPI == 4 ? 64 : BN);
+    const int m0 = (tile / tiles_n) * (EPI == 7 ? 64 : BM), n0 = (tile % tiles_n) * (EPI == 3 || EPI == 8 || EPI == 13 || EPI == 4 ? 64 : BN);
     int32_t prow[2][2] = {{0, 0}, {0, 0}};  // EPI 6: the positions of this thread's rows (`half`: the rows)
     if constexpr (EPI == 6) {
 #pragma unroll
@@ -353,10 +353,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (EPI == 1) {
         if (has_pre) store_tile<0>(sOut, d, bias2, id, &tpre, n0, m0, wg_tid, 1 + c);
         store_tile<0>(sOut, d, bias2, [](float x) { return gelu_tanh(x); }, &tout, n0, m0, wg_tid, 1 + c);
-      } else if constexpr (EPI == 3) {
-        swiglu_tile<false>(sOut, d, &tout, &tpre, n0, half, m0, wg_tid, 1 + c);
-      } else if constexpr (EPI == 8) {
-        swiglu_tile<true>(sOut, d, &tout, &tpre, n0, half, m0, wg_tid, 1 + c);
+      } else if constexpr (EPI == 3 || EPI == 8 || EPI == 13) {
+        swiglu_tile<EPI == 3 ? 3 : EPI == 8 ? 2 : 1>(sOut, d, &tout, &tpre, n0, half, m0, wg_tid, 1 + c);
       } else if constexpr (EPI == 2) {
         mbar_wait(&rbar[c], i & 1);
         store_tile<1>(sOut, d, bias2, id, &tout, n0, m0, wg_tid, 1 + c);
@@ -462,10 +460,12 @@ void linear_swiglu_forward(bf* gu, bf* h, const bf* inp, const bf* wgu, int64_t 
   const CUtensorMap tgu = attn::make_map_3d(gu, false, N, 1, 2 * I, 64, BM);
   const CUtensorMap th = attn::make_map_3d(h, false, N, 1, I, 64, BM);
   const char* e = std::getenv("LOOM_GEMM90_SWF");
-  if (e && e[0] == '0')  // EPI 3: four stages, gu and h in their own tiles
+  if (e && e[0] == '4')  // EPI 3: four stages, gu and h in three boxes of the output tile
     run<3>(ta, tb, tgu, th, tgu, nullptr, false, ceil_div(N, BM), I / 64, 2 * I, C, I, s);
-  else  // EPI 8: five stages, h written over gu's gate half once its store has read it
+  else if (e && e[0] == '5')  // EPI 8: five stages, h written over gu's gate box once its store has read it
     run<8>(ta, tb, tgu, th, tgu, nullptr, false, ceil_div(N, BM), I / 64, 2 * I, C, I, s);
+  else  // EPI 13: six stages, gate, up and h through one box
+    run<13>(ta, tb, tgu, th, tgu, nullptr, false, ceil_div(N, BM), I / 64, 2 * I, C, I, s);
 }
 
 bool dgelu_supported(const void* dpre, const void* dout, const void* weight, const void* pre, int64_t N, int I,

@@ -19,15 +19,15 @@ constexpr int kThreads = 384;  // two consumer warpgroups, then the producer's w
 // registers per thread after setmaxnreg: 128 x 40 + 256 x 232 = 64512 of the 65536
 
 // Shared memory of a block: the ring of stages, each consumer's output tiles, the mbarriers.
-// EPI 3 (SwiGLU forward): the 128 x 128 gu tile and a 128 x 64 h tile (one stage fewer; EPI 8,
-// the same epilogue with h written over gu's gate half, keeps five);
+// EPI 3, 8, 13 (SwiGLU forward): three, two or one 128 x 64 boxes (swiglu_tile), four, five or
+// six stages;
 // EPI 4 (SwiGLU backward, 64-column tiles): the gate, up and h tiles of 128 x 64.
 template <int EPI>
 struct Smem {
-  static constexpr int stages = EPI == 3 ? 4 : 5;
+  static constexpr int stages = EPI == 3 ? 4 : EPI == 13 ? 6 : 5;
   static constexpr int a_bytes = (EPI == 7 ? 64 : BM) * BK * 2, b_bytes = (EPI == 4 ? 64 : BN) * BK * 2,
                        stage = a_bytes + b_bytes;
-  static constexpr int epi = EPI == 4 || EPI == 7 ? 3 * BM * 64 * 2 : BM * BN * 2 + (EPI == 3 ? BM * 64 * 2 : 0);
+  static constexpr int epi = EPI == 4 || EPI == 7 || EPI == 3 ? 3 * BM * 64 * 2 : EPI == 13 ? BM * 64 * 2 : BM * BN * 2;
   static constexpr int bytes = 1024 /* alignment */ + stages * stage + 2 * epi + (2 * stages + 4) * 8;
 };
 
@@ -83,70 +83,72 @@ __device__ __forceinline__ void store_tile(bf* sOut, const float (&d)[2][BN / 8]
   }
 }
 
-// The SwiGLU epilogue (EPI 3, EPI 8): the tile's 64 gate columns (accumulators n < 8) and the 64
+// The SwiGLU epilogue (EPI 3, 8, 13): the tile's 64 gate columns (accumulators n < 8) and the 64
 // up columns of the same hidden units (n >= 8) go out to gu rounded to bf16 (the backward reads
 // them), and h = silu(gate) up from those bf16 values, computed as swiglu_forward_joined does
 // (common.cuh's swiglu_f, activations.cu's SwigluF), so h is bit for bit what that kernel would
-// make of gu. One pass writes gu into shared memory (sOut: its two 64-column halves).
-// EPI 3 (FIVE false) writes h there too (sH: 64 more columns), then three TMA stores. EPI 8
-// (FIVE true: a 32 KB tile, so the ring keeps a fifth stage) keeps h in registers, stores gu's
-// gate and up halves as two bulk groups, and writes h over the gate half once that store has read
-// it (bulk_wait_read<1>: all but the up store's group), then a third store. The bits are the same.
-template <bool FIVE>
+// make of gu. Three 64-column outputs, in order: gate (gu at n0), up (gu at half + n0), h (at n0).
+// The consumer's output tile holds BOXES of them (128 x 64 each): output o goes to box o % BOXES
+// in round o / BOXES, once the store that last used that box has read it. Each store is its own
+// bulk group, in output order, so before a round the groups committed after the last store it
+// waits on may stay in flight. h is formed in the first round and kept in registers until its
+// round. The fewer boxes, the more ring stages fit beside them (Smem), and at K 576 the main loop
+// runs at the ring's depth (the file header):
+//   EPI 3,  BOXES 3 (48 KB): one round, four stages;
+//   EPI 8,  BOXES 2 (32 KB): gate and up, then h over the gate box (the up store may still be
+//           reading: bulk_wait_read<1>), five stages;
+//   EPI 13, BOXES 1 (16 KB): gate, up, h through one box, six stages.
+// The bits are the same in all three.
+template <int BOXES>
 __device__ __forceinline__ void swiglu_tile(bf* sOut, const float (&d)[2][BN / 8][4], const CUtensorMap* tgu,
                                             const CUtensorMap* th, int n0, int half, int m0, int wg_tid, int bar) {
   using namespace attn;
+  static_assert(BOXES >= 1 && BOXES <= 3, "the tile holds one to three of the three outputs");
   const int w = wg_tid / 32, lane = wg_tid % 32, g = lane >> 2, t = lane & 3;
-  bf* sH = sOut + BM * BN;
-  uint32_t hp[2][8][2];  // FIVE: h until the gate half has been read
-  if (wg_tid == 0) bulk_wait_read<0>();  // the last tile's stores have read the tile
-  named_sync(bar, 128);
+  constexpr int rounds = (3 + BOXES - 1) / BOXES;
+  uint32_t hp[2][8][2];  // h, from the first round until its own
 #pragma unroll
-  for (int hh = 0; hh < 2; hh++)
-#pragma unroll
-    for (int n = 0; n < 8; n++)
-#pragma unroll
-      for (int r = 0; r < 2; r++) {
-        const int row = hh * 64 + w * 16 + g + 8 * r;
-        const __nv_bfloat162 gb = __floats2bfloat162_rn(d[hh][n][2 * r], d[hh][n][2 * r + 1]);
-        const __nv_bfloat162 ub = __floats2bfloat162_rn(d[hh][n + 8][2 * r], d[hh][n + 8][2 * r + 1]);
-        *reinterpret_cast<__nv_bfloat162*>(sOut + sw128<BM>(row, n) + 2 * t) = gb;
-        *reinterpret_cast<__nv_bfloat162*>(sOut + sw128<BM>(row, n + 8) + 2 * t) = ub;
-        const float g0 = __low2float(gb), g1 = __high2float(gb), u0 = __low2float(ub), u1 = __high2float(ub);
-        hp[hh][n][r] = pack_bf16(swiglu_f(g0, u0), swiglu_f(g1, u1));
-        if (!FIVE) *reinterpret_cast<uint32_t*>(sH + sw128<BM>(row, n) + 2 * t) = hp[hh][n][r];
-      }
-  fence_smem_async();
-  named_sync(bar, 128);
-  if (!FIVE) {
+  for (int rd = 0; rd < rounds; rd++) {
+    const int first = rd * BOXES, last = first + BOXES < 3 ? first + BOXES : 3;  // outputs [first, last)
+    // Round 0 reuses boxes the last tile's stores read (all of them); a later round needs the
+    // store of output last - 1 - BOXES to have read its box, and the ones after it may still run.
     if (wg_tid == 0) {
-      tma_store_3d(tgu, n0, 0, m0, sOut);
-      tma_store_3d(tgu, half + n0, 0, m0, sOut + BM * 64);
-      tma_store_3d(th, n0, 0, m0, sH);
-      bulk_commit();
+      if (rd > 0 && first - (last - BOXES) == 1) bulk_wait_read<1>();
+      else bulk_wait_read<0>();
     }
-    return;
-  }
-  if (wg_tid == 0) {
-    tma_store_3d(tgu, n0, 0, m0, sOut);
-    bulk_commit();
-    tma_store_3d(tgu, half + n0, 0, m0, sOut + BM * 64);
-    bulk_commit();
-    bulk_wait_read<1>();  // the gate half's store has read it
-  }
-  named_sync(bar, 128);
+    named_sync(bar, 128);
 #pragma unroll
-  for (int hh = 0; hh < 2; hh++)
+    for (int hh = 0; hh < 2; hh++)
 #pragma unroll
-    for (int n = 0; n < 8; n++)
+      for (int n = 0; n < 8; n++)
 #pragma unroll
-      for (int r = 0; r < 2; r++)
-        *reinterpret_cast<uint32_t*>(sOut + sw128<BM>(hh * 64 + w * 16 + g + 8 * r, n) + 2 * t) = hp[hh][n][r];
-  fence_smem_async();
-  named_sync(bar, 128);
-  if (wg_tid == 0) {
-    tma_store_3d(th, n0, 0, m0, sOut);
-    bulk_commit();
+        for (int r = 0; r < 2; r++) {
+          const int row = hh * 64 + w * 16 + g + 8 * r;
+          const __nv_bfloat162 gb = __floats2bfloat162_rn(d[hh][n][2 * r], d[hh][n][2 * r + 1]);
+          const __nv_bfloat162 ub = __floats2bfloat162_rn(d[hh][n + 8][2 * r], d[hh][n + 8][2 * r + 1]);
+          if (rd == 0) {
+            const float g0 = __low2float(gb), g1 = __high2float(gb), u0 = __low2float(ub), u1 = __high2float(ub);
+            hp[hh][n][r] = pack_bf16(swiglu_f(g0, u0), swiglu_f(g1, u1));
+          }
+#pragma unroll
+          for (int o = first; o < last; o++) {
+            uint32_t* p = reinterpret_cast<uint32_t*>(sOut + (o % BOXES) * BM * 64 + sw128<BM>(row, n) + 2 * t);
+            if (o == 0) *reinterpret_cast<__nv_bfloat162*>(p) = gb;
+            else if (o == 1) *reinterpret_cast<__nv_bfloat162*>(p) = ub;
+            else *p = hp[hh][n][r];
+          }
+        }
+    fence_smem_async();
+    named_sync(bar, 128);
+    if (wg_tid == 0) {
+#pragma unroll
+      for (int o = first; o < last; o++) {
+        bf* box = sOut + (o % BOXES) * BM * 64;
+        if (o == 2) tma_store_3d(th, n0, 0, m0, box);
+        else tma_store_3d(tgu, (o == 0 ? 0 : half) + n0, 0, m0, box);
+        bulk_commit();
+      }
+    }
   }
 }
 

@@ -115,14 +115,18 @@ TEST_CASE("gemm_sm90: the SwiGLU epilogue, bit for bit swiglu_forward_joined of 
     // h from the kernel's own gu through the standalone kernel: the same bits
     cu::swiglu_forward_joined(h2.p, gu.p, c.N, c.I, S());
     CHECK(bits_differ(h.get(), h2.get()) == 0);
-    // LOOM_GEMM90_SWF=0: the four-stage form (epilogue 3) gives the same bits as the default
-    // five-stage one (8), whose h overwrites gu's gate half in shared memory after its store
-    DBuf<bf16> gu3(c.N * 2 * c.I), h3(c.N * c.I);
-    setenv("LOOM_GEMM90_SWF", "0", 1);
-    cu::gemm90::linear_swiglu_forward(dev(gu3.p), dev(h3.p), dev(x.p), dev(w.p), c.N, c.C, c.I, cu::default_stream());
-    unsetenv("LOOM_GEMM90_SWF");
-    CHECK(bits_differ(gu.get(), gu3.get()) == 0);
-    CHECK(bits_differ(h.get(), h3.get()) == 0);
+    // LOOM_GEMM90_SWF=4 / 5: the four- and five-stage forms (epilogues 3 and 8: three and two
+    // boxes in the output tile) give the same bits as the default six-stage one (13: one box)
+    for (const char* swf : {"4", "5"}) {
+      INFO("LOOM_GEMM90_SWF=" << swf);
+      DBuf<bf16> gu3(c.N * 2 * c.I), h3(c.N * c.I);
+      setenv("LOOM_GEMM90_SWF", swf, 1);
+      cu::gemm90::linear_swiglu_forward(dev(gu3.p), dev(h3.p), dev(x.p), dev(w.p), c.N, c.C, c.I,
+                                        cu::default_stream());
+      unsetenv("LOOM_GEMM90_SWF");
+      CHECK(bits_differ(gu.get(), gu3.get()) == 0);
+      CHECK(bits_differ(h.get(), h3.get()) == 0);
+    }
   }
 }
 
