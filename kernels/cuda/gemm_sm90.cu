@@ -13,9 +13,11 @@
  *               gelu: the tanh approximation (activations.cu), tanh.approx.f32 on the SFU
  *   epilogue 2: out = resid + acc + bias, rounded once (linear_forward_add; out may be resid)
  *   epilogue 3: the SwiGLU of a joined gate | up product: gu = acc, h = silu(gate) up
- *   epilogue 8: epilogue 3 in five stages instead of four (the default; LOOM_GEMM90_SWF=0 keeps
- *               epilogue 3): gu's gate and up halves are stored first, then h, kept in registers,
- *               overwrites the gate half once its store has read it; a 32 KB output tile
+ *   epilogue 8: epilogue 3 in five stages instead of four (LOOM_GEMM90_SWF=5): gu's gate and up
+ *               halves are stored first, then h, kept in registers, overwrites the gate half once
+ *               its store has read it; a 32 KB output tile
+ *   epilogue 13: epilogue 3 in six stages (the default; LOOM_GEMM90_SWF=4 selects epilogue 3):
+ *               gate, up and h through one 16 KB box, each once the store before has read it
  *   epilogue 4: the SwiGLU's gradient behind the down projection's input gradient: acc = dh =
  *               dout wd (wd [C2, I] read along its rows: B MN-major), dgu = swiglu'(dh, gu),
  *               h again for wd's gradient; 64-column tiles, gate and up TMA-loaded during the
@@ -39,7 +41,7 @@
  * together share inp's rows in L2). 384 threads:
  *   warpgroup 2, one thread (the producer; setmaxnreg gives its registers to the consumers):
  *     TMA-loads the K tiles (64 columns) of inp's 128 rows and of weight's 128 rows of every
- *     tile of the block, in order, into a ring of 5 stages of 32 KB (128-byte swizzle; rows past
+ *     tile of the block, in order, into a ring of 4-6 stages of 32 KB (Smem; 128-byte swizzle; rows past
  *     N or O and columns past I come in as zeros), each stage's `full` mbarrier counting bytes.
  *   warpgroups 0 and 1, the consumers, "ping-pong": warpgroup c takes the block's tiles c, c + 2,
  *     ...; per stage eight wgmma m64n128k16 (two 64-row halves x four 16-column K steps, shared
@@ -137,7 +139,10 @@
  *   (tried for the SwiGLU backward in 128 x 128 tiles; each form lost in its epilogue, so
  *   epilogue 7 stays; a 64-row main loop does not move with a sixth stage). Epilogue 8 gives the
  *   SwiGLU forward its fifth stage: 0.1064-0.1106 ms against epilogue 3's 0.1162-0.1205, main loop
- *   7504 against 8413 cycles.
+ *   7504 against 8413 cycles; epilogue 13 its sixth (H200, 2026-11-29, "ninth"): 0.1025-0.1072
+ *   against 0.1067-0.1105, main loop 6609 cycles. The plain, GELU, residual and DGELU forms with
+ *   six stages and a 16 KB tile beat cuBLASLt alone at K <= 768 by 3-13% and made no step faster
+ *   (measured and not kept; branch wip/deep-ring).
  *
  * Files: this one holds the kernel, its launch and the entry points; gemm_sm90_tiles.cuh the tile
  * constants, the shared-memory layout (Smem) and the epilogues' tile functions.
@@ -216,7 +221,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       GEMM90_T(long long pw = 0; const long long p0 = clock64();)
       int pos = 0;
       for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const int m0 = (tile / tiles_n) * (EPI == 7 ? 64 : BM), n0 = (tile % tiles_n) * (EPI == 3 || EPI == 8 || EPI == 13 || EPI == 4 ? 64 : BN);
+        const int m0 = (tile / tiles_n) * tile_rows(EPI), n0 = (tile % tiles_n) * tile_col_step(EPI);
         for (int kt = 0; kt < KT; kt++, pos++) {
           const int s = pos % STAGES;
           GEMM90_T(const long long w0 = clock64();)
@@ -260,7 +265,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (c == 1) mbar_wait(&turn[1], i & 1);
     else if (i > 0) mbar_wait(&turn[0], (i - 1) & 1);
     GEMM90_T(ta1 = clock64(); tsum[0] += ta1 - ta0; tsum[4]++;)
-    const int m0 = (tile / tiles_n) * (EPI == 7 ? 64 : BM), n0 = (tile % tiles_n) * (EPI == 3 || EPI == 8 || EPI == 13 || EPI == 4 ? 64 : BN);
+    const int m0 = (tile / tiles_n) * tile_rows(EPI), n0 = (tile % tiles_n) * tile_col_step(EPI);
     int32_t prow[2][2] = {{0, 0}, {0, 0}};  // EPI 6: the positions of this thread's rows (`half`: the rows)
     if constexpr (EPI == 6) {
 #pragma unroll

@@ -18,6 +18,13 @@ constexpr int BM = 128, BN = 128, BK = 64;
 constexpr int kThreads = 384;  // two consumer warpgroups, then the producer's warpgroup
 // registers per thread after setmaxnreg: 128 x 40 + 256 x 232 = 64512 of the 65536
 
+// The output tile's first row and column steps: 64-row tiles for EPI 7; for the SwiGLU forms (3,
+// 8, 13; 4) a tile's 64 hidden units, whose gate and up columns lie `half` apart.
+__host__ __device__ constexpr int tile_rows(int epi) { return epi == 7 ? 64 : BM; }
+__host__ __device__ constexpr int tile_col_step(int epi) {
+  return epi == 3 || epi == 8 || epi == 13 || epi == 4 ? 64 : BN;
+}
+
 // Shared memory of a block: the ring of stages, each consumer's output tiles, the mbarriers.
 // EPI 3, 8, 13 (SwiGLU forward): three, two or one 128 x 64 boxes (swiglu_tile), four, five or
 // six stages;
