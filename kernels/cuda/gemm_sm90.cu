@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           unsigned char* st = base + s * Sm::stage;
           mbar_expect_tx(&full[s], Sm::stage);
           tma_load_3d(st, &ta, kt * BK, 0, m0, &full[s]);
-          if (EPI == 3 || EPI == 8 || EPI == 13) {  // 64 gate rows and the 64 up rows `half` further
+          if (swiglu_boxes(EPI) > 0) {  // 64 gate rows and the 64 up rows `half` further
             tma_load_3d(st + Sm::a_bytes, &tb, kt * BK, 0, n0, &full[s]);
             tma_load_3d(st + Sm::a_bytes + 64 * BK * 2, &tb, kt * BK, 0, half + n0, &full[s]);
           } else if (EPI == 4) {  // B MN-major: 64 K rows x 64 columns of the [K, half] weight
@@ -358,8 +358,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (EPI == 1) {
         if (has_pre) store_tile<0>(sOut, d, bias2, id, &tpre, n0, m0, wg_tid, 1 + c);
         store_tile<0>(sOut, d, bias2, [](float x) { return gelu_tanh(x); }, &tout, n0, m0, wg_tid, 1 + c);
-      } else if constexpr (EPI == 3 || EPI == 8 || EPI == 13) {
-        swiglu_tile<EPI == 3 ? 3 : EPI == 8 ? 2 : 1>(sOut, d, &tout, &tpre, n0, half, m0, wg_tid, 1 + c);
+      } else if constexpr (swiglu_boxes(EPI) > 0) {
+        swiglu_tile<swiglu_boxes(EPI)>(sOut, d, &tout, &tpre, n0, half, m0, wg_tid, 1 + c);
       } else if constexpr (EPI == 2) {
         mbar_wait(&rbar[c], i & 1);
         store_tile<1>(sOut, d, bias2, id, &tout, n0, m0, wg_tid, 1 + c);

@@ -18,23 +18,27 @@ constexpr int BM = 128, BN = 128, BK = 64;
 constexpr int kThreads = 384;  // two consumer warpgroups, then the producer's warpgroup
 // registers per thread after setmaxnreg: 128 x 40 + 256 x 232 = 64512 of the 65536
 
+// The SwiGLU forward's output boxes (128 x 64, 16 KB each) per consumer: EPI 3, 8, 13 hold three,
+// two or one of its three outputs at a time (swiglu_tile); 0 for the other epilogues.
+__host__ __device__ constexpr int swiglu_boxes(int epi) { return epi == 3 ? 3 : epi == 8 ? 2 : epi == 13 ? 1 : 0; }
+
 // The output tile's first row and column steps: 64-row tiles for EPI 7; for the SwiGLU forms (3,
 // 8, 13; 4) a tile's 64 hidden units, whose gate and up columns lie `half` apart.
 __host__ __device__ constexpr int tile_rows(int epi) { return epi == 7 ? 64 : BM; }
-__host__ __device__ constexpr int tile_col_step(int epi) {
-  return epi == 3 || epi == 8 || epi == 13 || epi == 4 ? 64 : BN;
-}
+__host__ __device__ constexpr int tile_col_step(int epi) { return swiglu_boxes(epi) || epi == 4 ? 64 : BN; }
 
 // Shared memory of a block: the ring of stages, each consumer's output tiles, the mbarriers.
-// EPI 3, 8, 13 (SwiGLU forward): three, two or one 128 x 64 boxes (swiglu_tile), four, five or
-// six stages;
+// The SwiGLU forward: each box fewer for the two consumers frees 32 KB, one more stage of the
+// ring (three boxes: four stages; two: five; one: six).
 // EPI 4 (SwiGLU backward, 64-column tiles): the gate, up and h tiles of 128 x 64.
 template <int EPI>
 struct Smem {
-  static constexpr int stages = EPI == 3 ? 4 : EPI == 13 ? 6 : 5;
+  static constexpr int stages = swiglu_boxes(EPI) ? 7 - swiglu_boxes(EPI) : 5;
   static constexpr int a_bytes = (EPI == 7 ? 64 : BM) * BK * 2, b_bytes = (EPI == 4 ? 64 : BN) * BK * 2,
                        stage = a_bytes + b_bytes;
-  static constexpr int epi = EPI == 4 || EPI == 7 || EPI == 3 ? 3 * BM * 64 * 2 : EPI == 13 ? BM * 64 * 2 : BM * BN * 2;
+  static constexpr int epi = swiglu_boxes(EPI)        ? swiglu_boxes(EPI) * BM * 64 * 2
+                             : EPI == 4 || EPI == 7 ? 3 * BM * 64 * 2
+                                                    : BM * BN * 2;
   static constexpr int bytes = 1024 /* alignment */ + stages * stage + 2 * epi + (2 * stages + 4) * 8;
 };
 
@@ -117,10 +121,11 @@ __device__ __forceinline__ void swiglu_tile(bf* sOut, const float (&d)[2][BN / 8
 #pragma unroll
   for (int rd = 0; rd < rounds; rd++) {
     const int first = rd * BOXES, last = first + BOXES < 3 ? first + BOXES : 3;  // outputs [first, last)
-    // Round 0 reuses boxes the last tile's stores read (all of them); a later round needs the
-    // store of output last - 1 - BOXES to have read its box, and the ones after it may still run.
+    // The store of output last - 1 - BOXES (round 0: the last tile's stores) must have read its
+    // box; the groups committed after it may still run (0, or 1 for epilogue 8's h round).
+    const int in_flight = first + BOXES - last;
     if (wg_tid == 0) {
-      if (rd > 0 && first - (last - BOXES) == 1) bulk_wait_read<1>();
+      if (in_flight == 1) bulk_wait_read<1>();
       else bulk_wait_read<0>();
     }
     named_sync(bar, 128);
