@@ -6,8 +6,10 @@
 #   bash bench/e2e.sh [BUILD_DIR]          writes $OUT (default bench/out)/e2e_*.jsonl, e2e_table.md
 # E2E_STEPS (default 30; the first 5 are warm-up and the capture of the CUDA graph) and
 # E2E_TORCH=0 (skip the reference) shorten it; E2E_ROWS (a comma list of loom's rows below,
-# e.g. mim,mim_contrastive,vlm_sft,vlm_sft_fixed; default all) and E2E_COMPILE (the
+# e.g. mim,mim_contrastive,vlm_sft,vlm_sft_fixed,vlm_sft_ref; default all) and E2E_COMPILE (the
 # reference's --compile list, default 0,1) run a part of the table when a call has less time.
+# vlm_sft_ref trains the reference's own batch (its rows' sample lengths, written by
+# tools/ref_vlm_rows.py where PyTorch and the reference are at hand): the same work as its row.
 # The vlm_sft rows with a new batch at every step
 # (vlm_sft, vlm_sft_ckpt) run twice as many steps and count the first half as warm-up: its image count meets new matmul
 # shapes in its first ~30 steps (kernels/cuda/matmul.cu, "Plans": such steps took up to 16 ms
@@ -19,6 +21,10 @@ mkdir -p "$OUT"
 STEPS=${E2E_STEPS:-30}
 : > "$OUT/e2e_loom.jsonl"
 ROWS=${E2E_ROWS:-all}
+REF=../shared/reference/torch_ref.py
+[ -f "$REF" ] || REF=.deps/shared/reference/torch_ref.py
+HAVE_TORCH=
+[ -f "$REF" ] && python3 -c "import torch" 2>/dev/null && HAVE_TORCH=1
 run() {  # name, steps, warm-up steps (not in the table), config, overrides...
   local name=$1 steps=$2 warm=$3 cfg=$4; shift 4
   case ",$ROWS," in ,all,|*",$name,"*) ;; *) return 0 ;; esac
@@ -41,10 +47,15 @@ run mim_contrastive "$STEPS" 5 bench_mim.cfg --model.contrastive=true --train.ke
 run vlm_sft $((2 * STEPS)) "$STEPS" bench_vlm_sft.cfg
 run vlm_sft_fixed "$STEPS" 5 bench_vlm_sft.cfg --data.repeat_batch=true  # one batch every step, as the reference
 run vlm_sft_ckpt $((2 * STEPS)) "$STEPS" bench_vlm_sft.cfg --train.grad_checkpointing=true  # new batches too
-REF=../shared/reference/torch_ref.py
-[ -f "$REF" ] || REF=.deps/shared/reference/torch_ref.py
+# the reference's own batch (its 8 rows' sample lengths, tools/ref_vlm_rows.py): the same work as its row
+if [ -n "$HAVE_TORCH" ] && python3 tools/ref_vlm_rows.py --reference "$(dirname "$REF")" --out "$OUT/ref_rows.txt" \
+     > "$OUT/ref_rows.log" 2>&1; then
+  run vlm_sft_ref "$STEPS" 5 bench_vlm_sft.cfg --data.repeat_batch=true --data.synth_rows="$OUT/ref_rows.txt"
+else
+  case ",$ROWS," in ,all,|*",vlm_sft_ref,"*) echo "vlm_sft_ref not run: $(tail -1 "$OUT/ref_rows.log" 2>/dev/null || echo 'no PyTorch here')" ;; esac
+fi
 rm -f "$OUT/torch_ref.jsonl"
-if [ "${E2E_TORCH:-1}" = 1 ] && [ -f "$REF" ] && python3 -c "import torch" 2>/dev/null; then
+if [ "${E2E_TORCH:-1}" = 1 ] && [ -n "$HAVE_TORCH" ]; then
   timeout ${E2E_TORCH_TIMEOUT:-900} python3 "$REF" bench --workload mim,mim_contrastive,vlm --compile "${E2E_COMPILE:-0,1}" --vlm-variants packed \
     --out "$OUT" > "$OUT/e2e_torch.log" 2>&1 || tail -20 "$OUT/e2e_torch.log"
 else

@@ -11,7 +11,9 @@ tokens/s / PyTorch tokens/s for the VLM rows (each packs its own synthetic batch
 PyTorch's real tokens per step are in the table, loom's ~16.3k are in its log). The reference
 trains one fixed batch at every step; loom's vlm_sft row draws a new batch per step (its step time
 follows the batch's FLOPs), its vlm_sft_fixed row (data.repeat_batch) trains its first batch at
-every step as the reference does."""
+every step as the reference does, and its vlm_sft_ref row (data.synth_rows, tools/ref_vlm_rows.py)
+trains the reference's own batch: its rows' sample lengths, so the same images and real tokens."""
+import os
 import json
 import statistics
 import sys
@@ -68,7 +70,10 @@ for r in loom:
             ratios.append(f"{thr / t['tokens_per_s']:.2f}x")
         else:
             ratios.append(f"{t['ms_per_step'] / med:.2f}x")
-    label = r["name"] + "".join(f" ({a.lstrip('-')})" for a in r["args"].split() if a)
+    args = [a.lstrip("-") for a in r["args"].split() if a]
+    args = [a.split("=")[0] + "=" + os.path.basename(a.split("=", 1)[1]) if a.startswith("data.synth_rows=") else a
+            for a in args]
+    label = r["name"] + "".join(f" ({a})" for a in args)
     if warm != 5:
         label += f" (steps {warm + 1}-{warm + len(steps)})"
     thr_s = f"{thr / 1e3:.1f}k {unit}"

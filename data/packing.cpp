@@ -3,8 +3,10 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <fstream>
 #include <numeric>
 #include <set>
+#include <sstream>
 #include <stdexcept>
 #include <utility>
 
@@ -102,6 +104,46 @@ PackedBatch build_batch(const std::vector<Sample>& samples, const std::vector<st
       ptrs[r].push_back(&samples[i]);
     }
   return build_batch(ptrs, row_len, pad_id, image_token);
+}
+
+std::vector<std::vector<int>> read_row_lengths(const std::string& path, int min_len, int row_len) {
+  std::ifstream f(path);
+  if (!f) throw std::runtime_error(path + ": cannot open the file of packed rows");
+  std::vector<std::vector<int>> rows;
+  std::string line;
+  for (int ln = 1; std::getline(f, line); ln++) {
+    const std::string where = path + ":" + std::to_string(ln) + ": ";
+    line = line.substr(0, line.find('#'));
+    for (char& c : line)
+      if (c == ',' || c == '\t' || c == '\r') c = ' ';
+    std::istringstream in(line);
+    std::vector<int> row;
+    int64_t total = 0;
+    for (std::string field; in >> field;) {
+      size_t used = 0;
+      long long v = 0;
+      try {
+        v = std::stoll(field, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (used != field.size() || field[0] == '+' || field[0] == '-' || v > row_len)
+        throw std::runtime_error(where + "'" + field + "' is not a sample length (a whole number of tokens up to " +
+                                 std::to_string(row_len) + ")");
+      if (v <= min_len)
+        throw std::runtime_error(where + "a sample of " + field + " tokens: samples here must be longer than " +
+                                 std::to_string(min_len));
+      total += v;
+      row.push_back(int(v));
+    }
+    if (total > row_len)
+      throw std::runtime_error(where + "the row's samples hold " + std::to_string(total) + " tokens, more than a row's " +
+                               std::to_string(row_len));
+    if (!row.empty()) rows.push_back(std::move(row));
+  }
+  if (f.bad()) throw std::runtime_error(path + ": read error");
+  if (rows.empty()) throw std::runtime_error(path + ": no rows (one row a line, its sample lengths in tokens)");
+  return rows;
 }
 
 std::string PackingStats::log_lines() const {

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -280,4 +281,60 @@ TEST_CASE("PackingStats: the epoch log lines", "[packing]") {
   CHECK(p.waste_after() < 0.1);
   CHECK(p.compression() == Approx(500.0 / p.rows));
   std::printf("%s\n", p.log_lines().c_str());
+}
+
+TEST_CASE("read_row_lengths: rows as written, errors name the file and line", "[packing]") {
+  std::mt19937 g(std::random_device{}());
+  const std::string path = "/tmp/loom_test_rows_" + std::to_string(g()) + ".txt";
+  auto write = [&](const std::string& text) {
+    FILE* f = std::fopen(path.c_str(), "w");
+    REQUIRE(f);
+    std::fputs(text.c_str(), f);
+    std::fclose(f);
+  };
+  // random rows, written with the separators and comments the format allows
+  std::vector<std::vector<int>> want;
+  std::string text = "# a comment line\n\n";
+  const int row_len = 2048, min_len = 49;
+  for (int r = 0; r < 8; r++) {
+    std::vector<int> row;
+    int left = row_len;
+    while (left > min_len + 1 && (row.empty() || g() % 5)) {
+      const int L = std::uniform_int_distribution<int>(min_len + 1, std::min(left, 700))(g);
+      row.push_back(L);
+      left -= L;
+    }
+    want.push_back(row);
+    for (size_t i = 0; i < row.size(); i++) text += (i ? (g() % 2 ? ", " : "\t") : "") + std::to_string(row[i]);
+    text += (g() % 2 ? "  # row " + std::to_string(r) : std::string()) + (g() % 2 ? "\r\n" : "\n");
+  }
+  write(text);
+  CHECK(read_row_lengths(path, min_len, row_len) == want);
+
+  auto error_of = [&](const std::string& body) -> std::string {
+    write(body);
+    try {
+      read_row_lengths(path, min_len, row_len);
+    } catch (const std::runtime_error& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  using Catch::Matchers::Contains;
+  CHECK_THAT(error_of("100 200\n300 x7\n"), Contains(path + ":2:") && Contains("'x7' is not a sample length"));
+  CHECK_THAT(error_of("100 -5\n"), Contains(path + ":1:") && Contains("'-5'"));
+  CHECK_THAT(error_of("100 1e3\n"), Contains("'1e3'"));
+  CHECK_THAT(error_of("100 99999999999999999999\n"), Contains("is not a sample length"));
+  CHECK_THAT(error_of("# c\n100 49\n"), Contains(path + ":2:") && Contains("longer than 49"));
+  CHECK_THAT(error_of("1000 1000\n1000 1000 100\n"), Contains(path + ":2:") && Contains("2100 tokens"));
+  CHECK_THAT(error_of("# nothing\n\n"), Contains("no rows"));
+  std::remove(path.c_str());
+  CHECK_THAT(error_of(""), Contains("no rows"));
+  std::remove(path.c_str());
+  try {
+    read_row_lengths(path, min_len, row_len);
+    FAIL("a missing file must throw");
+  } catch (const std::runtime_error& e) {
+    CHECK_THAT(e.what(), Contains(path) && Contains("cannot open"));
+  }
 }

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <fstream>
 #include <iterator>
 #include <nlohmann/json.hpp>
@@ -471,6 +472,76 @@ TEST_CASE("synthetic VLM samples: image tokens and the prompt carry no target, t
       }
     }
   }
+}
+
+TEST_CASE("data.synth_rows: the rows of a file, their samples as the synthetic ones, and its errors", "[trainer]") {
+  // random rows (lengths include the 49 image tokens), written as tools/ref_vlm_rows.py writes them
+  const std::string dir = tmpdir("synth_rows");
+  REQUIRE(::mkdir(dir.c_str(), 0755) == 0);
+  const std::string rows_path = dir + "/rows.txt";
+  std::vector<std::vector<int>> want;
+  {
+    std::ofstream f(rows_path);
+    f << "# rows\n";
+    Rng g(uint64_t(::getpid()) * 7919u + uint64_t(::time(nullptr)));
+    for (int r = 0; r < 5; r++) {
+      std::vector<int> row;
+      int left = 512;
+      do {
+        const int L = 50 + int(g.randint(std::min(left, 300) - 49));
+        row.push_back(L);
+        left -= L;
+      } while (left > 50 && g.randint(4) != 0);
+      for (int L : row) f << L << " ";
+      f << "\n";
+      want.push_back(row);
+    }
+  }
+  const int prompt = 16;
+  Config cfg = Config::load("bench_vlm_sft.cfg", {"--train.device=cpu", "--train.dtype=f32", "--data.pack_max_length=512",
+                                                  "--data.synth_rows=" + rows_path, "--train.out_dir=" + dir});
+  RunContext ctx = make_context(cfg);
+  ctx.out_dir = dir;
+  VLMData d = build_vlm_data(ctx, 49);
+  REQUIRE(d.rows.size() == want.size());
+  size_t total = 0;
+  for (size_t r = 0; r < want.size(); r++) {
+    REQUIRE(d.rows[r].size() == want[r].size());
+    for (size_t k = 0; k < want[r].size(); k++) {
+      const Sample& s = d.train[size_t(d.rows[r][k])];
+      INFO("row " << r << " sample " << k);
+      REQUIRE(s.ids.size() == size_t(want[r][k]));
+      CHECK(s.image >= 0);
+      for (size_t t = 0; t < s.ids.size(); t++) {
+        if (t < 49) CHECK((s.ids[t] == d.image_token && s.labels[t] == kIgnoreLabel));
+        else if (t < size_t(49 + prompt)) CHECK((s.ids[t] != d.image_token && s.labels[t] == kIgnoreLabel));
+        else CHECK((s.ids[t] != d.image_token && s.labels[t] == s.ids[t]));
+      }
+      total++;
+    }
+  }
+  CHECK(d.train.size() == total);
+  CHECK(d.stats.rows == int64_t(want.size()));
+  CHECK(d.stats.samples == int64_t(total));
+  // the whole file as one batch: its images and real tokens
+  std::vector<std::vector<int>> all(d.rows.begin(), d.rows.end());
+  PackedBatch pb = build_batch(d.train, all, 512, d.pad_id, d.image_token);
+  int64_t real = 0;
+  for (auto& row : want)
+    for (int L : row) real += L;
+  CHECK(pb.real_tokens == real);
+  CHECK(pb.images.size() == total);
+  // errors: the file and line; a rows file for another dataset
+  {
+    std::ofstream f(rows_path);
+    f << "100 100\n300 300\n";
+  }
+  CHECK_THROWS_WITH(build_vlm_data(ctx, 49), Contains(rows_path + ":2:") && Contains("600 tokens"));
+  CHECK_THROWS_WITH(run_train({"vlm_sft.cfg", "--data.synth_rows=" + rows_path, "--train.out_dir=" + tmpdir("rows_ds")}),
+                    Contains("data.synth_rows") && Contains("data.dataset = synthetic"));
+  CHECK_THROWS_WITH(run_train({"bench_vlm_sft.cfg", "--train.device=cpu", "--data.synth_rows=" + dir + "/none.txt",
+                               "--train.out_dir=" + tmpdir("rows_none")}),
+                    Contains("data.synth_rows") && Contains("no such file"));
 }
 
 TEST_CASE("data.workers: a number is taken as given, 0 resolves to one loader thread on the CPU", "[trainer]") {

@@ -202,6 +202,9 @@ void validate_config(const Config& c) {
   if (ds == "synthetic" && vlm && r.i("model.lm_vocab") > 0 && r.i("model.lm_vocab") <= 4)
     r.bad("model.lm_vocab", std::to_string(r.i("model.lm_vocab")), "synthetic text needs ids past the 4 special tokens");
   r.int_range("data.max_image_pixels", 1, int64_t(1) << 32);
+  r.path_exists("data.synth_rows", true);
+  if (!r.s("data.synth_rows").empty() && !(ds == "synthetic" && vlm))
+    r.bad("data.synth_rows", r.s("data.synth_rows"), "gives the rows of synthetic VLM data: needs data.dataset = synthetic and model.kind = vlm");
 
   // ---------------------------------------------------------------- train
   r.int_range("train.steps", 1, kMaxCount);

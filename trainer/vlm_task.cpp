@@ -209,17 +209,17 @@ VLMData build_vlm_data(const RunContext& ctx, int image_tokens) {
   d.pad_id = d.tok->token_id("<|endoftext|>");
   d.end_id = d.tok->token_id("<|im_end|>");
 
+  const int row = cfg.get_int("data.pack_max_length");
+  std::vector<std::vector<int>> given_rows;  // data.synth_rows: the rows as given, not packed here
   if (ds == "synthetic") {  // samples: image tokens + lognormal(median, sigma) text tokens, the first
                            // synth_prompt_len of them a prompt without targets (as the reference's)
     Rng r(seed + 1);
     const int prompt = cfg.get_int("data.synth_prompt_len");
     int n = ntrain > 0 ? ntrain : 4096, V = cfg.get_int("model.lm_vocab") > 0 ? cfg.get_int("model.lm_vocab") : d.tok->vocab_size();
     double med = cfg.get_int("data.synth_median_len"), sig = cfg.get_float("data.synth_sigma");
-    for (int i = 0; i < n; i++) {
-      int L = int(std::exp(r.normal() * sig + std::log(med)));
-      L = std::max(cfg.get_int("data.synth_min_len"), std::min(cfg.get_int("data.synth_max_len"), L));
+    auto add_sample = [&](int L) {  // L text tokens after the image's
       Sample s;
-      s.image = i % int(d.images.size());
+      s.image = int(d.train.size()) % int(d.images.size());
       s.ids.assign(size_t(d.image_tokens), d.image_token);
       s.labels.assign(size_t(d.image_tokens), kIgnoreLabel);
       for (int t = 0; t < L; t++) {
@@ -228,12 +228,34 @@ VLMData build_vlm_data(const RunContext& ctx, int image_tokens) {
         s.labels.push_back(t < prompt ? kIgnoreLabel : id);
       }
       d.train.push_back(std::move(s));
+    };
+    const std::string rows_file = cfg.get_str("data.synth_rows");
+    if (!rows_file.empty()) {  // each line a packed row of sample lengths, image tokens included
+      for (const auto& lengths : read_row_lengths(rows_file, d.image_tokens, row)) {
+        given_rows.emplace_back();
+        for (int len : lengths) {
+          given_rows.back().push_back(int(d.train.size()));
+          add_sample(len - d.image_tokens);
+        }
+      }
+    } else {
+      for (int i = 0; i < n; i++) {
+        int L = int(std::exp(r.normal() * sig + std::log(med)));
+        add_sample(std::max(cfg.get_int("data.synth_min_len"), std::min(cfg.get_int("data.synth_max_len"), L)));
+      }
     }
   }
   for (auto& q : train_qa) d.train.push_back(encode_qa(d, q.question, q.answer, q.image));
   for (auto& q : d.val) d.val_samples.push_back(encode_qa(d, q.question, q.answer, q.image));
-  int row = cfg.get_int("data.pack_max_length");
-  d.rows = plan_rows(d.train, row, cfg.get_bool("data.use_sequence_packing"), cfg.get_bool("data.strict"), &d.stats);
+  if (!given_rows.empty()) {
+    d.rows = given_rows;
+    d.stats = PackingStats{};
+    d.stats.max_len = row;
+    d.stats.rows = int64_t(given_rows.size());
+    for (const Sample& smp : d.train) d.stats.samples++, d.stats.real_tokens += int64_t(smp.ids.size());
+  } else {
+    d.rows = plan_rows(d.train, row, cfg.get_bool("data.use_sequence_packing"), cfg.get_bool("data.strict"), &d.stats);
+  }
   LOOM_CHECK(!d.rows.empty(), "%s: no training sample fits data.pack_max_length = %d", cfg.source().c_str(), row);
   if (d.stats.too_long) std::printf("warning: %lld samples longer than %d tokens skipped\n", (long long)d.stats.too_long, row);
   qa_baseline(d, train_qa);
