@@ -11,7 +11,8 @@ writes one line per row with the lengths of its samples in tokens, image tokens 
 
 Then loom trains the same documents (the same image count, the same lengths in each row, the same
 tokens without a target) as the reference, so the two tokens/s compare the same work; loom's own
-packed batches carry about 54 images per 16.3k tokens, the reference's batch 41 (bench/RESULTS.md).
+packing of its 20000 samples averages 6.75 samples a row (54 images a step), the reference's batch
+holds 41 (bench/RESULTS.md, 2026-11-29).
 Needs torch (the reference imports it); runs on the CPU.
 """
 import argparse
