@@ -21,7 +21,7 @@ JOBS ?= $(shell nproc)
 NATIVE ?= 1
 SANITIZE ?= 0
 FUZZ_SECONDS ?= 60
-FUZZ_TARGETS ?= safetensors config jsonl tokenizer image idx
+FUZZ_TARGETS ?= safetensors config jsonl tokenizer image idx rows
 ifeq ($(SANITIZE),1)
   CUDA := 0
   BUILD ?= build-san

@@ -107,8 +107,20 @@ PackedBatch build_batch(const std::vector<Sample>& samples, const std::vector<st
 }
 
 std::vector<std::vector<int>> read_row_lengths(const std::string& path, int min_len, int row_len) {
-  std::ifstream f(path);
+  std::ifstream f(path, std::ios::binary);
   if (!f) throw std::runtime_error(path + ": cannot open the file of packed rows");
+  std::ostringstream text;
+  text << f.rdbuf();
+  if (f.bad()) throw std::runtime_error(path + ": read error");
+  return parse_row_lengths(text.str(), path, min_len, row_len);
+}
+
+std::vector<std::vector<int>> parse_row_lengths(const std::string& text, const std::string& path, int min_len,
+                                                int row_len) {
+  std::istringstream f(text);
+  auto shown = [](const std::string& field) {  // a field as the errors quote it: at most 40 bytes
+    return field.size() <= 40 ? field : field.substr(0, 37) + "...";
+  };
   std::vector<std::vector<int>> rows;
   std::string line;
   for (int ln = 1; std::getline(f, line); ln++) {
@@ -128,10 +140,10 @@ std::vector<std::vector<int>> read_row_lengths(const std::string& path, int min_
         used = 0;
       }
       if (used != field.size() || field[0] == '+' || field[0] == '-' || v > row_len)
-        throw std::runtime_error(where + "'" + field + "' is not a sample length (a whole number of tokens up to " +
+        throw std::runtime_error(where + "'" + shown(field) + "' is not a sample length (a whole number of tokens up to " +
                                  std::to_string(row_len) + ")");
       if (v <= min_len)
-        throw std::runtime_error(where + "a sample of " + field + " tokens: samples here must be longer than " +
+        throw std::runtime_error(where + "a sample of " + shown(field) + " tokens: samples here must be longer than " +
                                  std::to_string(min_len));
       total += v;
       row.push_back(int(v));
@@ -141,7 +153,6 @@ std::vector<std::vector<int>> read_row_lengths(const std::string& path, int min_
                                std::to_string(row_len));
     if (!row.empty()) rows.push_back(std::move(row));
   }
-  if (f.bad()) throw std::runtime_error(path + ": read error");
   if (rows.empty()) throw std::runtime_error(path + ": no rows (one row a line, its sample lengths in tokens)");
   return rows;
 }

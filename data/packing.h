@@ -72,6 +72,9 @@ std::vector<std::vector<int>> plan_rows(const std::vector<Sample>& samples, int 
 // a std::runtime_error naming the file and line for a field that is not a whole number, a
 // sample of min_len tokens or fewer, a row of more than row_len tokens, and a file without rows.
 std::vector<std::vector<int>> read_row_lengths(const std::string& path, int min_len, int row_len);
+// The same over the file's text; `name` is the file named in the errors.
+std::vector<std::vector<int>> parse_row_lengths(const std::string& text, const std::string& name, int min_len,
+                                                int row_len);
 // build_batch over rows of indices into `samples` (e.g. a slice of plan_rows' result).
 PackedBatch build_batch(const std::vector<Sample>& samples, const std::vector<std::vector<int>>& rows, int row_len,
                         int32_t pad_id, int32_t image_token);

@@ -9,6 +9,8 @@
 //   image        PNG (grey, grey+alpha, RGB, RGBA) and JPEG (grey, RGB) images
 //   idx          the first items of the Fashion-MNIST files (plain and gzip) when installed,
 //                and small made-up IDX files otherwise
+//   rows         data.synth_rows files: the reference's batch as tools/ref_vlm_rows.py writes
+//                it, and one file per refusal reason
 // Usage: make_seeds OUT
 #include <dirent.h>
 #include <sys/stat.h>
@@ -181,6 +183,17 @@ int main(int argc, char** argv) {
   put(id, "made_up3", idx_bytes({2, 3, 4}, std::vector<unsigned char>(24, 7)));
   put(id, "made_up1", idx_bytes({5}, {0, 1, 2, 3, 9}));
   put(id, "made_up2", idx_bytes({2, 2}, {1, 2, 3, 4}));
+  // rows (data.synth_rows)
+  const char* row_files[] = {
+      "# torch_ref.py vlm_batch (packed): 8 rows of 2048 tokens, 41 samples\n290 290 290 290 290 290 290\n1051 991\n"
+      "827 823 398\n308 308 308 308 308 308 200\n429 429 429 429 332\n457 456 456 456 223\n"
+      "290 289 289 289 289 289 288\n462 462 462 460 202\n",
+      "100, 200,\t300 # a comment\r\n\n2048\n",
+      "100 2049\n", "1000 1000 100\n", "49 100\n", "100 -3\n", "+100\n", "1e3\n", "99999999999999999999\n",
+      "# nothing\n",
+  };
+  n = 0;
+  for (const char* f : row_files) put(out + "/rows", "rows" + std::to_string(n++), f);
   std::printf("seeds written to %s\n", out.c_str());
   return 0;
 }

@@ -11,10 +11,12 @@ cd "$(dirname "$0")/.."
 SECONDS_EACH=${FUZZ_SECONDS:-60}
 JOBS=${JOBS:-$(nproc)}
 TARGETS=("$@")
-[ ${#TARGETS[@]} -gt 0 ] || TARGETS=(safetensors config jsonl tokenizer image idx)
+[ ${#TARGETS[@]} -gt 0 ] || TARGETS=(safetensors config jsonl tokenizer image idx rows)
 B=build-fuzz
 if [ ! -f $B/CMakeCache.txt ]; then
   CC=clang CXX=clang++ cmake -S . -B $B -DCMAKE_BUILD_TYPE=Release -DLOOM_FUZZ=ON >/dev/null
+else
+  cmake -S . -B $B >/dev/null  # an existing build folder learns targets added to CMakeLists.txt
 fi
 cmake --build $B -j "$JOBS" --target make_seeds $(printf 'fuzz_%s ' "${TARGETS[@]}")
 rm -rf $B/seeds && $B/make_seeds $B/seeds

@@ -11,6 +11,7 @@
 #include "data/fashion_mnist.h"
 #include "data/images.h"
 #include "data/jsonl.h"
+#include "data/packing.h"
 #include "data/tokenizer.h"
 #include "tensor/safetensors.h"
 #include "trainer/config.h"
@@ -144,9 +145,30 @@ int idx(const uint8_t* data, size_t size) {
   return 0;
 }
 
+int rows(const uint8_t* data, size_t size) {
+  std::vector<std::vector<int>> r;
+  try {
+    r = parse_row_lengths(std::string(reinterpret_cast<const char*>(data), size), "fuzz.rows", 49, 2048);
+  } catch (const std::exception&) {
+    return 0;
+  }
+  if (r.empty()) broken("rows: accepted without a row");
+  for (const auto& row : r) {
+    if (row.empty()) broken("rows: an empty row");
+    int64_t total = 0;
+    for (int L : row) {
+      if (L <= 49 || L > 2048) broken("rows: a sample of " + std::to_string(L) + " tokens");
+      total += L;
+    }
+    if (total > 2048) broken("rows: a row of " + std::to_string(total) + " tokens");
+  }
+  return 0;
+}
+
 const std::vector<Named>& all_targets() {
   static const std::vector<Named> v = {{"safetensors", safetensors}, {"config", config}, {"jsonl", jsonl},
-                                       {"tokenizer", tokenizer},     {"image", image},   {"idx", idx}};
+                                       {"tokenizer", tokenizer},     {"image", image},   {"idx", idx},
+                                       {"rows", rows}};
   return v;
 }
 

@@ -30,6 +30,9 @@ int tokenizer(const uint8_t* data, size_t size);
 int image(const uint8_t* data, size_t size);
 // an IDX file (gzip or plain) read as 1, 2 and 3 dimensions (read_idx)
 int idx(const uint8_t* data, size_t size);
+// a data.synth_rows file (parse_row_lengths: 49 image tokens, rows of 2048 tokens); property:
+// every accepted row holds samples of 50..2048 tokens that sum to at most 2048
+int rows(const uint8_t* data, size_t size);
 
 struct Named {
   const char* name;

@@ -248,6 +248,8 @@ VLMData build_vlm_data(const RunContext& ctx, int image_tokens) {
   for (auto& q : train_qa) d.train.push_back(encode_qa(d, q.question, q.answer, q.image));
   for (auto& q : d.val) d.val_samples.push_back(encode_qa(d, q.question, q.answer, q.image));
   if (!given_rows.empty()) {
+    std::printf("data.synth_rows: %zu rows, %zu samples, from %s (trained as given, not packed here)\n", given_rows.size(),
+                d.train.size(), cfg.get_str("data.synth_rows").c_str());
     d.rows = given_rows;
     d.stats = PackingStats{};
     d.stats.max_len = row;
