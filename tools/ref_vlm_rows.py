@@ -32,7 +32,10 @@ def main():
     if not os.path.isfile(os.path.join(a.reference, "torch_ref.py")):
         sys.exit(f"{a.reference}: no torch_ref.py there (--reference names its folder)")
     sys.path.insert(0, a.reference)
-    import torch_ref  # noqa: E402  (the reference, from the folder given)
+    try:
+        import torch_ref  # noqa: E402  (the reference, from the folder given)
+    except ImportError as e:
+        sys.exit(f"{a.reference}/torch_ref.py cannot be imported here ({e}): it needs PyTorch")
 
     image_tokens = torch_ref.ViTConfig().num_patches // 4  # as its bench_vlm: 2 x 2 pixel shuffle
     docs, row_len = torch_ref.vlm_batch(types.SimpleNamespace(seq_len=a.seq_len, vlm_rows=a.vlm_rows),
