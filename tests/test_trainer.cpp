@@ -436,6 +436,27 @@ TEST_CASE("data.repeat_batch trains the first batch at every step", "[trainer]")
   CHECK(off[1] != off[0]);
   CHECK(off[0] == on[0]);  // the first batch is the same either way
 
+  // epochs: a dataset of a few rows ends one every step or two; one batch over and over has none
+  auto epochs = [](const std::string& dir) {
+    int n = 0;
+    std::ifstream f(dir + "/metrics.jsonl");
+    for (std::string line; std::getline(f, line);)
+      if (nlohmann::json::parse(line).value("kind", "") == "epoch") n++;
+    return n;
+  };
+  std::string g = tmpdir("repeat_e"), h = tmpdir("repeat_f");
+  auto few = [](const std::string& out, const char* repeat) {
+    auto args = tiny(out);
+    for (auto& x : args)
+      if (x.rfind("--data.train_samples=", 0) == 0) x = "--data.train_samples=6";
+    args.push_back(std::string("--data.repeat_batch=") + repeat);
+    return args;
+  };
+  REQUIRE(run_train(few(g, "false")) == 0);
+  REQUIRE(run_train(few(h, "true")) == 0);
+  CHECK(epochs(g) >= 1);
+  CHECK(epochs(h) == 0);
+
   auto mim = [](const std::string& out, const char* repeat) {
     return std::vector<std::string>{"vit_mim.cfg", "--train.out_dir=" + out, "--data.dataset=synthetic",
                                     "--train.batch_size=8", "--train.steps=4", "--train.warmup_steps=0",

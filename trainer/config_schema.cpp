@@ -61,7 +61,7 @@ const std::vector<ConfigKey>& config_schema() {
       {"data", "synth_max_len", I, "1500", "synthetic VLM text: longest text length", nullptr},
       {"data", "synth_prompt_len", I, "16", "synthetic VLM text: leading text tokens without a target (the prompt)", nullptr},
       {"data", "synth_rows", S, "", "synthetic VLM data: a file of packed rows to train instead of lognormal samples packed here, one row a line of sample lengths in tokens (image tokens included; '#' starts a comment), e.g. the PyTorch reference's bench batch (tools/ref_vlm_rows.py)", nullptr},
-      {"data", "repeat_batch", B, "false", "every step trains the first batch again (timing: the PyTorch reference's bench trains one fixed batch; the step time then does not follow the data)", nullptr},
+      {"data", "repeat_batch", B, "false", "every step trains the first batch again (timing: the PyTorch reference's bench trains one fixed batch; the step time then does not follow the data; no epochs are logged)", nullptr},
       {"data", "max_image_pixels", I, "67108864", "images with more pixels are skipped (decode guard)", nullptr},
       // ---------------------------------------------------------------- train
       {"train", "trainer", S, "vlm_sft", "training recipe", "vlm_sft|vlm_pretrain|vit_mim"},

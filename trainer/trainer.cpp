@@ -306,7 +306,8 @@ static int train_vlm(const RunContext& ctx) {
       }
       wait += now_ms() - w0;
       profile_add("data (waiting for the loader, host)", now_ms() - w0);
-      if (epoch_rows_seen % nrows < G && epoch_rows_seen > 0)
+      // an epoch is every row seen once; data.repeat_batch sees one batch only: no epochs
+      if (!repeat_batch && epoch_rows_seen % nrows < G && epoch_rows_seen > 0)
         log.event("epoch", {{"step", double(s)}}, "epoch " + std::to_string(epoch_rows_seen / nrows) + "\n" + d.stats.log_lines());
       epoch_rows_seen += G;
       tokens += sb.real_tokens;
