@@ -446,10 +446,8 @@ TEST_CASE("data.repeat_batch trains the first batch at every step", "[trainer]")
   };
   std::string g = tmpdir("repeat_e"), h = tmpdir("repeat_f");
   auto few = [](const std::string& out, const char* repeat) {
-    auto args = tiny(out);
-    for (auto& x : args)
-      if (x.rfind("--data.train_samples=", 0) == 0) x = "--data.train_samples=6";
-    args.push_back(std::string("--data.repeat_batch=") + repeat);
+    auto args = tiny(out);  // the later override wins: 6 samples pack into a few rows
+    args.insert(args.end(), {"--data.train_samples=6", std::string("--data.repeat_batch=") + repeat});
     return args;
   };
   REQUIRE(run_train(few(g, "false")) == 0);
@@ -545,8 +543,7 @@ TEST_CASE("data.synth_rows: the rows of a file, their samples as the synthetic o
   CHECK(d.stats.rows == int64_t(want.size()));
   CHECK(d.stats.samples == int64_t(total));
   // the whole file as one batch: its images and real tokens
-  std::vector<std::vector<int>> all(d.rows.begin(), d.rows.end());
-  PackedBatch pb = build_batch(d.train, all, 512, d.pad_id, d.image_token);
+  PackedBatch pb = build_batch(d.train, d.rows, 512, d.pad_id, d.image_token);
   int64_t real = 0;
   for (auto& row : want)
     for (int L : row) real += L;
