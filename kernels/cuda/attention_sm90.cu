@@ -44,7 +44,8 @@
  *     2 warpgroups x 128-key tiles                    216 | 284 | 165
  *   PyTorch 2.11 FLASH_ATTENTION (earlier call)      224 | 277 | 145
  *   Kept: 3 x 128 except hd 64 full and hd 64 causal with short sequences (2 x 64; fwd_sm90),
- *   and 1 x 64 (one warpgroup a block) for sequences of at most 64 tokens at hd 64.
+ *   1 x 64 (one warpgroup a block) for sequences of at most 64 tokens at hd 64, and whole
+ *   sequences for 65-256 tokens at hd 64 (below).
  *   Its exp2s use ex2.approx.ftz since 2026-11-23
  *   (hd 64 full 0.108 -> 0.101 ms on an H100, the others unchanged: this kernel waits at its
  *   block-wide barrier more than it computes).
@@ -52,6 +53,24 @@
  *   products, and TMA loads are attention_sm90_ws.cu, the default forward on sm_90a since
  *   2026-11-23 (1.2-1.4x this kernel); this one runs with LOOM_ATTN_SM90=1, and stays as the
  *   plainer of the two wgmma forwards and the one tested beside it.
+ *
+ * Whole sequences (attn_fwd_whole, 2026-11-29): for 65-256 rows at hd 64 one block of two
+ *   warpgroups per sequence and head, Q, K and V of the sequence loaded once and kept, each
+ *   warpgroup taking two 64-row query tiles over the four 64-key tiles. At 196 tokens the 2 x 64
+ *   blocks (two a sequence and head, each loading every K and V tile) fill shared memory with
+ *   246 MB a B128 H12 call for 154 MB of tensors, and each waits on its next K / V tile (a
+ *   double buffer) before the tile's products. H200, same call, forward ms, 2 x 64 | whole | cuDNN:
+ *     B128 H12 T196 (MIM target)     0.1292 | 0.1092 | 0.1077
+ *     B128 H6 T196 (MIM predictor)   0.0704 | 0.0614 | 0.0617
+ *     B50 H12 T196 (VLM tower)       0.0604 | 0.0526 | 0.0590
+ *     B64 H12 T256                   0.0700 | 0.0589 | 0.0556
+ *     B32 H9 T256 causal             0.0318 | 0.0292 | 0.0345
+ *   Tried first in that call, slower than 2 x 64 at B128 H12 T196 (0.129 ms): every key in one
+ *   tile, S as two m64n128 products and no double buffer (1 x 256 keys: 0.164, 252 registers;
+ *   2 x 256: 0.187), and 128-key tiles (1 x 128: 0.134; 2 x 128: 0.175). The larger tiles load
+ *   K and V for fewer query rows each, so the fill traffic grows. Equal to cuDNN at the MIM
+ *   shapes, so `train.attention = auto` steps do not move (bench_mim 22.52 / 22.58 ms against
+ *   22.42 / 22.54, contrastive 42.70 / 42.85 against 42.67 / 42.73, same call).
  *
  * Test: tests/cuda/test_cuda_kernels_b.cpp ("attention ...", every bf16 case with hd 64/128
  *   runs this kernel on an H100/H200, and the v2 kernel with LOOM_ATTN_SM90=0).
@@ -167,6 +186,129 @@ attn_fwd_sm90(bf* __restrict__ out, float* __restrict__ lse, const bf* __restric
 #endif
 }
 
+// ------------------------------------------------------------------------ whole sequences
+// attn_fwd_whole: one block per (sequence, head) for sequences of at most KT * BC keys and
+// NWG * QT * 64 query rows (the ViTs' 196 tokens: 256 each). The block loads Q, K and V of the
+// whole sequence once (K and V tile by tile, one cp.async group each, so the first query tile
+// starts on key tile 0 while the rest land) and keeps them: warpgroup w takes the query tiles
+// w, w + NWG, ..., each over every key tile, with the body of attn_fwd_sm90 (S, online softmax,
+// P V). Why: at 196 tokens attn_fwd_sm90's 128-row blocks each load every K and V tile, and the
+// step is bound by that shared-memory fill traffic (B128 H12: 246 MB for 154 MB of tensors);
+// here every byte is loaded once. Two blocks a multiprocessor (96 KB of shared memory and at
+// most 128 registers a thread each), so one block's loads run beside the other's products.
+template <int HD, int NWG, int QT, int BC, int KT>
+__global__ void __launch_bounds__(NWG * 128, 2)
+attn_fwd_whole(bf* __restrict__ out, float* __restrict__ lse, const bf* __restrict__ q,
+               const bf* __restrict__ k, const bf* __restrict__ v, const int32_t* __restrict__ cu_q,
+               const int32_t* __restrict__ cu_k, int dense, int64_t Nq, int H, int KV, bool causal,
+               float scale_log2) {
+  pdl_entry();
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(HD == 64 && KT <= 4, "one 64-column half; cp.async groups waited for by count <= 3");
+  constexpr int BR = 64 * NWG * QT, NT = NWG * 128;
+  extern __shared__ unsigned char smem_raw[];
+  bf* sQ = reinterpret_cast<bf*>(smem_align1024(smem_raw));
+  bf* sK = sQ + BR * HD;        // [KT][BC * HD]
+  bf* sV = sK + KT * BC * HD;   // [KT][BC * HD]
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int g = lane >> 2, t = lane & 3;
+  const int seq = blockIdx.z, h = blockIdx.y, kvh = h / (H / KV);
+  const SeqBounds sb = seq_bounds(cu_q, cu_k, seq, int(gridDim.z), dense);
+  const int q0 = sb.q0, Lq = sb.Lq, k0 = sb.k0, Lk = sb.Lk;
+  zero_rows_outside<HD, NT>(out, lse, sb.lo, sb.hi, Nq, H);
+  if (Lq <= 0) return;
+  const int shift = Lk - Lq;
+  const int64_t qstride = int64_t(H) * HD, kvstride = int64_t(KV) * HD;
+  const bf* kbase = k + int64_t(k0) * kvstride + kvh * HD;
+  const bf* vbase = v + int64_t(k0) * kvstride + kvh * HD;
+  const int ntiles = Lk > 0 ? (Lk + BC - 1) / BC : 0;
+
+  load_tile_sw128<HD, BR, NT>(sQ, q + int64_t(q0) * qstride + h * HD, qstride, Lq);
+  for (int j = 0; j < ntiles; j++) {  // group j: key tile j (group 0 with Q)
+    load_tile_sw128<HD, BC, NT>(sK + j * BC * HD, kbase + int64_t(j) * BC * kvstride, kvstride, min(BC, Lk - j * BC));
+    load_tile_sw128<HD, BC, NT>(sV + j * BC * HD, vbase + int64_t(j) * BC * kvstride, kvstride, min(BC, Lk - j * BC));
+    cp_async_commit();
+  }
+
+#pragma unroll 1
+  for (int qt = 0; qt < QT; qt++) {
+    const int wr = (qt * NWG + wg) * 64;          // the warpgroup's first row in the sequence
+    const int wlast = min(wr + 63, Lq - 1);
+    float o[HD / 8][4] = {};
+    float mrow[2] = {-INFINITY, -INFINITY}, lrow[2] = {0.f, 0.f};
+#pragma unroll 1
+    for (int j = 0; j < ntiles; j++) {
+      if (qt == 0) {  // the first pass waits for key tile j; every thread of the block is here
+        const int later = ntiles - 1 - j;
+        if (later >= 3) cp_async_wait<3>();
+        else if (later == 2) cp_async_wait<2>();
+        else if (later == 1) cp_async_wait<1>();
+        else cp_async_wait<0>();
+        fence_smem_async();
+        __syncthreads();
+      }
+      const int kb = j * BC;
+      if (wr >= Lq || (causal && kb > wlast + shift)) continue;
+      const bf* cK = sK + j * BC * HD;
+      const bf* cV = sV + j * BC * HD;
+      float s[BC / 8][4];
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; kk++)  // S = Q K^T
+        wgmma_ss<0>(s, sdesc(sQ + wr * 64 + kk * 16, 0), sdesc(cK + kk * 16, 0), kk > 0);
+      wg_commit();
+      wg_wait<0>();
+      fence_regs(s);
+      const bool need_mask = kb + BC > Lk || (causal && kb + BC - 1 > wr + shift);
+      const int row0 = wr + warp * 16 + g;
+      float corr[2], sum[2];
+      online_softmax_tile<BC>(s, need_mask, kb, Lk, causal, row0, shift, t, scale_log2, mrow, corr, sum);
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        lrow[r] = lrow[r] * corr[r] + sum[r];
+#pragma unroll
+        for (int dt = 0; dt < HD / 8; dt++) {
+          o[dt][2 * r] *= corr[r];
+          o[dt][2 * r + 1] *= corr[r];
+        }
+      }
+      uint32_t pa[BC / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < BC / 16; kk++) c_to_a(pa[kk], s, kk);
+      fence_regs(o);
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < BC / 16; kk++)  // O += P V, V read transposed (MN-major)
+        wgmma_rs<1>(o, pa[kk], sdesc(cV + kk * 16 * 64, BC * 128));
+      wg_commit();
+      wg_wait<0>();
+      fence_regs(o);
+    }
+    if (wr < Lq)  // O / l and lse through the warpgroup's own (finished) rows of sQ
+      store_out_rows<HD, BR>(out + int64_t(q0) * qstride + h * HD, lse + int64_t(q0) * H + h, sQ, o, mrow, lrow,
+                             wr, 0, Lq, Lq, qstride, H);
+  }
+  cp_async_wait<0>();
+#endif
+}
+
+void launch_whole(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const int32_t* cu_q,
+                  const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV,
+                  bool causal, float scale_log2, cudaStream_t s) {
+  constexpr int NWG = 2, QT = 2, BC = 64, KT = 4, BR = 64 * NWG * QT;
+  const int smem = (BR + 2 * KT * BC) * 64 * int(sizeof(bf)) + 1024;  // + 1024: alignment slack
+  static const bool once = [smem] {
+    CUDA_CHECK(cudaFuncSetAttribute(attn_fwd_whole<64, NWG, QT, BC, KT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    smem));
+    return true;
+  }();
+  (void)once;
+  dim3 grid(1, H, nseq);
+  launch_kernel(attn_fwd_whole<64, NWG, QT, BC, KT>, grid, NWG * 128, smem, s, out, lse, q, k, v, cu_q, cu_k,
+                dense_seqlen(cu_q, cu_k, nseq, max_seqlen, Nq, Nk), Nq, H, KV, causal, scale_log2);
+  LAUNCH_CHECK();
+}
+
 template <int HD, int NWG, int BC>
 void launch(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const int32_t* cu_q,
             const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, bool causal,
@@ -235,6 +377,15 @@ void fwd_sm90(bf* out, float* lse, const bf* q, const bf* k, const bf* v, const 
   // at B50 H12 T196). The same two switches turn this rule off.
   if (!m && !(e && e[0] == '1' && e[1] == 0) && hd == 64 && max_seqlen <= 64) {
     launch<64, 1, 64>(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, causal, scale_log2, s);
+    return;
+  }
+  // Sequences of 65-256 rows at hd 64 (the ViTs' 196 tokens): one block per sequence and head,
+  // Q, K and V loaded once (attn_fwd_whole above). LOOM_ATTN_WHOLE=0 turns this rule off, as do
+  // the two switches above.
+  const char* w = std::getenv("LOOM_ATTN_WHOLE");
+  if (!m && !(e && e[0] == '1' && e[1] == 0) && !(w && w[0] == '0') && hd == 64 && max_seqlen > 64 &&
+      max_seqlen <= 256) {
+    launch_whole(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, causal, scale_log2, s);
     return;
   }
   if (!m && !(e && e[0] == '1' && e[1] == 0) && causal && hd == 64 && Nq < int64_t(512) * nseq) {

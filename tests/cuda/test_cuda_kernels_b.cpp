@@ -405,7 +405,8 @@ TEST_CASE("attention forward/backward f32 (v1) against the CPU reference", "[cud
 
 // On an H100/H200 build for sm_90a the bf16 forward at hd 64/128 is the warp-specialized wgmma
 // kernel (attention_sm90_ws.cu) from 768 tokens (hd 64) / 256 (hd 128) and the lock-step one (attention_sm90.cu)
-// below (one warpgroup a block for sequences of at most 64 rows at hd 64), except causal hd 64
+// below (one warpgroup a block for sequences of at most 64 rows at hd 64, one block a sequence
+// and head for 65-256 rows: the default and last sections; LOOM_ATTN_WHOLE=0 turns it off), except causal hd 64
 // batches of short sequences (< 512 rows a sequence on average), which
 // run the lock-step one with 2 x 64-key tiles (the default and last sections below, the only ones
 // that run that configuration with the causal mask); the case below runs everything again with
