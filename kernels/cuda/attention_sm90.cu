@@ -69,8 +69,13 @@
  *   tile, S as two m64n128 products and no double buffer (1 x 256 keys: 0.164, 252 registers;
  *   2 x 256: 0.187), and 128-key tiles (1 x 128: 0.134; 2 x 128: 0.175). The larger tiles load
  *   K and V for fewer query rows each, so the fill traffic grows. Equal to cuDNN at the MIM
- *   shapes, so `train.attention = auto` steps do not move (bench_mim 22.52 / 22.58 ms against
- *   22.42 / 22.54, contrastive 42.70 / 42.85 against 42.67 / 42.73, same call).
+ *   shapes. Measured and not kept (the next call): S of key tile j + 1 issued beside P V of
+ *   tile j (the last tile peeled off so that no branch stands between the two issues; 125
+ *   registers): 0.1085 against 0.1086 ms at B128 H12 T196, 0.0602 against 0.0582 at B64 H12
+ *   T256. With it `train.attention = loom` runs the MIM step as fast as auto (bench_mim 22.49 /
+ *   22.48 ms; cuDNN for every shape 23.10). `train.attention = auto` steps do not move
+ *   (bench_mim 22.52 / 22.58 ms against 22.42 / 22.54, contrastive 42.70 / 42.85 against
+ *   42.67 / 42.73, same call).
  *
  * Test: tests/cuda/test_cuda_kernels_b.cpp ("attention ...", every bf16 case with hd 64/128
  *   runs this kernel on an H100/H200, and the v2 kernel with LOOM_ATTN_SM90=0).
@@ -230,6 +235,16 @@ attn_fwd_whole(bf* __restrict__ out, float* __restrict__ lse, const bf* __restri
     cp_async_commit();
   }
 
+  // the first pass over the query tiles waits for key tile j (every thread of the block is there)
+  auto wait_tile = [&](int j) {
+    const int later = ntiles - 1 - j;
+    if (later >= 3) cp_async_wait<3>();
+    else if (later == 2) cp_async_wait<2>();
+    else if (later == 1) cp_async_wait<1>();
+    else cp_async_wait<0>();
+    fence_smem_async();
+    __syncthreads();
+  };
 #pragma unroll 1
   for (int qt = 0; qt < QT; qt++) {
     const int wr = (qt * NWG + wg) * 64;          // the warpgroup's first row in the sequence
@@ -238,15 +253,7 @@ attn_fwd_whole(bf* __restrict__ out, float* __restrict__ lse, const bf* __restri
     float mrow[2] = {-INFINITY, -INFINITY}, lrow[2] = {0.f, 0.f};
 #pragma unroll 1
     for (int j = 0; j < ntiles; j++) {
-      if (qt == 0) {  // the first pass waits for key tile j; every thread of the block is here
-        const int later = ntiles - 1 - j;
-        if (later >= 3) cp_async_wait<3>();
-        else if (later == 2) cp_async_wait<2>();
-        else if (later == 1) cp_async_wait<1>();
-        else cp_async_wait<0>();
-        fence_smem_async();
-        __syncthreads();
-      }
+      if (qt == 0) wait_tile(j);
       const int kb = j * BC;
       if (wr >= Lq || (causal && kb > wlast + shift)) continue;
       const bf* cK = sK + j * BC * HD;
