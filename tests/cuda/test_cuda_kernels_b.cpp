@@ -244,6 +244,11 @@ const std::vector<AttnCase>& attn_cases() {
       {{50, 50, 50}, {50, 50, 50}, 0, 0, 4, 4, 64, false},
       {{64, 64}, {64, 64}, 0, 0, 6, 2, 64, true},
       {{33, 64, 5}, {33, 64, 5}, 2, 1, 4, 2, 64, true},
+      // 65-256 rows at hd 64: one forward block a sequence and head (attn_fwd_whole); all four
+      // query and key tiles beside sequences of one and two tiles, GQA 3:1, padding rows; causal
+      // with more queries than keys (shift -50 and -4: the first queries see nothing)
+      {{256, 65, 1}, {256, 65, 1}, 0, 2, 3, 1, 64, false},
+      {{200, 70}, {150, 66}, 1, 1, 6, 2, 64, true},
   };
   return cases;
 }
