@@ -197,9 +197,9 @@ attn_fwd_sm90(bf* __restrict__ out, float* __restrict__ lse, const bf* __restric
 // whole sequence once (K and V tile by tile, one cp.async group each, so the first query tile
 // starts on key tile 0 while the rest land) and keeps them: warpgroup w takes the query tiles
 // w, w + NWG, ..., each over every key tile, with the body of attn_fwd_sm90 (S, online softmax,
-// P V). Why: at 196 tokens attn_fwd_sm90's 128-row blocks each load every K and V tile, and the
-// step is bound by that shared-memory fill traffic (B128 H12: 246 MB for 154 MB of tensors);
-// here every byte is loaded once. Two blocks a multiprocessor (96 KB of shared memory and at
+// P V). Why: at 196 tokens attn_fwd_sm90's 128-row blocks each load every K and V tile, and that
+// shared-memory fill traffic (B128 H12: 246 MB for 154 MB of tensors), not the products, bounds
+// them; here every byte is loaded once. Two blocks a multiprocessor (96 KB of shared memory and at
 // most 128 registers a thread each), so one block's loads run beside the other's products.
 template <int HD, int NWG, int QT, int BC, int KT>
 __global__ void __launch_bounds__(NWG * 128, 2)
@@ -233,6 +233,11 @@ attn_fwd_whole(bf* __restrict__ out, float* __restrict__ lse, const bf* __restri
     load_tile_sw128<HD, BC, NT>(sK + j * BC * HD, kbase + int64_t(j) * BC * kvstride, kvstride, min(BC, Lk - j * BC));
     load_tile_sw128<HD, BC, NT>(sV + j * BC * HD, vbase + int64_t(j) * BC * kvstride, kvstride, min(BC, Lk - j * BC));
     cp_async_commit();
+  }
+  if (ntiles == 0) {  // no keys (every row's out 0, lse +inf): Q must land before sQ stages out
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
   }
 
   // the first pass over the query tiles waits for key tile j (every thread of the block is there)

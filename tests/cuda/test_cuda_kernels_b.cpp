@@ -249,6 +249,8 @@ const std::vector<AttnCase>& attn_cases() {
       // with more queries than keys (shift -50 and -4: the first queries see nothing)
       {{256, 65, 1}, {256, 65, 1}, 0, 2, 3, 1, 64, false},
       {{200, 70}, {150, 66}, 1, 1, 6, 2, 64, true},
+      // a sequence with no keys at all beside one with keys: its rows get out 0, lse +inf
+      {{70, 5}, {0, 9}, 0, 1, 4, 2, 64, false},
   };
   return cases;
 }
