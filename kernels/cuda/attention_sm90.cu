@@ -72,8 +72,9 @@
  *   shapes. Measured and not kept (the next call): S of key tile j + 1 issued beside P V of
  *   tile j (the last tile peeled off so that no branch stands between the two issues; 125
  *   registers): 0.1085 against 0.1086 ms at B128 H12 T196, 0.0602 against 0.0582 at B64 H12
- *   T256. With it `train.attention = loom` runs the MIM step as fast as auto (bench_mim 22.49 /
- *   22.48 ms; cuDNN for every shape 23.10). `train.attention = auto` steps do not move
+ *   T256. With it loom's kernels for every shape (`train.attention = loom`) run bench_mim in
+ *   22.49 / 22.48 ms against 23.10 with cuDNN's for every shape (same call; before it, loom's
+ *   23.14 / 23.07 against auto's 22.74 in one call). `train.attention = auto` steps do not move
  *   (bench_mim 22.52 / 22.58 ms against 22.42 / 22.54, contrastive 42.70 / 42.85 against
  *   42.67 / 42.73, same call).
  *
