@@ -57,7 +57,13 @@ fi
 rm -f "$OUT/torch_ref.jsonl"
 if [ "${E2E_TORCH:-1}" = 1 ] && [ -n "$HAVE_TORCH" ]; then
   timeout ${E2E_TORCH_TIMEOUT:-900} python3 "$REF" bench --workload mim,mim_contrastive,vlm --compile "${E2E_COMPILE:-0,1}" --vlm-variants packed \
-    --out "$OUT" > "$OUT/e2e_torch.log" 2>&1 || tail -20 "$OUT/e2e_torch.log"
+    --out "$OUT" > "$OUT/e2e_torch.log" 2>&1
+  rc=$?
+  if [ $rc = 124 ]; then
+    echo "PyTorch reference stopped after ${E2E_TORCH_TIMEOUT:-900} s (E2E_TORCH_TIMEOUT): the table has the rows it finished"
+  elif [ $rc != 0 ]; then
+    tail -20 "$OUT/e2e_torch.log"
+  fi
 else
   echo "PyTorch reference not run"
 fi

@@ -84,3 +84,8 @@ for (w, c), t in sorted(torch_rows.items()):
     extra = f" ({t['real_tokens']} real tokens/step)" if "real_tokens" in t else ""
     print(f"| {w} | torch {'compile' if c else 'eager'} | {t['ms_per_step']:.1f} | — | — | {thr}{extra} | "
           f"{100 * t.get('mfu', 0):.1f}% | {t.get('peak_mem_gb', 0):.2f} | — | | |")
+# a loom workload without any PyTorch row: the reference was not run, or stopped before it
+missing = sorted({workload(r["name"]) for r in loom} - {w for (w, c) in torch_rows})
+if missing:
+    print(f"\nNo PyTorch row for {', '.join(missing)}: the reference was not run, or stopped before "
+          f"that workload (its log: e2e_torch.log beside this table).")
