@@ -89,6 +89,51 @@
 namespace loom::cuda::attn {
 namespace {
 
+// ------------------------------------------------------------------------ one key tile
+// One key tile for a warpgroup's 64 query rows, the body both forwards share: S = Q K^T (sQw:
+// the warpgroup's first row of a BR-row sw128 Q tile; cK, cV: the BC-row K and V tiles of keys
+// kb..; wrow: the warpgroup's first row in the sequence), the online softmax with the masks, O
+// and l rescaled, O += P V. Each product group is committed and waited for before its result is used.
+template <int HD, int BR, int BC>
+__device__ __forceinline__ void fwd_key_tile(float (&o)[HD / 8][4], float (&mrow)[2], float (&lrow)[2],
+                                             const bf* sQw, const bf* cK, const bf* cV, int kb, int Lk, bool causal,
+                                             int wrow, int shift, float scale_log2) {
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+  float s[BC / 8][4];
+  wg_fence();
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; kk++)  // S = Q K^T
+    wgmma_ss<0>(s, sdesc(sQw + (kk / 4) * BR * 64 + (kk % 4) * 16, 0), sdesc(cK + (kk / 4) * BC * 64 + (kk % 4) * 16, 0),
+                kk > 0);
+  wg_commit();
+  wg_wait<0>();
+  fence_regs(s);
+  const bool need_mask = kb + BC > Lk || (causal && kb + BC - 1 > wrow + shift);
+  const int row0 = wrow + warp * 16 + g;  // rows row0 (c0, c1) and row0 + 8 (c2, c3)
+  float corr[2], sum[2];
+  online_softmax_tile<BC>(s, need_mask, kb, Lk, causal, row0, shift, t, scale_log2, mrow, corr, sum);
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    lrow[r] = lrow[r] * corr[r] + sum[r];
+#pragma unroll
+    for (int dt = 0; dt < HD / 8; dt++) {
+      o[dt][2 * r] *= corr[r];
+      o[dt][2 * r + 1] *= corr[r];
+    }
+  }
+  uint32_t pa[BC / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < BC / 16; kk++) c_to_a(pa[kk], s, kk);
+  fence_regs(o);
+  wg_fence();
+#pragma unroll
+  for (int kk = 0; kk < BC / 16; kk++)  // O += P V, V read transposed (MN-major)
+    wgmma_rs<1>(o, pa[kk], sdesc(cV + kk * 16 * 64, BC * 128));
+  wg_commit();
+  wg_wait<0>();
+  fence_regs(o);
+}
+
 // ------------------------------------------------------------------------ the kernel
 template <int HD, int NWG, int BC>
 __global__ void __launch_bounds__(NWG * 128, 1)
@@ -103,8 +148,7 @@ attn_fwd_sm90(bf* __restrict__ out, float* __restrict__ lse, const bf* __restric
   bf* sQ = reinterpret_cast<bf*>(smem_align1024(smem_raw));
   bf* sK = sQ + BR * HD;      // [2][BC * HD]
   bf* sV = sK + 2 * BC * HD;  // [2][BC * HD]
-  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  const int g = lane >> 2, t = lane & 3;
+  const int wg = threadIdx.x / 128;
   const int seq = blockIdx.z, h = blockIdx.y, kvh = h / (H / KV);
   // dense batches take their bounds from seq (wgmma.cuh) at hd 64; the hd 128 instance keeps the
   // loads (with the other path in it ptxas spilled 68 bytes there)
@@ -145,42 +189,8 @@ attn_fwd_sm90(bf* __restrict__ out, float* __restrict__ lse, const bf* __restric
     // a tile wholly above this warpgroup's diagonal (or past its rows) adds nothing to it
     const bool skip = qs + wr >= Lq || (causal && kb > wlast + shift);
     if (!skip) {
-      const bf* cK = sK + (j & 1) * BC * HD;
-      const bf* cV = sV + (j & 1) * BC * HD;
-      float s[BC / 8][4];
-      wg_fence();
-#pragma unroll
-      for (int kk = 0; kk < HD / 16; kk++)  // S = Q K^T
-        wgmma_ss<0>(s, sdesc(sQ + (kk / 4) * BR * 64 + wr * 64 + (kk % 4) * 16, 0),
-                    sdesc(cK + (kk / 4) * BC * 64 + (kk % 4) * 16, 0), kk > 0);
-      wg_commit();
-      wg_wait<0>();
-      fence_regs(s);
-
-      const bool need_mask = kb + BC > Lk || (causal && kb + BC - 1 > qs + wr + shift);
-      const int row0 = qs + wr + warp * 16 + g;  // rows row0 (c0, c1) and row0 + 8 (c2, c3)
-      float corr[2], sum[2];
-      online_softmax_tile<BC>(s, need_mask, kb, Lk, causal, row0, shift, t, scale_log2, mrow, corr, sum);
-#pragma unroll
-      for (int r = 0; r < 2; r++) {
-        lrow[r] = lrow[r] * corr[r] + sum[r];
-#pragma unroll
-        for (int dt = 0; dt < HD / 8; dt++) {
-          o[dt][2 * r] *= corr[r];
-          o[dt][2 * r + 1] *= corr[r];
-        }
-      }
-      uint32_t pa[BC / 16][4];
-#pragma unroll
-      for (int kk = 0; kk < BC / 16; kk++) c_to_a(pa[kk], s, kk);
-      fence_regs(o);
-      wg_fence();
-#pragma unroll
-      for (int kk = 0; kk < BC / 16; kk++)  // O += P V, V read transposed (MN-major)
-        wgmma_rs<1>(o, pa[kk], sdesc(cV + kk * 16 * 64, BC * 128));
-      wg_commit();
-      wg_wait<0>();
-      fence_regs(o);
+      fwd_key_tile<HD, BR, BC>(o, mrow, lrow, sQ + wr * 64, sK + (j & 1) * BC * HD, sV + (j & 1) * BC * HD, kb, Lk,
+                               causal, qs + wr, shift, scale_log2);
     }
     __syncthreads();  // everyone is done with buffer j&1 before it is refilled
   }
@@ -197,8 +207,7 @@ attn_fwd_sm90(bf* __restrict__ out, float* __restrict__ lse, const bf* __restric
 // NWG * QT * 64 query rows (the ViTs' 196 tokens: 256 each). The block loads Q, K and V of the
 // whole sequence once (K and V tile by tile, one cp.async group each, so the first query tile
 // starts on key tile 0 while the rest land) and keeps them: warpgroup w takes the query tiles
-// w, w + NWG, ..., each over every key tile, with the body of attn_fwd_sm90 (S, online softmax,
-// P V). Why: at 196 tokens attn_fwd_sm90's 128-row blocks each load every K and V tile, and that
+// w, w + NWG, ..., each over every key tile (fwd_key_tile, as attn_fwd_sm90). Why: at 196 tokens attn_fwd_sm90's 128-row blocks each load every K and V tile, and that
 // shared-memory fill traffic (B128 H12: 246 MB for 154 MB of tensors), not the products, bounds
 // them; here every byte is loaded once. Two blocks a multiprocessor (96 KB of shared memory and at
 // most 128 registers a thread each), so one block's loads run beside the other's products.
@@ -216,8 +225,7 @@ attn_fwd_whole(bf* __restrict__ out, float* __restrict__ lse, const bf* __restri
   bf* sQ = reinterpret_cast<bf*>(smem_align1024(smem_raw));
   bf* sK = sQ + BR * HD;        // [KT][BC * HD]
   bf* sV = sK + KT * BC * HD;   // [KT][BC * HD]
-  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  const int g = lane >> 2, t = lane & 3;
+  const int wg = threadIdx.x / 128;
   const int seq = blockIdx.z, h = blockIdx.y, kvh = h / (H / KV);
   const SeqBounds sb = seq_bounds(cu_q, cu_k, seq, int(gridDim.z), dense);
   const int q0 = sb.q0, Lq = sb.Lq, k0 = sb.k0, Lk = sb.Lk;
@@ -262,40 +270,8 @@ attn_fwd_whole(bf* __restrict__ out, float* __restrict__ lse, const bf* __restri
       if (qt == 0) wait_tile(j);
       const int kb = j * BC;
       if (wr >= Lq || (causal && kb > wlast + shift)) continue;
-      const bf* cK = sK + j * BC * HD;
-      const bf* cV = sV + j * BC * HD;
-      float s[BC / 8][4];
-      wg_fence();
-#pragma unroll
-      for (int kk = 0; kk < HD / 16; kk++)  // S = Q K^T
-        wgmma_ss<0>(s, sdesc(sQ + wr * 64 + kk * 16, 0), sdesc(cK + kk * 16, 0), kk > 0);
-      wg_commit();
-      wg_wait<0>();
-      fence_regs(s);
-      const bool need_mask = kb + BC > Lk || (causal && kb + BC - 1 > wr + shift);
-      const int row0 = wr + warp * 16 + g;
-      float corr[2], sum[2];
-      online_softmax_tile<BC>(s, need_mask, kb, Lk, causal, row0, shift, t, scale_log2, mrow, corr, sum);
-#pragma unroll
-      for (int r = 0; r < 2; r++) {
-        lrow[r] = lrow[r] * corr[r] + sum[r];
-#pragma unroll
-        for (int dt = 0; dt < HD / 8; dt++) {
-          o[dt][2 * r] *= corr[r];
-          o[dt][2 * r + 1] *= corr[r];
-        }
-      }
-      uint32_t pa[BC / 16][4];
-#pragma unroll
-      for (int kk = 0; kk < BC / 16; kk++) c_to_a(pa[kk], s, kk);
-      fence_regs(o);
-      wg_fence();
-#pragma unroll
-      for (int kk = 0; kk < BC / 16; kk++)  // O += P V, V read transposed (MN-major)
-        wgmma_rs<1>(o, pa[kk], sdesc(cV + kk * 16 * 64, BC * 128));
-      wg_commit();
-      wg_wait<0>();
-      fence_regs(o);
+      fwd_key_tile<HD, BR, BC>(o, mrow, lrow, sQ + wr * 64, sK + j * BC * HD, sV + j * BC * HD, kb, Lk, causal, wr,
+                               shift, scale_log2);
     }
     if (wr < Lq)  // O / l and lse through the warpgroup's own (finished) rows of sQ
       store_out_rows<HD, BR>(out + int64_t(q0) * qstride + h * HD, lse + int64_t(q0) * H + h, sQ, o, mrow, lrow,
