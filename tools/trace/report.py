@@ -11,6 +11,8 @@ by total time; the host runtime calls by total time (syncs, pageable copies, mal
 --gaps MS lists every idle gap longer than MS ms: where it lies (ms from the window's start),
 the GPU work before and after it, and the host runtime calls that overlap it, by thread (a gap
 with no call on the launching thread is host work outside CUDA: planning, allocation, waiting).
+Then the kernel time a step by class (kernel_classes.py: products, attention, optimizer, loss,
+other), the split torch_busy.py prints for the PyTorch reference's step.
 --against OTHER.csv compares the window with the same window of another trace (the step before
 and after a change, or with a kernel switched by an environment variable): per-step GPU busy
 time of both, and the kernels whose time per step moved most, each with both times.
@@ -19,6 +21,11 @@ import argparse
 import collections
 import csv
 import gzip
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_classes import table as class_table  # noqa: E402
 
 
 def load(path):
@@ -160,6 +167,7 @@ def main():
     print(f"\n{'kernel / copy':<90} {'calls/step':>10} {'ms/step':>9} {'avg us':>8}")
     for n, (c, t) in sorted(by.items(), key=lambda kv: -kv[1][1])[: a.top]:
         print(f"{n[:90]:<90} {c / steps:>10.1f} {t / steps:>9.3f} {1e3 * t / c:>8.1f}")
+    class_table({n: (c, t) for n, (c, t) in by.items() if not n.startswith("memcpy")}, steps, "loom")
     hb = collections.defaultdict(lambda: [0, 0.0])
     for s, e, k, st, n in hwin:
         hb[n][0] += 1
