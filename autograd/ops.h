@@ -67,12 +67,14 @@ Tensor mlp_gelu(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tenso
 // The Llama MLP down(silu(gate(x)) * up(x)): x [..., C], w_gate and w_up [I, C], w_down
 // [C2, I] (no biases) -> [..., C2]. Saves x, gate(x) and up(x) but not their product: the
 // backward recomputes it (one elementwise pass) for w_down's gradient, so a layer keeps N*I
-// fewer elements between forward and backward than swiglu + linear would.
+// fewer elements between forward and backward than swiglu + linear would, unless
+// keep_product: then the product the forward made is kept for w_down's gradient (N*I more
+// memory until the backward; the backward's SwiGLU gradient writes dgate | dup only).
 // When w_gate and w_up lie side by side in memory (the optimizer's flat buffers place them so)
 // both run as one GEMM against [w_gate; w_up] (and one each in the backward).
 // With `residual` [..., C2]: residual + down(...), the add in down's product (as linear's).
 Tensor mlp_swiglu(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down,
-                  const Tensor& residual = Tensor());
+                  const Tensor& residual = Tensor(), bool keep_product = false);
 // A Llama layer's attention inputs: q = rope(x Wq^T), k = rope(x Wk^T), v = x Wv^T, as
 // [N, H, hd], [N, KV, hd], [N, KV, hd] (x [N, C], pos int32 [N]). When Wq, Wk, Wv lie side by
 // side in memory, one GEMM writes q|k|v per row and one pass splits the rows into q, k rotated

@@ -65,12 +65,13 @@ static void joined_weight_grads(const Tensor& d, const Tensor& xc, const std::ve
 // gate | up), h = swiglu over gu's two halves (linear_swiglu_forward: in the GEMM's epilogue on
 // Hopper), out = h Wd^T. Backward:
 // dh = go Wd, dgu = swiglu'(dh) in the same layout (with h again for Wd's gradient; one call,
-// linear_swiglu_backward, the SwiGLU's gradient in the product's epilogue on Hopper), then
+// linear_swiglu_backward, the SwiGLU's gradient in the product's epilogue on Hopper; with
+// keep_product the forward's h instead, and the epilogue writes dgu only), then
 // dx = dgu [Wg; Wu] and d[Wg; Wu] += dgu^T x, one GEMM each (joined_weight_grads). The same
-// math as the separate products, summed in another order (dx over 2I at once). `residual`: as
-// mlp_swiglu's.
+// math as the separate products, summed in another order (dx over 2I at once). `residual` and
+// `keep_product`: as mlp_swiglu's.
 Tensor mlp_swiglu_joined(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, const Tensor& wgu,
-                         const Tensor& w_down, const Tensor& residual) {
+                         const Tensor& w_down, const Tensor& residual, bool keep_product) {
   const int C = int(w_gate.size(1)), I = int(w_gate.size(0)), C2 = int(w_down.size(0));
   Tensor xc = x.contiguous(), wdc = w_down.contiguous();
   const int64_t N = xc.numel() / C;
@@ -79,15 +80,18 @@ Tensor mlp_swiglu_joined(const Tensor& x, const Tensor& w_gate, const Tensor& w_
   os.back() = C2;
   Tensor out = Tensor::empty(os, x.dtype(), x.device());
   Tensor rc = residual.defined() ? residual.contiguous() : Tensor();
+  // h: freed when the forward returns unless w_down's gradient will read it (keep_product)
+  Tensor h = Tensor::empty({N, I}, x.dtype(), x.device());
   dispatch_float(xc, [&](auto dev, auto zero) {
     using T = decltype(zero);
-    Tensor h = Tensor::empty({N, I}, x.dtype(), x.device());  // freed when the forward returns
     KERNEL(dev, linear_swiglu_forward)(gu.data<T>(), h.data<T>(), xc.data<T>(), wgu.data<T>(), N, C, I, stream_for(dev));
     linear_out(dev, out.data<T>(), h.data<T>(), wdc.data<T>(), (const T*)nullptr, ptr<T>(rc), N, I, C2);
   });
+  Tensor kept = keep_product && w_down.requires_grad() ? h : Tensor();
+  h = Tensor();
   const bool mlp_grad = any_requires_grad({x, w_gate, w_up, w_down});
   if (mlp_grad || any_requires_grad({residual}))
-    record("linear", {out}, [x, xc, w_gate, w_up, wgu, w_down, wdc, residual, mlp_grad, out, gu, N, C, I, C2]() {
+    record("linear", {out}, [x, xc, w_gate, w_up, wgu, w_down, wdc, residual, mlp_grad, out, gu, kept, N, C, I, C2]() {
       Tensor go = grad_of(out).contiguous();
       accumulate_grad(residual, go);  // passed on (aliased)
       if (!mlp_grad) return;
@@ -97,11 +101,12 @@ Tensor mlp_swiglu_joined(const Tensor& x, const Tensor& w_gate, const Tensor& w_
       Tensor dgu = Tensor::empty({N, 2 * I}, go.dtype(), go.device());
       dispatch_float(go, [&](auto dev, auto zero) {
         using T = decltype(zero);
-        // dh = go Wd and the SwiGLU's gradient (and h again, for Wd's gradient) in one call:
-        // gemm_sm90.cu's epilogue on Hopper, else the product into a scratch dh and one pass
-        Tensor h = dwd.defined() ? Tensor::empty({N, I}, go.dtype(), go.device()) : Tensor();
-        KERNEL(dev, linear_swiglu_backward)(dgu.data<T>(), ptr<T>(h), go.data<T>(), wdc.data<T>(), gu.data<T>(), N, C2,
-                                            I, stream_for(dev));
+        // dh = go Wd and the SwiGLU's gradient (and h again, for Wd's gradient, unless the
+        // forward's is kept) in one call: gemm_sm90.cu's epilogue on Hopper, else the product
+        // into a scratch dh and one pass
+        Tensor h = !dwd.defined() ? Tensor() : kept.defined() ? kept : Tensor::empty({N, I}, go.dtype(), go.device());
+        KERNEL(dev, linear_swiglu_backward)(dgu.data<T>(), kept.defined() ? (T*)nullptr : ptr<T>(h), go.data<T>(),
+                                            wdc.data<T>(), gu.data<T>(), N, C2, I, stream_for(dev));
         if (dwd.defined())
           KERNEL(dev, linear_backward)((T*)nullptr, dwd.data<T>(), (T*)nullptr, go.data<T>(), h.data<T>(), wdc.data<T>(),
                                        N, I, C2, stream_for(dev));

@@ -245,7 +245,7 @@ Tensor mlp_gelu(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tenso
 }
 
 Tensor mlp_swiglu(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down,
-                  const Tensor& residual) {
+                  const Tensor& residual, bool keep_product) {
   check_same("mlp_swiglu", {x, w_gate, w_up, w_down, residual});
   LOOM_CHECK(w_gate.dim() == 2 && w_up.shape() == w_gate.shape() && w_down.dim() == 2 && x.dim() >= 1 &&
                  x.size(-1) == w_gate.size(1) && w_down.size(1) == w_gate.size(0),
@@ -258,23 +258,27 @@ Tensor mlp_swiglu(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, con
              residual.desc().c_str(), shape_str(os).c_str());
   // gate and up side by side in memory: one GEMM for both (mlp_swiglu_joined)
   if (Tensor wgu = stacked_view({w_gate, w_up}); wgu.defined())
-    return mlp_swiglu_joined(x, w_gate, w_up, wgu, w_down, residual);
+    return mlp_swiglu_joined(x, w_gate, w_up, wgu, w_down, residual, keep_product);
   Tensor xc = x.contiguous(), wgc = w_gate.contiguous(), wuc = w_up.contiguous(), wdc = w_down.contiguous();
   const int64_t N = xc.numel() / C;
   Tensor g = Tensor::empty({N, I}, x.dtype(), x.device()), u = Tensor::empty({N, I}, x.dtype(), x.device());
   Tensor out = Tensor::empty(os, x.dtype(), x.device());
   Tensor rc = residual.defined() ? residual.contiguous() : Tensor();
+  const bool mlp_grad = any_requires_grad({x, w_gate, w_up, w_down});
+  // the product, freed when the forward returns unless w_down's gradient will read it
+  Tensor h = Tensor::empty({N, I}, x.dtype(), x.device());
   dispatch_float(xc, [&](auto dev, auto zero) {
     using T = decltype(zero);
     KERNEL(dev, linear_forward)(g.data<T>(), xc.data<T>(), wgc.data<T>(), (const T*)nullptr, N, C, I, stream_for(dev));
     KERNEL(dev, linear_forward)(u.data<T>(), xc.data<T>(), wuc.data<T>(), (const T*)nullptr, N, C, I, stream_for(dev));
-    Tensor h = Tensor::empty({N, I}, x.dtype(), x.device());  // freed when the forward returns
     KERNEL(dev, swiglu_forward)(h.data<T>(), g.data<T>(), u.data<T>(), N * I, stream_for(dev));
     linear_out(dev, out.data<T>(), h.data<T>(), wdc.data<T>(), (const T*)nullptr, ptr<T>(rc), N, I, C2);
   });
-  const bool mlp_grad = any_requires_grad({x, w_gate, w_up, w_down});
+  Tensor kept = keep_product && w_down.requires_grad() ? h : Tensor();
+  h = Tensor();
   if (mlp_grad || any_requires_grad({residual}))
-    record("linear", {out}, [x, xc, w_gate, wgc, w_up, wuc, w_down, wdc, residual, mlp_grad, out, g, u, N, C, I, C2]() {
+    record("linear", {out}, [x, xc, w_gate, wgc, w_up, wuc, w_down, wdc, residual, mlp_grad, out, g, u, kept, N, C, I,
+                             C2]() {
       Tensor go = grad_of(out).contiguous();
       accumulate_grad(residual, go);  // passed on (aliased)
       if (!mlp_grad) return;
@@ -291,7 +295,12 @@ Tensor mlp_swiglu(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, con
         KERNEL(dev, linear_backward)(dh.data<T>(), (T*)nullptr, (T*)nullptr, go.data<T>(), (const T*)nullptr,
                                      wdc.data<T>(), N, I, C2, stream_for(dev));
         Tensor dg = Tensor::empty({N, I}, go.dtype(), go.device()), du = Tensor::empty({N, I}, go.dtype(), go.device());
-        if (dwd.defined()) {
+        if (dwd.defined() && kept.defined()) {  // the forward's product (keep_product)
+          KERNEL(dev, swiglu_backward)(dg.data<T>(), du.data<T>(), dh.data<T>(), g.data<T>(), u.data<T>(), N * I,
+                                       stream_for(dev));
+          KERNEL(dev, linear_backward)((T*)nullptr, dwd.data<T>(), (T*)nullptr, go.data<T>(), kept.data<T>(),
+                                       wdc.data<T>(), N, I, C2, stream_for(dev));
+        } else if (dwd.defined()) {
           Tensor h = Tensor::empty({N, I}, go.dtype(), go.device());
           KERNEL(dev, swiglu_backward_product)(dg.data<T>(), du.data<T>(), h.data<T>(), dh.data<T>(), g.data<T>(),
                                                u.data<T>(), N * I, stream_for(dev));

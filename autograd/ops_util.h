@@ -42,7 +42,7 @@ inline Tensor acc_empty(const Shape& s, const Tensor& like) {
 // when they are not), and mlp_swiglu's branch for gate and up stacked so (wgu)
 Tensor stacked_view(const std::vector<Tensor>& ts);
 Tensor mlp_swiglu_joined(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, const Tensor& wgu,
-                         const Tensor& w_down, const Tensor& residual);
+                         const Tensor& w_down, const Tensor& residual, bool keep_product);
 
 // ops_attention.cpp, for the ops that run the attention kernels (attention, qkv_rope_attention):
 // out [Nq, H, hd] and lse [Nq, H] from contiguous q, k, v (attention_forward), and the backward's

@@ -38,10 +38,11 @@ std::vector<Tensor> LMBlock::forward_fused(const Tensor& x, const Tensor& h, con
                                 cfg.rope_theta, 1.0 / std::sqrt(double(hd)));
   // r = x + o_proj(a) with the residual read by the product (cuBLASLt's C, beta = 1), then its
   // RMSNorm; out = r + down(...) likewise. The MLP's backward recomputes silu(gate) * up instead
-  // of keeping it (mlp_swiglu); each norm's backward adds the residual stream's other gradient.
+  // of keeping it, unless keep_swiglu (mlp_swiglu); each norm's backward adds the residual
+  // stream's other gradient.
   Tensor r = linear(a, o_proj.weight, o_proj.bias, x);
   Tensor out = mlp_swiglu(rmsnorm(r, post_attention_layernorm.weight, post_attention_layernorm.eps), gate_proj.weight,
-                          up_proj.weight, down_proj.weight, r);
+                          up_proj.weight, down_proj.weight, r, keep_swiglu);
   if (!next) return {out};
   return {out, rmsnorm(out, next->weight, next->eps)};
 }

@@ -35,6 +35,7 @@ class LMBlock : public Module {
   // keys/values into k_cache/v_cache rows [len, len + n) and attends over all len + n
   Tensor forward_cached(const Tensor& x, const Tensor& pos, Tensor& k_cache, Tensor& v_cache, int64_t len) const;
   LMConfig cfg;
+  bool keep_swiglu = false;  // train.keep_swiglu: the MLP keeps silu(gate) up for the backward (mlp_swiglu)
   RMSNorm input_layernorm, post_attention_layernorm;
   Linear q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj;
 };

@@ -223,6 +223,9 @@ TEST_CASE("gradcheck: linear and matmul", "[gradcheck]") {
          U({4}, 0.5, 1.5)});
   check("mlp_swiglu with residual", [](auto& in) { return mlp_swiglu(in[0], in[1], in[2], in[3], in[4]); },
         {P({5, 6}), P({9, 6}, 2.0), P({9, 6}), P({4, 9}), P({5, 4})});
+  check("mlp_swiglu with residual, keeping its product (train.keep_swiglu)",
+        [](auto& in) { return mlp_swiglu(in[0], in[1], in[2], in[3], in[4], true); },
+        {P({5, 6}), P({9, 6}, 2.0), P({9, 6}), P({4, 9}), P({5, 4})});
   {  // the same values as the add done apart
     Tensor x = P({6, 5}), w = P({3, 5}), b = P({3}), r = P({6, 3}), w1 = P({8, 3}), w2 = P({3, 8});
     NoGradGuard ng;
@@ -485,6 +488,9 @@ TEST_CASE("joined products: q|k|v and gate|up as one GEMM when the weights lie s
   check("mlp_swiglu, gate and up side by side", mlp, {x, wg, wu, wd});
   check("mlp_swiglu, gate and up side by side, with residual",
         [](const vector<Tensor>& in) { return mlp_swiglu(in[0], in[1], in[2], in[3], in[4]); },
+        {x, wg, wu, wd, P({N, C})});
+  check("mlp_swiglu, gate and up side by side, with residual, keeping its product",
+        [](const vector<Tensor>& in) { return mlp_swiglu(in[0], in[1], in[2], in[3], in[4], true); },
         {x, wg, wu, wd, P({N, C})});
   // against separate weights (linear_many + rope, two GEMMs), values and gradients, with the
   // joined weights' gradients side by side too (one GEMM for all parts)

@@ -95,6 +95,7 @@ const std::vector<ConfigKey>& config_schema() {
       {"train", "dry_run", B, "false", "build everything, run one step, print shapes and exit", nullptr},
       {"train", "profile", B, "false", "time each phase of the step and print a table", nullptr},
       {"train", "keep_gelu", S, "false", "ViT blocks keep their MLP's GELU output for the backward instead of recomputing it (one pass less per block, N x 4D activations more; no effect under grad_checkpointing): true = every ViT block, encoder = the MIM encoder's blocks and not its predictor's (the VLM's vision tower: as true)", "false|true|encoder"},
+      {"train", "keep_swiglu", B, "false", "LM blocks keep their MLP's product silu(gate) up for the down projection's weight gradient instead of recomputing it in the backward (N x hidden activations more per block; no effect under grad_checkpointing)", nullptr},
       {"train", "grad_checkpointing", B, "false", "recompute each transformer block's activations in the backward instead of keeping them (less memory, ~1/3 more compute)", nullptr},
       {"train", "vision_ahead", B, "true", "VLM with a frozen vision tower (train.freeze covers vision.): its forward for the next micro-batch runs before this one's LM step, on a second CUDA stream beside it (on the CPU in turn; same losses; off while train.profile is on)", nullptr},
       {"train", "cuda_graph", B, "true", "CUDA: capture the whole step (forward, backward, clip, AdamW, EMA) into a CUDA graph after 3 eager steps and replay it (MIM; static shapes)", nullptr},

@@ -157,6 +157,7 @@ static int train_vlm(const RunContext& ctx) {
   freeze_prefixes(m, cfg.get_str("train.freeze"));
   m.vision.checkpoint_blocks = m.lm.checkpoint_blocks = cfg.get_bool("train.grad_checkpointing");
   for (auto& b : m.vision.blocks) b->keep_gelu = cfg.get_str("train.keep_gelu") != "false";  // true | encoder
+  for (auto& b : m.lm.layers) b->keep_swiglu = cfg.get_bool("train.keep_swiglu");
   std::printf("%s (vision %.3fM, projector %.3fM, lm %.3fM)\n", describe_params(m).c_str(),
               m.vision.num_parameters() / 1e6, m.projector.num_parameters() / 1e6, m.lm.num_parameters() / 1e6);
   OptimConfig oc = optim_config_from(cfg);

@@ -53,6 +53,15 @@
  *   <= 64 splits. Correct (test_cuda_matmul with O 776 and 4100 rows), but the steps did not
  *   move (same call, two rounds, before | after: bench_mim 25.33 / 25.45 | 25.38 / 25.40 ms,
  *   contrastive 50.29 / 50.45 | 50.50 / 50.23, fixed-batch VLM 58.63 / 58.43 | 58.29 / 58.56).
+ * Tried and dropped (H200, 2026-12-01): DGELU apart, as compiled PyTorch runs it: the plain
+ *   product (cuBLASLt's nvjet kernel), then one pass for the GELU's gradient and the bias's column
+ *   sums together (16-byte loads and stores, the column sums' split order, so the bits of
+ *   gelu_backward + the column sums). MIM step trace (LOOM_PDL=0, per step): the xmma DGELU
+ *   kernel's 16 calls 1.389 ms and the column sums' 0.342 of them gone, the plain products +0.780
+ *   (16 x 49 us) and the fused pass +0.957 (16 x 60 us, ~2.3 TB/s): GPU busy 22.59 against 22.53
+ *   ms; steps, two rounds, one binary, against the DGELU epilogue: bench_mim 22.85 / 22.85 against
+ *   22.65 / 22.64, contrastive 43.07 / 43.04 against 43.15 / 42.98, the reference's VLM batch
+ *   49.49 / 49.95 against 49.47 / 49.66. The epilogue stays.
  * Plans: matmul descriptors, layouts and the heuristic's algorithm are cached per shape,
  *   transposes, strides, epilogue and pointer alignment (the heuristic is ~10 us to ~3 ms of
  *   host time, far more than a small GEMM). A new shape first tries the algorithm of its
