@@ -264,7 +264,6 @@ Tensor mlp_swiglu(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, con
   Tensor g = Tensor::empty({N, I}, x.dtype(), x.device()), u = Tensor::empty({N, I}, x.dtype(), x.device());
   Tensor out = Tensor::empty(os, x.dtype(), x.device());
   Tensor rc = residual.defined() ? residual.contiguous() : Tensor();
-  const bool mlp_grad = any_requires_grad({x, w_gate, w_up, w_down});
   // the product, freed when the forward returns unless w_down's gradient will read it
   Tensor h = Tensor::empty({N, I}, x.dtype(), x.device());
   dispatch_float(xc, [&](auto dev, auto zero) {
@@ -276,6 +275,7 @@ Tensor mlp_swiglu(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, con
   });
   Tensor kept = keep_product && w_down.requires_grad() ? h : Tensor();
   h = Tensor();
+  const bool mlp_grad = any_requires_grad({x, w_gate, w_up, w_down});
   if (mlp_grad || any_requires_grad({residual}))
     record("linear", {out}, [x, xc, w_gate, wgc, w_up, wuc, w_down, wdc, residual, mlp_grad, out, g, u, kept, N, C, I,
                              C2]() {

@@ -1,5 +1,5 @@
 """kernel_classes.py: one split of a training step's GPU kernels into classes, by kernel name,
-used for loom's traces (report.py --classes) and for the PyTorch reference's (torch_busy.py), so
+used for loom's traces (report.py) and for the PyTorch reference's (torch_busy.py), so
 that the two steps' time can be compared class by class.
 
     products   GEMMs: cuBLAS / cuBLASLt (nvjet, xmma, cutlass, split-K reductions, gemv), loom's
@@ -18,7 +18,7 @@ import re
 RULES = [
     ("attention", r"attn_|flash|fmha|sdpa|attention|flex|cudnn_prep|cudnn_fix"),
     ("products", r"nvjet|xmma|cutlass|gemm|splitkreduce|gemv|cublas|triton_tem_fused_(mm|bmm|addmm)|"
-                 r"gemm90|matmul"),
+                 r"matmul"),
     ("optimizer", r"adam|ema_|lerp|multi_tensor|sumsq|step_control|grad_norm|foreach"),
     ("loss", r"(::|^|\s)l?ce_|cross_entropy|xent|nll|log_softmax|logsoftmax|infonce"),
 ]
@@ -28,8 +28,6 @@ _COMPILED = [(c, re.compile(p)) for c, p in RULES]
 
 def classify(name):
     n = name.lower()
-    if n.startswith("memcpy") or n.startswith("memset"):
-        return "other"
     for c, rx in _COMPILED:
         if rx.search(n):
             return c
@@ -37,7 +35,7 @@ def classify(name):
 
 
 def table(per_kernel, steps, title):
-    """per_kernel: name -> (calls, ms over the window); prints ms a step by class and returns them."""
+    """per_kernel: name -> (calls, ms over the window); prints ms a step by class."""
     by = {c: [0.0, 0.0] for c in CLASSES}
     for name, (calls, ms) in per_kernel.items():
         k = by[classify(name)]
@@ -50,4 +48,3 @@ def table(per_kernel, steps, title):
         calls, ms = by[c]
         print(f"{c:<12} {calls:>9.1f} {ms:>9.3f} {100 * ms / max(total, 1e-9):>6.1f}%")
     print(f"{'sum':<12} {sum(v[0] for v in by.values()):>9.1f} {total:>9.3f}")
-    return {c: by[c][1] for c in CLASSES}

@@ -14,10 +14,10 @@ step by class (kernel_classes.py; report.py prints the same split for loom's tra
 --top longest kernels.
 """
 import argparse
+import collections
 import json
 import os
 import sys
-import collections
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
