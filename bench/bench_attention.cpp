@@ -81,6 +81,39 @@ static std::vector<int32_t> spec_packed_cu(int rows, int T, uint32_t seed) {
   return cu;
 }
 
+// LOOM_BENCH_ATTN_ROWS=FILE: the batch's rows from a data.synth_rows file instead (one line of
+// sample lengths per row, '#' comments; tools/ref_vlm_rows.py writes the PyTorch reference's
+// batch), each row's unused tail a segment of its own, as spec_packed_cu lays them out.
+static std::vector<int32_t> rows_file_cu(const char* path, int T, int* rows) {
+  FILE* f = std::fopen(path, "r");
+  if (!f) {
+    std::fprintf(stderr, "LOOM_BENCH_ATTN_ROWS: cannot open %s\n", path);
+    std::exit(2);
+  }
+  std::vector<int32_t> cu{0};
+  char line[65536];
+  int row = 0, lineno = 0;
+  while (std::fgets(line, sizeof line, f)) {
+    lineno++;
+    if (line[0] == '#') continue;
+    int off = 0, n = 0, L = 0;
+    for (char* p = line; std::sscanf(p, "%d%n", &L, &n) == 1; p += n) {
+      if (L <= 0 || off + L > T) {
+        std::fprintf(stderr, "%s:%d: sample length %d does not fit a row of %d tokens\n", path, lineno, L, T);
+        std::exit(2);
+      }
+      off += L;
+      cu.push_back(row * T + off);
+    }
+    if (off == 0) continue;
+    if (off < T) cu.push_back(row * T + T);
+    row++;
+  }
+  std::fclose(f);
+  *rows = row;
+  return cu;
+}
+
 // LOOM_BENCH_ATTN_PACKED="rows,T,H,KV,D,causal": our kernels and cuDNN on the SPEC packed batch
 // (grouped heads), forward and forward+backward; FLOPs counted per segment (4 H D L^2, x 0.5
 // causal), so TFLOP/s compare with the dense rows. Returns false when the variable is unset.
@@ -94,7 +127,8 @@ static bool bench_packed() {
     std::exit(2);
   }
   const bool causal = c != 0;
-  const std::vector<int32_t> cu_h = spec_packed_cu(rows, T, 0);
+  const char* rows_path = std::getenv("LOOM_BENCH_ATTN_ROWS");
+  const std::vector<int32_t> cu_h = rows_path ? rows_file_cu(rows_path, T, &rows) : spec_packed_cu(rows, T, 0);
   const int nseq = int(cu_h.size()) - 1;
   int max_len = 0;
   double sq = 0;

@@ -7,7 +7,9 @@
  * contribution of every tile pair, so that S and dP are computed once.
  *
  * Three launches:
- *   attn_bwd_prep     delta = dout . out (fp32) and dq_acc = 0, HD / 8 threads per row
+ *   attn_bwd_prep     delta = dout . out (fp32) and dq_acc = 0, HD / 8 threads per row; with a
+ *                     BwdOrder plan one block more, which builds the warp-specialized backward's
+ *                     block order (attention_tiles.cuh, build_bwd_order)
  *   attn_bwd_v2_atomic_dq  one block per key tile (16 NW keys of one kv head) walks the query
  *                     tiles that see it (the group's query heads in order), keeps dK and dV in
  *                     registers; per tile pair dS^T is stored transposed into shared memory as
@@ -197,8 +199,12 @@ attn_bwd_v2_atomic_dq(bf* __restrict__ dk, bf* __restrict__ dv, float* __restric
 // threads per row, 16-byte loads; the row's threads are adjacent lanes (HD / 8 divides 32).
 template <int HD>
 __global__ void attn_bwd_prep(float* __restrict__ delta, float* __restrict__ dq_acc, const bf* __restrict__ dout,
-                              const bf* __restrict__ out, int64_t rows) {
+                              const bf* __restrict__ out, int64_t rows, const BwdOrder ord) {
   pdl_entry();
+  if (ord.order && blockIdx.x == gridDim.x - 1) {  // one block more: the backward's block order
+    build_bwd_order(ord);
+    return;
+  }
   constexpr int TPR = HD / 8;
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, r = i / TPR;
   const int c = int(i % TPR);
@@ -315,14 +321,16 @@ void bwd_v2_atomic_hd(bf* dq, bf* dk, bf* dv, float* dq_acc, float* delta, const
   // hd 64 only (64 keys a block); the hd 128 instance with the stores spilled 8 bytes
   const bool direct = HD == 64 && !ws && nseq > 0 && max_seqlen > 0 && max_seqlen <= 64 &&
                       dense_seqlen(cu_q, cu_k, nseq, max_seqlen, Nq, Nk) > 0;
+  const BwdOrder ord = ws && rows > 0 ? bwd_sm90_order(cu_q, cu_k, nseq, max_seqlen, Nq, Nk, causal) : BwdOrder();
   if (rows > 0) {
-    launch_kernel(attn_bwd_prep<HD>, ceil_div(rows * (HD / 8), 256), 256, 0, s, delta, direct ? nullptr : dq_acc,
-                  dout, out, rows);
+    launch_kernel(attn_bwd_prep<HD>, ceil_div(rows * (HD / 8), 256) + (ord.order ? 1 : 0), 256, 0, s, delta,
+                  direct ? nullptr : dq_acc, dout, out, rows, ord);
     LAUNCH_CHECK();
   }
   if (ws) {
     bwd_sm90_ws(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, HD, causal,
-                scale, s);
+                scale, s, QkvRope(), ord.order);
+    if (ord.order) device_free(ord.order);  // stream-ordered reuse
   } else if (nseq > 0 && max_seqlen > 0) {
     // hd 128: 8 warps x 16 keys, query tiles of 64 (255 registers, no spill; 1 block per SM).
     // hd 64: 4 warps x 16 keys, query tiles of 64 (225 registers; 2 blocks per SM).
@@ -355,7 +363,9 @@ void bwd_qkv_rope(bf* dqkv, float* dq_acc, float* delta, const bf* dout, const b
   if (rows <= 0) return;
   if (!bwd_sm90_ws_available(64, causal, max_seqlen, N, N, q, k, v, dout, dq_acc) || nseq <= 0 || max_seqlen <= 0)
     throw std::runtime_error("bwd_qkv_rope: needs the warp-specialized backward (attention_backward_qkv checks it)");
-  launch_kernel(attn_bwd_prep<64>, ceil_div(rows * 8, 256), 256, 0, s, delta, dq_acc, dout, out, rows);
+  const BwdOrder ord = bwd_sm90_order(cu, cu, nseq, max_seqlen, N, N, causal);
+  launch_kernel(attn_bwd_prep<64>, ceil_div(rows * 8, 256) + (ord.order ? 1 : 0), 256, 0, s, delta, dq_acc, dout, out,
+                rows, ord);
   LAUNCH_CHECK();
   QkvRope rope;
   rope.pos = pos;
@@ -363,7 +373,8 @@ void bwd_qkv_rope(bf* dqkv, float* dq_acc, float* delta, const bf* dout, const b
   rope.log_theta = std::log(theta);
   rope.stride = W;
   bwd_sm90_ws(dqkv + int64_t(H) * 64, dqkv + int64_t(H + KV) * 64, dq_acc, dout, q, k, v, lse, delta, cu, cu, nseq,
-              max_seqlen, N, N, H, KV, 64, causal, scale, s, rope);
+              max_seqlen, N, N, H, KV, 64, causal, scale, s, rope, ord.order);
+  if (ord.order) device_free(ord.order);  // stream-ordered reuse
   launch_kernel(attn_bwd_finish_qkv, std::max<int64_t>(1, ceil_div(rows * 8, 256)), 256, 0, s, dqkv, dq_acc, N, H, KV,
                 scale, pos, rope.table, rope.table_rows, rope.log_theta, cu, nseq);
   LAUNCH_CHECK();

@@ -52,6 +52,24 @@
  *   reductions cost more than the drift gained). With the turns it is faster at every hd 64 shape
  *   measured but the 196-token one (version 7).
  *
+ * Block order: a batch of unequal sequences (not dense) takes its blocks from the order that
+ *   attn_bwd_prep's last block builds (BwdOrder, attention_tiles.cuh): the (sequence, key tile)
+ *   items by descending rounds, the kv heads of an item side by side, so that the longest blocks
+ *   start in the first wave. block_tile's chunked order (dense batches, LOOM_ATTN_BWD_ORDER=0)
+ *   started a chunk's long blocks only when the chunk came, and on the PyTorch reference's packed
+ *   VLM batch (44 segments, the longest 1051) the last chunk's long blocks ran alone at the end.
+ *   The timing build (-DLOOM_ATTN_BWD_TIMING, below) on that batch, H200, 2026-12-01, per block:
+ *   465 working blocks of 1188 launched, 13.6 rounds a block (40% masked), ~3250 cycles a round
+ *   (also on dense causal T512 batches: 3077), K / V in 2800 cycles, the first tile 1700 more,
+ *   the end 2900; the multiprocessors busy 73.8% of the kernel's span with the chunked order,
+ *   92.1% with this one (span 138.3 -> 114.6 us in that build). Untimed, bench_attention fwd+bwd
+ *   ms, chunked | ordered, two rounds: the reference's batch 0.2463 / 0.2442 | 0.2252 / 0.2223,
+ *   SPEC's packed batch 0.2461 | 0.2148; one chunk of every pair (LOOM_ATTN_CHUNK_PAIRS=1000,
+ *   the first key tile of every pair first) 0.2492. The reference's VLM batch in the step:
+ *   48.38 / 48.39 -> 47.56 / 47.34 ms, loom's first batch 48.96 / 48.71 -> 48.93 / 48.54 (medians
+ *   of steps 6-30, two rounds, one binary). The order costs one dependent load per block and a
+ *   block of prep's launch; the L2 locality of the chunks did not show in these batches.
+ *
  * When it runs: bf16, hd 64 / 128 on sm_90a, not deterministic, when the longest sequence has
  *   at least 128 tokens (512 for causal hd 64): bwd_ws_min_seqlen below has the sweep; shorter
  *   sequences keep the mma.sync single pass, whose 64-key blocks waste less on them.
@@ -153,6 +171,26 @@
 namespace loom::cuda::attn {
 namespace {
 
+#ifdef LOOM_ATTN_BWD_TIMING
+// A timing build (-DLOOM_ATTN_BWD_TIMING): the kernel sums clock64 cycles of a block's phases
+// (consumer 0's first thread; the producer's first thread for its own) and launch_bwd prints the
+// means after each launch (it synchronizes): [0] blocks with work, [1] rounds (query tiles x
+// heads), [2] rounds with a mask (consumer 0), [3] entry -> K, V in shared memory, [4] -> the
+// first Q / dO tile, [5] the round loop, [6] the end (dQ reductions read, dK / dV stored),
+// [7] waits on a full stage inside the loop, [8] waits for the turn, [9] the producer's waits on
+// an empty stage, [10] its partial (cp.async) tiles, [11] its lse / delta loads, [12] the
+// blocks' spans in ns (globaltimer), [13] the first start, [14] the last end (ns).
+__device__ unsigned long long g_bwd_timing[15];
+#define ATTNB_T(...) __VA_ARGS__
+__device__ __forceinline__ unsigned long long gtimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+#else
+#define ATTNB_T(...)
+#endif
+
 template <int HD, int STAGES>
 struct BwdSmem {
   static constexpr bool OWN = HD == 64;  // each consumer its own dQ (header)
@@ -174,7 +212,7 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
                  const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                  const __grid_constant__ CUtensorMap tm_dq, const int32_t* __restrict__ cu_q,
                  const int32_t* __restrict__ cu_k, int dense, int nseq, int H, int KV, int n_kt, int chunk,
-                 bool causal, float scale, float scale_log2, const QkvRope rope) {
+                 bool causal, float scale, float scale_log2, const QkvRope rope, const int32_t* __restrict__ order) {
   pdl_entry();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = BwdSmem<HD, STAGES>;
@@ -194,14 +232,23 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
   uint64_t* full = bar_kv + 1;      // [STAGES]
   uint64_t* empty = full + STAGES;  // [STAGES]
 
-  // block -> (key tile, kv head, sequence): attention_tiles.cuh's order, the first (longest,
+  // block -> (key tile, kv head, sequence): the planned order (items longest first, the kv heads
+  // of an item side by side; BwdOrder, attention_tiles.cuh) or block_tile's, the first (longest,
   // causal) key tile of every pair in a chunk first
-  const BlockTile bt = block_tile(int(blockIdx.x), n_kt, KV * nseq, chunk);
+  BlockTile bt;
+  if (order) {
+    const int item = order[blockIdx.x / KV];
+    bt = {item % n_kt, (item / n_kt) * KV + int(blockIdx.x % KV)};
+  } else {
+    bt = block_tile(int(blockIdx.x), n_kt, KV * nseq, chunk);
+  }
   const int kt = bt.tile, seq = bt.pair / KV, kvh = bt.pair % KV, group = H / KV;
   const SeqBounds sb = seq_bounds(cu_q, cu_k, seq, nseq, dense);  // (wgmma.cuh)
   const int q0 = sb.q0, Lq = sb.Lq, k0 = sb.k0, Lk = sb.Lk;
   const int ks = kt * BC;
   if (ks >= Lk) return;
+  ATTNB_T(const long long c_entry = clock64(); const unsigned long long g_entry = gtimer();
+          long long tw_full = 0, tw_turn = 0, n_mask = 0;)
   const int nk = min(BC, Lk - ks), shift = Lk - Lq;
   const int64_t qstride = int64_t(H) * HD, kvstride = int64_t(KV) * HD;
   const int64_t koff = (int64_t(k0) + ks) * kvstride + kvh * HD;
@@ -241,14 +288,18 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
       named_sync(15, 128);
       if (leader) mbar_arrive(bar_kv);
     }
+    ATTNB_T(long long p_empty = 0, p_partial = 0, p_ld = 0;)
     for (int it = 0; it < n_it; it++) {
       const int st = it % STAGES;
+      ATTNB_T(const long long pe0 = clock64();)
       if (it >= STAGES) mbar_wait(&empty[st], ((it / STAGES) - 1) & 1);
+      ATTNB_T(const long long pe1 = clock64(); p_empty += pe1 - pe0;)
       const int h = kvh * group + it / n_qt, qt = t_min + (it % n_qt) * BR, nq = min(BR, Lq - qt);
       const int i = tid & 63;
       const int64_t at = (int64_t(q0) + qt + i) * H + h;
       if (tid < 64) sL[st * BR + i] = i < nq ? lse[at] * kLog2e : 0.f;
       else sD[st * BR + i] = i < nq ? delta[at] : 0.f;
+      ATTNB_T(const long long pl1 = clock64(); p_ld += pl1 - pe1;)
       if (nq == BR) {
         if (leader) {  // its arrival carries the TMA bytes
           mbar_expect_tx(&full[st], 2 * BR * HD * 2);
@@ -268,8 +319,14 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
         cp_async_wait<0>();
         fence_smem_async();
         mbar_arrive(&full[st]);
+        ATTNB_T(p_partial += clock64() - pl1;)
       }
     }
+    ATTNB_T(if (tid == 0) {
+      atomicAdd(&g_bwd_timing[9], (unsigned long long)p_empty);
+      atomicAdd(&g_bwd_timing[10], (unsigned long long)p_partial);
+      atomicAdd(&g_bwd_timing[11], (unsigned long long)p_ld);
+    })
     return;
   }
 
@@ -307,7 +364,9 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
   // consumer 0 and skips its last hand-over, so that every wait has its arrival.
   constexpr bool PIPE = OWN;
   auto my_turn = [&] {
+    ATTNB_T(const long long w0 = clock64();)
     if constexpr (PIPE) named_sync(4 + c, 256);
+    ATTNB_T(tw_turn += clock64() - w0;)
   };
   auto hand_over = [&](bool last) {
     if constexpr (PIPE)
@@ -337,6 +396,7 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
     const float* cL = sL + st * BR;
     const float* cD = sD + st * BR;
     const bool need_mask = klast >= Lk || nq < BR || (causal && klast > qt + shift);
+    ATTNB_T(n_mask += need_mask;)
     wg_wait<1>();
     fence_regs(s);
     // two loops, not one with the test inside: the compiler turned that one into selects
@@ -390,7 +450,9 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
     constexpr bool NEXT = decltype(next_c)::value;
     const int st = it % STAGES, buf = it & 1;
     const int h = kvh * group + it / n_qt, qt = t_min + (it % n_qt) * BR;
+    ATTNB_T(const long long wf0 = clock64();)
     if constexpr (NEXT) mbar_wait(&full[(it + 1) % STAGES], ((it + 1) / STAGES) & 1);
+    ATTNB_T(tw_full += clock64() - wf0;)
     float dq[DQN / 8][4];  // dQ rows = the tile's queries, columns c HD/2 .. + HD/2 (OWN: all, my keys)
     float s[8][4], dp[8][4];
     // dQ first, then dV and dK: dQ goes out while they run
@@ -446,6 +508,7 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
   };
 
   mbar_wait(bar_kv, 0);
+  ATTNB_T(const long long c_kv = clock64(); long long c_first = c_kv;)
   fence_regs(dka);  // their zeros set here, not sunk into the loop past a wgmma in flight
   fence_regs(dva);
   if constexpr (PIPE) {
@@ -454,6 +517,7 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
       {
         float s[8][4], dp[8][4];
         mbar_wait(&full[0], 0);
+        ATTNB_T(c_first = clock64();)
         my_turn();
         wg_fence();
         issue_s_dp(0, s, dp);
@@ -475,6 +539,7 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
     }
   }
 
+  ATTNB_T(const long long c_loop = clock64();)
   if (elected) bulk_wait<0>();  // the last reductions are done before the block ends
   // dK (scaled) and dV: this thread's rows kr, kr + 8 that lie in the sequence. ROPE (hd 64): into
   // the joined rows (rope.stride), dK rounded to bf16 first (what the store alone would keep) and
@@ -513,6 +578,22 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
         *reinterpret_cast<uint32_t*>(pv + 8 * n) = pack_bf16(dva[n][2 * r], dva[n][2 * r + 1]);
     }
   }
+  ATTNB_T(if (threadIdx.x == 128) {
+    const long long c_end = clock64();
+    const unsigned long long g_end = gtimer();
+    atomicAdd(&g_bwd_timing[0], 1ull);
+    atomicAdd(&g_bwd_timing[1], (unsigned long long)n_it);
+    atomicAdd(&g_bwd_timing[2], (unsigned long long)n_mask);
+    atomicAdd(&g_bwd_timing[3], (unsigned long long)(c_kv - c_entry));
+    atomicAdd(&g_bwd_timing[4], (unsigned long long)(c_first - c_kv));
+    atomicAdd(&g_bwd_timing[5], (unsigned long long)(c_loop - c_first));
+    atomicAdd(&g_bwd_timing[6], (unsigned long long)(c_end - c_loop));
+    atomicAdd(&g_bwd_timing[7], (unsigned long long)tw_full);
+    atomicAdd(&g_bwd_timing[8], (unsigned long long)tw_turn);
+    atomicAdd(&g_bwd_timing[12], g_end - g_entry);
+    atomicMin(&g_bwd_timing[13], g_entry);
+    atomicMax(&g_bwd_timing[14], g_end);
+  })
 #endif
 }
 
@@ -520,7 +601,7 @@ template <int HD, int STAGES, bool ROPE>
 void launch_bwd(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, const bf* k, const bf* v,
                 const float* lse, const float* delta, const int32_t* cu_q, const int32_t* cu_k, int nseq,
                 int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, bool causal, float scale, const QkvRope& rope,
-                cudaStream_t s) {
+                const int32_t* order, cudaStream_t s) {
   constexpr int smem = BwdSmem<HD, STAGES>::bytes, BC = BwdSmem<HD, STAGES>::BC;
   static const bool once = [] {
     CUDA_CHECK(cudaFuncSetAttribute(attn_bwd_sm90_ws<HD, STAGES, ROPE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -534,10 +615,29 @@ void launch_bwd(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, cons
   // chunks of (kv head, sequence) pairs whose Q, dO (bf16) and dq_acc (fp32) rows share L2
   const int n_kt = ceil_div(max_seqlen, BC), pairs = KV * nseq;
   const int chunk = chunk_pairs(pairs, double(H / KV) * std::max(max_seqlen, 1) * HD * 8.0);
+#ifdef LOOM_ATTN_BWD_TIMING
+  unsigned long long z[15] = {};
+  z[13] = ~0ull;
+  CUDA_CHECK(cudaMemcpyToSymbolAsync(g_bwd_timing, z, sizeof z, 0, cudaMemcpyHostToDevice, s));
+#endif
   launch_kernel(attn_bwd_sm90_ws<HD, STAGES, ROPE>, pairs * n_kt, 384, smem, s, dk, dv, dq_acc, dout, q, k, v, lse,
                 delta, tq, tdo, tk, tv, tdq, cu_q, cu_k, dense_seqlen(cu_q, cu_k, nseq, max_seqlen, Nq, Nk), nseq, H,
-                KV, n_kt, chunk, causal, scale, scale * kLog2e, rope);
+                KV, n_kt, chunk, causal, scale, scale * kLog2e, rope, order);
   LAUNCH_CHECK();
+#ifdef LOOM_ATTN_BWD_TIMING
+  unsigned long long t[15];
+  CUDA_CHECK(cudaMemcpyFromSymbolAsync(t, g_bwd_timing, sizeof t, 0, cudaMemcpyDeviceToHost, s));
+  CUDA_CHECK(cudaStreamSynchronize(s));
+  const double b = t[0] ? double(t[0]) : 1.0, r = t[1] ? double(t[1]) : 1.0;
+  std::fprintf(stderr,
+               "attn_bwd timing: hd %d, %d launched / %llu working blocks, %llu rounds (%.1f a block, %.0f%% masked); "
+               "cycles a block: to K/V %.0f, to the first tile %.0f, loop %.0f (%.0f a round; full waits %.0f, turn "
+               "waits %.0f), end %.0f; producer a block: empty waits %.0f, partial tiles %.0f, lse/delta %.0f; "
+               "span %.1f us, blocks' spans %.1f us each, SM fill %.1f%%\n",
+               HD, pairs * n_kt, t[0], t[1], r / b, 100.0 * t[2] / r, t[3] / b, t[4] / b, t[5] / b, t[5] / r,
+               t[7] / b, t[8] / b, t[6] / b, t[9] / b, t[10] / b, t[11] / b, (t[14] - t[13]) / 1e3, t[12] / b / 1e3,
+               100.0 * t[12] / (double(sm_count()) * double(t[14] - t[13])));
+#endif
 }
 
 }  // namespace
@@ -563,22 +663,41 @@ bool bwd_sm90_ws_available(int hd, bool causal, int max_seqlen, int64_t Nq, int6
   return (a & 15) == 0;  // TMA (loads and the dQ reduction): 16-byte aligned bases
 }
 
+BwdOrder bwd_sm90_order(const int32_t* cu_q, const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int64_t Nk,
+                        bool causal) {
+  BwdOrder o;
+  const char* e = std::getenv("LOOM_ATTN_BWD_ORDER");  // read at every call: tests switch it
+  if (e && e[0] == '0' && e[1] == 0) return o;
+  const int n_kt = ceil_div(max_seqlen, kBwdWsBC), nbuckets = ceil_div(max_seqlen, kBwdWsBR) + 1;
+  if (nseq <= 1 || max_seqlen <= 0 || dense_seqlen(cu_q, cu_k, nseq, max_seqlen, Nq, Nk) > 0 ||
+      nbuckets > kBwdOrderMaxBuckets || int64_t(nseq) * n_kt > kBwdOrderMaxItems)
+    return o;
+  o.order = static_cast<int32_t*>(device_malloc(sizeof(int32_t) * size_t(nseq) * n_kt));
+  o.cu_q = cu_q;
+  o.cu_k = cu_k;
+  o.nseq = nseq;
+  o.n_kt = n_kt;
+  o.nbuckets = nbuckets;
+  o.causal = causal;
+  return o;
+}
+
 void bwd_sm90_ws(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, const bf* k, const bf* v,
                  const float* lse, const float* delta, const int32_t* cu_q, const int32_t* cu_k, int nseq,
                  int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, int hd, bool causal, float scale,
-                 cudaStream_t s, const QkvRope& rope) {
+                 cudaStream_t s, const QkvRope& rope, const int32_t* order) {
   // hd 128: 2 buffers of Q / dO (160 KB of shared memory with the dQ staging: 192 KB);
   // hd 64: 3 (0.3565 against 0.3612 ms fwd+bwd at B8 H12 T1024, H100)
   if (rope.pos && hd != 64) throw std::runtime_error("bwd_sm90_ws: the joined q|k|v gradient needs head dim 64");
   if (hd == 128)
     launch_bwd<128, 2, false>(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV,
-                              causal, scale, rope, s);
+                              causal, scale, rope, order, s);
   else if (rope.pos)
     launch_bwd<64, 3, true>(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV,
-                            causal, scale, rope, s);
+                            causal, scale, rope, order, s);
   else
     launch_bwd<64, 3, false>(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV,
-                             causal, scale, rope, s);
+                             causal, scale, rope, order, s);
 }
 
 }  // namespace loom::cuda::attn

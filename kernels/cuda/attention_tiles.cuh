@@ -237,6 +237,66 @@ void fwd_sm90_ws(bf* out, float* lse, const bf* q, const bf* k, const bf* v, con
 // dout and the dq_acc workspace are 16-byte aligned (else the mma.sync single pass runs).
 bool bwd_sm90_ws_available(int hd, bool causal, int max_seqlen, int64_t Nq, int64_t Nk, const void* q, const void* k,
                            const void* v, const void* dout, const void* dq_acc);
+// The warp-specialized backward's block order for a batch of unequal sequences: its blocks
+// (128 keys of one kv head and one sequence) take the (sequence, key tile) items longest first,
+// by their query-tile rounds, so that the long blocks start in the first wave and the short ones
+// fill the tail (the chunked order of block_tile left 26% of the multiprocessors' time idle on
+// the PyTorch reference's packed VLM batch, bench/RESULTS.md 2026-12-01 second). The host plans
+// it (bwd_sm90_order: allocates `order`, or returns an empty plan where block_tile's order
+// stays: dense batches, LOOM_ATTN_BWD_ORDER=0, too many items); attn_bwd_prep's last block builds
+// it (build_bwd_order), bwd_sm90_ws reads it, the caller frees `order` after.
+constexpr int kBwdWsBC = 128, kBwdWsBR = 64;  // the warp-specialized backward's key / query tiles
+struct BwdOrder {
+  int32_t* order = nullptr;  // [nseq * n_kt] items seq * n_kt + key tile; null: no plan
+  const int32_t* cu_q = nullptr;
+  const int32_t* cu_k = nullptr;
+  int nseq = 0, n_kt = 0, nbuckets = 0;  // buckets: query-tile counts 0 .. nbuckets - 1
+  bool causal = false;
+};
+constexpr int kBwdOrderMaxBuckets = 1024, kBwdOrderMaxItems = 16384;
+BwdOrder bwd_sm90_order(const int32_t* cu_q, const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int64_t Nk,
+                        bool causal);
+// One block (any size up to 1024 threads) sorts the items by descending rounds: a count per
+// round number (items past their sequence's keys last), the counts' prefix sums, then each
+// item at its bucket's next place (atomics: items of equal rounds land in any order, which
+// changes no result, since every item's dk and dv come from one block and dq's additions are
+// unordered anyway).
+__device__ __forceinline__ int bwd_order_key(const BwdOrder& o, int item) {
+  const int seq = item / o.n_kt, ks = (item % o.n_kt) * kBwdWsBC;
+  const int Lq = o.cu_q[seq + 1] - o.cu_q[seq], Lk = o.cu_k[seq + 1] - o.cu_k[seq];
+  if (ks >= Lk) return o.nbuckets;  // no keys: the block leaves at once
+  const int t_min = o.causal ? max(0, ks - (Lk - Lq)) : 0;
+  const int n_qt = t_min < Lq ? (Lq - t_min + kBwdWsBR - 1) / kBwdWsBR : 0;
+  return o.nbuckets - 1 - min(n_qt, o.nbuckets - 1);
+}
+__device__ __forceinline__ void build_bwd_order(const BwdOrder& o) {
+  __shared__ int pos[kBwdOrderMaxBuckets + 1];
+  __shared__ int part[1024];
+  const int tid = int(threadIdx.x), nt = int(blockDim.x), nb = o.nbuckets + 1, items = o.nseq * o.n_kt;
+  for (int b = tid; b < nb; b += nt) pos[b] = 0;
+  __syncthreads();
+  for (int i = tid; i < items; i += nt) atomicAdd(&pos[bwd_order_key(o, i)], 1);
+  __syncthreads();
+  const int per = (nb + nt - 1) / nt, lo = min(nb, tid * per), hi = min(nb, lo + per);
+  int sum = 0;
+  for (int b = lo; b < hi; b++) sum += pos[b];
+  part[tid] = sum;
+  __syncthreads();
+  for (int off = 1; off < nt; off *= 2) {  // inclusive scan of the threads' sums
+    const int add = tid >= off ? part[tid - off] : 0;
+    __syncthreads();
+    part[tid] += add;
+    __syncthreads();
+  }
+  int run = tid ? part[tid - 1] : 0;
+  for (int b = lo; b < hi; b++) {
+    const int c = pos[b];
+    pos[b] = run;
+    run += c;
+  }
+  __syncthreads();
+  for (int i = tid; i < items; i += nt) o.order[atomicAdd(&pos[bwd_order_key(o, i)], 1)] = i;
+}
 // The gradients of a joined q|k|v product with RoPE (attention_backward_qkv, hd 64): dk and dv
 // go into the rows of dqkv [N, (H + 2 KV) 64] (row stride `stride`), dk rotated by -angle at
 // positions pos, with rope_table.h's table (rows < table_rows) or, past it, the double formula.
@@ -250,7 +310,7 @@ struct QkvRope {
 void bwd_sm90_ws(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, const bf* k, const bf* v,
                  const float* lse, const float* delta, const int32_t* cu_q, const int32_t* cu_k, int nseq,
                  int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, int hd, bool causal, float scale,
-                 cudaStream_t s, const QkvRope& rope = QkvRope());
+                 cudaStream_t s, const QkvRope& rope = QkvRope(), const int32_t* order = nullptr);
 // attention_bwd_single.cu: the three launches with dq, dk, dv written into dqkv's rows (dq and
 // dk rotated by -angle), for q, k, v of one joined product (Nq == Nk == N, one cu_seqlens).
 // Only where bwd_sm90_ws_available holds and hd is 64.

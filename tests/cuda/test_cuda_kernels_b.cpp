@@ -427,7 +427,9 @@ TEST_CASE("attention forward/backward f32 (v1) against the CPU reference", "[cud
 // warp-specialized forward and of both single-pass backwards run with several chunks and a
 // short last one. The dense cases take their bounds from the sequence index in the wgmma
 // kernels (attention_tiles.cuh, dense_seqlen) except in the second section, which reads them
-// from cu_seqlens (LOOM_ATTN_DENSE=0).
+// from cu_seqlens (LOOM_ATTN_DENSE=0). The wgmma backward takes the blocks of batches of unequal
+// sequences longest first (BwdOrder, attention_tiles.cuh) in every section but the one with
+// LOOM_ATTN_BWD_ORDER=0, which keeps block_tile's chunked order for them.
 TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU reference", "[cuda][attention]") {
   need_gpu();
   const char* before = std::getenv("LOOM_ATTN_SM90");
@@ -442,6 +444,8 @@ TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU ref
   const std::string saved_dense = before_dense ? before_dense : "";
   const char* before_ws64 = std::getenv("LOOM_ATTN_WS64");
   const std::string saved_ws64 = before_ws64 ? before_ws64 : "";
+  const char* before_order = std::getenv("LOOM_ATTN_BWD_ORDER");
+  const std::string saved_order = before_order ? before_order : "";
   SECTION("the default forward (on sm_90a: warp-specialized from 768 / 256 tokens, lock-step below and for "
           "causal hd 64 batches of short sequences)") {}
   SECTION("the warp-specialized wgmma forward on every shape (LOOM_ATTN_WS_MIN=0), chunks of 2 pairs, "
@@ -462,6 +466,12 @@ TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU ref
   SECTION("the mma.sync forward and backward (LOOM_ATTN_SM90=0), chunks of 2 pairs") {
     setenv("LOOM_ATTN_SM90", "0", 1);
     setenv("LOOM_ATTN_CHUNK_PAIRS", "2", 1);
+  }
+  SECTION("the warp-specialized wgmma backward on every shape in block_tile's order (LOOM_ATTN_BWD_WS_MIN=0, "
+          "LOOM_ATTN_BWD_ORDER=0), chunks of 3 pairs") {
+    setenv("LOOM_ATTN_BWD_WS_MIN", "0", 1);
+    setenv("LOOM_ATTN_BWD_ORDER", "0", 1);
+    setenv("LOOM_ATTN_CHUNK_PAIRS", "3", 1);
   }
   SECTION("the warp-specialized wgmma backward on every shape (LOOM_ATTN_BWD_WS_MIN=0), chunks of 3 pairs") {
     setenv("LOOM_ATTN_BWD_WS_MIN", "0", 1);
@@ -487,6 +497,8 @@ TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU ref
   else unsetenv("LOOM_ATTN_DENSE");
   if (before_ws64) setenv("LOOM_ATTN_WS64", saved_ws64.c_str(), 1);
   else unsetenv("LOOM_ATTN_WS64");
+  if (before_order) setenv("LOOM_ATTN_BWD_ORDER", saved_order.c_str(), 1);
+  else unsetenv("LOOM_ATTN_BWD_ORDER");
 }
 
 // attention_backward_qkv (kernels.inc): the gradient of a joined q|k|v product's rows. bf16 at
