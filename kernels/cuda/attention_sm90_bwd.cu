@@ -195,6 +195,7 @@ template <int HD, int STAGES>
 struct BwdSmem {
   static constexpr bool OWN = HD == 64;  // each consumer its own dQ (header)
   static constexpr int BC = 128, BR = 64;
+  static_assert(BC == kBwdWsBC && BR == kBwdWsBR, "the block order (attention_tiles.cuh) counts these tiles");
   static constexpr int kv_elems = BC * HD, q_elems = BR * HD, ds_elems = BC * BR;
   static constexpr int dq_floats = BR * HD * (OWN ? 2 : 1);  // 2 consumers x 64 rows x (HD or HD / 2)
   // K, V | Q [STAGES], dO [STAGES] | dS^T [2] | dQ staging (fp32) | lse2 [STAGES][BR],

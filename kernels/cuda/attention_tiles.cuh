@@ -243,8 +243,10 @@ bool bwd_sm90_ws_available(int hd, bool causal, int max_seqlen, int64_t Nq, int6
 // fill the tail (the chunked order of block_tile left 26% of the multiprocessors' time idle on
 // the PyTorch reference's packed VLM batch, bench/RESULTS.md 2026-12-01 second). The host plans
 // it (bwd_sm90_order: allocates `order`, or returns an empty plan where block_tile's order
-// stays: dense batches, LOOM_ATTN_BWD_ORDER=0, too many items); attn_bwd_prep's last block builds
-// it (build_bwd_order), bwd_sm90_ws reads it, the caller frees `order` after.
+// stays: dense batches (dense_seqlen; with LOOM_ATTN_DENSE=0 they take the plan too), one
+// sequence, LOOM_ATTN_BWD_ORDER=0, more than kBwdOrderMaxItems items or kBwdOrderMaxBuckets
+// buckets); attn_bwd_prep's last block builds it (build_bwd_order), bwd_sm90_ws reads it, the
+// caller frees `order` after.
 constexpr int kBwdWsBC = 128, kBwdWsBR = 64;  // the warp-specialized backward's key / query tiles
 struct BwdOrder {
   int32_t* order = nullptr;  // [nseq * n_kt] items seq * n_kt + key tile; null: no plan
