@@ -58,17 +58,10 @@
  *   start in the first wave. block_tile's chunked order (dense batches, LOOM_ATTN_BWD_ORDER=0)
  *   started a chunk's long blocks only when the chunk came, and on the PyTorch reference's packed
  *   VLM batch (44 segments, the longest 1051) the last chunk's long blocks ran alone at the end.
- *   The timing build (-DLOOM_ATTN_BWD_TIMING, below) on that batch, H200, 2026-12-01, per block:
- *   465 working blocks of 1188 launched, 13.6 rounds a block (40% masked), ~3250 cycles a round
- *   (also on dense causal T512 batches: 3077), K / V in 2800 cycles, the first tile 1700 more,
- *   the end 2900; the multiprocessors busy 73.8% of the kernel's span with the chunked order,
- *   92.1% with this one (span 138.3 -> 114.6 us in that build). Untimed, bench_attention fwd+bwd
- *   ms, chunked | ordered, two rounds: the reference's batch 0.2463 / 0.2442 | 0.2252 / 0.2223,
- *   SPEC's packed batch 0.2461 | 0.2148; one chunk of every pair (LOOM_ATTN_CHUNK_PAIRS=1000,
- *   the first key tile of every pair first) 0.2492. The reference's VLM batch in the step:
- *   48.38 / 48.39 -> 47.56 / 47.34 ms, loom's first batch 48.96 / 48.71 -> 48.93 / 48.54 (medians
- *   of steps 6-30, two rounds, one binary). The order costs one dependent load per block and a
- *   block of prep's launch; the L2 locality of the chunks did not show in these batches.
+ *   Measured (timing build, bench_attention, the VLM step; H200, 2026-12-01): the
+ *   multiprocessors busy 73.8% -> 92.1% of the kernel's span on that batch, fwd+bwd 0.2463 ->
+ *   0.2252 ms, its VLM step 48.4 -> 47.5 ms; docs/kernels/attention.md ("The backward's blocks
+ *   longest first") has the numbers. The order costs one dependent load per block.
  *
  * When it runs: bf16, hd 64 / 128 on sm_90a, not deterministic, when the longest sequence has
  *   at least 128 tokens (512 for causal hd 64): bwd_ws_min_seqlen below has the sweep; shorter
@@ -253,8 +246,8 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
   const int nk = min(BC, Lk - ks), shift = Lk - Lq;
   const int64_t qstride = int64_t(H) * HD, kvstride = int64_t(KV) * HD;
   const int64_t koff = (int64_t(k0) + ks) * kvstride + kvh * HD;
-  const int t_min = causal ? max(0, ks - shift) : 0;  // the first query that sees key ks
-  const int n_qt = t_min < Lq ? (Lq - t_min + BR - 1) / BR : 0;
+  const QueryTiles qts = bwd_query_tiles(ks, Lq, Lk, causal);  // (attention_tiles.cuh)
+  const int t_min = qts.t_min, n_qt = qts.n_qt;
   const int n_it = group * n_qt;  // (query head, query tile) iterations
 
   if (threadIdx.x == 0) {

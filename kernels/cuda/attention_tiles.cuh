@@ -256,6 +256,16 @@ struct BwdOrder {
   bool causal = false;
 };
 constexpr int kBwdOrderMaxBuckets = 1024, kBwdOrderMaxItems = 16384;
+// The query tiles (kBwdWsBR rows) a block of keys from ks meets in one head: from the first query
+// that sees key ks (causal, bottom-right: shift Lk - Lq) to the sequence's end. The backward's
+// block walks these; the order counts them.
+struct QueryTiles {
+  int t_min, n_qt;
+};
+__device__ __forceinline__ QueryTiles bwd_query_tiles(int ks, int Lq, int Lk, bool causal) {
+  const int t_min = causal ? max(0, ks - (Lk - Lq)) : 0;
+  return {t_min, t_min < Lq ? (Lq - t_min + kBwdWsBR - 1) / kBwdWsBR : 0};
+}
 BwdOrder bwd_sm90_order(const int32_t* cu_q, const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int64_t Nk,
                         bool causal);
 // One block (any size up to 1024 threads) sorts the items by descending rounds: a count per
@@ -267,9 +277,7 @@ __device__ __forceinline__ int bwd_order_key(const BwdOrder& o, int item) {
   const int seq = item / o.n_kt, ks = (item % o.n_kt) * kBwdWsBC;
   const int Lq = o.cu_q[seq + 1] - o.cu_q[seq], Lk = o.cu_k[seq + 1] - o.cu_k[seq];
   if (ks >= Lk) return o.nbuckets;  // no keys: the block leaves at once
-  const int t_min = o.causal ? max(0, ks - (Lk - Lq)) : 0;
-  const int n_qt = t_min < Lq ? (Lq - t_min + kBwdWsBR - 1) / kBwdWsBR : 0;
-  return o.nbuckets - 1 - min(n_qt, o.nbuckets - 1);
+  return o.nbuckets - 1 - min(bwd_query_tiles(ks, Lq, Lk, o.causal).n_qt, o.nbuckets - 1);
 }
 __device__ __forceinline__ void build_bwd_order(const BwdOrder& o) {
   __shared__ int pos[kBwdOrderMaxBuckets + 1];
