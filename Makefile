@@ -49,8 +49,11 @@ build: $(BUILD)/CMakeCache.txt
 $(BUILD)/CMakeCache.txt:
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DLOOM_NATIVE=$(if $(filter 0,$(NATIVE)),OFF,ON) $(CMAKE_FLAGS)
 
+# ctest runs $(JOBS) test processes side by side; each takes 2 OpenMP threads unless
+# OMP_NUM_THREADS says otherwise (with every core's threads in each of 8 processes on 16 cores,
+# test_cpu_attention took over 180 s instead of 2.3)
 test: build
-	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+	cd $(BUILD) && OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} ctest --output-on-failure -j $(JOBS)
 
 # libFuzzer targets: clang, ASan + UBSan, CPU only (fuzz/run.sh builds, seeds and runs them)
 fuzz:

@@ -21,7 +21,7 @@ cmake --build build -j "${JOBS:-$(nproc)}" > "$OUT/build.log" 2>&1 || { grep -E 
 echo "build ok"
 case "$what" in
   test)
-    (cd build && ctest --output-on-failure -j 4 ${2:+-R "$2"}) > "$OUT/test.log" 2>&1
+    (cd build && OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} ctest --output-on-failure -j 4 ${2:+-R "$2"}) > "$OUT/test.log" 2>&1
     rc=$?
     tail -60 "$OUT/test.log"
     exit $rc ;;
