@@ -25,13 +25,29 @@ REF=../shared/reference/torch_ref.py
 [ -f "$REF" ] || REF=.deps/shared/reference/torch_ref.py
 HAVE_TORCH=
 [ -f "$REF" ] && python3 -c "import torch" 2>/dev/null && HAVE_TORCH=1
+# The GPU's SM clock, power and temperature every 200 ms (e2e_gpu.csv) and when each part began
+# (e2e_parts.txt, the same clock): the report's last table says whether a part ran at a lower
+# clock, which moves its times without any change in the code. GPU 0 (or the first of
+# CUDA_VISIBLE_DEVICES), the one the runs use.
+: > "$OUT/e2e_parts.txt"
+mark() { echo "$(date '+%Y/%m/%d %H:%M:%S.%3N'),$1" >> "$OUT/e2e_parts.txt"; }
+SMI_PID=
+if command -v nvidia-smi > /dev/null 2>&1; then
+  V=${CUDA_VISIBLE_DEVICES:-0}
+  nvidia-smi -i "${V%%,*}" --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader,nounits \
+    -lms 200 > "$OUT/e2e_gpu.csv" 2> /dev/null &
+  SMI_PID=$!
+fi
 run() {  # name, steps, warm-up steps (not in the table), config, overrides...
   local name=$1 steps=$2 warm=$3 cfg=$4; shift 4
   case ",$ROWS," in ,all,|*",$name,"*) ;; *) return 0 ;; esac
   local dir="$OUT/e2e_$name"
   rm -rf "$dir"
+  mark "loom $name"
   timeout 400 "$B/train" "$cfg" --train.steps="$steps" --train.log_every=5 --train.out_dir="$dir" "$@" > "$OUT/e2e_$name.log" 2>&1
-  echo "loom $name rc=$?: $(grep -E '^step +[0-9]+/' "$OUT/e2e_$name.log" | tail -1)"
+  local rc=$?
+  mark end
+  echo "loom $name rc=$rc: $(grep -E '^step +[0-9]+/' "$OUT/e2e_$name.log" | tail -1)"
   python3 - "$dir/metrics.jsonl" "$name" "$*" "$warm" >> "$OUT/e2e_loom.jsonl" <<'PY'
 import json, sys
 rows = [r for r in (json.loads(l) for l in open(sys.argv[1]) if l.strip()) if r.get("kind") == "train"]
@@ -56,9 +72,11 @@ else
 fi
 rm -f "$OUT/torch_ref.jsonl"
 if [ "${E2E_TORCH:-1}" = 1 ] && [ -n "$HAVE_TORCH" ]; then
+  mark "torch_ref.py (every workload)"
   timeout ${E2E_TORCH_TIMEOUT:-900} python3 "$REF" bench --workload mim,mim_contrastive,vlm --compile "${E2E_COMPILE:-0,1}" --vlm-variants packed \
     --out "$OUT" > "$OUT/e2e_torch.log" 2>&1
   rc=$?
+  mark end
   if [ $rc = 124 ]; then
     echo "PyTorch reference stopped after ${E2E_TORCH_TIMEOUT:-900} s (E2E_TORCH_TIMEOUT): the table has the rows it finished"
   elif [ $rc != 0 ]; then
@@ -67,4 +85,5 @@ if [ "${E2E_TORCH:-1}" = 1 ] && [ -n "$HAVE_TORCH" ]; then
 else
   echo "PyTorch reference not run"
 fi
+[ -n "$SMI_PID" ] && { kill "$SMI_PID" 2> /dev/null; wait "$SMI_PID" 2> /dev/null; }
 python3 bench/e2e_report.py "$OUT/e2e_loom.jsonl" "$OUT/torch_ref.jsonl" | tee "$OUT/e2e_table.md"

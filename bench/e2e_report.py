@@ -12,7 +12,12 @@ PyTorch's real tokens per step are in the table, loom's ~16.3k are in its log). 
 trains one fixed batch at every step; loom's vlm_sft row draws a new batch per step (its step time
 follows the batch's FLOPs), its vlm_sft_fixed row (data.repeat_batch) trains its first batch at
 every step as the reference does, and its vlm_sft_ref row (data.synth_rows, tools/ref_vlm_rows.py)
-trains the reference's own batch: its rows' sample lengths, so the same images and real tokens."""
+trains the reference's own batch: its rows' sample lengths, so the same images and real tokens.
+
+Where bench/e2e.sh sampled the GPU (e2e_gpu.csv and e2e_parts.txt beside the first file), a
+last table gives each part's SM clock and power while it ran: a part whose clock under load
+is lower than the others' ran slower for a reason outside the code."""
+import datetime
 import os
 import json
 import statistics
@@ -89,3 +94,51 @@ missing = sorted({workload(r["name"]) for r in loom} - {w for (w, c) in torch_ro
 if missing:
     print(f"\nNo PyTorch row for {', '.join(missing)}: the reference was not run, or stopped before "
           f"that workload (its log: e2e_torch.log beside this table).")
+
+
+def gpu_table(d):
+    """Each part's SM clock and power from nvidia-smi's samples (e2e.sh): all of its samples, and
+    "under load", the samples at >= half the part's highest power (start-up and compilation leave
+    the GPU idle at a low clock)."""
+    parts_path, csv_path = os.path.join(d, "e2e_parts.txt"), os.path.join(d, "e2e_gpu.csv")
+    if not (os.path.exists(parts_path) and os.path.exists(csv_path)):
+        return
+
+    def when(text):
+        return datetime.datetime.strptime(text.strip(), "%Y/%m/%d %H:%M:%S.%f")
+
+    samples = []  # (time, SM MHz, W, C)
+    for line in open(csv_path):
+        f = line.split(",")
+        try:
+            samples.append((when(f[0]), float(f[1]), float(f[2]), float(f[3])))
+        except (ValueError, IndexError):  # "[N/A]" fields, a line cut when the sampler stopped
+            continue
+    marks = []
+    for line in open(parts_path):
+        t, _, label = line.strip().partition(",")
+        try:
+            marks.append((when(t), label))
+        except ValueError:
+            continue
+    rows = []
+    for (t0, label), (t1, _) in zip(marks, marks[1:]):
+        if label == "end":
+            continue
+        s = [x for x in samples if t0 <= x[0] < t1]
+        if not s:
+            continue
+        top = max(x[2] for x in s)
+        load = [x for x in s if x[2] >= 0.5 * top]
+        rows.append(f"| {label} | {len(s)} | {statistics.median(x[1] for x in load):.0f} / "
+                    f"{min(x[1] for x in load):.0f} | {statistics.median(x[2] for x in load):.0f} / {top:.0f} | "
+                    f"{max(x[3] for x in s):.0f} |")
+    if rows:
+        print("\nGPU while each part ran (nvidia-smi every 200 ms; under load: the samples at >= half the "
+              "part's highest power):\n")
+        print("| part | samples | SM MHz under load, median / min | W under load, median / max | max C |")
+        print("|---|---|---|---|---|")
+        print("\n".join(rows))
+
+
+gpu_table(os.path.dirname(os.path.abspath(sys.argv[1])))
