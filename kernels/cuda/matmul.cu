@@ -53,6 +53,17 @@
  *   <= 64 splits. Correct (test_cuda_matmul with O 776 and 4100 rows), but the steps did not
  *   move (same call, two rounds, before | after: bench_mim 25.33 / 25.45 | 25.38 / 25.40 ms,
  *   contrastive 50.29 / 50.45 | 50.50 / 50.23, fixed-batch VLM 58.63 / 58.43 | 58.29 / 58.56).
+ * Kept since (H200, 2026-12-02): colsum.cuh's v2, 16-byte loads with eight rows' loads issued
+ *   before their adds and ~512 blocks, finished by 32 x 32 blocks (each thread adding every
+ *   32nd split: the one-thread-per-column finish over 256 splits took 6-7 us, Nsight Compute),
+ *   with the norm backward's finish in 32 x 32 blocks too (norms_backward.cu). Alone (Nsight
+ *   Compute, caches flushed): the predictor's fc1 bias, 50176 x 1536, 47.0 us = 3.33 TB/s.
+ *   Steps, one binary, same call, LOOM_COLSUM=1 LOOM_FINISH_GROUPS=8 | the new forms, medians
+ *   of steps 6-30: the reference's VLM batch 48.20 / 48.18 | 47.67 / 47.71 ms, bench_mim 22.55
+ *   | 22.33, contrastive 42.47 / 42.74 | 42.59 / 42.37. The wide sums alone with the old 32 x 8
+ *   finishes (the call before): 48.74 / 48.53 | 48.87 / 48.71, 22.74 / 22.98 | 22.68 / 22.63,
+ *   43.17 / 43.36 | 43.21 / 43.19: the finishes' chains were the part that cost time.
+ *   test_cuda_matmul's N 4100 O 776 case runs v2's splits and 8-row steps.
  * Tried and dropped (H200, 2026-12-01): DGELU apart, as compiled PyTorch runs it: the plain
  *   product (cuBLASLt's nvjet kernel), then one pass for the GELU's gradient and the bias's column
  *   sums together (16-byte loads and stores, the column sums' split order, so the bits of

@@ -7,6 +7,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "kernels/cuda/colsum.cuh"
 #include "kernels/cuda/norms.cuh"
 
 namespace loom::cuda {
@@ -288,16 +289,20 @@ __global__ void norm_bwd_generic(BwdArgs a) {
   }
 }
 
-// dweight[c] += sum_g pw[g, c] (and dbias), g in order: grid ceil(C/32), block 32 x 8.
+// dweight[c] += sum_g pw[g, c] (and dbias), in a fixed order: grid ceil(C/32), block 32 x Y
+// (Y = finish_groups(), 32 unless LOOM_FINISH_GROUPS=8), thread (x, y) adding the partial rows
+// y, y + Y, ... and thread (x, 0) the Y sums. (With Y = 8 the finish over the 264-396 partial
+// rows of a resident grid took 5-11 us: each thread's 33-50 loads were a chain of round trips;
+// Nsight Compute, H200, 2026-12-02.)
 template <class DT>
 __global__ void finish_partials(DT* __restrict__ dweight, DT* __restrict__ dbias, const float* __restrict__ pw,
                                 const float* __restrict__ pb, int G, int C) {
   pdl_entry();
-  __shared__ float red[2][8][33];
+  __shared__ float red[2][32][33];
   int c = blockIdx.x * 32 + threadIdx.x;
   float sw = 0.f, sb = 0.f;
   if (c < C)
-    for (int g = threadIdx.y; g < G; g += 8) {
+    for (int g = threadIdx.y; g < G; g += blockDim.y) {
       sw += pw[int64_t(g) * C + c];
       if (pb) sb += pb[int64_t(g) * C + c];
     }
@@ -306,7 +311,7 @@ __global__ void finish_partials(DT* __restrict__ dweight, DT* __restrict__ dbias
   __syncthreads();
   if (threadIdx.y == 0 && c < C) {
     sw = sb = 0.f;
-    for (int i = 0; i < 8; i++) { sw += red[0][i][threadIdx.x]; sb += red[1][i][threadIdx.x]; }
+    for (int i = 0; i < int(blockDim.y); i++) { sw += red[0][i][threadIdx.x]; sb += red[1][i][threadIdx.x]; }
     if (dweight) dweight[c] = from_float<DT>(to_float(dweight[c]) + sw);
     if (dbias && pb) dbias[c] = from_float<DT>(to_float(dbias[c]) + sb);
   }
@@ -399,8 +404,8 @@ void launch_bwd(T* dweight, T* dbias, BwdArgs a, Stream s) {
   launch_kernel(kernel, G, threads, smem, s, a);
   LAUNCH_CHECK();
   if (dweight || dbias) {
-    launch_kernel(finish_partials<DT>, ceil_div(a.C, 32), dim3(32, 8), 0, s, dptr(dweight), RMS ? nullptr : dptr(dbias),
-                  a.pw, a.pb, G, a.C);
+    launch_kernel(finish_partials<DT>, ceil_div(a.C, 32), dim3(32, colsum::finish_groups()), 0, s, dptr(dweight),
+                  RMS ? nullptr : dptr(dbias), a.pw, a.pb, G, a.C);
     LAUNCH_CHECK();
   }
   device_free(part);  // stream-ordered reuse
