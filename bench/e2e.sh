@@ -34,6 +34,9 @@ mark() { echo "$(date '+%Y/%m/%d %H:%M:%S.%3N'),$1" >> "$OUT/e2e_parts.txt"; }
 SMI_PID=
 if command -v nvidia-smi > /dev/null 2>&1; then
   V=${CUDA_VISIBLE_DEVICES:-0}
+  # the board's power limit and highest SM clock, for the report's "at the limit" column
+  nvidia-smi -i "${V%%,*}" --query-gpu=power.limit,clocks.max.sm --format=csv,noheader,nounits \
+    > "$OUT/e2e_gpu_limits.txt" 2> /dev/null
   nvidia-smi -i "${V%%,*}" --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader,nounits \
     -lms 200 > "$OUT/e2e_gpu.csv" 2> /dev/null &
   SMI_PID=$!

@@ -99,7 +99,10 @@ if missing:
 def gpu_table(d):
     """Each part's SM clock and power from nvidia-smi's samples (e2e.sh): all of its samples, and
     "under load", the samples at >= half the part's highest power (start-up and compilation leave
-    the GPU idle at a low clock)."""
+    the GPU idle at a low clock). With the board's limits (e2e_gpu_limits.txt: power limit W,
+    highest SM clock MHz) a column says how many of the samples under load lie within 3% of the
+    power limit, where the GPU lowers its clock to stay under it. nvidia-smi's power.draw is an
+    average over about a second, so a part shorter than that reads low."""
     parts_path, csv_path = os.path.join(d, "e2e_parts.txt"), os.path.join(d, "e2e_gpu.csv")
     if not (os.path.exists(parts_path) and os.path.exists(csv_path)):
         return
@@ -107,6 +110,12 @@ def gpu_table(d):
     def when(text):
         return datetime.datetime.strptime(text.strip(), "%Y/%m/%d %H:%M:%S.%f")
 
+    limit_w = max_mhz = None
+    try:
+        f = open(os.path.join(d, "e2e_gpu_limits.txt")).readline().split(",")
+        limit_w, max_mhz = float(f[0]), float(f[1])
+    except (OSError, ValueError, IndexError):  # no file, "[N/A]", an older run
+        pass
     samples = []  # (time, SM MHz, W, C)
     for line in open(csv_path):
         f = line.split(",")
@@ -130,14 +139,20 @@ def gpu_table(d):
             continue
         top = max(x[2] for x in s)
         load = [x for x in s if x[2] >= 0.5 * top]
-        rows.append(f"| {label} | {len(s)} | {statistics.median(x[1] for x in load):.0f} / "
-                    f"{min(x[1] for x in load):.0f} | {statistics.median(x[2] for x in load):.0f} / {top:.0f} | "
-                    f"{max(x[3] for x in s):.0f} |")
+        row = (f"| {label} | {len(s)} | {statistics.median(x[1] for x in load):.0f} / "
+               f"{min(x[1] for x in load):.0f} | {statistics.median(x[2] for x in load):.0f} / {top:.0f} | "
+               f"{max(x[3] for x in s):.0f} |")
+        if limit_w:
+            row += f" {sum(x[2] >= 0.97 * limit_w for x in load)} of {len(load)} |"
+        rows.append(row)
     if rows:
         print("\nGPU while each part ran (nvidia-smi every 200 ms; under load: the samples at >= half the "
-              "part's highest power):\n")
-        print("| part | samples | SM MHz under load, median / min | W under load, median / max | max C |")
-        print("|---|---|---|---|---|")
+              "part's highest power; power.draw averages over ~1 s):\n")
+        if limit_w:
+            print(f"Board limits: {limit_w:.0f} W, SM clock up to {max_mhz:.0f} MHz.\n")
+        print("| part | samples | SM MHz under load, median / min | W under load, median / max | max C |"
+              + (" at the power limit (>= 97%) |" if limit_w else ""))
+        print("|---|---|---|---|---|" + ("---|" if limit_w else ""))
         print("\n".join(rows))
 
 

@@ -62,7 +62,7 @@
  *   of steps 6-30: the reference's VLM batch 48.20 / 48.18 | 47.67 / 47.71 ms, bench_mim 22.55
  *   | 22.33, contrastive 42.47 / 42.74 | 42.59 / 42.37. The wide sums alone with the old 32 x 8
  *   finishes (the call before): 48.74 / 48.53 | 48.87 / 48.71, 22.74 / 22.98 | 22.68 / 22.63,
- *   43.17 / 43.36 | 43.21 / 43.19: the finishes' chains were the part that cost time.
+ *   43.17 / 43.36 | 43.21 / 43.19, so the finishes are the likely part that moved.
  *   test_cuda_matmul's N 4100 O 776 case runs v2's splits and 8-row steps.
  * Tried and dropped (H200, 2026-12-01): DGELU apart, as compiled PyTorch runs it: the plain
  *   product (cuBLASLt's nvjet kernel), then one pass for the GELU's gradient and the bias's column
