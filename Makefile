@@ -3,6 +3,7 @@
 #   make test       build and run every test through ctest (GPU tests skip without a GPU)
 #   make bench      build and run the kernel benchmarks (GPU)
 #   make bench-e2e  the SPEC training steps, loom beside PyTorch eager and torch.compile (GPU)
+#   make bench-ab   the SPEC training steps under two settings AB_A / AB_B, alternated (bench/ab.sh)
 #   make deps       install the Debian packages the build needs (no-op when present)
 #   make CUDA=0 ... force the CPU-only build (its own build folder: build-cpu/)
 #   make CUDA_ARCH=80 ...  build the CUDA backend for another architecture
@@ -39,7 +40,7 @@ DEPS := cmake g++ make pkg-config libeigen3-dev catch2 nlohmann-json3-dev libpcr
         libutf8proc-dev libstb-dev zlib1g-dev libomp-dev dataset-fashion-mnist \
         libjpeg62-turbo-dev clang libclang-rt-dev
 
-.PHONY: all build test bench bench-e2e deps clean fuzz
+.PHONY: all build test bench bench-e2e bench-ab deps clean fuzz
 all: build
 	@ln -sf $(BUILD)/train train
 
@@ -64,6 +65,9 @@ bench: build
 
 bench-e2e: build
 	bash bench/e2e.sh $(BUILD)
+
+bench-ab: build
+	bash bench/ab.sh $(BUILD)
 
 deps:
 	@missing=""; for p in $(DEPS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
