@@ -102,36 +102,55 @@ __global__ void partial_rows_wide(float* __restrict__ partial, const DT* __restr
   }
 }
 
-// v2's finish: out[c] = (out[c] +) sum over g < Y of (sum of partial[g + Y k, c] over k), g in
-// order; block 32 x Y (Y = finish_groups()), so that a thread adds splits / Y partials (one
-// thread per column, as v1's finish, over 256 splits would be a chain of 64 round trips of 4
-// loads).
+// v2's finish, shared with norms_backward.cu (the norm weight and bias gradients' partial rows):
+// out[c] = (out[c] +) sum over g < Y of (sum of p[g + Y k, c] over k), g in order, and the same
+// for out2 / p2 where both are given; block 32 x Y (Y = finish_groups()), so that a thread adds
+// rows / Y partials (one thread per column over 256 splits would be a chain of 64 round trips
+// of 4 loads; with Y = 8 the norm's finish over 264-396 partial rows took 5-11 us, Nsight
+// Compute, H200, 2026-12-02). out may be null (only out2 wanted).
 template <class DT>
-__global__ void finish_wide(DT* __restrict__ out, const float* __restrict__ partial, int splits, int64_t C,
-                            bool accumulate) {
+__global__ void finish_rows(DT* __restrict__ out, DT* __restrict__ out2, const float* __restrict__ p,
+                            const float* __restrict__ p2, int rows, int64_t C, bool accumulate) {
   pdl_entry();
-  __shared__ float red[32][33];
+  __shared__ float red[2][32][33];
   const int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x;
-  float s = 0.f;
+  float s = 0.f, s2 = 0.f;
   if (c < C)
-    for (int i = threadIdx.y; i < splits; i += blockDim.y) s += partial[int64_t(i) * C + c];
-  red[threadIdx.y][threadIdx.x] = s;
+    for (int i = threadIdx.y; i < rows; i += blockDim.y) {
+      s += p[int64_t(i) * C + c];
+      if (p2) s2 += p2[int64_t(i) * C + c];
+    }
+  red[0][threadIdx.y][threadIdx.x] = s;
+  red[1][threadIdx.y][threadIdx.x] = s2;
   __syncthreads();
   if (threadIdx.y == 0 && c < C) {
-    float t = 0.f;
-    for (int g = 0; g < int(blockDim.y); g++) t += red[g][threadIdx.x];
-    out[c] = from_float<DT>(accumulate ? to_float(out[c]) + t : t);
+    s = s2 = 0.f;
+    for (int g = 0; g < int(blockDim.y); g++) {
+      s += red[0][g][threadIdx.x];
+      s2 += red[1][g][threadIdx.x];
+    }
+    if (out) out[c] = from_float<DT>(accumulate ? to_float(out[c]) + s : s);
+    if (out2 && p2) out2[c] = from_float<DT>(accumulate ? to_float(out2[c]) + s2 : s2);
   }
 }
 
-// The row groups of the finishing kernels (finish_wide, norms_backward.cu's finish_partials):
-// 32, or 8 (their form before 2026-12-02) with LOOM_FINISH_GROUPS=8; read once.
+// The row groups of finish_rows: 32, or 8 (its form before 2026-12-02) with
+// LOOM_FINISH_GROUPS=8; read once.
 inline int finish_groups() {
   static const int y = [] {
     const char* e = std::getenv("LOOM_FINISH_GROUPS");
     return e && e[0] == '8' && e[1] == 0 ? 8 : 32;
   }();
   return y;
+}
+
+// finish_rows's launch: out[C] (and out2) from rows x C partials p (and p2)
+template <class DT>
+inline void launch_finish_rows(DT* out, DT* out2, const float* p, const float* p2, int rows, int64_t C,
+                               bool accumulate, Stream s) {
+  launch_kernel(finish_rows<DT>, unsigned((C + 31) / 32), dim3(32, finish_groups()), 0, s, out, out2, p, p2, rows, C,
+                accumulate);
+  LAUNCH_CHECK();
 }
 
 // LOOM_COLSUM=1: v1 everywhere (read once)
@@ -159,9 +178,7 @@ inline void column_sums(T* out, const T* in, int64_t R, int64_t C, bool accumula
     launch_kernel(colsum::partial_rows_wide<DT, 8>, dim3(unsigned(col_blocks), unsigned(splits)), dim3(32, 8), 0, s,
                   partial, dptr(in), R, C, rows);
     LAUNCH_CHECK();
-    launch_kernel(colsum::finish_wide<DT>, unsigned((C + 31) / 32), dim3(32, colsum::finish_groups()), 0, s,
-                  dptr(out), partial, splits, C, accumulate);
-    LAUNCH_CHECK();
+    colsum::launch_finish_rows<DT>(dptr(out), nullptr, partial, nullptr, splits, C, accumulate, s);
     device_free(partial);  // stream-ordered reuse
     return;
   }

@@ -56,7 +56,7 @@
  * Kept since (H200, 2026-12-02): colsum.cuh's v2, 16-byte loads with eight rows' loads issued
  *   before their adds and ~512 blocks, finished by 32 x 32 blocks (each thread adding every
  *   32nd split: the one-thread-per-column finish over 256 splits took 6-7 us, Nsight Compute),
- *   with the norm backward's finish in 32 x 32 blocks too (norms_backward.cu). Alone (Nsight
+ *   with the norm backward's finish the same kernel (colsum.cuh's finish_rows). Alone (Nsight
  *   Compute, caches flushed): the predictor's fc1 bias, 50176 x 1536, 47.0 us = 3.33 TB/s.
  *   Steps, one binary, same call, LOOM_COLSUM=1 LOOM_FINISH_GROUPS=8 | the new forms, medians
  *   of steps 6-30: the reference's VLM batch 48.20 / 48.18 | 47.67 / 47.71 ms, bench_mim 22.55

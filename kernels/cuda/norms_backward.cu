@@ -289,34 +289,6 @@ __global__ void norm_bwd_generic(BwdArgs a) {
   }
 }
 
-// dweight[c] += sum_g pw[g, c] (and dbias), in a fixed order: grid ceil(C/32), block 32 x Y
-// (Y = finish_groups(), 32 unless LOOM_FINISH_GROUPS=8), thread (x, y) adding the partial rows
-// y, y + Y, ... and thread (x, 0) the Y sums. (With Y = 8 the finish over the 264-396 partial
-// rows of a resident grid took 5-11 us: each thread's 33-50 loads were a chain of round trips;
-// Nsight Compute, H200, 2026-12-02.)
-template <class DT>
-__global__ void finish_partials(DT* __restrict__ dweight, DT* __restrict__ dbias, const float* __restrict__ pw,
-                                const float* __restrict__ pb, int G, int C) {
-  pdl_entry();
-  __shared__ float red[2][32][33];
-  int c = blockIdx.x * 32 + threadIdx.x;
-  float sw = 0.f, sb = 0.f;
-  if (c < C)
-    for (int g = threadIdx.y; g < G; g += blockDim.y) {
-      sw += pw[int64_t(g) * C + c];
-      if (pb) sb += pb[int64_t(g) * C + c];
-    }
-  red[0][threadIdx.y][threadIdx.x] = sw;
-  red[1][threadIdx.y][threadIdx.x] = sb;
-  __syncthreads();
-  if (threadIdx.y == 0 && c < C) {
-    sw = sb = 0.f;
-    for (int i = 0; i < int(blockDim.y); i++) { sw += red[0][i][threadIdx.x]; sb += red[1][i][threadIdx.x]; }
-    if (dweight) dweight[c] = from_float<DT>(to_float(dweight[c]) + sw);
-    if (dbias && pb) dbias[c] = from_float<DT>(to_float(dbias[c]) + sb);
-  }
-}
-
 // Blocks of a backward kernel that are resident at once on the whole GPU: the grid of the
 // persistent backward (more blocks would run as a second, unbalanced wave).
 template <class K>
@@ -404,9 +376,9 @@ void launch_bwd(T* dweight, T* dbias, BwdArgs a, Stream s) {
   launch_kernel(kernel, G, threads, smem, s, a);
   LAUNCH_CHECK();
   if (dweight || dbias) {
-    launch_kernel(finish_partials<DT>, ceil_div(a.C, 32), dim3(32, colsum::finish_groups()), 0, s, dptr(dweight),
-                  RMS ? nullptr : dptr(dbias), a.pw, a.pb, G, a.C);
-    LAUNCH_CHECK();
+    // dweight[c] += sum_g pw[g, c] (and dbias), in a fixed order (colsum.cuh)
+    colsum::launch_finish_rows<DT>(dptr(dweight), RMS ? nullptr : dptr(dbias), a.pw, a.pb, G, a.C,
+                                   /*accumulate=*/true, s);
   }
   device_free(part);  // stream-ordered reuse
 }
