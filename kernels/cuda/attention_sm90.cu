@@ -77,6 +77,19 @@
  *   23.14 / 23.07 against auto's 22.74 in one call). `train.attention = auto` steps do not move
  *   (bench_mim 22.52 / 22.58 ms against 22.42 / 22.54, contrastive 42.70 / 42.85 against
  *   42.67 / 42.73, same call).
+ *   The short last key tile (2026-12-02): a sequence's last key tile with at most 16 / 32 keys
+ *   runs as m64n16 / m64n32 products for S and one / two k-steps of P V (fwd_key_tile's NS), so
+ *   a 196-token query tile computes 208 key columns instead of 256; the keys it leaves out lie
+ *   past the sequence, where the whole tile's mask zeroed their probabilities.
+ *   LOOM_ATTN_SHORT_TILE=0 computes every tile whole. H200, one call, two rounds, forward ms,
+ *   whole tiles | short | cuDNN: B256 H12 T196 (contrastive target) 0.209 / 0.211 | 0.186 / 0.186
+ *   | 0.188-0.194; B128 H12 T196 0.110 / 0.111 | 0.098 / 0.098 | 0.103; B256 H6 T196 0.109 /
+ *   0.108 | 0.098 / 0.099 | 0.101; B50 H12 T196 0.053 / 0.053 | 0.048 / 0.048 | 0.055; B64 H12
+ *   T90 0.028 / 0.030 | 0.027 / 0.026 | 0.034-0.038. `train.attention = auto` now takes this
+ *   kernel over cuDNN's for the MIM forwards (cuDNN's backward stays faster there: 0.58 against
+ *   0.72 ms at B256 H12). Steps (bench/ab.sh, one binary, two rounds, whole | short): bench_mim
+ *   22.65 / 22.59 | 22.49 / 22.57 ms, contrastive 42.73 / 42.79 | 43.03 / 42.72, the reference's
+ *   VLM batch 48.54 / 48.54 | 48.25 / 48.36: 5-20 us a call, within the steps' noise.
  *
  * Test: tests/cuda/test_cuda_kernels_b.cpp ("attention ...", every bf16 case with hd 64/128
  *   runs this kernel on an H100/H200, and the v2 kernel with LOOM_ATTN_SM90=0).
@@ -94,12 +107,16 @@ namespace {
 // the warpgroup's first row of a BR-row sw128 Q tile; cK, cV: the BC-row K and V tiles of keys
 // kb..; wrow: the warpgroup's first row in the sequence), the online softmax with the masks, O
 // and l rescaled, O += P V. Each product group is committed and waited for before its result is used.
-template <int HD, int BR, int BC>
+// NS: the tile's keys that are computed, the first NS of the BC-row tiles (NS < BC: a short
+// last tile, m64nNS products for S and NS / 16 k-steps of P V; the keys NS.. of it must lie
+// past Lk, where the full tile's mask would have zeroed their probabilities).
+template <int HD, int BR, int BC, int NS = BC>
 __device__ __forceinline__ void fwd_key_tile(float (&o)[HD / 8][4], float (&mrow)[2], float (&lrow)[2],
                                              const bf* sQw, const bf* cK, const bf* cV, int kb, int Lk, bool causal,
                                              int wrow, int shift, float scale_log2) {
+  static_assert(NS % 16 == 0 && NS <= BC, "NS: 16, 32, .. BC keys");
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
-  float s[BC / 8][4];
+  float s[NS / 8][4];
   wg_fence();
 #pragma unroll
   for (int kk = 0; kk < HD / 16; kk++)  // S = Q K^T
@@ -108,10 +125,10 @@ __device__ __forceinline__ void fwd_key_tile(float (&o)[HD / 8][4], float (&mrow
   wg_commit();
   wg_wait<0>();
   fence_regs(s);
-  const bool need_mask = kb + BC > Lk || (causal && kb + BC - 1 > wrow + shift);
+  const bool need_mask = kb + NS > Lk || (causal && kb + NS - 1 > wrow + shift);
   const int row0 = wrow + warp * 16 + g;  // rows row0 (c0, c1) and row0 + 8 (c2, c3)
   float corr[2], sum[2];
-  online_softmax_tile<BC>(s, need_mask, kb, Lk, causal, row0, shift, t, scale_log2, mrow, corr, sum);
+  online_softmax_tile<NS>(s, need_mask, kb, Lk, causal, row0, shift, t, scale_log2, mrow, corr, sum);
 #pragma unroll
   for (int r = 0; r < 2; r++) {
     lrow[r] = lrow[r] * corr[r] + sum[r];
@@ -121,13 +138,13 @@ __device__ __forceinline__ void fwd_key_tile(float (&o)[HD / 8][4], float (&mrow
       o[dt][2 * r + 1] *= corr[r];
     }
   }
-  uint32_t pa[BC / 16][4];
+  uint32_t pa[NS / 16][4];
 #pragma unroll
-  for (int kk = 0; kk < BC / 16; kk++) c_to_a(pa[kk], s, kk);
+  for (int kk = 0; kk < NS / 16; kk++) c_to_a(pa[kk], s, kk);
   fence_regs(o);
   wg_fence();
 #pragma unroll
-  for (int kk = 0; kk < BC / 16; kk++)  // O += P V, V read transposed (MN-major)
+  for (int kk = 0; kk < NS / 16; kk++)  // O += P V, V read transposed (MN-major)
     wgmma_rs<1>(o, pa[kk], sdesc(cV + kk * 16 * 64, BC * 128));
   wg_commit();
   wg_wait<0>();
@@ -216,7 +233,7 @@ __global__ void __launch_bounds__(NWG * 128, 2)
 attn_fwd_whole(bf* __restrict__ out, float* __restrict__ lse, const bf* __restrict__ q,
                const bf* __restrict__ k, const bf* __restrict__ v, const int32_t* __restrict__ cu_q,
                const int32_t* __restrict__ cu_k, int dense, int64_t Nq, int H, int KV, bool causal,
-               float scale_log2) {
+               float scale_log2, int short_tile) {
   pdl_entry();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(HD == 64 && KT <= 4, "one 64-column half; cp.async groups waited for by count <= 3");
@@ -270,8 +287,14 @@ attn_fwd_whole(bf* __restrict__ out, float* __restrict__ lse, const bf* __restri
       if (qt == 0) wait_tile(j);
       const int kb = j * BC;
       if (wr >= Lq || (causal && kb > wlast + shift)) continue;
-      fwd_key_tile<HD, BR, BC>(o, mrow, lrow, sQ + wr * 64, sK + j * BC * HD, sV + j * BC * HD, kb, Lk, causal, wr,
-                               shift, scale_log2);
+      const bf *cK = sK + j * BC * HD, *cV = sV + j * BC * HD;
+      const int rem = Lk - kb;  // keys in this tile (< BC only in the last one)
+      if (short_tile && rem <= 16)
+        fwd_key_tile<HD, BR, BC, 16>(o, mrow, lrow, sQ + wr * 64, cK, cV, kb, Lk, causal, wr, shift, scale_log2);
+      else if (short_tile && rem <= 32)
+        fwd_key_tile<HD, BR, BC, 32>(o, mrow, lrow, sQ + wr * 64, cK, cV, kb, Lk, causal, wr, shift, scale_log2);
+      else
+        fwd_key_tile<HD, BR, BC>(o, mrow, lrow, sQ + wr * 64, cK, cV, kb, Lk, causal, wr, shift, scale_log2);
     }
     if (wr < Lq)  // O / l and lse through the warpgroup's own (finished) rows of sQ
       store_out_rows<HD, BR>(out + int64_t(q0) * qstride + h * HD, lse + int64_t(q0) * H + h, sQ, o, mrow, lrow,
@@ -292,9 +315,14 @@ void launch_whole(bf* out, float* lse, const bf* q, const bf* k, const bf* v, co
     return true;
   }();
   (void)once;
+  // the last key tile as m64n16 / m64n32 products when it holds at most 16 / 32 keys (196 tokens:
+  // 4 keys, so 208 key columns a query tile instead of 256); LOOM_ATTN_SHORT_TILE=0 computes every
+  // tile whole (read at every call: tests and benchmarks switch it)
+  const char* e = std::getenv("LOOM_ATTN_SHORT_TILE");
+  const int short_tile = !(e && e[0] == '0');
   dim3 grid(1, H, nseq);
   launch_kernel(attn_fwd_whole<64, NWG, QT, BC, KT>, grid, NWG * 128, smem, s, out, lse, q, k, v, cu_q, cu_k,
-                dense_seqlen(cu_q, cu_k, nseq, max_seqlen, Nq, Nk), Nq, H, KV, causal, scale_log2);
+                dense_seqlen(cu_q, cu_k, nseq, max_seqlen, Nq, Nk), Nq, H, KV, causal, scale_log2, short_tile);
   LAUNCH_CHECK();
 }
 

@@ -75,7 +75,7 @@ __device__ __forceinline__ void fence_regs(T (&d)[N][4]) {
 // D[64 x N] (+)= A[64 x 16] B[16 x N]. wgmma_ss: A and B from shared memory; accumulate 0
 // overwrites D. wgmma_rs: A from registers in mma.sync's A-fragment layout (warp w of the
 // warpgroup holds rows 16w..16w+15). TB = 0: B is K-major ([N][K] rows), 1: MN-major.
-// N = 8 x the first extent of d (64 or 128).
+// N = 8 x the first extent of d (16, 32, 64 or 128).
 // TA = 1 (wgmma_ss only): A is MN-major too, stored [K][M] (the backward's dQ = dS K reads
 // dS from its transposed [keys][queries] tile).
 template <int TB, int TA = 0>
@@ -102,6 +102,18 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[4][4], uint64_t da, uint64_t
       "%16, %17, p, 1, 1, %20, %19;\n}\n"
       : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
         "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+      : "l"(da), "l"(db), "r"(accumulate), "n"(TB), "n"(TA));
+}
+// m64n16k16, both operands from shared memory (the whole-sequence forward's short last key
+// tile: 16 keys of S = Q K^T).
+template <int TB, int TA = 0>
+__device__ __forceinline__ void wgmma_ss(float (&d)[2][4], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7}, "
+      "%8, %9, p, 1, 1, %12, %11;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])
       : "l"(da), "l"(db), "r"(accumulate), "n"(TB), "n"(TA));
 }
 template <int TB>
