@@ -62,6 +62,15 @@
  *     two rounds: fixed-batch VLM 52.19 / 52.16 -> 51.96 / 52.02 ms, bench_mim 24.01 / 24.02
  *     -> 23.92 / 23.98 (2026-11-27). dinp has v2's bits at the bf16 widths of the models (576,
  *     768, 1024; one value in 262k differs at C 64), dweight adds the rows in other partials.
+ *   v3's block partials after one barrier (2026-12-02): the 8 warps' dweight / dbias rows into
+ *     the (then unused) stage memory, one barrier, each thread adding a column's 8 rows in warp
+ *     order; v2's eight turns (a barrier each) took a third of the kernel at the MIM encoder's
+ *     12544 rows, ~6 a warp (Nsight Compute, contrastive step: 33-36 us, 37% of its cycles at the
+ *     barrier, 25% occupancy). The same terms in the same order on the same grid: the same bits
+ *     (test_cuda_norms compares the two; LOOM_NORM_BWD_TURNS=1 runs the turns). Steps, H200, one
+ *     binary, two rounds alternated, turns | one barrier: bench_mim 22.26 / 22.28 | 22.04 / 21.94
+ *     ms, contrastive 42.03 / 41.96 | 41.78 / 41.80, the reference's VLM batch 47.60 / 47.53 |
+ *     47.38 / 47.20; step-2 losses identical.
  * Measured alternatives that lost (rmsnorm_fwd 16384x576, against v2's 2.27-2.39 TB/s in the
  * same runs; dated in docs/kernels/norms.md):
  *   8 threads x 9 vectors per row, 4 rows per warp (95 registers): 2.10-2.17 TB/s (-8%);

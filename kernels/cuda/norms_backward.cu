@@ -28,6 +28,7 @@ struct BwdArgs {
   const float* rstd;      // [N]
   int64_t N;
   int C;
+  int turns;              // v3: 1 adds the warps' partial rows in v2's eight turns (LOOM_NORM_BWD_TURNS=1)
 };
 
 // A block's partial dweight / dbias row when its 8 warps own the same columns (a warp per row,
@@ -251,9 +252,43 @@ __global__ void __launch_bounds__(256, 2) norm_bwd_rows(BwdArgs a) {
   }
   cp_async_wait<0>();  // only empty groups can be left: rows past N are not copied
 
-  // Block partials as v2's
-  warp_partials<RMS>(dw, db, a.pw + int64_t(blockIdx.x) * C, RMS ? nullptr : a.pb + int64_t(blockIdx.x) * C, C, nv,
-                     grp, t);
+  // Block partials, the sum of the 8 warps' rows in v2's order (warp 0 + warp 1 + ... + warp 7,
+  // so v2's bits), but with one barrier instead of v2's eight turns: every warp puts its dw (and
+  // db) row into its own row of the staging memory, which no copy uses any more, then each thread
+  // adds one column's 8 rows in order. (The eight turns were a third of the kernel's time at the
+  // MIM encoder's 12544 rows, ~6 a warp: Nsight Compute counted 37% of its cycles at the barrier.)
+  if (a.turns) {  // the eight turns, for A/B
+    warp_partials<RMS>(dw, db, a.pw + int64_t(blockIdx.x) * C, RMS ? nullptr : a.pb + int64_t(blockIdx.x) * C, C,
+                       nv, grp, t);
+    return;
+  }
+  __syncthreads();  // every warp is done with its stages (rows of another warp's stages are written below)
+  float* rw = reinterpret_cast<float*>(norm_rows_smem);  // [8][C] dweight rows, then [8][C] dbias rows
+  float* rb = rw + 8 * C;
+#pragma unroll
+  for (int k = 0; k < CH; k++) {
+    const int vi = k * 32 + t;
+    if (vi < nv)  // 16-byte stores (the dynamic shared memory is declared 16-byte aligned)
+#pragma unroll
+      for (int i = 0; i < VEC; i += 4) {
+        *reinterpret_cast<float4*>(rw + grp * C + vi * VEC + i) = make_float4(dw[k][i], dw[k][i + 1], dw[k][i + 2], dw[k][i + 3]);
+        if constexpr (!RMS)
+          *reinterpret_cast<float4*>(rb + grp * C + vi * VEC + i) = make_float4(db[k][i], db[k][i + 1], db[k][i + 2], db[k][i + 3]);
+      }
+  }
+  __syncthreads();
+  float* pw = a.pw + int64_t(blockIdx.x) * C;
+  float* pb = RMS ? nullptr : a.pb + int64_t(blockIdx.x) * C;
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    float sw = rw[c], sb = RMS ? 0.f : rb[c];
+#pragma unroll
+    for (int g = 1; g < kGroups; g++) {
+      sw += rw[g * C + c];
+      if constexpr (!RMS) sb += rb[g * C + c];
+    }
+    pw[c] = sw;
+    if constexpr (!RMS) pb[c] = sb;
+  }
 }
 
 // v1_generic_block_per_row, backward: block loops over rows, partials accumulate in global
@@ -323,7 +358,8 @@ BwdKernel bwd_rows_kernel(int ch, size_t* smem) {
   const char* e = std::getenv("LOOM_NORM_BWD_ST");
   const int st = e ? std::atoi(e) : 2;
   if (st != 2 && st != 3) return nullptr;
-  *smem = size_t(8) * st * 3 * ch * 32 * 16;
+  // the stages; after the rows, the 8 warps' partial rows [2][8][C] fp32 (C <= ch * 256) reuse them
+  *smem = std::max(size_t(8) * st * 3 * ch * 32 * 16, size_t(2) * 8 * ch * 256 * sizeof(float));
   BwdKernel k = nullptr;
   switch (ch * 4 + st) {
     case 1 * 4 + 2: k = norm_bwd_rows<DT, V, RMS, 1, 2>; break;
@@ -383,19 +419,25 @@ void launch_bwd(T* dweight, T* dbias, BwdArgs a, Stream s) {
   device_free(part);  // stream-ordered reuse
 }
 
+// LOOM_NORM_BWD_TURNS=1: v3's block partials in v2's eight turns (read at every call: A/B)
+int bwd_turns() {
+  const char* e = std::getenv("LOOM_NORM_BWD_TURNS");
+  return e && e[0] == '1' ? 1 : 0;
+}
+
 }  // namespace
 
 template <class T>
 void layernorm_backward(T* dinp, const T* dresid, T* dweight, T* dbias, const T* dout, const T* inp,
                         const T* weight, const acc_t<T>* mean, const acc_t<T>* rstd, int64_t N, int C, Stream s) {
-  BwdArgs a{dinp, dresid, nullptr, nullptr, dout, inp, weight, mean, rstd, N, C};
+  BwdArgs a{dinp, dresid, nullptr, nullptr, dout, inp, weight, mean, rstd, N, C, bwd_turns()};
   launch_bwd<T, false>(dweight, dbias, a, s);
 }
 
 template <class T>
 void rmsnorm_backward(T* dinp, const T* dresid, T* dweight, const T* dout, const T* inp, const T* weight,
                       const acc_t<T>* rstd, int64_t N, int C, Stream s) {
-  BwdArgs a{dinp, dresid, nullptr, nullptr, dout, inp, weight, nullptr, rstd, N, C};
+  BwdArgs a{dinp, dresid, nullptr, nullptr, dout, inp, weight, nullptr, rstd, N, C, bwd_turns()};
   launch_bwd<T, true>(dweight, nullptr, a, s);
 }
 

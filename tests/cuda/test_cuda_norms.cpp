@@ -163,3 +163,49 @@ TEMPLATE_TEST_CASE("norms: the rows-in-flight backward against v2", "[norms]", f
         }
   }
 }
+
+// The rows-in-flight backward's block partials: the 8 warps' rows summed after one barrier
+// (default) and in v2's eight turns (LOOM_NORM_BWD_TURNS=1) add the same terms in the same order
+// on the same grid, so dweight and dbias (and dinp, untouched by the change) agree bit for bit.
+// Vectors per lane 1-4, fewer rows than the resident warps and many more, dweight accumulating
+// into a nonzero start.
+TEST_CASE("norms: the backward's block partials after one barrier and in eight turns, bit for bit", "[norms]") {
+  need_gpu();
+  using T = bf16;
+  auto with_turns = [](const char* v, const std::function<void()>& f) {
+    const char* before = std::getenv("LOOM_NORM_BWD_TURNS");
+    const std::string keep = before ? before : "";
+    setenv("LOOM_NORM_BWD_TURNS", v, 1);
+    f();
+    if (before) setenv("LOOM_NORM_BWD_TURNS", keep.c_str(), 1);
+    else unsetenv("LOOM_NORM_BWD_TURNS");
+  };
+  struct Case { int64_t N; int C; };
+  for (Case c : {Case{12544, 768}, Case{50, 384}, Case{20000, 576}, Case{3001, 256}, Case{777, 1024}}) {
+    const int64_t n = c.N * c.C;
+    auto hx = rounded<T>(rnd(n, 70, -2.f, 3.f)), hr = rounded<T>(rnd(n, 71)), hd = rounded<T>(rnd(n, 72));
+    auto hw = rounded<T>(rnd(c.C, 73, 0.5f, 1.5f)), h0 = rounded<T>(rnd(c.C, 74));
+    std::vector<float> hm(c.N), hs(c.N), ho(n);
+    cpu::layernorm_forward(ho.data(), hm.data(), hs.data(), hx.data(), hw.data(), hw.data(), c.N, c.C, 1e-6, nullptr);
+    DBuf<T> x(hx), r(hr), d(hd), w(hw);
+    DBuf<float> m(hm), rs(hs);
+    for (bool rms : {false, true}) {
+      INFO("N " << c.N << " C " << c.C << (rms ? " rmsnorm" : " layernorm"));
+      std::vector<float> dx[2], dw[2], db[2];
+      int i = 0;
+      for (const char* turns : {"1", "0"}) {
+        DBuf<T> gx(n), gw(h0), gb(h0);
+        gx.poison();
+        with_turns(turns, [&] {
+          if (rms) cu::rmsnorm_backward(gx.p, r.p, gw.p, d.p, x.p, w.p, rs.p, c.N, c.C, S());
+          else cu::layernorm_backward(gx.p, r.p, gw.p, gb.p, d.p, x.p, w.p, m.p, rs.p, c.N, c.C, S());
+        });
+        dx[i] = gx.get(), dw[i] = gw.get(), db[i] = gb.get();
+        i++;
+      }
+      CHECK(dx[1] == dx[0]);
+      CHECK(dw[1] == dw[0]);
+      CHECK(db[1] == db[0]);
+    }
+  }
+}
