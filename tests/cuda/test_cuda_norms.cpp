@@ -107,6 +107,17 @@ TEST_CASE("norms: backward is deterministic at a large shape", "[norms]") {
   }
 }
 
+// Runs f with the environment variable name set to value, then puts it back as it was (the
+// kernels read their LOOM_* switches at every call).
+static void with_env(const char* name, const char* value, const std::function<void()>& f) {
+  const char* before = std::getenv(name);
+  const std::string keep = before ? before : "";
+  setenv(name, value, 1);
+  f();
+  if (before) setenv(name, keep.c_str(), 1);
+  else unsetenv(name);
+}
+
 // The warp-per-row backward with rows in flight (norm_bwd_rows, the default for 16-byte vectors)
 // against v2 (LOOM_NORM_BWD_ST=0), within the table's tolerance (another grid adds the rows into
 // other partials; the count of dinp values whose bits differ is printed). Vectors per lane 1-4, 2 and 3 stages,
@@ -116,14 +127,6 @@ TEMPLATE_TEST_CASE("norms: the rows-in-flight backward against v2", "[norms]", f
   using T = TestType;
   const auto t = tol_of<T>();
   struct Case { int64_t N; int C; };
-  auto with_stages = [](const char* st, const std::function<void()>& f) {
-    const char* before = std::getenv("LOOM_NORM_BWD_ST");
-    const std::string keep = before ? before : "";
-    setenv("LOOM_NORM_BWD_ST", st, 1);
-    f();
-    if (before) setenv("LOOM_NORM_BWD_ST", keep.c_str(), 1);
-    else unsetenv("LOOM_NORM_BWD_ST");
-  };
   for (Case c : {Case{4099, 64}, Case{3, 384}, Case{2500, 576}, Case{4099, 768}, Case{1500, 1024}}) {
     const int64_t n = c.N * c.C;
     auto hx = rounded<T>(rnd(n, 60, -2.f, 3.f)), hr = rounded<T>(rnd(n, 61)), hd = rounded<T>(rnd(n, 62));
@@ -143,7 +146,7 @@ TEMPLATE_TEST_CASE("norms: the rows-in-flight backward against v2", "[norms]", f
             DBuf<T> gx(n), gw(std::vector<float>(c.C, 0.f)), gb(std::vector<float>(c.C, 0.f));
             gx.poison();
             const T* dres = resid ? r.p : nullptr;
-            with_stages(which, [&] {
+            with_env("LOOM_NORM_BWD_ST", which, [&] {
               if (rms) cu::rmsnorm_backward(gx.p, dres, gw.p, d.p, x.p, w.p, rs.p, c.N, c.C, S());
               else cu::layernorm_backward(gx.p, dres, gw.p, gb.p, d.p, x.p, w.p, m.p, rs.p, c.N, c.C, S());
             });
@@ -172,14 +175,6 @@ TEMPLATE_TEST_CASE("norms: the rows-in-flight backward against v2", "[norms]", f
 TEST_CASE("norms: the backward's block partials after one barrier and in eight turns, bit for bit", "[norms]") {
   need_gpu();
   using T = bf16;
-  auto with_turns = [](const char* v, const std::function<void()>& f) {
-    const char* before = std::getenv("LOOM_NORM_BWD_TURNS");
-    const std::string keep = before ? before : "";
-    setenv("LOOM_NORM_BWD_TURNS", v, 1);
-    f();
-    if (before) setenv("LOOM_NORM_BWD_TURNS", keep.c_str(), 1);
-    else unsetenv("LOOM_NORM_BWD_TURNS");
-  };
   struct Case { int64_t N; int C; };
   for (Case c : {Case{12544, 768}, Case{50, 384}, Case{20000, 576}, Case{3001, 256}, Case{777, 1024}}) {
     const int64_t n = c.N * c.C;
@@ -196,7 +191,7 @@ TEST_CASE("norms: the backward's block partials after one barrier and in eight t
       for (const char* turns : {"1", "0"}) {
         DBuf<T> gx(n), gw(h0), gb(h0);
         gx.poison();
-        with_turns(turns, [&] {
+        with_env("LOOM_NORM_BWD_TURNS", turns, [&] {
           if (rms) cu::rmsnorm_backward(gx.p, r.p, gw.p, d.p, x.p, w.p, rs.p, c.N, c.C, S());
           else cu::layernorm_backward(gx.p, r.p, gw.p, gb.p, d.p, x.p, w.p, m.p, rs.p, c.N, c.C, S());
         });
