@@ -23,7 +23,11 @@
  *   A dense batch at hd 64 with sequences of at most 64 tokens (one key tile: the MIM encoder's
  *   49 kept patches) has every dq row in one block: the block stores bf16 dq itself
  *   (STORE_DQ), prep computes delta alone and finish does not run (no fp32 workspace pass, dq
- *   bitwise reproducible there).
+ *   bitwise reproducible there). By default that form runs as attn_bwd_one_tile: the same
+ *   work per (sequence, kv head) pair on persistent blocks that load the next pair's tiles while
+ *   computing this one (same bits; LOOM_ATTN_BWD_ONE=0 keeps one block a pair). fwd+bwd B256
+ *   H12 T49 0.126 -> 0.114 ms, B128 0.068 -> 0.062 (H200, 2026-12-02; docs/kernels/attention.md
+ *   "Persistent blocks for sequences of one key tile", with delta computed in the block, lost).
  * Launch: hd 128: 8 warps = 128 keys per block, query tiles of 64 (255 registers, no spill,
  *   145 KB shared memory, 1 block per SM); hd 64: 4 warps = 64 keys, query tiles of 64
  *   (225 registers, 2 blocks per SM). Blocks go by chunks of (kv head, sequence) pairs
@@ -45,9 +49,11 @@
  *   warp-specialized attention_sm90_bwd.cu, with a TMA producer and TMA dQ reductions, is
  *   faster from 128 tokens); delta, zeroing and conversion as 6 launches
  *   instead of 3: 0.514 | 2.150 | 0.418. History: docs/kernels/attention.md.
- * Test: tests/cuda/test_cuda_kernels_b.cpp ("attention forward/backward bf16 ...", single-pass runs).
+ * Test: tests/cuda/test_cuda_kernels_b.cpp ("attention forward/backward bf16 ...", single-pass runs;
+ *   "attention backward of one key tile a sequence ...": attn_bwd_one_tile bit for bit the other form).
  */
 #include <algorithm>
+#include <cstdlib>
 
 #include "kernels/cuda/attention_tiles.cuh"
 #include "kernels/cuda/rope.cuh"
@@ -250,6 +256,156 @@ __global__ void attn_bwd_finish(bf* __restrict__ dq, const float* __restrict__ a
   }
 }
 
+// =========================================================================== one key tile, persistent
+// A dense batch at hd 64 whose sequences of L <= 64 tokens fit one 64-key tile (the MIM encoder's
+// 49 kept patches): the same work per (sequence, kv head) pair as attn_bwd_v2_atomic_dq's STORE_DQ
+// form (4 warps x 16 keys, the group's query heads in order, dq stored by the block), the same
+// operations in the same order, so the same bits. What differs is that a block is resident for
+// several pairs (pairs b, b + grid, ...; the grid is what fits on the multiprocessors at once)
+// and loads the next tile (K and V when the pair changes, Q and dO always, each into the other of
+// two buffers) while it computes this one; in attn_bwd_v2_atomic_dq every block of this shape
+// has one tile, so its loads and its products never overlap (2 blocks of 4 warps per
+// multiprocessor, 225 registers). lse and delta of the next tile go to registers before the
+// products and into shared memory after them, so that no thread waits on those loads either.
+template <int HD, int BRQ>
+__global__ void __launch_bounds__(128)
+attn_bwd_one_tile(bf* __restrict__ dq, bf* __restrict__ dk, bf* __restrict__ dv, const bf* __restrict__ dout,
+                  const bf* __restrict__ q, const bf* __restrict__ k, const bf* __restrict__ v,
+                  const float* __restrict__ lse, const float* __restrict__ delta, int L, int pairs, int H, int KV,
+                  bool causal, float scale, float scale_log2) {
+  pdl_entry();
+  constexpr int NW = 4, BC = 64, NT = NW * 32, WM = 2;
+  constexpr int WN = NW / WM, QM = BRQ / WM, QN = HD / WN;
+  static_assert(QM % 16 == 0 && QN % 16 == 0 && BRQ <= NT, "dQ warp blocks are whole 16x16 tiles");
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf* sK = reinterpret_cast<bf*>(smem);  // [2][BC][HD], later the dk staging
+  bf* sV = sK + 2 * BC * HD;             // [2][BC][HD], later the dv staging
+  bf* sQ = sV + 2 * BC * HD;             // [2][BRQ][HD]
+  bf* sO = sQ + 2 * BRQ * HD;            // [2][BRQ][HD] dout
+  bf* sS = sO + 2 * BRQ * HD;            // [BRQ][BC] dS, queries x keys
+  float* sL = reinterpret_cast<float*>(sS + BRQ * BC);  // [2][BRQ] lse * log2(e)
+  float* sD = sL + 2 * BRQ;                             // [2][BRQ] delta
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+  const int group = H / KV, grid = int(gridDim.x);
+  const int np = int(blockIdx.x) < pairs ? (pairs - int(blockIdx.x) + grid - 1) / grid : 0;
+  const int n = np * group;  // this block's tiles: pair i = j / group, its head j % group
+  if (n == 0) return;
+  const int64_t qstride = int64_t(H) * HD, kvstride = int64_t(KV) * HD;
+  auto pair_of = [&](int j) { return int(blockIdx.x) + (j / group) * grid; };
+  auto kv_off = [&](int pair) { return int64_t(pair / KV) * L * kvstride + (pair % KV) * HD; };
+  auto head_of = [&](int j) { return (pair_of(j) % KV) * group + j % group; };
+  auto q_off = [&](int j) { return int64_t(pair_of(j) / KV) * L * qstride + head_of(j) * HD; };
+  // tile j's loads: K and V when it starts a pair, Q and dO (cp.async, zero-filled past L)
+  auto load_async = [&](int j) {
+    if (j % group == 0) {
+      const int kb = (j / group) & 1;
+      load_tile<HD, BC, NT>(sK + kb * BC * HD, k + kv_off(pair_of(j)), kvstride, L);
+      load_tile<HD, BC, NT>(sV + kb * BC * HD, v + kv_off(pair_of(j)), kvstride, L);
+    }
+    load_tile<HD, BRQ, NT>(sQ + (j & 1) * BRQ * HD, q + q_off(j), qstride, L);
+    load_tile<HD, BRQ, NT>(sO + (j & 1) * BRQ * HD, dout + q_off(j), qstride, L);
+  };
+  // its lse * log2(e) and delta (+inf / 0 past L): thread r < BRQ holds row r
+  float nl = INFINITY, nd = 0.f;
+  auto load_rows = [&](int j) {
+    const int r = int(threadIdx.x);
+    if (r < L) {
+      const int64_t st = (int64_t(pair_of(j) / KV) * L + r) * H + head_of(j);
+      nl = lse[st] * kLog2e;
+      nd = delta[st];
+    } else {
+      nl = INFINITY;
+      nd = 0.f;
+    }
+  };
+  auto store_rows_smem = [&](int buf) {
+    if (threadIdx.x < BRQ) {
+      sL[buf * BRQ + threadIdx.x] = nl;
+      sD[buf * BRQ + threadIdx.x] = nd;
+    }
+  };
+  load_async(0);
+  cp_async_commit();
+  load_rows(0);
+  store_rows_smem(0);
+
+  float dka[HD / 8][4] = {}, dva[HD / 8][4] = {};
+  const int key0 = warp * 16 + g;            // this thread's keys: key0 (c0, c1) and key0 + 8
+  const int wm = warp / WN, wn = warp % WN;  // the warp's dQ block: rows wm QM.., columns wn QN..
+  const bool need_mask = L < BC || causal;
+  for (int j = 0; j < n; j++) {
+    // Tile j (and its pair's K and V) landed, its lse and delta are stored, and every warp is done
+    // with tile j - 1: the buffers refilled below (Q, dO of tile j + 1; K, V of the next pair) were
+    // last read there (or by the pair before this one, dk / dv staging included).
+    cp_async_wait<0>();
+    __syncthreads();
+    if (j + 1 < n) {
+      load_async(j + 1);
+      load_rows(j + 1);
+    }
+    cp_async_commit();
+    const int buf = j & 1, kb = (j / group) & 1;
+    const bf* cK = sK + kb * BC * HD;
+    const bf* cV = sV + kb * BC * HD;
+    const bf* cQ = sQ + buf * BRQ * HD;
+    const bf* cO = sO + buf * BRQ * HD;
+    float st[BRQ / 8][4], dpt[BRQ / 8][4];
+    dkdv_p_ds<HD, BRQ>(st, dpt, cK, cV, cQ, cO, sL + buf * BRQ, sD + buf * BRQ, warp, lane, key0, L, need_mask, causal,
+                       0, 0, scale_log2);
+#pragma unroll
+    for (int kk = 0; kk < BRQ / 16; kk++) {
+      uint32_t pa[4], da[4];
+      c_to_a(pa, st, kk);
+      c_to_a(da, dpt, kk);
+      const int m = lane >> 3;
+      stsm_x4_t(sS + swz<BC>(kk * 16 + (m >> 1) * 8 + (lane & 7), 2 * warp + (m & 1)), da, lane);
+      dkdv_accumulate<HD>(dva, dka, pa, da, cQ, cO, kk, lane);
+    }
+    __syncthreads();  // all of dS is in sS
+    float dqa[QM / 16][QN / 8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; kk++) {  // dQ_tile = dS K
+      uint32_t a[QM / 16][4];
+#pragma unroll
+      for (int mt = 0; mt < QM / 16; mt++) frag_a<BC>(a[mt], sS, wm * QM + mt * 16, kk * 16, lane);
+#pragma unroll
+      for (int dd = 0; dd < QN / 16; dd++) {
+        uint32_t b[4];
+        frag_b_rows_k<HD>(b, cK, kk * 16, wn * QN + dd * 16, lane);
+#pragma unroll
+        for (int mt = 0; mt < QM / 16; mt++) {
+          mma_bf16(dqa[mt][2 * dd], a[mt], b[0], b[1]);
+          mma_bf16(dqa[mt][2 * dd + 1], a[mt], b[2], b[3]);
+        }
+      }
+    }
+    const int64_t off = q_off(j) + wn * QN + 2 * t;
+#pragma unroll
+    for (int mt = 0; mt < QM / 16; mt++)
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        const int row = wm * QM + mt * 16 + g + 8 * r;
+        if (row < L) {
+#pragma unroll
+          for (int nt = 0; nt < QN / 8; nt++)
+            *reinterpret_cast<uint32_t*>(dq + off + row * qstride + nt * 8) =
+                pack_bf16(dqa[mt][nt][2 * r] * scale, dqa[mt][nt][2 * r + 1] * scale);
+        }
+      }
+    if (j + 1 < n) store_rows_smem((j + 1) & 1);  // buffer (j + 1) & 1 was last read in tile j - 1
+    if (j % group == group - 1) {  // the pair's last head: dk and dv out through its K / V buffers
+      __syncthreads();             // every warp is done reading cK (dQ above)
+      const int64_t koff = kv_off(pair_of(j));
+      store_rows<HD>(sK + kb * BC * HD, warp * 16, dka, scale, dk + koff, kvstride, L, lane);
+      store_rows<HD>(sV + kb * BC * HD, warp * 16, dva, 1.f, dv + koff, kvstride, L, lane);
+#pragma unroll
+      for (int i = 0; i < HD / 8; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) dka[i][e] = dva[i][e] = 0.f;
+    }
+  }
+}
+
 // The finish of the joined q|k|v gradient (bwd_qkv_rope, hd 64): dq = bf16(scale dq_acc) rotated
 // by -angle into the q part of dqkv's rows, W = (H + 2 KV) 64 apart. A thread takes pairs i .. i + 3
 // and i + 32 .. i + 35 of one (row, head): 16-byte loads of dq_acc, 8-byte stores. Each value is
@@ -287,6 +443,24 @@ __global__ void attn_bwd_finish_qkv(bf* __restrict__ dqkv, const float* __restri
 }
 
 // =========================================================================== launchers
+// attn_bwd_one_tile on as many blocks as fit on the multiprocessors at once (2 a multiprocessor at
+// 225 registers), at most one a pair.
+void bwd_one_tile_launch(bf* dq, bf* dk, bf* dv, const bf* dout, const bf* q, const bf* k, const bf* v, const float* lse,
+                         const float* delta, int nseq, int L, int H, int KV, bool causal, float scale, cudaStream_t s) {
+  constexpr int HD = 64, BRQ = 64, BC = 64;
+  const int smem = (4 * BC + 4 * BRQ) * HD * int(sizeof(bf)) + BRQ * BC * int(sizeof(bf)) + 4 * BRQ * int(sizeof(float));
+  static const int per_sm = [&] {
+    set_smem(attn_bwd_one_tile<HD, BRQ>, smem);
+    int b = 0;
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, attn_bwd_one_tile<HD, BRQ>, 128, smem));
+    return std::max(1, b);
+  }();
+  const int pairs = nseq * KV, grid = std::min(pairs, per_sm * sm_count());
+  launch_kernel(attn_bwd_one_tile<HD, BRQ>, grid, 128, smem, s, dq, dk, dv, dout, q, k, v, lse, delta, L, pairs, H, KV,
+                causal, scale, scale * kLog2e);
+  LAUNCH_CHECK();
+}
+
 template <int HD, int NW, int BRQ, int WM, bool STORE_DQ = false>
 void bwd_atomic_launch(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, const bf* k,
                        const bf* v, const float* lse, const float* delta, const int32_t* cu_q,
@@ -321,6 +495,10 @@ void bwd_v2_atomic_hd(bf* dq, bf* dk, bf* dv, float* dq_acc, float* delta, const
   // hd 64 only (64 keys a block); the hd 128 instance with the stores spilled 8 bytes
   const bool direct = HD == 64 && !ws && nseq > 0 && max_seqlen > 0 && max_seqlen <= 64 &&
                       dense_seqlen(cu_q, cu_k, nseq, max_seqlen, Nq, Nk) > 0;
+  // and there the persistent form, attn_bwd_one_tile; LOOM_ATTN_BWD_ONE=0 keeps one block a pair
+  // (read at every call: tests and benchmarks switch it)
+  const char* one = std::getenv("LOOM_ATTN_BWD_ONE");
+  const bool one_tile = !(one && one[0] == '0');
   const BwdOrder ord = ws && rows > 0 ? bwd_sm90_order(cu_q, cu_k, nseq, max_seqlen, Nq, Nk, causal) : BwdOrder();
   if (rows > 0) {
     launch_kernel(attn_bwd_prep<HD>, ceil_div(rows * (HD / 8), 256) + (ord.order ? 1 : 0), 256, 0, s, delta,
@@ -337,6 +515,8 @@ void bwd_v2_atomic_hd(bf* dq, bf* dk, bf* dv, float* dq_acc, float* delta, const
     if constexpr (HD == 128)
       bwd_atomic_launch<HD, 8, 64, 2>(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, H, KV,
                                       causal, scale, nullptr, s);
+    else if (direct && one_tile)
+      bwd_one_tile_launch(dq, dk, dv, dout, q, k, v, lse, delta, nseq, max_seqlen, H, KV, causal, scale, s);
     else if (direct)
       bwd_atomic_launch<HD, 4, 64, 2, true>(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu_q, cu_k, nseq, max_seqlen, H,
                                             KV, causal, scale, dq, s);

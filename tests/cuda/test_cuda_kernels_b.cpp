@@ -512,6 +512,70 @@ TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU ref
   else unsetenv("LOOM_ATTN_SHORT_TILE");
 }
 
+// A dense bf16 batch at hd 64 whose sequences fit one 64-key tile (the MIM encoder's 49 kept
+// patches) runs the single pass's one-tile form: by default attn_bwd_one_tile, persistent blocks
+// that take several (sequence, kv head) pairs each and load the next tile while computing this one;
+// LOOM_ATTN_BWD_ONE=0 keeps attn_bwd_v2_atomic_dq's one block a pair. The same operations in the
+// same order: dq, dk and dv bit for bit the same both ways, and within bf16 tolerance of the CPU
+// reference. Enough pairs that each block takes two or more on a 132-multiprocessor GPU (at 2
+// blocks a multiprocessor): 49 tokens (full), 64 with GQA 3:1 and causal (the group's three
+// heads a pair, both K / V and both Q / dO buffers), 17 causal and 1 (rows past the sequence in
+// every tile). Outputs poisoned before each run.
+TEST_CASE("attention backward of one key tile a sequence: persistent blocks, the same bits as one block a pair",
+          "[cuda][attention]") {
+  need_gpu();
+  const char* before = std::getenv("LOOM_ATTN_BWD_ONE");
+  const std::string saved = before ? before : "";
+  const bool was = cu::deterministic_attention();
+  cu::set_deterministic_attention(false);
+  struct Case { int len, nseq, H, KV; bool causal; };
+  const Case cases[] = {{49, 300, 2, 2, false}, {64, 150, 6, 2, true}, {17, 700, 1, 1, true}, {1, 600, 2, 2, false}};
+  uint32_t seed = 950;
+  for (const Case& c : cases) {
+    std::mt19937 rng(seed++);
+    const int hd = 64, H = c.H, KV = c.KV, nseq = c.nseq, L = c.len;
+    const int64_t N = int64_t(nseq) * L;
+    std::vector<int32_t> cu_s{0};
+    for (int i = 0; i < nseq; i++) cu_s.push_back(cu_s.back() + L);
+    const double scale = 1.0 / std::sqrt(double(hd));
+    const size_t nq = size_t(N) * H * hd, nk = size_t(N) * KV * hd;
+    auto q = randn(nq, rng), k = randn(nk, rng), v = randn(nk, rng), dout = randn(nq, rng);
+    auto qs = seen<bf16>(q), ks = seen<bf16>(k), vs = seen<bf16>(v), dos = seen<bf16>(dout);
+    std::vector<float> out(nq), lse(N * H), ws(N * H), dq_ref(nq), dk_ref(nk), dv_ref(nk);
+    loom::cpu::attention_forward<float>(out.data(), lse.data(), qs.data(), ks.data(), vs.data(), cu_s.data(),
+                                        cu_s.data(), nseq, L, N, N, H, KV, hd, c.causal, scale, nullptr);
+    auto outs = seen<bf16>(out);
+    loom::cpu::attention_backward<float>(dq_ref.data(), dk_ref.data(), dv_ref.data(), dos.data(), qs.data(), ks.data(),
+                                         vs.data(), outs.data(), lse.data(), ws.data(), cu_s.data(), cu_s.data(), nseq,
+                                         L, N, N, H, KV, hd, c.causal, scale, nullptr);
+    Dev<bf16> dq_(to_t<bf16>(q)), dk_(to_t<bf16>(k)), dv_(to_t<bf16>(v)), ddo(to_t<bf16>(dout)),
+        dout_(to_t<bf16>(out)), ddq(nq), ddk(nk), ddv(nk);
+    Dev<float> dlse(lse), dws(size_t(N) * H * (hd + 1));
+    Dev<int32_t> dcu(cu_s);
+    auto run = [&](const char* one) {
+      if (one) setenv("LOOM_ATTN_BWD_ONE", one, 1);
+      else unsetenv("LOOM_ATTN_BWD_ONE");
+      ddq.poison();
+      ddk.poison();
+      ddv.poison();
+      dws.poison();
+      cu::attention_backward<bf16>(ddq.p, ddk.p, ddv.p, ddo.p, dq_.p, dk_.p, dv_.p, dout_.p, dlse.p, dws.p, dcu.p, dcu.p,
+                                   nseq, L, N, N, H, KV, hd, c.causal, scale, cu::default_stream());
+      return std::vector<std::vector<bf16>>{ddq.down(), ddk.down(), ddv.down()};
+    };
+    INFO("length " << L << " x " << nseq << " H" << H << " KV" << KV << (c.causal ? " causal" : " full"));
+    const auto persistent = run(nullptr), per_pair = run("0");
+    LOOM_CHECK_CLOSE(tol::compare(to_f(persistent[0]), dq_ref, tol::kCudaBF16, "dq, persistent blocks"));
+    LOOM_CHECK_CLOSE(tol::compare(to_f(persistent[1]), dk_ref, tol::kCudaBF16, "dk, persistent blocks"));
+    LOOM_CHECK_CLOSE(tol::compare(to_f(persistent[2]), dv_ref, tol::kCudaBF16, "dv, persistent blocks"));
+    for (int i = 0; i < 3; i++)
+      CHECK(std::memcmp(persistent[i].data(), per_pair[i].data(), sizeof(bf16) * persistent[i].size()) == 0);
+  }
+  cu::set_deterministic_attention(was);
+  if (before) setenv("LOOM_ATTN_BWD_ONE", saved.c_str(), 1);
+  else unsetenv("LOOM_ATTN_BWD_ONE");
+}
+
 // attention_backward_qkv (kernels.inc): the gradient of a joined q|k|v product's rows. bf16 at
 // hd 64 with sequences of >= 512 tokens takes loom's warp-specialized backward writing the rows
 // itself (dk rotated in its store, dq in the finish); LOOM_ATTN_QKV_JOIN=0 the two calls
