@@ -49,8 +49,8 @@
  *   warp-specialized attention_sm90_bwd.cu, with a TMA producer and TMA dQ reductions, is
  *   faster from 128 tokens); delta, zeroing and conversion as 6 launches
  *   instead of 3: 0.514 | 2.150 | 0.418. History: docs/kernels/attention.md.
- * Test: tests/cuda/test_cuda_kernels_b.cpp ("attention forward/backward bf16 ...", single-pass runs;
- *   "attention backward of one key tile a sequence ...": attn_bwd_one_tile bit for bit the other form).
+ * Test: tests/cuda/test_cuda_kernels_b.cpp ("attention forward/backward bf16 ...", single-pass runs);
+ *   tests/cuda/test_cuda_attention_one_tile.cpp (attn_bwd_one_tile bit for bit the one-block-a-pair form).
  */
 #include <algorithm>
 #include <cstdlib>
@@ -65,6 +65,74 @@ namespace {
 using namespace attn;
 
 // =========================================================================== v2 backward, single pass
+// The steps of a tile pair after dkdv_p_ds, shared by the single pass's two kernels below.
+// P^T and dS^T of the warp's 16 keys as A fragments, dS^T stored into sS, dV += P^T dO, dK += dS^T Q.
+template <int HD, int BRQ, int BC>
+__device__ __forceinline__ void ds_store_dkdv(bf* sS, const float (&st)[BRQ / 8][4], const float (&dpt)[BRQ / 8][4],
+                                              float (&dva)[HD / 8][4], float (&dka)[HD / 8][4], const bf* cQ,
+                                              const bf* cO, int warp, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < BRQ / 16; kk++) {
+    uint32_t pa[4], da[4];
+    c_to_a(pa, st, kk);
+    c_to_a(da, dpt, kk);
+    // da is dS^T (this warp's 16 keys x queries 16 kk..) as four 8x8 matrices: keys 0-7 and
+    // 8-15 of queries 16 kk.., then of 16 kk + 8..; stored transposed into sS, each lands as
+    // 8 query rows x 8 keys (one 16-byte chunk per row)
+    const int m = lane >> 3;
+    stsm_x4_t(sS + swz<BC>(kk * 16 + (m >> 1) * 8 + (lane & 7), 2 * warp + (m & 1)), da, lane);
+    dkdv_accumulate<HD>(dva, dka, pa, da, cQ, cO, kk, lane);
+  }
+}
+// dqa += dS K, the warp's QM x QN block of dQ_tile (rows wm QM.., columns wn QN..; dqa zeroed by the
+// caller), once all of dS is in sS; the scale is applied at the store.
+template <int HD, int BC, int QM, int QN>
+__device__ __forceinline__ void dq_tile(float (&dqa)[QM / 16][QN / 8][4], const bf* sS, const bf* sK, int wm, int wn,
+                                        int lane) {
+#pragma unroll
+  for (int kk = 0; kk < BC / 16; kk++) {
+    uint32_t a[QM / 16][4];
+#pragma unroll
+    for (int mt = 0; mt < QM / 16; mt++) frag_a<BC>(a[mt], sS, wm * QM + mt * 16, kk * 16, lane);
+#pragma unroll
+    for (int dd = 0; dd < QN / 16; dd++) {
+      uint32_t b[4];
+      frag_b_rows_k<HD>(b, sK, kk * 16, wn * QN + dd * 16, lane);
+#pragma unroll
+      for (int mt = 0; mt < QM / 16; mt++) {
+        mma_bf16(dqa[mt][2 * dd], a[mt], b[0], b[1]);
+        mma_bf16(dqa[mt][2 * dd + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+// The warp's dQ block out, the rows below nq (off: its first row and column, rows qstride apart).
+// Each lane adds pairs of columns (a warp's reduction: 8 rows x 32 bytes) into dq_acc; query rows
+// past the sequence are skipped (they belong to the next sequence or to no row at all). STORE (a
+// dense batch of one key tile a sequence: this block is the only one that sees these rows): the
+// pairs are scaled, rounded and stored to dq as attn_bwd_finish would, same bits.
+template <int QM, int QN, bool STORE>
+__device__ __forceinline__ void dq_out(const float (&dqa)[QM / 16][QN / 8][4], bf* dq, float* dq_acc, int64_t off,
+                                       int64_t qstride, int nq, int wm, int lane, float scale) {
+  const int g = lane >> 2;
+#pragma unroll
+  for (int mt = 0; mt < QM / 16; mt++)
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      const int row = wm * QM + mt * 16 + g + 8 * r;
+      if (row < nq) {
+#pragma unroll
+        for (int nt = 0; nt < QN / 8; nt++) {
+          const float a = dqa[mt][nt][2 * r], b = dqa[mt][nt][2 * r + 1];
+          if constexpr (STORE)
+            *reinterpret_cast<uint32_t*>(dq + off + row * qstride + nt * 8) = pack_bf16(a * scale, b * scale);
+          else
+            red_add_f32x2(dq_acc + off + row * qstride + nt * 8, a, b);
+        }
+      }
+    }
+}
+
 // attn_bwd_dkdv_v2's block and loop (16 NW keys of one kv head; the group's query heads and
 // the query tiles that see the keys), plus the dQ contribution of every tile pair, so that S
 // and dP are computed once: dS is staged in shared memory as bf16 (queries x keys), then all
@@ -140,58 +208,12 @@ attn_bwd_v2_atomic_dq(bf* __restrict__ dk, bf* __restrict__ dv, float* __restric
     const bool need_mask = ks + BC > Lk || (causal && ks + BC - 1 > qt + shift);
     dkdv_p_ds<HD, BRQ>(st, dpt, sK, sV, cQ, cO, cL, cD, warp, lane, key0, Lk, need_mask, causal, qt, shift,
                        scale_log2);
-#pragma unroll
-    for (int kk = 0; kk < BRQ / 16; kk++) {
-      uint32_t pa[4], da[4];
-      c_to_a(pa, st, kk);
-      c_to_a(da, dpt, kk);
-      // da is dS^T (this warp's 16 keys x queries 16 kk..) as four 8x8 matrices: keys 0-7 and
-      // 8-15 of queries 16 kk.., then of 16 kk + 8..; stored transposed into sS, each lands as
-      // 8 query rows x 8 keys (one 16-byte chunk per row)
-      const int m = lane >> 3;
-      stsm_x4_t(sS + swz<BC>(kk * 16 + (m >> 1) * 8 + (lane & 7), 2 * warp + (m & 1)), da, lane);
-      dkdv_accumulate<HD>(dva, dka, pa, da, cQ, cO, kk, lane);
-    }
+    ds_store_dkdv<HD, BRQ, BC>(sS, st, dpt, dva, dka, cQ, cO, warp, lane);
     __syncthreads();  // all of dS is in sS
     float dqa[QM / 16][QN / 8][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < BC / 16; kk++) {  // dQ_tile = dS K (scale applied at the conversion)
-      uint32_t a[QM / 16][4];
-#pragma unroll
-      for (int mt = 0; mt < QM / 16; mt++) frag_a<BC>(a[mt], sS, wm * QM + mt * 16, kk * 16, lane);
-#pragma unroll
-      for (int dd = 0; dd < QN / 16; dd++) {
-        uint32_t b[4];
-        frag_b_rows_k<HD>(b, sK, kk * 16, wn * QN + dd * 16, lane);
-#pragma unroll
-        for (int mt = 0; mt < QM / 16; mt++) {
-          mma_bf16(dqa[mt][2 * dd], a[mt], b[0], b[1]);
-          mma_bf16(dqa[mt][2 * dd + 1], a[mt], b[2], b[3]);
-        }
-      }
-    }
-    // Each lane adds pairs of columns (a warp's reduction: 8 rows x 32 bytes). Query rows past
-    // the sequence are skipped (they belong to the next sequence or to no row at all). STORE_DQ
-    // (a dense batch of one key tile a sequence: this block is the only one that sees these
-    // rows): the pairs are scaled, rounded and stored to dq as attn_bwd_finish would, same bits.
-    const int nq = min(BRQ, Lq - qt);
-    const int64_t off = ((int64_t(q0) + qt) * H + h) * HD + wn * QN + 2 * t;
-#pragma unroll
-    for (int mt = 0; mt < QM / 16; mt++)
-#pragma unroll
-      for (int r = 0; r < 2; r++) {
-        const int row = wm * QM + mt * 16 + g + 8 * r;
-        if (row < nq) {
-#pragma unroll
-          for (int nt = 0; nt < QN / 8; nt++) {
-            const float a = dqa[mt][nt][2 * r], b = dqa[mt][nt][2 * r + 1];
-            if constexpr (STORE_DQ)
-              *reinterpret_cast<uint32_t*>(dq + off + row * qstride + nt * 8) = pack_bf16(a * scale, b * scale);
-            else
-              red_add_f32x2(dq_acc + off + row * qstride + nt * 8, a, b);
-          }
-        }
-      }
+    dq_tile<HD, BC, QM, QN>(dqa, sS, sK, wm, wn, lane);
+    dq_out<QM, QN, STORE_DQ>(dqa, dq, dq_acc, ((int64_t(q0) + qt) * H + h) * HD + wn * QN + 2 * t, qstride,
+                             min(BRQ, Lq - qt), wm, lane, scale);
   }
   cp_async_wait<0>();
   __syncthreads();  // K/V landed (no query tile ran) or every warp is done reading sK
@@ -318,7 +340,7 @@ attn_bwd_one_tile(bf* __restrict__ dq, bf* __restrict__ dk, bf* __restrict__ dv,
       nd = 0.f;
     }
   };
-  auto store_rows_smem = [&](int buf) {
+  auto stage_rows = [&](int buf) {
     if (threadIdx.x < BRQ) {
       sL[buf * BRQ + threadIdx.x] = nl;
       sD[buf * BRQ + threadIdx.x] = nd;
@@ -327,7 +349,7 @@ attn_bwd_one_tile(bf* __restrict__ dq, bf* __restrict__ dk, bf* __restrict__ dv,
   load_async(0);
   cp_async_commit();
   load_rows(0);
-  store_rows_smem(0);
+  stage_rows(0);
 
   float dka[HD / 8][4] = {}, dva[HD / 8][4] = {};
   const int key0 = warp * 16 + g;            // this thread's keys: key0 (c0, c1) and key0 + 8
@@ -352,47 +374,12 @@ attn_bwd_one_tile(bf* __restrict__ dq, bf* __restrict__ dk, bf* __restrict__ dv,
     float st[BRQ / 8][4], dpt[BRQ / 8][4];
     dkdv_p_ds<HD, BRQ>(st, dpt, cK, cV, cQ, cO, sL + buf * BRQ, sD + buf * BRQ, warp, lane, key0, L, need_mask, causal,
                        0, 0, scale_log2);
-#pragma unroll
-    for (int kk = 0; kk < BRQ / 16; kk++) {
-      uint32_t pa[4], da[4];
-      c_to_a(pa, st, kk);
-      c_to_a(da, dpt, kk);
-      const int m = lane >> 3;
-      stsm_x4_t(sS + swz<BC>(kk * 16 + (m >> 1) * 8 + (lane & 7), 2 * warp + (m & 1)), da, lane);
-      dkdv_accumulate<HD>(dva, dka, pa, da, cQ, cO, kk, lane);
-    }
+    ds_store_dkdv<HD, BRQ, BC>(sS, st, dpt, dva, dka, cQ, cO, warp, lane);
     __syncthreads();  // all of dS is in sS
     float dqa[QM / 16][QN / 8][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < BC / 16; kk++) {  // dQ_tile = dS K
-      uint32_t a[QM / 16][4];
-#pragma unroll
-      for (int mt = 0; mt < QM / 16; mt++) frag_a<BC>(a[mt], sS, wm * QM + mt * 16, kk * 16, lane);
-#pragma unroll
-      for (int dd = 0; dd < QN / 16; dd++) {
-        uint32_t b[4];
-        frag_b_rows_k<HD>(b, cK, kk * 16, wn * QN + dd * 16, lane);
-#pragma unroll
-        for (int mt = 0; mt < QM / 16; mt++) {
-          mma_bf16(dqa[mt][2 * dd], a[mt], b[0], b[1]);
-          mma_bf16(dqa[mt][2 * dd + 1], a[mt], b[2], b[3]);
-        }
-      }
-    }
-    const int64_t off = q_off(j) + wn * QN + 2 * t;
-#pragma unroll
-    for (int mt = 0; mt < QM / 16; mt++)
-#pragma unroll
-      for (int r = 0; r < 2; r++) {
-        const int row = wm * QM + mt * 16 + g + 8 * r;
-        if (row < L) {
-#pragma unroll
-          for (int nt = 0; nt < QN / 8; nt++)
-            *reinterpret_cast<uint32_t*>(dq + off + row * qstride + nt * 8) =
-                pack_bf16(dqa[mt][nt][2 * r] * scale, dqa[mt][nt][2 * r + 1] * scale);
-        }
-      }
-    if (j + 1 < n) store_rows_smem((j + 1) & 1);  // buffer (j + 1) & 1 was last read in tile j - 1
+    dq_tile<HD, BC, QM, QN>(dqa, sS, cK, wm, wn, lane);
+    dq_out<QM, QN, true>(dqa, dq, nullptr, q_off(j) + wn * QN + 2 * t, qstride, L, wm, lane, scale);
+    if (j + 1 < n) stage_rows((j + 1) & 1);  // buffer (j + 1) & 1 was last read in tile j - 1
     if (j % group == group - 1) {  // the pair's last head: dk and dv out through its K / V buffers
       __syncthreads();             // every warp is done reading cK (dQ above)
       const int64_t koff = kv_off(pair_of(j));
@@ -444,7 +431,7 @@ __global__ void attn_bwd_finish_qkv(bf* __restrict__ dqkv, const float* __restri
 
 // =========================================================================== launchers
 // attn_bwd_one_tile on as many blocks as fit on the multiprocessors at once (2 a multiprocessor at
-// 225 registers), at most one a pair.
+// 231 registers), at most one a pair.
 void bwd_one_tile_launch(bf* dq, bf* dk, bf* dv, const bf* dout, const bf* q, const bf* k, const bf* v, const float* lse,
                          const float* delta, int nseq, int L, int H, int KV, bool causal, float scale, cudaStream_t s) {
   constexpr int HD = 64, BRQ = 64, BC = 64;
