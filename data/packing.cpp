@@ -93,6 +93,18 @@ PackedBatch build_batch(const std::vector<std::vector<const Sample*>>& rows, int
   return b;
 }
 
+void round_batch_shapes(PackedBatch& b, int seq_multiple, int len_multiple) {
+  if (seq_multiple < 1 || len_multiple < 1 || b.cu_seqlens.empty())
+    throw std::runtime_error("round_batch_shapes: multiples " + std::to_string(seq_multiple) + ", " +
+                             std::to_string(len_multiple) + " (>= 1) of a batch with " +
+                             std::to_string(b.cu_seqlens.size()) + " cu_seqlens entries");
+  const size_t nseq = b.cu_seqlens.size() - 1;
+  const size_t want = (nseq + size_t(seq_multiple) - 1) / size_t(seq_multiple) * size_t(seq_multiple);
+  b.cu_seqlens.resize(std::max<size_t>(want, 1) + 1, b.cu_seqlens.back());
+  const int up = (b.max_seqlen + len_multiple - 1) / len_multiple * len_multiple;
+  b.max_seqlen = std::max(b.max_seqlen, b.row_len > 0 ? std::min(up, b.row_len) : up);
+}
+
 PackedBatch build_batch(const std::vector<Sample>& samples, const std::vector<std::vector<int>>& rows, int row_len,
                         int32_t pad_id, int32_t image_token) {
   std::vector<std::vector<const Sample*>> ptrs(rows.size());

@@ -44,6 +44,13 @@ std::vector<std::vector<int>> pack_best_fit(const std::vector<int>& lengths, int
 PackedBatch build_batch(const std::vector<std::vector<const Sample*>>& rows, int row_len, int32_t pad_id,
                         int32_t image_token);
 
+// Rounds the host-side shapes of a batch so that different batches share them (the CUDA
+// trainer captures one graph per shape, trainer.cpp): cu_seqlens grows to a multiple of
+// seq_multiple sequences by empty ones at the end (cu_seqlens' last offset repeated) and
+// max_seqlen to a multiple of len_multiple, at most row_len. Tokens, targets and the layout
+// stay as they are, so attention and the loss compute the same values.
+void round_batch_shapes(PackedBatch& b, int seq_multiple, int len_multiple);
+
 // How well a packing did, and the two log lines of an epoch.
 struct PackingStats {
   int64_t samples = 0;       // samples placed

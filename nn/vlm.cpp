@@ -1,6 +1,8 @@
 // vlm.cpp: the vision-language model (SPEC §1 VLM).
 #include "nn/vlm.h"
 
+#include <algorithm>
+
 namespace loom {
 
 VLM::VLM(const VLMConfig& c, const Init& init)
@@ -34,13 +36,23 @@ Tensor VLM::embed(const VLMBatch& b, const Tensor& features) const {
   return reshape(full, {N, D});
 }
 
-void loss_rows_of(const std::vector<int32_t>& targets, std::vector<int32_t>& rows, std::vector<int32_t>& kept) {
+void loss_rows_of(const std::vector<int32_t>& targets, std::vector<int32_t>& rows, std::vector<int32_t>& kept,
+                  int64_t multiple) {
+  LOOM_CHECK(multiple >= 1, "loss_rows_of: multiple %lld (>= 1)", (long long)multiple);
   rows.clear();
   kept.clear();
-  for (size_t i = 0; i < targets.size(); i++)
-    if (targets[i] >= 0) {
+  const int64_t n = int64_t(targets.size());
+  int64_t with = 0;
+  for (int32_t t : targets) with += t >= 0;
+  const int64_t want = std::min(n, (with + multiple - 1) / multiple * multiple);
+  int64_t extra = want - with;  // rows without a target taken, from the last one back
+  std::vector<char> take(size_t(n), 0);
+  for (int64_t i = n - 1; i >= 0 && extra > 0; i--)
+    if (targets[size_t(i)] < 0) take[size_t(i)] = 1, extra--;
+  for (int64_t i = 0; i < n; i++)
+    if (targets[size_t(i)] >= 0 || take[size_t(i)]) {
       rows.push_back(int32_t(i));
-      kept.push_back(targets[i]);
+      kept.push_back(targets[size_t(i)] >= 0 ? targets[size_t(i)] : -1);
     }
 }
 

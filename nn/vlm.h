@@ -23,8 +23,12 @@ struct VLMBatch {
   // those targets, int32 [K]. Then only these K rows go through the tied head (VLM::loss).
   Tensor loss_rows, loss_targets;
 };
-// loss_rows / loss_targets of a flattened target vector (the host side of a batch)
-void loss_rows_of(const std::vector<int32_t>& targets, std::vector<int32_t>& rows, std::vector<int32_t>& kept);
+// loss_rows / loss_targets of a flattened target vector (the host side of a batch): the rows
+// with a target, ascending. multiple > 1 rounds their count up to a multiple of it (at most
+// every row) with rows that have none, the last ones, kept in order with target -1 (ignored:
+// the same loss, one shape for batches whose counts differ a little; trainer.cpp's graphs).
+void loss_rows_of(const std::vector<int32_t>& targets, std::vector<int32_t>& rows, std::vector<int32_t>& kept,
+                  int64_t multiple = 1);
 // b.loss_rows and b.loss_targets from the batch's targets on the host, copied to `device`
 void set_loss_rows(VLMBatch& b, const std::vector<int32_t>& targets, Device device);
 

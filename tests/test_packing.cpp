@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "data/packing.h"
+#include "nn/vlm.h"
 
 using namespace loom;
 
@@ -336,5 +337,64 @@ TEST_CASE("read_row_lengths: rows as written, errors name the file and line", "[
     FAIL("a missing file must throw");
   } catch (const std::runtime_error& e) {
     CHECK_THAT(e.what(), Contains(path) && Contains("cannot open"));
+  }
+}
+
+TEST_CASE("round_batch_shapes: sequences in multiples, max_seqlen rounded up to at most the row", "[packing]") {
+  std::mt19937 g(uint32_t(std::random_device{}()));
+  for (int trial = 0; trial < 40; trial++) {
+    const int row_len = std::uniform_int_distribution<int>(20, 300)(g);
+    std::vector<Sample> samples;
+    const int n = std::uniform_int_distribution<int>(1, 30)(g);
+    for (int i = 0; i < n; i++) samples.push_back(random_sample(g, std::uniform_int_distribution<int>(1, row_len)(g), 4, i));
+    auto rows = plan_rows(samples, row_len, true, false, nullptr);
+    PackedBatch b = build_batch(samples, rows, row_len, kPad, kImg), r = b;
+    const int sm = std::uniform_int_distribution<int>(1, 16)(g), lm = std::uniform_int_distribution<int>(1, 512)(g);
+    round_batch_shapes(r, sm, lm);
+    INFO("trial " << trial << " row_len " << row_len << " multiples " << sm << ", " << lm);
+    const size_t nseq = b.cu_seqlens.size() - 1, rseq = r.cu_seqlens.size() - 1;
+    CHECK(rseq % size_t(sm) == 0);
+    CHECK(rseq >= nseq);
+    CHECK(rseq < nseq + size_t(sm));
+    for (size_t k = 0; k <= rseq; k++) CHECK(r.cu_seqlens[k] == b.cu_seqlens[std::min(k, nseq)]);
+    CHECK(r.max_seqlen >= b.max_seqlen);
+    CHECK(r.max_seqlen <= std::max(b.max_seqlen, row_len));
+    CHECK((r.max_seqlen % lm == 0 || r.max_seqlen == row_len));
+    CHECK(r.ids == b.ids);
+    CHECK(r.targets == b.targets);
+    CHECK(r.image_positions == b.image_positions);
+  }
+  PackedBatch empty;
+  CHECK_THROWS_WITH(round_batch_shapes(empty, 8, 256), Catch::Matchers::Contains("cu_seqlens"));
+  PackedBatch one = build_batch(std::vector<std::vector<const Sample*>>{}, 8, kPad, kImg);
+  CHECK_THROWS_WITH(round_batch_shapes(one, 0, 256), Catch::Matchers::Contains("multiples 0, 256"));
+}
+
+TEST_CASE("loss_rows_of: the target rows in order, padded with rows without one", "[packing]") {
+  std::mt19937 g(uint32_t(std::random_device{}()));
+  for (int trial = 0; trial < 40; trial++) {
+    const int n = std::uniform_int_distribution<int>(0, 400)(g);
+    std::vector<int32_t> targets(static_cast<size_t>(n));
+    for (auto& t : targets) t = std::uniform_int_distribution<int>(0, 2)(g) == 0 ? -100 : std::uniform_int_distribution<int>(0, 99)(g);
+    const int64_t m = std::uniform_int_distribution<int>(1, 64)(g);
+    std::vector<int32_t> rows{-7}, kept{-7}, plain_rows, plain_kept;  // poisoned: must be replaced
+    loss_rows_of(targets, rows, kept, m);
+    loss_rows_of(targets, plain_rows, plain_kept);
+    INFO("trial " << trial << " n " << n << " multiple " << m);
+    int64_t with = 0;
+    for (int32_t t : targets) with += t >= 0;
+    REQUIRE(int64_t(plain_rows.size()) == with);
+    REQUIRE(rows.size() == kept.size());
+    CHECK(int64_t(rows.size()) == std::min<int64_t>(n, (with + m - 1) / m * m));
+    for (size_t i = 1; i < rows.size(); i++) CHECK(rows[i] > rows[i - 1]);  // ascending, distinct
+    size_t j = 0;
+    for (size_t i = 0; i < rows.size(); i++) {
+      REQUIRE(rows[i] >= 0);
+      REQUIRE(rows[i] < n);
+      const int32_t t = targets[size_t(rows[i])];
+      CHECK(kept[i] == (t >= 0 ? t : -1));
+      if (t >= 0) CHECK(rows[i] == plain_rows[j++]);  // every target row, in order
+    }
+    CHECK(j == plain_rows.size());
   }
 }

@@ -4,14 +4,14 @@
 # CUDA build, every test (CPU and GPU), the fixture checks on CUDA, the kernel benchmark beside
 # the PyTorch reference, and short training runs. Each part is time-boxed; logs go to
 # $OUT/work and come back as $OUT/gpu-ci.tgz plus the bench table.
-#   bash tools/gpu-ci.sh [parts...]     parts: build test check bench vlm mim (default: all)
+#   bash tools/gpu-ci.sh [parts...]     parts: build test check bench vlm mim graphs (default: all)
 set -uo pipefail
 OUT=${OUT:-out}
 W=$OUT/work
 mkdir -p "$W"
 export LD_LIBRARY_PATH=$PWD/.deps/lib:${LD_LIBRARY_PATH:-}
 export NCCL_NVLS_ENABLE=0
-parts=${*:-build test check bench vlm mim}
+parts=${*:-build test check bench vlm mim graphs}
 log() { echo "[$(date +%T)] $*" | tee -a "$W/summary.txt"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$W/summary.txt" 2>&1
 for p in $parts; do
@@ -41,6 +41,21 @@ for p in $parts; do
     e2e)  # SPEC §3 training steps: loom beside PyTorch eager and torch.compile (bench/e2e.sh)
       OUT=$W timeout 580 bash bench/e2e.sh build > "$W/e2e.log" 2>&1
       log "e2e rc=$?"; cp "$W/e2e_table.md" "$OUT/e2e_table.md" 2>/dev/null; tail -16 "$W/e2e_table.md" >> "$W/summary.txt" ;;
+    graphs)  # the first 20 losses with the CUDA graphs on and off (LOOM_DETERMINISTIC=1: two-pass
+             # attention backward, so that both runs can be the same bits), eval off
+      for spec in "mim|configs/bench_mim.cfg|--train.steps=20" \
+                  "vlm_sft|vlm_sft.cfg|--train.steps=20 --train.log_every=1 --train.eval_every=0" \
+                  "vlm_sft_repeat|vlm_sft.cfg|--train.steps=20 --train.log_every=1 --train.eval_every=0 --data.repeat_batch=true" \
+                  "bench_vlm_repeat|configs/bench_vlm_sft.cfg|--train.steps=20 --data.repeat_batch=true"; do
+        IFS='|' read -r name cfg args <<< "$spec"
+        for g in true false; do
+          # shellcheck disable=SC2086
+          LOOM_DETERMINISTIC=1 timeout 200 ./build/train $cfg $args --train.log_every=1 --train.cuda_graph=$g \
+            --train.out_dir="$W/graphs_${name}_$g" > "$W/graphs_${name}_$g.log" 2>&1
+        done
+        log "graphs $name: $(python3 tools/dp_compare.py "$W/graphs_${name}_true/metrics.jsonl" \
+          "$W/graphs_${name}_false/metrics.jsonl" --tol 0) $(grep -E '^CUDA graphs' "$W/graphs_${name}_true.log")"
+      done ;;
     mim)
       timeout ${MIM_SECONDS:-200} ./build/train vit_mim.cfg --data.path=.deps/fashion-mnist ${MIM_ARGS:-} --train.out_dir="$W/vit_mim" > "$W/vit_mim.log" 2>&1
       log "vit_mim rc=$?: $(grep -E 'eval at step' "$W/vit_mim.log" | tail -1)" ;;

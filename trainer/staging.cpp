@@ -276,4 +276,32 @@ void StepGraph::launch() {
   cuda::graph_launch(exec_, cuda::default_stream());
 }
 
+// ------------------------------------------------------------------ StepGraphCache
+std::string shape_key(const StagedBatch& b, const std::vector<std::string>& meta) {
+  std::string k;
+  for (const auto& f : b.fields()) {
+    k += f.name + ':' + dtype_name(f.dtype);
+    for (int64_t x : f.shape) k += ',' + std::to_string(x);
+    k += ';';
+  }
+  for (const auto& m : meta) {
+    auto it = b.meta.find(m);
+    LOOM_CHECK(it != b.meta.end(), "shape_key: the batch has no meta value '%s'", m.c_str());
+    k += m + '=' + std::to_string(it->second) + ';';
+  }
+  return k;
+}
+
+StepGraph* StepGraphCache::find(const std::string& key, bool may_capture) {
+  const int64_t sights = seen_[key]++;
+  auto it = graphs_.find(key);
+  if (it != graphs_.end()) {
+    replays_++;
+    return it->second.get();
+  }
+  if (!may_capture || sights == 0 || graphs_.size() >= cap_) return nullptr;
+  replays_++;
+  return (graphs_[key] = std::make_unique<StepGraph>()).get();
+}
+
 }  // namespace loom

@@ -185,4 +185,31 @@ class StepGraph {
   std::vector<Tensor> outputs_;
 };
 
+// A step's shape as a string: each field's name, dtype and shape, and the named meta values
+// (the host-side numbers the step's body reads, e.g. a packed batch's sequence count).
+std::string shape_key(const StagedBatch& b, const std::vector<std::string>& meta);
+
+// CUDA graphs of a step whose shapes change from batch to batch (a packed VLM batch: its image,
+// sequence and loss-row counts): one StepGraph per shape (shape_key), captured the second time
+// the shape comes and replayed every time after. The shape's first step runs eager, which
+// builds its plans and times the attention backends for it (a capture could do neither). At
+// most `cap` graphs; other shapes run eager. The graphs share the allocator's graph pool: they
+// replay one at a time on one stream, so one graph's scratch memory may be another's.
+class StepGraphCache {
+ public:
+  explicit StepGraphCache(size_t cap) : cap_(cap) {}
+  // The shape's graph (ready, or new: capture it now), or nullptr: run this step eager (the
+  // shape's first sight, may_capture false, or the cache full). Counts the sight.
+  StepGraph* find(const std::string& key, bool may_capture);
+  size_t size() const { return graphs_.size(); }
+  size_t cap() const { return cap_; }
+  int64_t replays() const { return replays_; }  // steps that ran a graph (its capture included)
+
+ private:
+  size_t cap_;
+  int64_t replays_ = 0;
+  std::map<std::string, int64_t> seen_;
+  std::map<std::string, std::unique_ptr<StepGraph>> graphs_;
+};
+
 }  // namespace loom

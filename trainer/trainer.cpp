@@ -144,6 +144,12 @@ class VisionAhead {
   int64_t launched_ = 0;
 };
 
+// The shapes a CUDA run rounds its packed batches to (round_batch_shapes, loss_rows_of), so that
+// batches share them and a graph captured for one replays for the others, and how many graphs
+// a run keeps. Their cost: empty sequences (blocks that exit at once) and loss rows without a
+// target (at most 255 more rows through the head: under 2% of bench_vlm_sft's).
+constexpr int kGraphSeqMultiple = 8, kGraphLenMultiple = 256, kGraphLossMultiple = 256, kMaxStepGraphs = 64;
+
 static int train_vlm(const RunContext& ctx) {
   const Config& cfg = ctx.cfg;
   double t_setup = now_ms();
@@ -224,9 +230,13 @@ static int train_vlm(const RunContext& ctx) {
   // data.repeat_batch: every micro-batch is the first one (the PyTorch reference's bench
   // trains one batch over and over; with it the step times compare like for like)
   const bool repeat_batch = cfg.get_bool("data.repeat_batch");
+  // On CUDA the host-side shapes are rounded (round_batch_shapes, loss_rows_of) so that batches
+  // share them and one captured graph serves many steps; graphs on or off, the same rounding.
+  const bool round_shapes = ctx.device == Device::CUDA;
   auto make_staged = [&](int64_t micro) {
     if (repeat_batch) micro = 0;
     PackedBatch pb = make(micro);
+    if (round_shapes) round_batch_shapes(pb, kGraphSeqMultiple, kGraphLenMultiple);
     Staged st;
     st.flops = vlm_step_flops(vc, pb);
     st.real_tokens = pb.real_tokens;
@@ -240,7 +250,7 @@ static int train_vlm(const RunContext& ctx) {
       st.real_tokens = ng;
       st.loss_scale = tg > 0 ? double(pb.target_tokens) * world / double(tg) : 1.0;
     }
-    st.batch = stage_batch(d, pb, pool, ctx.compute);
+    st.batch = stage_batch(d, pb, pool, ctx.compute, round_shapes ? kGraphLossMultiple : 1);
     return st;
   };
   std::printf("setup %.1f s; %lld training samples in %lld packed rows, %d rows per step, %d loader thread%s\n",
@@ -261,8 +271,6 @@ static int train_vlm(const RunContext& ctx) {
   NanGuard guard(cfg.get_int("train.max_nan_skips"));
   AsyncStepLog slog(ctx, log, guard, "tok/s", loss_scale);
   Uploader up(ctx.device);
-  if (ctx.device == Device::CUDA)
-    std::printf("step: eager (a packed batch's sequence and image counts change from step to step)\n");
   Prefetcher<Staged> loader(make_staged, start * accum, steps * accum, ctx.loader_threads, 4);
   // A frozen vision tower runs one micro-batch ahead: the forward of micro-batch i + 1 is
   // enqueued before the LM step of micro-batch i, on CUDA on the side stream (kernels.h) so that
@@ -278,17 +286,72 @@ static int train_vlm(const RunContext& ctx) {
   if (ahead)
     std::printf("vision tower: frozen, its forward for the next micro-batch runs %s (train.vision_ahead)\n",
                 ctx.device == Device::CUDA ? "on a second CUDA stream beside the LM step" : "before the LM step");
+  // CUDA graphs: one per batch shape (StepGraphCache), where a step is one forward and
+  // backward of one batch whose scalars need no host: no accumulation, one rank (its loss
+  // scale is the host's per batch), the tower in the step, not profiling.
+  const char* eager_why = !cfg.get_bool("train.cuda_graph") ? "train.cuda_graph=false"
+                          : cfg.get_bool("train.profile")   ? "profiling"
+                          : accum > 1                       ? "train.grad_accum > 1"
+                          : world > 1                       ? "several ranks"
+                          : ahead                           ? "the frozen tower runs ahead (train.vision_ahead)"
+                                                            : nullptr;
+  const bool use_graphs = ctx.device == Device::CUDA && !eager_why;
+  StepGraphCache graphs(kMaxStepGraphs);
+  constexpr int64_t kEagerSteps = 3;  // before any capture: plans, first-use setup, the allocator warm
+  if (ctx.device == Device::CUDA) {
+    if (use_graphs)
+      std::printf("step: eager for %lld steps, then one CUDA graph per batch shape (image count, sequences in "
+                  "multiples of %d, loss rows in multiples of %d), captured the second time a shape comes and "
+                  "replayed after, at most %d (train.cuda_graph)\n",
+                  (long long)kEagerSteps, kGraphSeqMultiple, kGraphLossMultiple, kMaxStepGraphs);
+    else
+      std::printf("step: eager (%s)\n", eager_why);
+  }
   VisionAhead<Staged> va(ctx.device, up, [&](const Tensor& images) { return m.vision_features(images); });
   const int64_t last_micro = steps * accum;
   int64_t eval_every = cfg.get_int64("train.eval_every"), save_every = cfg.get_int64("train.save_every");
   int64_t epoch_rows_seen = start * accum * G;
   const double grad_clip = cfg.get_float("train.grad_clip");
+  // The step's end: the loss in f32 (averaged over the ranks with the gradients), clip, skip a
+  // non-finite step and AdamW, all decided on the device; returns {loss, norm}.
+  auto optimizer_step = [&](const Tensor& loss_sum) -> std::vector<Tensor> {
+    NoGradGuard ng;
+    Tensor loss_f32 = loss_sum.dtype() == DType::F32 ? loss_sum : loss_sum.to(DType::F32);
+    if (ctx.dp) {  // gradients and the step's loss averaged over the ranks, before the clip
+      loss_f32 = loss_f32.clone();
+      ctx.dp->reduce(opt, loss_f32);
+    }
+    Tensor norm = opt.clip_grad_norm(grad_clip, loss_f32.device() == ctx.device ? loss_f32 : Tensor());
+    opt.step();
+    opt.zero_grad();
+    profile_phase("optimizer (clip, AdamW, zero)");
+    return {loss_f32, norm};
+  };
+  // One whole step of one batch (the graphs' body): forward, backward, the optimizer.
+  auto whole_step = [&](const StagedBatch& sb, const std::map<std::string, Tensor>& t) -> std::vector<Tensor> {
+    VLMBatch vb = from_staged(sb, t);
+    Tensor loss;
+    {
+      ProfileRange r("forward");
+      loss = m.loss(vb);
+    }
+    {
+      ProfileRange r("backward");
+      backward(loss, loss_scale.defined() ? loss_scale.reshape(loss.shape()) : Tensor());  // fp16: seed S
+    }
+    ProfileRange r("optimizer");
+    return optimizer_step(loss);
+  };
   profile_enable(cfg.get_bool("train.profile"));
   for (int64_t s = start; s < steps; s++) {
     double wait = 0, flops = 0;
     int64_t tokens = 0;
     Tensor loss_sum;  // the step's mean loss over its micro-batches, on the device
+    std::vector<Tensor> out;  // {loss, norm}
+    const double lr = lr_at(s, steps, cfg.get_int64("train.warmup_steps"), cfg.get_float("train.lr"),
+                            cfg.get_float("train.min_lr"), cfg.get_str("train.schedule"));
     slog.begin_step();
+    opt.set_lr(lr);  // a fill on the device, outside any captured graph
     for (int a = 0; a < accum; a++) {
       const int64_t micro = s * accum + a;
       double w0 = now_ms();
@@ -314,6 +377,27 @@ static int train_vlm(const RunContext& ctx) {
       tokens += sb.real_tokens;
       flops += sb.flops;
       if (a == 0) profile_mark();
+      if (use_graphs) {  // accum == 1: this micro-batch is the step
+        auto inputs = up.upload(sb.batch);
+        StepGraph* g = graphs.find(shape_key(sb.batch, {"nseq", "max_seqlen"}), s - start >= kEagerSteps);
+        if (g) {
+          g->static_inputs(inputs);
+          g->load(inputs);  // batch -> the graph's input addresses, on the GPU
+          up.step_done();
+          if (!g->ready()) {
+            g->capture([&] { return whole_step(sb.batch, g->static_inputs(inputs)); });
+            std::printf("step %lld: captured into CUDA graph %zu (%lld images, %lld sequences, %lld loss rows)\n",
+                        (long long)(s + 1), graphs.size(), (long long)sb.batch.meta.at("images"),
+                        (long long)sb.batch.meta.at("nseq"), (long long)inputs.at("loss_rows").numel());
+          }
+          g->launch();
+          out = g->outputs();
+        } else {
+          out = whole_step(sb.batch, inputs);
+          up.step_done();
+        }
+        break;
+      }
       if (!ahead) vb = from_staged(sb.batch, up.upload(sb.batch));
       profile_phase("data (upload)");
       Tensor loss;
@@ -332,20 +416,12 @@ static int train_vlm(const RunContext& ctx) {
       Tensor l = f != 1.0 ? scale(loss, f) : loss;
       loss_sum = loss_sum.defined() ? add(loss_sum, l) : l;
     }
-    ProfileRange opt_range("optimizer");
-    double lr = lr_at(s, steps, cfg.get_int64("train.warmup_steps"), cfg.get_float("train.lr"),
-                      cfg.get_float("train.min_lr"), cfg.get_str("train.schedule"));
-    Tensor loss_f32 = loss_sum.dtype() == DType::F32 ? loss_sum : loss_sum.to(DType::F32);
-    if (ctx.dp) {  // gradients and the step's loss averaged over the ranks, before the clip
-      loss_f32 = loss_f32.clone();
-      ctx.dp->reduce(opt, loss_f32);
+    if (out.empty()) {
+      ProfileRange opt_range("optimizer");
+      out = optimizer_step(loss_sum);
     }
-    // clip, skip a non-finite step and AdamW: all decided on the device
-    Tensor norm = opt.clip_grad_norm(grad_clip, loss_f32.device() == ctx.device ? loss_f32 : Tensor());
-    opt.set_lr(lr);
-    opt.step();
-    opt.zero_grad();
-    profile_phase("optimizer (clip, AdamW, zero)");
+    const Tensor& loss_f32 = out[0];
+    const Tensor& norm = out[1];
     if (ctx.dp) ctx.dp->heartbeat();
     slog.post({s + 1, steps, lr, wait, double(tokens), flops}, loss_f32, norm, opt.control().narrow(0, 1, 1));
     profile_step_end();
@@ -371,6 +447,9 @@ static int train_vlm(const RunContext& ctx) {
     }
   }
   slog.flush(true);
+  if (use_graphs)
+    std::printf("CUDA graphs: %zu batch shapes captured, %lld of %lld steps ran as one\n", graphs.size(),
+                (long long)graphs.replays(), (long long)(steps - start));
   log.finish();
   if (cfg.get_bool("train.profile")) std::printf("%s", profile_report().c_str());
   return 0;

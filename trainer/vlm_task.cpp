@@ -285,12 +285,13 @@ VLMBatch to_device(const VLMData& d, const PackedBatch& pb, Device dev, DType dt
   return b;
 }
 
-StagedBatch stage_batch(const VLMData& d, const PackedBatch& pb, const std::shared_ptr<PinnedPool>& pool, DType dtype) {
+StagedBatch stage_batch(const VLMData& d, const PackedBatch& pb, const std::shared_ptr<PinnedPool>& pool, DType dtype,
+                        int64_t loss_multiple) {
   const int64_t n = int64_t(pb.ids.size()), ni = int64_t(pb.images.size());
   const size_t px = size_t(d.channels) * d.image_size * d.image_size;
   const int64_t nip = int64_t(pb.image_positions.size()), ncu = int64_t(pb.cu_seqlens.size());
   std::vector<int32_t> rows, kept;
-  loss_rows_of(pb.targets, rows, kept);
+  loss_rows_of(pb.targets, rows, kept, loss_multiple);
   const int64_t nk = int64_t(rows.size());
   StagedBatch b(pool, StagedBatch::bytes_for({{dtype, ni * int64_t(px)}, {DType::I32, n}, {DType::I32, n},
                                               {DType::I32, n}, {DType::I32, nip}, {DType::I32, ncu},

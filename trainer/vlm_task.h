@@ -48,7 +48,9 @@ VLMBatch to_device(const VLMData& d, const PackedBatch& pb, Device dev, DType dt
 // The same batch laid out in page-locked memory by a loader thread (staging.h): fields
 // images (in `dtype`), ids, pos, targets, image_positions, cu_seqlens; meta nseq,
 // max_seqlen, images, real_tokens. from_staged() gives the VLMBatch of its uploaded tensors.
-StagedBatch stage_batch(const VLMData& d, const PackedBatch& pb, const std::shared_ptr<PinnedPool>& pool, DType dtype);
+// loss_multiple > 1 pads the loss rows to a multiple of it (loss_rows_of).
+StagedBatch stage_batch(const VLMData& d, const PackedBatch& pb, const std::shared_ptr<PinnedPool>& pool, DType dtype,
+                        int64_t loss_multiple = 1);
 VLMBatch from_staged(const StagedBatch& b, const std::map<std::string, Tensor>& t);
 
 // Greedy (temperature 0) or sampled generation with a KV cache; stops at stop_id.

@@ -108,6 +108,7 @@ struct AttnCase {
   int pad_q, pad_k;  // rows after the last sequence (outside every sequence)
   int H, KV, hd;
   bool causal;
+  int max_seqlen_at_least = 0;  // a looser bound than the longest sequence (a rounded batch shape)
 };
 
 // deterministic: the bf16 backward's two-pass kernels (bitwise reproducible); otherwise the
@@ -124,6 +125,7 @@ void run_attention(const AttnCase& c, uint32_t seed, bool deterministic) {
     cu_k.push_back(cu_k.back() + c.lk[i]);
     max_seqlen = std::max({max_seqlen, c.lq[i], c.lk[i]});
   }
+  max_seqlen = std::max(max_seqlen, c.max_seqlen_at_least);
   const int64_t Nq = cu_q.back() + c.pad_q, Nk = cu_k.back() + c.pad_k;
   // A dense batch (equal lengths, no rows outside) goes in with one cu_seqlens for queries and
   // keys, as the models pass it: the wgmma kernels then take the bounds from the sequence index
@@ -203,6 +205,10 @@ const std::vector<AttnCase>& attn_cases() {
       // ragged lengths, padding rows after the last sequence, GQA 3:1, the tiny-model head dim
       {{7, 1, 13, 5}, {7, 1, 13, 5}, 3, 2, 6, 2, 16, false},
       {{7, 1, 13, 5}, {7, 1, 13, 5}, 3, 2, 6, 2, 16, true},
+      // a CUDA run's rounded batch shapes (trainer.cpp, round_batch_shapes): empty sequences at
+      // the end of cu_seqlens and max_seqlen above the longest; the LM's heads (9:3, hd 64)
+      {{7, 1, 13, 5, 0, 0, 0}, {7, 1, 13, 5, 0, 0, 0}, 3, 3, 6, 2, 16, true, 256},
+      {{700, 300, 90, 0, 0, 0}, {700, 300, 90, 0, 0, 0}, 48, 48, 9, 3, 64, true, 1024},
       // tile boundaries (64 / 128 rows), several K tiles, H == KV
       {{130, 67, 1}, {130, 67, 1}, 5, 0, 4, 4, 64, false},
       {{130, 67, 1}, {130, 67, 1}, 0, 5, 4, 4, 64, true},
