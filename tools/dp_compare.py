@@ -40,7 +40,7 @@ def main(argv):
     if not la or not lb:
         print(f"no training steps in {a if not la else b}")
         return 2
-    worst, at = 0.0, 0
+    worst, at = 0.0, min(la)  # identical runs: report the first step
     for s in sorted(la):
         if s not in lb:
             print(f"step {s} missing in {b}")

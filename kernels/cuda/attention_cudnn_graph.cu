@@ -352,6 +352,9 @@ std::map<Key, std::unique_ptr<Plan>>& plans() {
 }
 
 // One workspace for every plan (calls run in stream order), grown to the largest plan's need.
+// A grown-out workspace is kept, not freed: a captured CUDA graph (trainer/staging.h) holds
+// the address it ran with, and a plan built later for a new shape (an eager step, an
+// evaluation) must not hand that memory to other code while the graph still replays into it.
 void*& workspace_ptr() {
   static void* p = nullptr;
   return p;
@@ -362,7 +365,8 @@ size_t& workspace_size() {
 }
 void grow_workspace(size_t bytes) {
   if (bytes <= workspace_size()) return;
-  if (workspace_ptr()) device_free(workspace_ptr());  // stream-ordered reuse: safe on one stream
+  static std::vector<void*> retired;  // see above: never freed while the process runs
+  if (workspace_ptr()) retired.push_back(workspace_ptr());
   workspace_ptr() = device_malloc(bytes);
   workspace_size() = bytes;
 }
