@@ -714,3 +714,40 @@ TEST_CASE("rounded batch shapes: empty sequences, a longer max_seqlen and loss r
   INFO(r.text);
   CHECK(r.ok);
 }
+
+TEST_CASE("StepGraphCache: a shape is captured on its second sight, replayed after, at most cap shapes", "[trainer]") {
+  auto pool = std::make_shared<PinnedPool>(Device::CPU);
+  auto batch = [&](int64_t n, int64_t nseq) {
+    StagedBatch b(pool, StagedBatch::bytes_for({{DType::I32, n}, {DType::BF16, 2 * n}}));
+    b.add("ids", DType::I32, {n});
+    b.add("images", DType::BF16, {2, n});
+    b.meta["nseq"] = nseq;
+    b.meta["real_tokens"] = n - 1;  // not a shape: left out of the key below
+    return b;
+  };
+  const std::vector<std::string> meta{"nseq"};
+  const std::string a = shape_key(batch(8, 2), meta);
+  CHECK(a == shape_key(batch(8, 2), meta));
+  CHECK(a != shape_key(batch(9, 2), meta));   // a field's shape
+  CHECK(a != shape_key(batch(8, 3), meta));   // a meta value
+  CHECK(a != shape_key(batch(8, 2), {}));
+  CHECK_THROWS_WITH(shape_key(batch(8, 2), {"max_seqlen"}), Contains("max_seqlen"));
+
+  StepGraphCache c(2);
+  CHECK(c.find(a, true) == nullptr);  // first sight: eager
+  StepGraph* g = c.find(a, true);     // second: a graph to capture
+  REQUIRE(g != nullptr);
+  CHECK(!g->ready());
+  CHECK(c.find(a, true) == g);        // then the same one
+  CHECK(c.find(a, false) == g);       // a graph that exists runs whatever may_capture says
+  const std::string b = shape_key(batch(16, 2), meta), d = shape_key(batch(32, 2), meta);
+  CHECK(c.find(b, false) == nullptr);  // may_capture false: eager, but the sight counts
+  StepGraph* gb = c.find(b, true);
+  CHECK(gb != nullptr);
+  CHECK(gb != g);
+  CHECK(c.size() == 2);
+  CHECK(c.find(d, true) == nullptr);
+  CHECK(c.find(d, true) == nullptr);  // over the cap: eager every time
+  CHECK(c.size() == 2);
+  CHECK(c.replays() == 4);  // a: 3 (its capture included), b: 1
+}
