@@ -715,7 +715,8 @@ TEST_CASE("rounded batch shapes: empty sequences, a longer max_seqlen and loss r
   CHECK(r.ok);
 }
 
-TEST_CASE("StepGraphCache: a shape is captured on its second sight, replayed after, at most cap shapes", "[trainer]") {
+TEST_CASE("StepGraphCache: a shape is captured once it repeats often enough, replayed after, at most cap shapes",
+          "[trainer]") {
   auto pool = std::make_shared<PinnedPool>(Device::CPU);
   auto batch = [&](int64_t n, int64_t nseq) {
     StagedBatch b(pool, StagedBatch::bytes_for({{DType::I32, n}, {DType::BF16, 2 * n}}));
@@ -732,22 +733,35 @@ TEST_CASE("StepGraphCache: a shape is captured on its second sight, replayed aft
   CHECK(a != shape_key(batch(8, 3), meta));   // a meta value
   CHECK(a != shape_key(batch(8, 2), {}));
   CHECK_THROWS_WITH(shape_key(batch(8, 2), {"max_seqlen"}), Contains("max_seqlen"));
+  const std::string b = shape_key(batch(16, 2), meta), d = shape_key(batch(32, 2), meta),
+                    e = shape_key(batch(64, 2), meta);
 
-  StepGraphCache c(2);
+  StepGraphCache c(2, 4, 2);  // two graphs, a shape captured when it is 2 of the last 4 steps
   CHECK(c.find(a, true) == nullptr);  // first sight: eager
   StepGraph* g = c.find(a, true);     // second: a graph to capture
   REQUIRE(g != nullptr);
   CHECK(!g->ready());
   CHECK(c.find(a, true) == g);        // then the same one
   CHECK(c.find(a, false) == g);       // a graph that exists runs whatever may_capture says
-  const std::string b = shape_key(batch(16, 2), meta), d = shape_key(batch(32, 2), meta);
   CHECK(c.find(b, false) == nullptr);  // may_capture false: eager, but the sight counts
-  StepGraph* gb = c.find(b, true);
-  CHECK(gb != nullptr);
-  CHECK(gb != g);
+  CHECK(c.find(d, true) == nullptr);  // window a a b d
+  CHECK(c.find(e, true) == nullptr);  // a b d e
+  StepGraph* gd = c.find(d, true);    // b d e d: d is 2 of the last 4
+  CHECK(gd != nullptr);
+  CHECK(gd != g);
   CHECK(c.size() == 2);
-  CHECK(c.find(d, true) == nullptr);
-  CHECK(c.find(d, true) == nullptr);  // over the cap: eager every time
+  CHECK(c.find(b, true) == nullptr);  // d e d b: b's first sight fell out of the window
+  CHECK(c.find(e, true) == nullptr);  // e d b e: e twice, but the cache is full: eager
+  CHECK(c.find(e, true) == nullptr);
   CHECK(c.size() == 2);
-  CHECK(c.replays() == 4);  // a: 3 (its capture included), b: 1
+  CHECK(c.replays() == 4);  // a: 3 (its capture included), d: 1
+
+  // shapes that seldom repeat (each twice, far apart) are never captured with the default rule
+  StepGraphCache r(64);
+  for (int i = 0; i < 60; i++) CHECK(r.find(shape_key(batch(1 + i % 30, 2), meta), true) == nullptr);
+  CHECK(r.size() == 0);
+  // one shape every step: captured at its fourth sight
+  StepGraphCache one(64);
+  for (int i = 0; i < 3; i++) CHECK(one.find(a, true) == nullptr);
+  CHECK(one.find(a, true) != nullptr);
 }

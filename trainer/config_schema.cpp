@@ -98,7 +98,7 @@ const std::vector<ConfigKey>& config_schema() {
       {"train", "keep_swiglu", B, "false", "LM blocks keep their MLP's product silu(gate) up for the down projection's weight gradient instead of recomputing it in the backward (N x hidden activations more per block; no effect under grad_checkpointing)", nullptr},
       {"train", "grad_checkpointing", B, "false", "recompute each transformer block's activations in the backward instead of keeping them (less memory, ~1/3 more compute)", nullptr},
       {"train", "vision_ahead", B, "true", "VLM with a frozen vision tower (train.freeze covers vision.): its forward for the next micro-batch runs before this one's LM step, on a second CUDA stream beside it (on the CPU in turn; same losses; off while train.profile is on)", nullptr},
-      {"train", "cuda_graph", B, "true", "CUDA: capture the whole step (forward, backward, clip, AdamW, EMA) into a CUDA graph after 3 eager steps and replay it (MIM: one graph; packed VLM steps: one per batch shape, from its second sight)", nullptr},
+      {"train", "cuda_graph", B, "true", "CUDA: capture the whole step (forward, backward, clip, AdamW, EMA) into a CUDA graph after 3 eager steps and replay it (MIM: one graph; packed VLM steps: one per batch shape that repeats, 4 times in 16 steps)", nullptr},
       {"train", "lr_scale_embeddings", F, "1.0", "learning-rate factor of the embeddings group (token/position embeddings, mask token)", nullptr},
       {"train", "lr_scale_projector", F, "1.0", "learning-rate factor of the projector group (VLM)", nullptr},
       {"train", "lr_scale_norms", F, "1.0", "learning-rate factor of the norms group (norm gains and biases, 1-D)", nullptr},

@@ -2,6 +2,7 @@
 // (see staging.h).
 #include "trainer/staging.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -293,13 +294,16 @@ std::string shape_key(const StagedBatch& b, const std::vector<std::string>& meta
 }
 
 StepGraph* StepGraphCache::find(const std::string& key, bool may_capture) {
-  const int64_t sights = seen_[key]++;
+  recent_.push_back(key);
+  if (recent_.size() > window_) recent_.pop_front();
   auto it = graphs_.find(key);
   if (it != graphs_.end()) {
     replays_++;
     return it->second.get();
   }
-  if (!may_capture || sights == 0 || graphs_.size() >= cap_) return nullptr;
+  if (!may_capture || graphs_.size() >= cap_ ||
+      size_t(std::count(recent_.begin(), recent_.end(), key)) < min_sights_)
+    return nullptr;
   replays_++;
   return (graphs_[key] = std::make_unique<StepGraph>()).get();
 }

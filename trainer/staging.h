@@ -18,6 +18,7 @@
 // for the step that read it last.
 // On the CPU the same calls work: the "device" tensors are views of the host slab.
 #pragma once
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -190,25 +191,29 @@ class StepGraph {
 std::string shape_key(const StagedBatch& b, const std::vector<std::string>& meta);
 
 // CUDA graphs of a step whose shapes change from batch to batch (a packed VLM batch: its image,
-// sequence and loss-row counts): one StepGraph per shape (shape_key), captured the second time
-// the shape comes and replayed every time after. The shape's first step runs eager, which
-// builds its plans and times the attention backends for it (a capture could do neither). At
-// most `cap` graphs; other shapes run eager. The graphs share the allocator's graph pool: they
-// replay one at a time on one stream, so one graph's scratch memory may be another's.
+// sequence and loss-row counts): one StepGraph per shape (shape_key), captured once the shape
+// has come `min_sights` times among the last `window` steps, and replayed every time after. Its
+// earlier steps run eager, which builds the shape's plans and times the attention backends for
+// it (a capture could do neither). A run whose shapes seldom repeat (bench_vlm_sft's new batch
+// per step: 6 shapes came twice in 60 steps) captures nothing: a capture costs a synchronize
+// and ~10 ms, and eager steps beside graphs hold a second pool of scratch memory. At most `cap`
+// graphs; other shapes run eager. The graphs share the allocator's graph pool: they replay one
+// at a time on one stream, so one graph's scratch memory may be another's.
 class StepGraphCache {
  public:
-  explicit StepGraphCache(size_t cap) : cap_(cap) {}
-  // The shape's graph (ready, or new: capture it now), or nullptr: run this step eager (the
-  // shape's first sight, may_capture false, or the cache full). Counts the sight.
+  explicit StepGraphCache(size_t cap, size_t window = 16, size_t min_sights = 4)
+      : cap_(cap), window_(window), min_sights_(min_sights) {}
+  // The shape's graph (ready, or new: capture it now), or nullptr: run this step eager (too few
+  // recent sights, may_capture false, or the cache full). Counts the sight.
   StepGraph* find(const std::string& key, bool may_capture);
   size_t size() const { return graphs_.size(); }
   size_t cap() const { return cap_; }
   int64_t replays() const { return replays_; }  // steps that ran a graph (its capture included)
 
  private:
-  size_t cap_;
+  size_t cap_, window_, min_sights_;
   int64_t replays_ = 0;
-  std::map<std::string, int64_t> seen_;
+  std::deque<std::string> recent_;  // the last `window` steps' shapes
   std::map<std::string, std::unique_ptr<StepGraph>> graphs_;
 };
 

@@ -301,8 +301,8 @@ static int train_vlm(const RunContext& ctx) {
   if (ctx.device == Device::CUDA) {
     if (use_graphs)
       std::printf("step: eager for %lld steps, then one CUDA graph per batch shape (image count, sequences in "
-                  "multiples of %d, loss rows in multiples of %d), captured the second time a shape comes and "
-                  "replayed after, at most %d (train.cuda_graph)\n",
+                  "multiples of %d, loss rows in multiples of %d), captured once a shape has come 4 times in 16 "
+                  "steps and replayed after, at most %d (train.cuda_graph)\n",
                   (long long)kEagerSteps, kGraphSeqMultiple, kGraphLossMultiple, kMaxStepGraphs);
     else
       std::printf("step: eager (%s)\n", eager_why);
