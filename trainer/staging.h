@@ -207,7 +207,6 @@ class StepGraphCache {
   // recent sights, may_capture false, or the cache full). Counts the sight.
   StepGraph* find(const std::string& key, bool may_capture);
   size_t size() const { return graphs_.size(); }
-  size_t cap() const { return cap_; }
   int64_t replays() const { return replays_; }  // steps that ran a graph (its capture included)
 
  private:

@@ -327,18 +327,24 @@ static int train_vlm(const RunContext& ctx) {
     profile_phase("optimizer (clip, AdamW, zero)");
     return {loss_f32, norm};
   };
-  // One whole step of one batch (the graphs' body): forward, backward, the optimizer.
-  auto whole_step = [&](const StagedBatch& sb, const std::map<std::string, Tensor>& t) -> std::vector<Tensor> {
-    VLMBatch vb = from_staged(sb, t);
+  // Forward and backward of one micro-batch, its gradients scaled by f (1 on one GPU without
+  // accumulation); returns the unscaled loss.
+  auto forward_backward = [&](const VLMBatch& vb, const Tensor& features, double f) -> Tensor {
     Tensor loss;
     {
       ProfileRange r("forward");
-      loss = m.loss(vb);
+      loss = m.loss(vb, features);
     }
+    Tensor scaled = f != 1.0 ? scale(loss, f) : loss;
     {
       ProfileRange r("backward");
-      backward(loss, loss_scale.defined() ? loss_scale.reshape(loss.shape()) : Tensor());  // fp16: seed S
+      backward(scaled, loss_scale.defined() ? loss_scale.reshape(scaled.shape()) : Tensor());  // fp16: seed S
     }
+    return loss;
+  };
+  // One whole step of one batch (the graphs' body): forward, backward, the optimizer.
+  auto whole_step = [&](const StagedBatch& sb, const std::map<std::string, Tensor>& t) -> std::vector<Tensor> {
+    Tensor loss = forward_backward(from_staged(sb, t), Tensor(), 1.0);
     ProfileRange r("optimizer");
     return optimizer_step(loss);
   };
@@ -400,17 +406,8 @@ static int train_vlm(const RunContext& ctx) {
       }
       if (!ahead) vb = from_staged(sb.batch, up.upload(sb.batch));
       profile_phase("data (upload)");
-      Tensor loss;
-      {
-        ProfileRange r("forward");
-        loss = m.loss(vb, features);
-      }
       const double f = sb.loss_scale / accum;  // 1 on one GPU without accumulation
-      Tensor scaled = f != 1.0 ? scale(loss, f) : loss;
-      {
-        ProfileRange r("backward");
-        backward(scaled, loss_scale.defined() ? loss_scale.reshape(scaled.shape()) : Tensor());  // fp16: seed S
-      }
+      Tensor loss = forward_backward(vb, features, f);
       up.step_done();
       NoGradGuard ng;
       Tensor l = f != 1.0 ? scale(loss, f) : loss;
