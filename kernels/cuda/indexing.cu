@@ -34,8 +34,14 @@
  *   the pixel shuffle) a warp per row, its lanes moving 16-, 8-, 4- or 2-byte words (the widest
  *   the row's bytes and the pointers allow); a block per patch row for patchify; grid-stride,
  *   one thread per element or column for the rest; warp per row for l2norm/argmax; warp per id
- *   run for the sorted embedding backward.
- * Versions: embedding backward v2_chunked_runs (above), v3 for small tables; patchify forward
+ *   run for the sorted embedding backward (v4: a thread per 16-byte column group of a run).
+ * Versions: embedding backward v2_chunked_runs (above), v3 for small tables, v4 (wide) for
+ *   rows of whole 16-byte words: v2's summing passes issued chains of 2-byte loads, one lane
+ *   per column; v4 gives each thread 16 / sizeof(T) columns, loads eight rows' words before
+ *   adding them, and reads a short run's row indices once per warp (shuffled to the lanes).
+ *   It adds the same rows in the same order as v2, so the bits equal v2's (the test checks
+ *   this); LOOM_EMB_BWD=2 keeps v2 for an A/B. The reference's VLM step (H200, 2026-12-02,
+ *   3 rounds in one call): 47.79 -> 47.61 ms median, the same losses and peak; patchify forward
  *   v2 through shared memory (one block per patch row: the p image rows of every channel are
  *   contiguous runs in, the row's patches one contiguous run out; 148 -> 103 us for 128 images
  *   of 224 px, H100), v3 with 3 channels and patch 16 known at compile time and 16-byte words
@@ -51,6 +57,7 @@
 #include <cub/device/device_radix_sort.cuh>
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "kernels/cuda/common.cuh"
 
@@ -221,6 +228,132 @@ __global__ void embedding_bwd_runs(DT* __restrict__ dtable, const DT* __restrict
     }
     DT* d = dtable + int64_t(key) * C + c;
     *d = from_float<DT>(to_float(*d) + acc);
+  }
+}
+
+// v4 (wide): the same two phases, the same sums in the same order (so v2's bits), with each
+// thread holding VEC = 16 / sizeof(T) adjacent columns, 16-byte loads, and U rows' loads issued
+// before their adds. v2's lanes each walked one 2-byte column down a run, one dependent load
+// after another (a 576-wide row is 18 such walks per warp); here a 576-wide row is 72 vectors,
+// 3 per lane, each walk U rows at a time. Needs C % VEC == 0 and 16-byte aligned dout / dtable.
+constexpr int kEmbU = 8;
+
+// v4 phase 1: as embedding_bwd_chunks; a thread per VEC columns.
+template <class DT>
+__global__ void embedding_bwd_chunks_wide(float* __restrict__ partial, const DT* __restrict__ dout,
+                                          const int32_t* __restrict__ keys, const int32_t* __restrict__ rows,
+                                          int64_t N, int C, int V) {
+  pdl_entry();
+  constexpr int VEC = 16 / int(sizeof(DT));
+  const int nv = C / VEC;
+  const int64_t c0 = int64_t(blockIdx.x) * kEmbChunk, c1 = min(N, c0 + kEmbChunk);
+  for (int slot = 0; slot < 2; slot++) {
+    int64_t p0;
+    if (slot == 0) {
+      p0 = c0;
+    } else {  // the last run starting inside the chunk
+      int k_last = keys[c1 - 1];
+      p0 = max(c0, lower_pos(keys, N, k_last));
+      if (p0 == c0) continue;  // that is slot 0's run
+    }
+    int key = keys[p0];
+    if (key >= V) continue;
+    int64_t rs = lower_pos(keys, N, key), re = upper_pos(keys, N, key);
+    if (re - rs <= kEmbChunk) continue;  // short: phase 2 sums it directly
+    const int64_t p1 = min(c1, re);
+    for (int vi = threadIdx.x; vi < nv; vi += blockDim.x) {
+      float acc[VEC];
+#pragma unroll
+      for (int e = 0; e < VEC; e++) acc[e] = 0.f;
+      for (int64_t j0 = p0; j0 < p1; j0 += kEmbU) {
+        uint4 w[kEmbU];
+#pragma unroll
+        for (int u = 0; u < kEmbU; u++)
+          if (j0 + u < p1) w[u] = __ldg(reinterpret_cast<const uint4*>(dout + int64_t(rows[j0 + u]) * C) + vi);
+#pragma unroll
+        for (int u = 0; u < kEmbU; u++)
+          if (j0 + u < p1) {
+            const DT* x = reinterpret_cast<const DT*>(&w[u]);
+#pragma unroll
+            for (int e = 0; e < VEC; e++) acc[e] += to_float(x[e]);
+          }
+      }
+      float4* out = reinterpret_cast<float4*>(partial + (int64_t(blockIdx.x) * 2 + slot) * C + int64_t(vi) * VEC);
+#pragma unroll
+      for (int e = 0; e < VEC; e += 4) out[e / 4] = make_float4(acc[e], acc[e + 1], acc[e + 2], acc[e + 3]);
+    }
+  }
+}
+
+// v4 phase 2: as embedding_bwd_runs; a short run's row indices are loaded by the lanes at once
+// (lane l: positions i + l and i + 32 + l) and handed round with shuffles.
+template <class DT>
+__global__ void embedding_bwd_runs_wide(DT* __restrict__ dtable, const DT* __restrict__ dout,
+                                        const float* __restrict__ partial, const int32_t* __restrict__ keys,
+                                        const int32_t* __restrict__ rows, int64_t N, int C, int V) {
+  pdl_entry();
+  constexpr int VEC = 16 / int(sizeof(DT));
+  const int64_t i = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (i >= N) return;
+  const int key = keys[i];
+  if (key >= V || (i > 0 && keys[i - 1] == key)) return;  // the whole warp leaves together
+  const int64_t end = upper_pos(keys, N, key);
+  const bool long_run = end - i > kEmbChunk;
+  const int len = int(min(end - i, int64_t(kEmbChunk)));
+  int r_lo = 0, r_hi = 0;
+  if (!long_run) {
+    if (lane < len) r_lo = rows[i + lane];
+    if (32 + lane < len) r_hi = rows[i + 32 + lane];
+  }
+  const int nv = C / VEC;
+  for (int v0 = 0; v0 < nv; v0 += 32) {
+    const int vi = v0 + lane;
+    const bool on = vi < nv;
+    float acc[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; e++) acc[e] = 0.f;
+    if (!long_run) {
+      for (int j0 = 0; j0 < len; j0 += kEmbU) {
+        uint4 w[kEmbU];
+#pragma unroll
+        for (int u = 0; u < kEmbU; u++) {
+          const int j = j0 + u;  // uniform across the warp
+          const int r = __shfl_sync(0xffffffffu, j < 32 ? r_lo : r_hi, j & 31);
+          if (on && j < len) w[u] = __ldg(reinterpret_cast<const uint4*>(dout + int64_t(r) * C) + vi);
+        }
+#pragma unroll
+        for (int u = 0; u < kEmbU; u++)
+          if (on && j0 + u < len) {
+            const DT* x = reinterpret_cast<const DT*>(&w[u]);
+#pragma unroll
+            for (int e = 0; e < VEC; e++) acc[e] += to_float(x[e]);
+          }
+      }
+    } else if (on) {
+      const int64_t first = i / kEmbChunk, last = (end - 1) / kEmbChunk;
+      auto add_piece = [&](int64_t piece) {
+        const float4* p = reinterpret_cast<const float4*>(partial + piece * C + int64_t(vi) * VEC);
+#pragma unroll
+        for (int e = 0; e < VEC; e += 4) {
+          const float4 f = p[e / 4];
+          acc[e] += f.x;
+          acc[e + 1] += f.y;
+          acc[e + 2] += f.z;
+          acc[e + 3] += f.w;
+        }
+      };
+      add_piece(first * 2 + (i % kEmbChunk == 0 ? 0 : 1));
+      for (int64_t ch = first + 1; ch <= last; ch++) add_piece(ch * 2);
+    }
+    if (on) {
+      uint4* d = reinterpret_cast<uint4*>(dtable + int64_t(key) * C) + vi;
+      uint4 w = *d;
+      DT* t = reinterpret_cast<DT*>(&w);
+#pragma unroll
+      for (int e = 0; e < VEC; e++) t[e] = from_float<DT>(to_float(t[e]) + acc[e]);
+      *d = w;
+    }
   }
 }
 
@@ -503,12 +636,25 @@ void embedding_backward(T* dtable, const T* dout, const int32_t* ids, int64_t N,
   LAUNCH_CHECK();
   CUDA_CHECK(cub::DeviceRadixSort::SortPairs(ws + arrays + partial_bytes, temp_bytes, keys_in, keys_out, vals_in,
                                              vals_out, int(N), 0, bits, s));
-  launch_kernel(embedding_bwd_chunks<dev_t<T>>, unsigned(chunks), 256, 0, s, partial, dptr(dout), keys_out, vals_out, N,
-                C, V);
-  LAUNCH_CHECK();
-  launch_kernel(embedding_bwd_runs<dev_t<T>>, ceil_div(N * 32, 256), 256, 0, s, dptr(dtable), dptr(dout), partial,
-                keys_out, vals_out, N, C, V);
-  LAUNCH_CHECK();
+  constexpr int VEC = 16 / int(sizeof(T));
+  const char* e = std::getenv("LOOM_EMB_BWD");  // =2: v2's 2-byte columns (read at every call: A/B, tests)
+  if (!(e && e[0] == '2') && C % VEC == 0 && aligned(dout, 16) && aligned(dtable, 16)) {
+    // v4: a thread per 16 bytes of columns; phase 1's blocks as wide as the row's vectors
+    const int threads = int(std::min<int64_t>(256, (C / VEC + 31) / 32 * 32));
+    launch_kernel(embedding_bwd_chunks_wide<dev_t<T>>, unsigned(chunks), threads, 0, s, partial, dptr(dout), keys_out,
+                  vals_out, N, C, V);
+    LAUNCH_CHECK();
+    launch_kernel(embedding_bwd_runs_wide<dev_t<T>>, ceil_div(N * 32, 256), 256, 0, s, dptr(dtable), dptr(dout),
+                  partial, keys_out, vals_out, N, C, V);
+    LAUNCH_CHECK();
+  } else {
+    launch_kernel(embedding_bwd_chunks<dev_t<T>>, unsigned(chunks), 256, 0, s, partial, dptr(dout), keys_out, vals_out,
+                  N, C, V);
+    LAUNCH_CHECK();
+    launch_kernel(embedding_bwd_runs<dev_t<T>>, ceil_div(N * 32, 256), 256, 0, s, dptr(dtable), dptr(dout), partial,
+                  keys_out, vals_out, N, C, V);
+    LAUNCH_CHECK();
+  }
   device_free(ws);  // stream-ordered reuse
 }
 

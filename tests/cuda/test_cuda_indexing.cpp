@@ -15,9 +15,11 @@ TEMPLATE_TEST_CASE("indexing: embedding forward and deterministic backward", "[i
   const auto t = tol_of<T>();
   struct Case { int64_t N; int C, V; };
   // V <= 1024 and N <= 24576 take the small-table backward (one block per table row), the rest
-  // the sorted one; the N 4099 cases repeat ids in long runs under both
+  // the sorted one (16-byte columns where C allows: 40, 576, 24; 2-byte ones for C 70 and in
+  // the bit comparison below); the N 4099 cases repeat ids in long runs under both
   for (Case c : {Case{1, 1, 1}, Case{37, 33, 11}, Case{500, 64, 7}, Case{2049, 130, 1000}, Case{4099, 70, 300},
-                 Case{300, 600, 50}, Case{3000, 40, 5000}, Case{4099, 70, 3000}}) {
+                 Case{300, 600, 50}, Case{3000, 40, 5000}, Case{4099, 70, 3000}, Case{4099, 576, 3000},
+                 Case{30000, 24, 1000}}) {
     INFO("N " << c.N << " C " << c.C << " V " << c.V);
     auto ids = rnd_int(c.N, 70, 0, c.V);
     if (c.N == 4099) {  // long runs (the image placeholder of a VLM batch): 1500, 200, 65 and 64 repeats
@@ -55,6 +57,13 @@ TEMPLATE_TEST_CASE("indexing: embedding forward and deterministic backward", "[i
       CHECK_CLOSE(g, rdt, t, "embedding_backward");
       if (rep == 0) first = g;
       else CHECK(g == first);
+    }
+    {  // the sorted backward's 16-byte form adds the same terms in the same order as the 2-byte one
+      setenv("LOOM_EMB_BWD", "2", 1);
+      DBuf<T> dt(ht);
+      cu::embedding_backward(dt.p, dout.p, di.p, c.N, c.C, c.V, S());
+      unsetenv("LOOM_EMB_BWD");
+      CHECK(dt.get() == first);
     }
   }
 }
