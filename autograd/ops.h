@@ -137,6 +137,15 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const SeqInf
 // instead of dq, dk, dv and a pass that joins them; else the two ops.
 Tensor qkv_rope_attention(const Tensor& x, const Tensor& wq, const Tensor& wk, const Tensor& wv, const Tensor& pos,
                           const SeqInfo& seq, int heads, int kv_heads, int head_dim, double theta, double scale);
+// A ViT block's bidirectional self-attention from its normed input: q, k, v = linear_split(x,
+// weight, bias, 3) (weight [3 H hd, C]: q's rows, k's, v's), then attention(q, k, v, seq,
+// causal = false, scale) as [N, H hd], one node (ops_joined.cpp). Forward as the two ops; the
+// backward writes dq | dk | dv as the rows of one [N, 3 H hd] gradient (attention_backward_qkv
+// without RoPE), so that the projection's dx is one product over K = 3 H hd (not three that
+// accumulate), its dweight one product and its dbias one column sum. LOOM_QKV_ATTENTION=0: the
+// two ops.
+Tensor qkv_attention(const Tensor& x, const Tensor& weight, const Tensor& bias, const SeqInfo& seq, int heads,
+                     double scale);
 
 // ---- losses (ops_loss.cpp): scalars [1] in the accumulation dtype
 // logits [N, V], targets int32 [N] (< 0 ignored): mean CE over valid rows

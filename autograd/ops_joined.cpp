@@ -1,6 +1,8 @@
 // ops_joined.cpp: products that share an input run as one GEMM where their weights lie side
 // by side in memory (docs/DESIGN.md, "One training step on the GPU"): a Llama layer's q|k|v
 // with RoPE (qkv_rope) and gate|up with SwiGLU (mlp_swiglu's joined branch).
+#include <cstdlib>
+
 #include "autograd/ops_util.h"
 
 namespace loom {
@@ -230,6 +232,62 @@ Tensor qkv_rope_attention(const Tensor& x, const Tensor& wq, const Tensor& wk, c
       qkv_product_backward(x, xc, w, dqkv, {wq, wk, wv});
     });
   return reshape(out, {N, H * hd});
+}
+
+Tensor qkv_attention(const Tensor& x, const Tensor& weight, const Tensor& bias, const SeqInfo& seq, int heads,
+                     double scale) {
+  check_same("qkv_attention", {x, weight, bias});
+  LOOM_CHECK(x.dim() == 2 && weight.dim() == 2 && heads > 0 && weight.size(0) % (3 * int64_t(heads)) == 0 &&
+                 weight.size(1) == x.size(1) && (!bias.defined() || (bias.dim() == 1 && bias.size(0) == weight.size(0))),
+             "qkv_attention: expected x [N, C], weight [3 H hd, C] with H = %d and bias [3 H hd], got %s, %s, %s",
+             heads, x.desc().c_str(), weight.desc().c_str(), bias.desc().c_str());
+  const int64_t N = x.size(0), D = weight.size(0) / 3, hd = D / heads;
+  // LOOM_QKV_ATTENTION=0 runs the two ops (read at every call: the step A/B of bench/ab.sh)
+  const char* e = std::getenv("LOOM_QKV_ATTENTION");
+  if ((e && e[0] == '0') || !weight.is_contiguous() || (bias.defined() && !bias.is_contiguous()) ||
+      seq.cu_q.raw() != seq.cu_k.raw()) {
+    // the two ops
+    std::vector<Tensor> p = linear_split(x, weight, bias, 3);
+    return reshape(attention(reshape(p[0], {N, heads, hd}), reshape(p[1], {N, heads, hd}), reshape(p[2], {N, heads, hd}),
+                             seq, /*causal=*/false, scale),
+                   {N, D});
+  }
+  check_index("qkv_attention", seq.cu_q, x);
+  check_index("qkv_attention", seq.cu_k, x);
+  const int C = int(x.size(1));
+  Tensor xc = x.contiguous();
+  // q, k, v one after another in one [3, N, D] buffer, one batched product (linear_split's)
+  Tensor all = Tensor::empty({3, N, D}, x.dtype(), x.device());
+  dispatch_float(xc, [&](auto dev, auto zero) {
+    using T = decltype(zero);
+    KERNEL(dev, linear_forward_batched)(all.data<T>(), xc.data<T>(), weight.data<T>(), ptr<T>(bias), N, C, int(D), 3,
+                                        stream_for(dev));
+  });
+  Tensor q = all.narrow(0, 0, 1).view({N, heads, hd});
+  Tensor k = all.narrow(0, 1, 1).view({N, heads, hd});
+  Tensor v = all.narrow(0, 2, 1).view({N, heads, hd});
+  AttentionOut fwd = attention_rows(q, k, v, seq, /*causal=*/false, scale);
+  Tensor out = fwd.out, lse = fwd.lse;
+  if (any_requires_grad({x, weight, bias}))
+    record("qkv_attention", {out}, [x, xc, weight, bias, q, k, v, out, lse, seq, N, D, C, heads, hd, scale]() {
+      Tensor g = grad_of(out).contiguous();
+      Tensor ws = attention_workspace(q);
+      Tensor dqkv = Tensor::empty({N, 3 * D}, xc.dtype(), xc.device());
+      Tensor dx = x.requires_grad() ? Tensor::empty(x.shape(), x.dtype(), x.device()) : Tensor();
+      Tensor dw = grad_buffer(weight), db = grad_buffer(bias);
+      dispatch_float(g, [&](auto dev, auto zero) {
+        using T = decltype(zero);
+        using A = acc_t<T>;
+        KERNEL(dev, attention_backward_qkv)(dqkv.data<T>(), g.data<T>(), q.data<T>(), k.data<T>(), v.data<T>(),
+                                            out.data<T>(), lse.data<A>(), ws.data<A>(), seq.cu_q.data<int32_t>(),
+                                            (const int32_t*)nullptr, seq.nseq, seq.max_seqlen, N, heads, heads,
+                                            int(hd), /*causal=*/false, scale, 0.0, stream_for(dev));
+        KERNEL(dev, linear_backward)(ptr<T>(dx), ptr<T>(dw), ptr<T>(db), dqkv.data<T>(), xc.data<T>(),
+                                     weight.data<T>(), N, C, int(3 * D), stream_for(dev));
+      });
+      if (dx.defined()) accumulate_grad(x, dx, true);
+    });
+  return reshape(out, {N, D});
 }
 
 }  // namespace loom

@@ -26,12 +26,12 @@ std::vector<Tensor> ViTBlock::forward_fused(const Tensor& x, const Tensor& xn, c
   int64_t B = x.size(0), N = x.size(1);
   int hd = dim / heads;
   // qkv split as [3, heads, head_dim] per token (SPEC §1): the weight's rows are q, k, v in
-  // turn, so three GEMMs write q, k and v each contiguous (linear_split), no copies
-  std::vector<Tensor> qkv_parts = linear_split(reshape(xn, {B * N, dim}), qkv.weight, qkv.bias, 3);
-  Tensor q = reshape(qkv_parts[0], {B * N, heads, hd});
-  Tensor k = reshape(qkv_parts[1], {B * N, heads, hd});
-  Tensor v = reshape(qkv_parts[2], {B * N, heads, hd});
-  Tensor a = reshape(attention(q, k, v, rows, /*causal=*/false, 1.0 / std::sqrt(double(hd))), {B, N, dim});
+  // turn, so one batched GEMM writes q, k and v each contiguous, no copies; the backward takes
+  // dq | dk | dv as rows of one gradient, so the projection's backward is one product per
+  // gradient (qkv_attention)
+  Tensor a = reshape(qkv_attention(reshape(xn, {B * N, dim}), qkv.weight, qkv.bias, rows, heads,
+                                   1.0 / std::sqrt(double(hd))),
+                     {B, N, dim});
   // only the tokens asked for go on (the MIM's target and predictor need the masked ones)
   Tensor xr = x;
   if (out_rows.defined()) {

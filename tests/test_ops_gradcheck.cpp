@@ -485,6 +485,30 @@ TEST_CASE("joined products: q|k|v and gate|up as one GEMM when the weights lie s
   check("qkv_rope_attention, weights side by side", rope_attn, {x, wq, wk, wv});
   check("qkv_rope_attention, separate weights (qkv_rope and attention)", rope_attn,
         {x, wq.clone().requires_grad_(), wk.clone().requires_grad_(), wv.clone().requires_grad_()});
+  // a ViT block's attention from its input in one node (qkv_attention: dq | dk | dv as rows of one
+  // gradient), on two sequences and a row outside both, and against linear_split + attention
+  {
+    const int Hv = 2, D = Hv * hd;
+    auto vit_attn = [&](const vector<Tensor>& in) { return qkv_attention(in[0], in[1], in[2], seq, Hv, 0.6); };
+    auto vit_apart = [&](const vector<Tensor>& in) {
+      auto p = linear_split(in[0], in[1], in[2], 3);
+      return reshape(attention(reshape(p[0], {N, Hv, hd}), reshape(p[1], {N, Hv, hd}), reshape(p[2], {N, Hv, hd}), seq,
+                               false, 0.6),
+                     {N, D});
+    };
+    Tensor wv3 = P({3 * D, C}), bv3 = P({3 * D}), r = Tensor::randn({N, D}, rng(), 1.0, DType::F64);
+    check("qkv_attention", vit_attn, {x, wv3, bv3});
+    Tensor xa = x.clone().requires_grad_(), wa = wv3.clone().requires_grad_(), ba = bv3.clone().requires_grad_();
+    Tensor xb = x.clone().requires_grad_(), wb = wv3.clone().requires_grad_(), bb = bv3.clone().requires_grad_();
+    Tensor one = sum(mul(vit_attn({xa, wa, ba}), r));
+    backward(one);
+    Tensor two = sum(mul(vit_apart({xb, wb, bb}), r));
+    backward(two);
+    LOOM_CHECK_CLOSE(tol::compare(vector<double>{one.item()}, vector<double>{two.item()}, tol::kSameMathF64, "loss"));
+    LOOM_CHECK_CLOSE(tol::compare(xa.grad().to_vector<double>(), xb.grad().to_vector<double>(), tol::kSameMathF64, "dx"));
+    LOOM_CHECK_CLOSE(tol::compare(wa.grad().to_vector<double>(), wb.grad().to_vector<double>(), tol::kSameMathF64, "dW"));
+    LOOM_CHECK_CLOSE(tol::compare(ba.grad().to_vector<double>(), bb.grad().to_vector<double>(), tol::kSameMathF64, "db"));
+  }
   check("mlp_swiglu, gate and up side by side", mlp, {x, wg, wu, wd});
   check("mlp_swiglu, gate and up side by side, with residual",
         [](const vector<Tensor>& in) { return mlp_swiglu(in[0], in[1], in[2], in[3], in[4]); },

@@ -250,7 +250,16 @@ void attention_backward_qkv(T* dqkv, const T* dout, const T* q, const T* k, cons
   std::vector<T> dq(size_t(N) * H * hd), dk(size_t(N) * KV * hd), dv(size_t(N) * KV * hd);
   attention_backward(dq.data(), dk.data(), dv.data(), dout, q, k, v, out, lse, workspace, cu, cu, nseq, max_seqlen, N,
                      N, H, KV, hd, causal, scale, s);
-  rope_qkv_join(dqkv, dq.data(), dk.data(), dv.data(), pos, N, H, KV, hd, theta, s);
+  if (pos) {
+    rope_qkv_join(dqkv, dq.data(), dk.data(), dv.data(), pos, N, H, KV, hd, theta, s);
+    return;
+  }
+  const int64_t W = int64_t(H + 2 * KV) * hd, qw = int64_t(H) * hd, kw = int64_t(KV) * hd;
+  for (int64_t n = 0; n < N; n++) {  // no RoPE: the rows dq | dk | dv as they are
+    std::copy_n(dq.data() + n * qw, qw, dqkv + n * W);
+    std::copy_n(dk.data() + n * kw, kw, dqkv + n * W + qw);
+    std::copy_n(dv.data() + n * kw, kw, dqkv + n * W + qw + kw);
+  }
 }
 
 #define LOOM_INSTANTIATE(T)                                                                      \

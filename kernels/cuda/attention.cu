@@ -333,12 +333,15 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T*
   ours();
 }
 
-// attention_backward_qkv (kernels.inc). The joined rows straight from loom's warp-specialized
-// backward (attn::bwd_qkv_rope: dk, dv stored into them, dk rotated in that store, dq rotated by
-// the finish) where it runs: bf16, hd 64, the loom backend (train.attention = loom; cuDNN's and
-// the `auto` choice keep the two calls), not deterministic, its length and alignment rules.
-// Else attention_backward into a scratch dq | dk | dv, then rope_qkv_join. LOOM_ATTN_QKV_JOIN=0
-// forces the latter (the same dk, dv bits; dq within the atomic backward's run-to-run spread).
+// attention_backward_qkv (kernels.inc). The joined rows straight from loom's backward
+// (attn::bwd_qkv_joined) where it runs: bf16, hd 64, the loom backend (train.attention = loom, or
+// `auto`'s choice for the bucket; cuDNN's keeps the two calls), not deterministic, and either the
+// warp-specialized backward (dk, dv stored into the rows, with pos dk rotated in that store; dq by
+// the finish, rotated with pos) or, without pos, a dense batch of at most 64 tokens a sequence (the
+// one-tile backward storing dq, dk, dv into the rows). Else attention_backward into a scratch dq |
+// dk | dv, then rope_qkv_join (with pos) or three strided copies (without). LOOM_ATTN_QKV_JOIN=0
+// forces the latter (the same dk, dv bits; dq within the atomic backward's run-to-run spread,
+// bit for bit in the one-tile form).
 template <class T>
 void attention_backward_qkv(T* dqkv, const T* dout, const T* q, const T* k, const T* v, const T* out,
                             const acc_t<T>* lse, acc_t<T>* workspace, const int32_t* cu, const int32_t* pos,
@@ -356,21 +359,30 @@ void attention_backward_qkv(T* dqkv, const T* dout, const T* q, const T* k, cons
                          (be == AttentionBackend::Auto &&
                           attn::cudnn_auto_choice(true, nseq, max_seqlen, N, N, H, KV, hd, causal,
                                                   attn::dense_batch(cu, cu, nseq, max_seqlen, N, N)) == 0);
-    if (!(e && e[0] == '0') && hd == 64 && nseq > 0 && max_seqlen > 0 && !deterministic_attention() && on_loom &&
-        aligned(dqkv, 16) &&
-        attn::bwd_sm90_ws_available(hd, causal, max_seqlen, N, N, q, k, v, dout, dq_acc)) {
-      attn::bwd_qkv_rope(reinterpret_cast<bf*>(dqkv), dq_acc, delta, reinterpret_cast<const bf*>(dout),
-                         reinterpret_cast<const bf*>(out), reinterpret_cast<const bf*>(q),
-                         reinterpret_cast<const bf*>(k), reinterpret_cast<const bf*>(v), lse, cu, pos, nseq,
-                         max_seqlen, N, H, KV, causal, float(scale), theta, s);
+    if (!(e && e[0] == '0') && !deterministic_attention() && on_loom &&
+        attn::bwd_qkv_joined_available(hd, causal, nseq, max_seqlen, N, cu, pos, q, k, v, dout, dq_acc, dqkv)) {
+      attn::bwd_qkv_joined(reinterpret_cast<bf*>(dqkv), dq_acc, delta, reinterpret_cast<const bf*>(dout),
+                           reinterpret_cast<const bf*>(out), reinterpret_cast<const bf*>(q),
+                           reinterpret_cast<const bf*>(k), reinterpret_cast<const bf*>(v), lse, cu, pos, nseq,
+                           max_seqlen, N, H, KV, causal, float(scale), theta, s);
       return;
     }
   }
-  const int64_t nq = N * H * hd, nk = N * KV * hd;
+  const int64_t nq = N * H * hd, nk = N * KV * hd, W = int64_t(H + 2 * KV) * hd;
   T* scratch = static_cast<T*>(device_malloc(sizeof(T) * size_t(nq + 2 * nk)));
   attention_backward(scratch, scratch + nq, scratch + nq + nk, dout, q, k, v, out, lse, workspace, cu, cu, nseq,
                      max_seqlen, N, N, H, KV, hd, causal, scale, s);
-  rope_qkv_join(dqkv, scratch, scratch + nq, scratch + nq + nk, pos, N, H, KV, hd, theta, s);
+  if (pos) {
+    rope_qkv_join(dqkv, scratch, scratch + nq, scratch + nq + nk, pos, N, H, KV, hd, theta, s);
+  } else {
+    const size_t e = sizeof(T), rw = size_t(W) * e;
+    CUDA_CHECK(cudaMemcpy2DAsync(dqkv, rw, scratch, size_t(H) * hd * e, size_t(H) * hd * e, size_t(N),
+                                 cudaMemcpyDeviceToDevice, s));
+    CUDA_CHECK(cudaMemcpy2DAsync(dqkv + int64_t(H) * hd, rw, scratch + nq, size_t(KV) * hd * e, size_t(KV) * hd * e,
+                                 size_t(N), cudaMemcpyDeviceToDevice, s));
+    CUDA_CHECK(cudaMemcpy2DAsync(dqkv + int64_t(H + KV) * hd, rw, scratch + nq + nk, size_t(KV) * hd * e,
+                                 size_t(KV) * hd * e, size_t(N), cudaMemcpyDeviceToDevice, s));
+  }
   device_free(scratch);  // stream-ordered reuse
 }
 

@@ -294,7 +294,7 @@ __global__ void __launch_bounds__(128)
 attn_bwd_one_tile(bf* __restrict__ dq, bf* __restrict__ dk, bf* __restrict__ dv, const bf* __restrict__ dout,
                   const bf* __restrict__ q, const bf* __restrict__ k, const bf* __restrict__ v,
                   const float* __restrict__ lse, const float* __restrict__ delta, int L, int pairs, int H, int KV,
-                  bool causal, float scale, float scale_log2) {
+                  bool causal, float scale, float scale_log2, int64_t dq_ld, int64_t dkv_ld) {
   pdl_entry();
   constexpr int NW = 4, BC = 64, NT = NW * 32, WM = 2;
   constexpr int WN = NW / WM, QM = BRQ / WM, QN = HD / WN;
@@ -317,6 +317,10 @@ attn_bwd_one_tile(bf* __restrict__ dq, bf* __restrict__ dk, bf* __restrict__ dv,
   auto kv_off = [&](int pair) { return int64_t(pair / KV) * L * kvstride + (pair % KV) * HD; };
   auto head_of = [&](int j) { return (pair_of(j) % KV) * group + j % group; };
   auto q_off = [&](int j) { return int64_t(pair_of(j) / KV) * L * qstride + head_of(j) * HD; };
+  // the outputs' rows: dq_ld and dkv_ld apart (qstride and kvstride, or a joined q|k|v gradient's
+  // row width)
+  auto dq_off = [&](int j) { return int64_t(pair_of(j) / KV) * L * dq_ld + head_of(j) * HD; };
+  auto dkv_off = [&](int pair) { return int64_t(pair / KV) * L * dkv_ld + (pair % KV) * HD; };
   // tile j's loads: K and V when it starts a pair, Q and dO (cp.async, zero-filled past L)
   auto load_async = [&](int j) {
     if (j % group == 0) {
@@ -378,13 +382,13 @@ attn_bwd_one_tile(bf* __restrict__ dq, bf* __restrict__ dk, bf* __restrict__ dv,
     __syncthreads();  // all of dS is in sS
     float dqa[QM / 16][QN / 8][4] = {};
     dq_tile<HD, BC, QM, QN>(dqa, sS, cK, wm, wn, lane);
-    dq_out<QM, QN, true>(dqa, dq, nullptr, q_off(j) + wn * QN + 2 * t, qstride, L, wm, lane, scale);
+    dq_out<QM, QN, true>(dqa, dq, nullptr, dq_off(j) + wn * QN + 2 * t, dq_ld, L, wm, lane, scale);
     if (j + 1 < n) stage_rows((j + 1) & 1);  // buffer (j + 1) & 1 was last read in tile j - 1
     if (j % group == group - 1) {  // the pair's last head: dk and dv out through its K / V buffers
       __syncthreads();             // every warp is done reading cK (dQ above)
-      const int64_t koff = kv_off(pair_of(j));
-      store_rows<HD>(sK + kb * BC * HD, warp * 16, dka, scale, dk + koff, kvstride, L, lane);
-      store_rows<HD>(sV + kb * BC * HD, warp * 16, dva, 1.f, dv + koff, kvstride, L, lane);
+      const int64_t koff = dkv_off(pair_of(j));
+      store_rows<HD>(sK + kb * BC * HD, warp * 16, dka, scale, dk + koff, dkv_ld, L, lane);
+      store_rows<HD>(sV + kb * BC * HD, warp * 16, dva, 1.f, dv + koff, dkv_ld, L, lane);
 #pragma unroll
       for (int i = 0; i < HD / 8; i++)
 #pragma unroll
@@ -393,8 +397,8 @@ attn_bwd_one_tile(bf* __restrict__ dq, bf* __restrict__ dk, bf* __restrict__ dv,
   }
 }
 
-// The finish of the joined q|k|v gradient (bwd_qkv_rope, hd 64): dq = bf16(scale dq_acc) rotated
-// by -angle into the q part of dqkv's rows, W = (H + 2 KV) 64 apart. A thread takes pairs i .. i + 3
+// The finish of the joined q|k|v gradient (bwd_qkv_joined, hd 64): dq = bf16(scale dq_acc) into the
+// q part of dqkv's rows, W = (H + 2 KV) 64 apart, with pos rotated by -angle. A thread takes pairs i .. i + 3
 // and i + 32 .. i + 35 of one (row, head): 16-byte loads of dq_acc, 8-byte stores. Each value is
 // rounded to bf16 before the rotation, as rope_qkv_join reads the dq the plain finish stores, and
 // rotated with the same rotate_pair and angles: the same bits. Then, as attn_bwd_finish, the k
@@ -411,12 +415,20 @@ __global__ void attn_bwd_finish_qkv(bf* __restrict__ dqkv, const float* __restri
     const float4 b = *reinterpret_cast<const float4*>(acc + rh * 64 + i + 32);
     const float x0[4] = {a.x, a.y, a.z, a.w}, x1[4] = {b.x, b.y, b.z, b.w};
     float y0[4], y1[4];
-    const int32_t p = pos[n];
+    if (pos) {
+      const int32_t p = pos[n];
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
-      const float2 c = rope_lookup(table, table_rows, p, i + j, log_theta);
-      rotate_pair(y0[j], y1[j], __bfloat162float(__float2bfloat16_rn(x0[j] * scale)),
-                  __bfloat162float(__float2bfloat16_rn(x1[j] * scale)), c.x, -c.y);
+      for (int j = 0; j < 4; j++) {
+        const float2 c = rope_lookup(table, table_rows, p, i + j, log_theta);
+        rotate_pair(y0[j], y1[j], __bfloat162float(__float2bfloat16_rn(x0[j] * scale)),
+                    __bfloat162float(__float2bfloat16_rn(x1[j] * scale)), c.x, -c.y);
+      }
+    } else {  // no rotation: attn_bwd_finish's values
+#pragma unroll
+      for (int j = 0; j < 4; j++) {
+        y0[j] = x0[j] * scale;
+        y1[j] = x1[j] * scale;
+      }
     }
     bf* row = dqkv + n * W + h * 64 + i;
     *reinterpret_cast<uint2*>(row) = make_uint2(pack_bf16(y0[0], y0[1]), pack_bf16(y0[2], y0[3]));
@@ -432,8 +444,10 @@ __global__ void attn_bwd_finish_qkv(bf* __restrict__ dqkv, const float* __restri
 // =========================================================================== launchers
 // attn_bwd_one_tile on as many blocks as fit on the multiprocessors at once (2 a multiprocessor at
 // 231 registers), at most one a pair.
+// dq_ld, dkv_ld: the row strides of dq and of dk, dv (0: H 64 and KV 64, rows as q's and k's).
 void bwd_one_tile_launch(bf* dq, bf* dk, bf* dv, const bf* dout, const bf* q, const bf* k, const bf* v, const float* lse,
-                         const float* delta, int nseq, int L, int H, int KV, bool causal, float scale, cudaStream_t s) {
+                         const float* delta, int nseq, int L, int H, int KV, bool causal, float scale, cudaStream_t s,
+                         int64_t dq_ld = 0, int64_t dkv_ld = 0) {
   constexpr int HD = 64, BRQ = 64, BC = 64;
   const int smem = (4 * BC + 4 * BRQ) * HD * int(sizeof(bf)) + BRQ * BC * int(sizeof(bf)) + 4 * BRQ * int(sizeof(float));
   static const int per_sm = [&] {
@@ -444,7 +458,7 @@ void bwd_one_tile_launch(bf* dq, bf* dk, bf* dv, const bf* dout, const bf* q, co
   }();
   const int pairs = nseq * KV, grid = std::min(pairs, per_sm * sm_count());
   launch_kernel(attn_bwd_one_tile<HD, BRQ>, grid, 128, smem, s, dq, dk, dv, dout, q, k, v, lse, delta, L, pairs, H, KV,
-                causal, scale, scale * kLog2e);
+                causal, scale, scale * kLog2e, dq_ld ? dq_ld : int64_t(H) * HD, dkv_ld ? dkv_ld : int64_t(KV) * HD);
   LAUNCH_CHECK();
 }
 
@@ -523,24 +537,54 @@ void bwd_v2_atomic_hd(bf* dq, bf* dk, bf* dv, float* dq_acc, float* delta, const
 
 namespace attn {
 
-void bwd_qkv_rope(bf* dqkv, float* dq_acc, float* delta, const bf* dout, const bf* out, const bf* q, const bf* k,
-                  const bf* v, const float* lse, const int32_t* cu, const int32_t* pos, int nseq, int max_seqlen,
-                  int64_t N, int H, int KV, bool causal, float scale, double theta, cudaStream_t s) {
+// The one-tile form takes a joined gradient when the batch is dense, of at most 64 tokens a
+// sequence, without RoPE (a ViT's 49 kept patches) and LOOM_ATTN_BWD_ONE is not 0.
+static bool joined_one_tile(int hd, bool causal, int nseq, int max_seqlen, int64_t N, const int32_t* cu,
+                            const int32_t* pos, const void* q, const void* k, const void* v, const void* dout,
+                            const void* dq_acc) {
+  const char* one = std::getenv("LOOM_ATTN_BWD_ONE");  // read at every call: tests switch it
+  return hd == 64 && !pos && !(one && one[0] == '0') && max_seqlen <= 64 &&
+         dense_seqlen(cu, cu, nseq, max_seqlen, N, N) > 0 &&
+         !bwd_sm90_ws_available(64, causal, max_seqlen, N, N, q, k, v, dout, dq_acc);
+}
+
+bool bwd_qkv_joined_available(int hd, bool causal, int nseq, int max_seqlen, int64_t N, const int32_t* cu,
+                              const int32_t* pos, const void* q, const void* k, const void* v, const void* dout,
+                              const void* dq_acc, const void* dqkv) {
+  if (hd != 64 || nseq <= 0 || max_seqlen <= 0 || N <= 0 || (reinterpret_cast<uintptr_t>(dqkv) & 15) != 0) return false;
+  return bwd_sm90_ws_available(64, causal, max_seqlen, N, N, q, k, v, dout, dq_acc) ||
+         joined_one_tile(hd, causal, nseq, max_seqlen, N, cu, pos, q, k, v, dout, dq_acc);
+}
+
+void bwd_qkv_joined(bf* dqkv, float* dq_acc, float* delta, const bf* dout, const bf* out, const bf* q, const bf* k,
+                    const bf* v, const float* lse, const int32_t* cu, const int32_t* pos, int nseq, int max_seqlen,
+                    int64_t N, int H, int KV, bool causal, float scale, double theta, cudaStream_t s) {
   const int64_t rows = N * H, W = int64_t(H + 2 * KV) * 64;
   if (rows <= 0) return;
-  if (!bwd_sm90_ws_available(64, causal, max_seqlen, N, N, q, k, v, dout, dq_acc) || nseq <= 0 || max_seqlen <= 0)
-    throw std::runtime_error("bwd_qkv_rope: needs the warp-specialized backward (attention_backward_qkv checks it)");
+  if (!bwd_qkv_joined_available(64, causal, nseq, max_seqlen, N, cu, pos, q, k, v, dout, dq_acc, dqkv))
+    throw std::runtime_error("bwd_qkv_joined: no joined form for this call (attention_backward_qkv checks it)");
+  bf* dk = dqkv + int64_t(H) * 64;
+  bf* dv = dqkv + int64_t(H + KV) * 64;
+  if (joined_one_tile(64, causal, nseq, max_seqlen, N, cu, pos, q, k, v, dout, dq_acc)) {
+    // delta alone (no dq_acc), then every output row stored by the block that owns it
+    launch_kernel(attn_bwd_prep<64>, ceil_div(rows * 8, 256), 256, 0, s, delta, nullptr, dout, out, rows, BwdOrder());
+    LAUNCH_CHECK();
+    bwd_one_tile_launch(dqkv, dk, dv, dout, q, k, v, lse, delta, nseq, max_seqlen, H, KV, causal, scale, s, W, W);
+    return;
+  }
   const BwdOrder ord = bwd_sm90_order(cu, cu, nseq, max_seqlen, N, N, causal);
   launch_kernel(attn_bwd_prep<64>, ceil_div(rows * 8, 256) + (ord.order ? 1 : 0), 256, 0, s, delta, dq_acc, dout, out,
                 rows, ord);
   LAUNCH_CHECK();
   QkvRope rope;
-  rope.pos = pos;
-  rope.table = rope_table(64, theta, N, &rope.table_rows, s);
-  rope.log_theta = std::log(theta);
   rope.stride = W;
-  bwd_sm90_ws(dqkv + int64_t(H) * 64, dqkv + int64_t(H + KV) * 64, dq_acc, dout, q, k, v, lse, delta, cu, cu, nseq,
-              max_seqlen, N, N, H, KV, 64, causal, scale, s, rope, ord.order);
+  if (pos) {
+    rope.pos = pos;
+    rope.table = rope_table(64, theta, N, &rope.table_rows, s);
+    rope.log_theta = std::log(theta);
+  }
+  bwd_sm90_ws(dk, dv, dq_acc, dout, q, k, v, lse, delta, cu, cu, nseq, max_seqlen, N, N, H, KV, 64, causal, scale, s,
+              rope, ord.order);
   if (ord.order) device_free(ord.order);  // stream-ordered reuse
   launch_kernel(attn_bwd_finish_qkv, std::max<int64_t>(1, ceil_div(rows * 8, 256)), 256, 0, s, dqkv, dq_acc, N, H, KV,
                 scale, pos, rope.table, rope.table_rows, rope.log_theta, cu, nseq);

@@ -143,8 +143,9 @@
  *   0.3292 | 0.2895 / 0.2874, B32 H9 T256 causal 0.1137 / 0.1120 | 0.1140 / 0.1134; the
  *   fixed-batch VLM step 54.81 / 54.92 | 54.78 / 54.99 ms.
  *
- * ROPE (hd 64; attention_backward_qkv through attn::bwd_qkv_rope, attention_bwd_single.cu): dK and
- *   dV go into the rows of a joined q|k|v gradient (row stride rope.stride), dK rotated by -angle
+ * Joined rows (hd 64; attention_backward_qkv through attn::bwd_qkv_joined, attention_bwd_single.cu):
+ *   with rope.stride set, dK and dV go into the rows of a joined q|k|v gradient (row stride
+ *   rope.stride) instead of rows KV hd apart. ROPE (the LM's RoPE, rope.pos set): dK rotated by -angle
  *   in its store (the pairs (i, i + 32) sit in one thread: columns 8n + 2t and 8(n + 4) + 2t),
  *   each value rounded to bf16 before the rotation as rope_qkv_join reads the dK stored without
  *   it: the same values (docs/kernels/attention.md, "The joined q|k|v gradient").
@@ -535,11 +536,11 @@ attn_bwd_sm90_ws(bf* __restrict__ dk, bf* __restrict__ dv, float* __restrict__ d
 
   ATTNB_T(const long long c_loop = clock64();)
   if (elected) bulk_wait<0>();  // the last reductions are done before the block ends
-  // dK (scaled) and dV: this thread's rows kr, kr + 8 that lie in the sequence. ROPE (hd 64): into
-  // the joined rows (rope.stride), dK rounded to bf16 first (what the store alone would keep) and
+  // dK (scaled) and dV: this thread's rows kr, kr + 8 that lie in the sequence; into the joined
+  // rows when rope.stride is set. ROPE (hd 64): dK rounded to bf16 first (what the store alone would keep) and
   // its pairs (i, i + 32), columns 8n + 2t (+ 1) and 8(n + 4) + 2t (+ 1) of this thread, rotated
   // by -angle with rotate_pair: bit for bit rope_qkv_join of the dK this kernel stores without it.
-  const int64_t ostride = ROPE ? rope.stride : kvstride;
+  const int64_t ostride = rope.stride ? rope.stride : kvstride;
   const int64_t ooff = (int64_t(k0) + ks) * ostride + kvh * HD;
 #pragma unroll
   for (int r = 0; r < 2; r++) {

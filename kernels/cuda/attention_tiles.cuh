@@ -307,11 +307,13 @@ __device__ __forceinline__ void build_bwd_order(const BwdOrder& o) {
   __syncthreads();
   for (int i = tid; i < items; i += nt) o.order[atomicAdd(&pos[bwd_order_key(o, i)], 1)] = i;
 }
-// The gradients of a joined q|k|v product with RoPE (attention_backward_qkv, hd 64): dk and dv
-// go into the rows of dqkv [N, (H + 2 KV) 64] (row stride `stride`), dk rotated by -angle at
-// positions pos, with rope_table.h's table (rows < table_rows) or, past it, the double formula.
+// The gradients of a joined q|k|v product (attention_backward_qkv, hd 64): dk and dv go into
+// the rows of dqkv [N, (H + 2 KV) 64] (row stride `stride`; 0: dk and dv as attention_backward
+// writes them). With pos (the LM's RoPE) dk is rotated by -angle at positions pos, with
+// rope_table.h's table (rows < table_rows) or, past it, the double formula; without (a ViT's
+// joined product) it is stored as it is.
 struct QkvRope {
-  const int32_t* pos = nullptr;  // null: dk and dv as attention_backward writes them
+  const int32_t* pos = nullptr;  // null: no rotation
   const float2* table = nullptr;
   int table_rows = 0;
   double log_theta = 0;
@@ -321,12 +323,17 @@ void bwd_sm90_ws(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, con
                  const float* lse, const float* delta, const int32_t* cu_q, const int32_t* cu_k, int nseq,
                  int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, int hd, bool causal, float scale,
                  cudaStream_t s, const QkvRope& rope = QkvRope(), const int32_t* order = nullptr);
-// attention_bwd_single.cu: the three launches with dq, dk, dv written into dqkv's rows (dq and
-// dk rotated by -angle), for q, k, v of one joined product (Nq == Nk == N, one cu_seqlens).
-// Only where bwd_sm90_ws_available holds and hd is 64.
-void bwd_qkv_rope(bf* dqkv, float* dq_acc, float* delta, const bf* dout, const bf* out, const bf* q, const bf* k,
-                  const bf* v, const float* lse, const int32_t* cu, const int32_t* pos, int nseq, int max_seqlen,
-                  int64_t N, int H, int KV, bool causal, float scale, double theta, cudaStream_t s);
+// attention_bwd_single.cu: the backward with dq, dk, dv written into dqkv's rows (with pos: dq
+// and dk rotated by -angle), for q, k, v of one joined product (Nq == Nk == N, one cu_seqlens).
+// Only where bwd_qkv_joined_available holds: bf16 q, k, v, dout, hd 64, and either the
+// warp-specialized backward (bwd_sm90_ws_available) or, without pos, a dense batch of one key
+// tile a sequence (<= 64 tokens: the persistent attn_bwd_one_tile, storing dq itself).
+bool bwd_qkv_joined_available(int hd, bool causal, int nseq, int max_seqlen, int64_t N, const int32_t* cu,
+                              const int32_t* pos, const void* q, const void* k, const void* v, const void* dout,
+                              const void* dq_acc, const void* dqkv);
+void bwd_qkv_joined(bf* dqkv, float* dq_acc, float* delta, const bf* dout, const bf* out, const bf* q, const bf* k,
+                    const bf* v, const float* lse, const int32_t* cu, const int32_t* pos, int nseq, int max_seqlen,
+                    int64_t N, int H, int KV, bool causal, float scale, double theta, cudaStream_t s);
 
 // ---- single-pass backward (attention_bwd_single.cu, attn_bwd_v2_atomic_dq)
 // Stores four 8x8 bf16 matrices transposed: register r[i] holds matrix i in the mma C layout

@@ -526,12 +526,23 @@ TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU ref
 // for the sign of zeros: the two calls rotate the zeroed rows outside every sequence, which can
 // give -0), the q part within the atomic dq's run-to-run spread. Positions run past rope_table.h's table (the double formula
 // there), rows outside every sequence get zeros in k and v, outputs start poisoned.
+// Without RoPE (pos null: a ViT's joined product, qkv_attention) the rows are dq | dk | dv as they
+// are: a dense batch of 49-token sequences takes the one-tile backward storing all three into the
+// rows (dq bit for bit the two calls' too: the same kernel with other row strides), 196-token and
+// packed batches of >= 128 tokens the warp-specialized one, short packed ones the two calls
+// (attention_backward, three strided copies) either way.
 TEST_CASE("attention_backward_qkv: the joined q|k|v gradient rows against the two calls", "[cuda][attention]") {
   need_gpu();
   const char* before = std::getenv("LOOM_ATTN_QKV_JOIN");
   const std::string saved = before ? before : "";
-  struct Case { std::vector<int> len; int pad, H, KV; bool causal; };
-  const Case cases[] = {{{700, 513, 64, 901}, 5, 9, 3, true}, {{530, 260}, 0, 4, 2, true}, {{600, 131}, 3, 2, 1, false}};
+  struct Case { std::vector<int> len; int pad, H, KV; bool causal, rope = true, same_dq = false; };
+  const Case cases[] = {{{700, 513, 64, 901}, 5, 9, 3, true},
+                        {{530, 260}, 0, 4, 2, true},
+                        {{600, 131}, 3, 2, 1, false},
+                        {std::vector<int>(37, 49), 0, 12, 12, false, false, true},  // the MIM encoder's rows
+                        {std::vector<int>(9, 196), 0, 6, 6, false, false},          // the predictor's / a tower's
+                        {{130, 77, 196}, 3, 4, 2, false, false},
+                        {{40, 33}, 2, 2, 2, false, false}};
   uint32_t seed = 900;
   for (const Case& c : cases) {
     std::mt19937 rng(seed++);
@@ -554,20 +565,23 @@ TEST_CASE("attention_backward_qkv: the joined q|k|v gradient rows against the tw
     loom::cpu::attention_forward<float>(out.data(), lse.data(), qs.data(), ks.data(), vs.data(), cu.data(), cu.data(),
                                         nseq, max_seqlen, N, N, H, KV, hd, c.causal, scale, nullptr);
     auto outs = seen<bf16>(out);
+    const int32_t* hpos = c.rope ? pos.data() : nullptr;
     loom::cpu::attention_backward_qkv<float>(ref.data(), dos.data(), qs.data(), ks.data(), vs.data(), outs.data(),
-                                             lse.data(), ws.data(), cu.data(), pos.data(), nseq, max_seqlen, N, H, KV,
+                                             lse.data(), ws.data(), cu.data(), hpos, nseq, max_seqlen, N, H, KV,
                                              hd, c.causal, scale, theta, nullptr);
     Dev<bf16> dq(to_t<bf16>(q)), dk(to_t<bf16>(k)), dv(to_t<bf16>(v)), ddo(to_t<bf16>(dout)), dout_(to_t<bf16>(out));
     Dev<float> dlse(lse), dws(size_t(N) * H * (hd + 1));
     Dev<int32_t> dcu(cu), dpos(pos);
     // one call on poisoned rows and workspace, checked against the reference; returns the rows
     auto rows = [&](const std::string& how) {
-      INFO("lengths " << c.len.size() << " H" << H << " KV" << KV << (c.causal ? " causal" : " full") << " " << how);
+      INFO("lengths " << c.len.size() << " H" << H << " KV" << KV << (c.causal ? " causal" : " full")
+                      << (c.rope ? " rope " : " no rope ") << how);
       Dev<bf16> dqkv(size_t(N) * W);
       dqkv.poison();
       dws.poison();
-      cu::attention_backward_qkv<bf16>(dqkv.p, ddo.p, dq.p, dk.p, dv.p, dout_.p, dlse.p, dws.p, dcu.p, dpos.p, nseq,
-                                       max_seqlen, N, H, KV, hd, c.causal, scale, theta, cu::default_stream());
+      cu::attention_backward_qkv<bf16>(dqkv.p, ddo.p, dq.p, dk.p, dv.p, dout_.p, dlse.p, dws.p, dcu.p,
+                                       c.rope ? dpos.p : nullptr, nseq, max_seqlen, N, H, KV, hd, c.causal, scale,
+                                       theta, cu::default_stream());
       std::vector<bf16> r = dqkv.down();
       LOOM_CHECK_CLOSE(tol::compare(to_f(r), ref, gemm_tol<bf16>(), "dqkv rows"));
       return r;
@@ -590,6 +604,7 @@ TEST_CASE("attention_backward_qkv: the joined q|k|v gradient rows against the tw
     }
     CHECK(kv_differ == 0);
     LOOM_CHECK_CLOSE(tol::compare(q0, q1, gemm_tol<bf16>(), "dq rows, joined against the two calls"));
+    if (c.same_dq) CHECK(q0 == q1);
     // train.attention = auto: the first call probes both backends on the two calls' scratch,
     // the second runs the cached choice (loom's kernels: the joined rows; cuDNN: the two calls)
     setenv("LOOM_ATTN_QKV_JOIN", "1", 1);

@@ -433,6 +433,65 @@ TEST_CASE("qkv_rope_attention against qkv_rope and attention", "[optim][attentio
   }
 }
 
+// A ViT block's attention from its normed input in one node (autograd/ops.h qkv_attention): its
+// backward writes dq | dk | dv as the rows of one gradient (attention_backward_qkv without RoPE;
+// bf16 on CUDA: the one-tile backward at 49 tokens, the warp-specialized one at 196), so that the
+// projection's backward is one product each for dx, dW and db. Against linear_split + attention:
+// on the CPU in f64 (the reference), on CUDA in f32 (the strided copies), and in bf16 against the
+// two ops on CUDA (the same forward bits; gradients within bf16's tolerance: the products sum in
+// another order).
+TEST_CASE("qkv_attention against linear_split and attention", "[optim][attention]") {
+  need_gpu();
+  const int C = 96, H = 2, hd = 64, D = H * hd;
+  Rng rng(uint64_t(std::random_device{}()));
+  for (const int L : {49, 196}) {
+    const int B = L == 49 ? 7 : 3, N = B * L;
+    auto in = [&](const Shape& sh, double std) { return Tensor::randn(sh, rng, std, DType::F64).to(DType::BF16).to(DType::F64); };
+    Tensor x = in({N, C}, 0.5), w = in({3 * D, C}, 0.1), b = in({3 * D}, 0.1), rout = in({N, D}, 0.5);
+    struct Out { Tensor val; std::vector<Tensor> grads; };
+    auto run = [&](Device dev, DType dt, bool one_node) {
+      auto mv = [&](const Tensor& t) { return t.to(dev).to(dt).clone(); };
+      Tensor xd = mv(x).requires_grad_(), wd = mv(w).requires_grad_(), bd = mv(b).requires_grad_();
+      SeqInfo seq = SeqInfo::dense(B, L, dev);
+      const double scale = 1.0 / std::sqrt(double(hd));
+      Tensor a;
+      if (one_node) {
+        a = qkv_attention(xd, wd, bd, seq, H, scale);
+      } else {
+        auto p = linear_split(xd, wd, bd, 3);
+        a = reshape(attention(reshape(p[0], {N, H, hd}), reshape(p[1], {N, H, hd}), reshape(p[2], {N, H, hd}), seq,
+                              false, scale),
+                    {N, D});
+      }
+      backward(sum(mul(a, mv(rout))));
+      return Out{a, {xd.grad(), wd.grad(), bd.grad()}};
+    };
+    const char* gn[] = {"dx", "dW", "db"};
+    auto compare = [&](const Out& got, const Out& want, const tol::Tol& t) {
+      LOOM_CHECK_CLOSE(tol::compare(got.val.to(Device::CPU).to_vector<double>(), want.val.to(Device::CPU).to_vector<double>(), t, "attention out"));
+      for (size_t i = 0; i < want.grads.size(); i++)
+        LOOM_CHECK_CLOSE(tol::compare(got.grads[i].to(Device::CPU).to_vector<double>(),
+                                      want.grads[i].to(Device::CPU).to_vector<double>(), t, gn[i]));
+    };
+    INFO(L << " tokens a sequence, " << B << " sequences");
+    Out ref = run(Device::CPU, DType::F64, false);
+    {
+      INFO("CPU f64, one node");
+      compare(run(Device::CPU, DType::F64, true), ref, tol::kSameMathF64);
+    }
+    {
+      INFO("CUDA f32, one node");
+      compare(run(Device::CUDA, DType::F32, true), ref, tol::kCudaF32Gemm);
+    }
+    {
+      INFO("CUDA bf16, one node against the two ops");
+      Out one = run(Device::CUDA, DType::BF16, true), two = run(Device::CUDA, DType::BF16, false);
+      CHECK(one.val.to(Device::CPU).to_vector<double>() == two.val.to(Device::CPU).to_vector<double>());
+      compare(one, two, tol::kCudaBF16);
+    }
+  }
+}
+
 TEST_CASE("Tensor::copy_ into a window of a CUDA tensor, from every kind of source", "[cuda][tensor]") {
   // A window (narrow) of a contiguous CUDA tensor takes one 2-D copy; a contiguous CUDA source
   // of its dtype goes straight into it, the others (CPU, another dtype, strided) through a
