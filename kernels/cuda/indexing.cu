@@ -173,6 +173,24 @@ constexpr int kEmbChunk = 64;  // runs longer than this are summed in chunk piec
 // Long runs, phase 1: block per chunk of kEmbChunk sorted positions; the pieces of long runs in
 // it (at most two: the run holding the chunk's first position, slot 0, and a long run starting
 // inside it, slot 1) are summed row by row in order into partial[chunk][slot][C] (fp32).
+// The piece of a long run that chunk [c0, c1) sums into slot `slot` of its partials: [p0, p1)
+// (false: nothing, the slot's run is short, outside the table, or slot 0's own).
+__device__ __forceinline__ bool emb_chunk_piece(const int32_t* keys, int64_t N, int V, int64_t c0, int64_t c1, int slot,
+                                                int64_t& p0, int64_t& p1) {
+  if (slot == 0) {
+    p0 = c0;
+  } else {  // the last run starting inside the chunk
+    p0 = max(c0, lower_pos(keys, N, keys[c1 - 1]));
+    if (p0 == c0) return false;  // that is slot 0's run
+  }
+  const int key = keys[p0];
+  if (key >= V) return false;
+  const int64_t rs = lower_pos(keys, N, key), re = upper_pos(keys, N, key);
+  if (re - rs <= kEmbChunk) return false;  // short: phase 2 sums it directly
+  p1 = min(c1, re);
+  return true;
+}
+
 template <class DT>
 __global__ void embedding_bwd_chunks(float* __restrict__ partial, const DT* __restrict__ dout,
                                      const int32_t* __restrict__ keys, const int32_t* __restrict__ rows, int64_t N,
@@ -180,19 +198,8 @@ __global__ void embedding_bwd_chunks(float* __restrict__ partial, const DT* __re
   pdl_entry();
   const int64_t c0 = int64_t(blockIdx.x) * kEmbChunk, c1 = min(N, c0 + kEmbChunk);
   for (int slot = 0; slot < 2; slot++) {
-    int64_t p0;
-    if (slot == 0) {
-      p0 = c0;
-    } else {  // the last run starting inside the chunk
-      int k_last = keys[c1 - 1];
-      p0 = max(c0, lower_pos(keys, N, k_last));
-      if (p0 == c0) continue;  // that is slot 0's run
-    }
-    int key = keys[p0];
-    if (key >= V) continue;
-    int64_t rs = lower_pos(keys, N, key), re = upper_pos(keys, N, key);
-    if (re - rs <= kEmbChunk) continue;  // short: phase 2 sums it directly
-    int64_t p1 = min(c1, re);
+    int64_t p0, p1;
+    if (!emb_chunk_piece(keys, N, V, c0, c1, slot, p0, p1)) continue;
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
       float acc = 0.f;
       for (int64_t j = p0; j < p1; j++) acc += to_float(dout[int64_t(rows[j]) * C + c]);
@@ -248,19 +255,8 @@ __global__ void embedding_bwd_chunks_wide(float* __restrict__ partial, const DT*
   const int nv = C / VEC;
   const int64_t c0 = int64_t(blockIdx.x) * kEmbChunk, c1 = min(N, c0 + kEmbChunk);
   for (int slot = 0; slot < 2; slot++) {
-    int64_t p0;
-    if (slot == 0) {
-      p0 = c0;
-    } else {  // the last run starting inside the chunk
-      int k_last = keys[c1 - 1];
-      p0 = max(c0, lower_pos(keys, N, k_last));
-      if (p0 == c0) continue;  // that is slot 0's run
-    }
-    int key = keys[p0];
-    if (key >= V) continue;
-    int64_t rs = lower_pos(keys, N, key), re = upper_pos(keys, N, key);
-    if (re - rs <= kEmbChunk) continue;  // short: phase 2 sums it directly
-    const int64_t p1 = min(c1, re);
+    int64_t p0, p1;
+    if (!emb_chunk_piece(keys, N, V, c0, c1, slot, p0, p1)) continue;
     for (int vi = threadIdx.x; vi < nv; vi += blockDim.x) {
       float acc[VEC];
 #pragma unroll
