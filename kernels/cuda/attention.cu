@@ -333,15 +333,17 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T*
   ours();
 }
 
-// attention_backward_qkv (kernels.inc). The joined rows straight from loom's backward
-// (attn::bwd_qkv_joined) where it runs: bf16, hd 64, the loom backend (train.attention = loom, or
-// `auto`'s choice for the bucket; cuDNN's keeps the two calls), not deterministic, and either the
+// attention_backward_qkv (kernels.inc). A dense batch the cuDNN backend may take runs as the
+// two parts attention_backward splits it into (split_dense), each as below. The joined rows
+// straight from loom's backward (attn::bwd_qkv_joined) where it runs: bf16, hd 64, the loom
+// backend (train.attention = loom, or `auto`'s choice for the bucket), not deterministic, and either the
 // warp-specialized backward (dk, dv stored into the rows, with pos dk rotated in that store; dq by
 // the finish, rotated with pos) or, without pos, a dense batch of at most 64 tokens a sequence (the
 // one-tile backward storing dq, dk, dv into the rows). Else attention_backward into a scratch dq |
 // dk | dv, then rope_qkv_join (with pos) or three strided copies (without). LOOM_ATTN_QKV_JOIN=0
 // forces the latter (the same dk, dv bits; dq within the atomic backward's run-to-run spread,
-// bit for bit in the one-tile form).
+// bit for bit in the one-tile form). Where cuDNN runs a dense call without pos, its plan with
+// strided gradients writes the rows (attn::cudnn_attention_backward_rows).
 template <class T>
 void attention_backward_qkv(T* dqkv, const T* dout, const T* q, const T* k, const T* v, const T* out,
                             const acc_t<T>* lse, acc_t<T>* workspace, const int32_t* cu, const int32_t* pos,
@@ -349,6 +351,16 @@ void attention_backward_qkv(T* dqkv, const T* dout, const T* q, const T* k, cons
                             double scale, double theta, Stream s) {
   check_args("attention_backward_qkv", nseq, max_seqlen, H, KV, hd);
   if (N <= 0) return;
+  // a dense batch cuDNN may take: the parts attention_backward would split it into (the same
+  // buckets, so each part's auto choice is the one its probe made), each with its rows
+  if (const int a = split_dense<T>(cu, cu, nseq, max_seqlen, N, N)) {
+    const int64_t r = int64_t(a) * max_seqlen, W = int64_t(H + 2 * KV) * hd, oq = r * H * hd, ok = r * KV * hd;
+    attention_backward_qkv(dqkv, dout, q, k, v, out, lse, workspace, cu, pos, a, max_seqlen, r, H, KV, hd, causal,
+                           scale, theta, s);
+    attention_backward_qkv(dqkv + r * W, dout + oq, q + oq, k + ok, v + ok, out + oq, lse + r * H, workspace, cu,
+                           pos ? pos + r : nullptr, nseq - a, max_seqlen, N - r, H, KV, hd, causal, scale, theta, s);
+    return;
+  }
   if constexpr (std::is_same<T, bf16>::value) {
     const char* e = std::getenv("LOOM_ATTN_QKV_JOIN");  // read at every call: tests switch it
     float* dq_acc = workspace;
@@ -367,6 +379,14 @@ void attention_backward_qkv(T* dqkv, const T* dout, const T* q, const T* k, cons
                            max_seqlen, N, H, KV, causal, float(scale), theta, s);
       return;
     }
+    // without RoPE where cuDNN runs the call (auto's choice for the 196-token ViT batches): its
+    // dense plan with strided gradients writes the rows
+    if (!pos && !(e && e[0] == '0') && !side_scope_active() &&
+        attn::cudnn_attention_backward_rows(reinterpret_cast<bf*>(dqkv), reinterpret_cast<const bf*>(dout),
+                                            reinterpret_cast<const bf*>(q), reinterpret_cast<const bf*>(k),
+                                            reinterpret_cast<const bf*>(v), reinterpret_cast<const bf*>(out), lse,
+                                            workspace, cu, nseq, max_seqlen, N, H, KV, hd, causal, scale, s))
+      return;
   }
   const int64_t nq = N * H * hd, nk = N * KV * hd, W = int64_t(H + 2 * KV) * hd;
   T* scratch = static_cast<T*>(device_malloc(sizeof(T) * size_t(nq + 2 * nk)));

@@ -481,6 +481,48 @@ bool attn::cudnn_attention_backward(T* dq, T* dk, T* dv, const T* dout, const T*
   }, run_loom, s);
 }
 
+// The joined backward (header): only where cuDNN runs the call anyway (train.attention = cudnn,
+// or auto's choice already made for the call's dense bucket), so there is no probe here; the
+// joined plan is built outside graph capture (the trainers' eager steps come first) and a
+// capture finds it built. Anything else (a ragged batch, no plan) returns false: the caller's
+// scratch and copies.
+bool attn::cudnn_attention_backward_rows(bf* dqkv, const bf* dout, const bf* q, const bf* k, const bf* v,
+                                         const bf* out, const float* lse, float* ws, const int32_t* cu, int nseq,
+                                         int max_seqlen, int64_t N, int H, int KV, int hd, bool causal, double scale,
+                                         cudaStream_t s) {
+  const AttentionBackend be = attention_backend();
+  if (nseq <= 0 || max_seqlen <= 0 || N == 0 || be == AttentionBackend::Loom ||
+      !unsupported(false, true, N, N, H, KV, hd).empty() || !attn::dense_batch(cu, cu, nseq, max_seqlen, N, N))
+    return false;
+  if (be == AttentionBackend::Auto) {
+    std::lock_guard<std::mutex> lock(choice_mu());
+    auto it = choices().find(make_key(true, nseq, max_seqlen, H, KV, hd, causal, true));
+    if (it == choices().end() || !it->second) return false;
+  }
+  Key key = make_key(true, nseq, max_seqlen, H, KV, hd, causal, true);
+  key.ld = (H + 2 * KV) * hd;
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  CUDA_CHECK(cudaStreamIsCapturing(s, &cap));
+  Plan* P = nullptr;
+  if (cap != cudaStreamCaptureStatusNone) {
+    P = find_plan(key);
+  } else {
+    try {
+      P = &get_plan(key);
+    } catch (const std::exception& e) {
+      log_once(key.str() + ": building the plan failed (" + e.what() + "): three packed gradients and copies");
+      return false;
+    }
+  }
+  if (!P || !P->plan) {
+    if (P) log_once(key.str() + ": " + P->error + ": three packed gradients and copies");
+    return false;
+  }
+  bwd_bf16(*P, key, dqkv, dqkv + int64_t(H) * hd, dqkv + int64_t(H + KV) * hd, dout, q, k, v, out, lse, ws, cu, cu,
+           nseq, N, N, scale, s);
+  return true;
+}
+
 int attn::cudnn_auto_choice(bool backward, int nseq, int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, int hd,
                             bool causal, bool dense) {
   if (!unsupported(false, backward, Nq, Nk, H, KV, hd).empty()) return 0;
@@ -523,6 +565,11 @@ bool attn::cudnn_attention_backward(T*, T*, T*, const T*, const T*, const T*, co
                               const int32_t*, const int32_t*, int, int, int64_t, int64_t, int, int, int, bool, double,
                               cudaStream_t, const std::function<void()>&) {
   return no_cudnn();
+}
+bool attn::cudnn_attention_backward_rows(bf*, const bf*, const bf*, const bf*, const bf*, const bf*, const float*,
+                                         float*, const int32_t*, int, int, int64_t, int, int, int, bool, double,
+                                         cudaStream_t) {
+  return false;  // `cudnn` without cuDNN already failed in the forward
 }
 void reset_attention_choices() {}
 int attention_cudnn_dense_plans() { return 0; }

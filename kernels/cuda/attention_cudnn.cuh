@@ -52,14 +52,17 @@ struct Key {
   int B, S, H, KV, hd;
   bool causal;
   bool dense = false;
+  // Dense backward only: dq, dk, dv written as column blocks of one row of `ld` elements (the
+  // joined [N, (H + 2 KV) hd] gradient of attention_backward_qkv); 0: three packed tensors.
+  int ld = 0;
   bool operator<(const Key& o) const {
-    return std::tie(backward, B, S, H, KV, hd, causal, dense) <
-           std::tie(o.backward, o.B, o.S, o.H, o.KV, o.hd, o.causal, o.dense);
+    return std::tie(backward, B, S, H, KV, hd, causal, dense, ld) <
+           std::tie(o.backward, o.B, o.S, o.H, o.KV, o.hd, o.causal, o.dense, o.ld);
   }
   std::string str() const {
     char b[160];
-    std::snprintf(b, sizeof b, "%s %s%d %s%d H%d KV%d hd%d %s", backward ? "backward" : "forward", dense ? "dense B" : "B<=",
-                  B, dense ? "S" : "S<=", S, H, KV, hd, causal ? "causal" : "full");
+    std::snprintf(b, sizeof b, "%s %s%d %s%d H%d KV%d hd%d %s%s", backward ? "backward" : "forward", dense ? "dense B" : "B<=",
+                  B, dense ? "S" : "S<=", S, H, KV, hd, causal ? "causal" : "full", ld ? " joined rows" : "");
     return b;
   }
 };
@@ -83,7 +86,7 @@ cudnnHandle_t handle();
 // supports comes back with P.error set.
 Plan& get_plan(const Key& k);
 // The plan of a bucket if it was built, else nullptr (builds nothing: safe during capture).
-const Plan* find_plan(const Key& k);
+Plan* find_plan(const Key& k);
 // How many dense buckets have a plan (tests: the dense graph was taken).
 int dense_plans();
 // Runs P with the variant pack of uids -> ptrs (device pointers, and the plan's own scalars at

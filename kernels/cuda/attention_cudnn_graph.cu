@@ -25,7 +25,9 @@
  *             summed over the group by a reduction); dP = dO V^T; dS = E (dP - delta) scale;
  *             dK = dS^T Q (GQA likewise); dq_acc = dS K (fp32, our workspace [Nq, H, hd], ragged
  *             like dq; cuDNN zeroes it) -> dQ = identity(dq_acc) in bf16.
- * Plans: built the first time a (direction, B, S, H, KV, hd, causal) bucket is seen (get_plan),
+ *   Joined rows (a dense backward with Key::ld): dQ, dK, dV strided [-, hd, ld, 1], i.e. written
+ *   straight into the column blocks of one [N, ld] gradient (a ViT block's q | k | v product's).
+ * Plans: built the first time a (direction, B, S, H, KV, hd, causal, ld) bucket is seen (get_plan),
  *   with a small device buffer for the per-call sequence lengths and offsets; one workspace
  *   serves every plan, grown at plan building; execute() keeps the variant pack while the
  *   call's pointers stay the same.
@@ -296,9 +298,12 @@ void build_graph(Plan& P, const Key& k) {
   } else {
     D vt = g.tensor(kV, BF, kt_dim, kt_str, false, false, off_k);
     D dout = g.tensor(kDO, BF, q_dim, q_str, false, false, off_q);
-    D dq = g.tensor(kDQ, BF, q_dim, q_str, false, false, off_q);
-    D dk = g.tensor(kDK, BF, kv_dim, kv_str, false, false, off_k);
-    D dv = g.tensor(kDV, BF, kv_dim, kv_str, false, false, off_k);
+    // the gradients: packed like q, k, v, or (k.ld, dense only) column blocks of joined rows
+    const int64_t ld = k.ld;
+    const Dims dq_str = ld ? Dims{S * ld, hd, ld, 1} : q_str, dkv_str = ld ? Dims{S * ld, hd, ld, 1} : kv_str;
+    D dq = g.tensor(kDQ, BF, q_dim, dq_str, false, false, off_q);
+    D dk = g.tensor(kDK, BF, kv_dim, dkv_str, false, false, off_k);
+    D dv = g.tensor(kDV, BF, kv_dim, dkv_str, false, false, off_k);
     D one = g.scalar(kOne, F);
     // delta = rowsum(dO * O), stored like lse (our workspace)
     D t = g.pointwise(CUDNN_POINTWISE_MUL, F, dout, o, nullptr, g.virt(F, q_dim, {H * S * hd, S * hd, H * hd, 1}));
@@ -390,7 +395,7 @@ Plan& get_plan(const Key& k) {
   return *slot;
 }
 
-const Plan* find_plan(const Key& k) {
+Plan* find_plan(const Key& k) {
   std::lock_guard<std::mutex> lock(plans_mu());
   auto it = plans().find(k);
   return it == plans().end() ? nullptr : it->second.get();

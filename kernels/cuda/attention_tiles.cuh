@@ -209,6 +209,13 @@ bool cudnn_attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, co
                               const float* lse, float* ws, const int32_t* cu_q, const int32_t* cu_k, int nseq,
                               int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV, int hd, bool causal, double scale,
                               cudaStream_t s, const std::function<void()>& run_loom);
+// The bf16 backward of attention_backward_qkv without RoPE on cuDNN: dq | dk | dv written straight
+// into the joined rows dqkv [N, (H + 2 KV) hd] by a dense plan with strided gradients. Runs (true)
+// only where cuDNN takes the call anyway (train.attention = cudnn, or auto's choice for its dense
+// bucket) and the batch is dense; false leaves the call to the caller.
+bool cudnn_attention_backward_rows(bf* dqkv, const bf* dout, const bf* q, const bf* k, const bf* v, const bf* out,
+                                   const float* lse, float* ws, const int32_t* cu, int nseq, int max_seqlen, int64_t N,
+                                   int H, int KV, int hd, bool causal, double scale, cudaStream_t s);
 // Under train.attention = auto, the choice already made for the bucket of a bf16 call: 1 cuDNN,
 // 0 loom's kernels (also for a case cuDNN cannot run, and without cuDNN), -1 not probed yet.
 // attention_backward_qkv asks it: its joined path runs where the choice is loom's kernels.

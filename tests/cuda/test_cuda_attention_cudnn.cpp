@@ -242,6 +242,68 @@ TEST_CASE("cudnn attention: a dense batch of a count not a multiple of 8 runs as
   }
 }
 
+// attention_backward_qkv without RoPE (a ViT block's joined q | k | v product) where cuDNN runs
+// the backward: a dense batch cuDNN takes in one call has a plan with strided gradients write
+// dq | dk | dv into the rows [N, (H + 2 KV) hd] (one more dense plan); a count cuDNN takes as
+// two calls (11) and LOOM_ATTN_QKV_JOIN=0 go through the packed gradients and copies. Each
+// against the CPU reference on poisoned rows; then under auto (the probe, then the choice).
+TEST_CASE("cudnn attention: the joined q|k|v gradient rows of attention_backward_qkv", "[cuda][attention][cudnn]") {
+  need_gpu();
+  const char* before = std::getenv("LOOM_ATTN_QKV_JOIN");
+  const std::string saved = before ? before : "";
+  struct QCase { int nseq, S, H, KV; bool causal, one_call; };
+  const QCase cases_qkv[] = {{16, 196, 4, 4, false, true}, {8, 96, 4, 2, true, true}, {11, 70, 3, 3, false, false}};
+  uint32_t seed = 1100;
+  for (const QCase& c : cases_qkv) {
+    std::mt19937 rng(seed++);
+    const int hd = 64, H = c.H, KV = c.KV;
+    std::vector<int32_t> cu{0};
+    for (int i = 0; i < c.nseq; i++) cu.push_back(cu.back() + c.S);
+    const int64_t N = cu.back(), W = int64_t(H + 2 * KV) * hd;
+    const double scale = 1.0 / std::sqrt(double(hd));
+    const size_t nq = size_t(N) * H * hd, nk = size_t(N) * KV * hd;
+    auto q = bf16_seen(randn(nq, rng)), k = bf16_seen(randn(nk, rng)), v = bf16_seen(randn(nk, rng)),
+         dout = bf16_seen(randn(nq, rng));
+    std::vector<float> out(nq), lse(size_t(N) * H), ws(size_t(N) * H), ref(size_t(N) * W);
+    loom::cpu::attention_forward<float>(out.data(), lse.data(), q.data(), k.data(), v.data(), cu.data(), cu.data(),
+                                        c.nseq, c.S, N, N, H, KV, hd, c.causal, scale, nullptr);
+    out = bf16_seen(out);
+    loom::cpu::attention_backward_qkv<float>(ref.data(), dout.data(), q.data(), k.data(), v.data(), out.data(),
+                                             lse.data(), ws.data(), cu.data(), nullptr, c.nseq, c.S, N, H, KV, hd,
+                                             c.causal, scale, 10000.0, nullptr);
+    Dev<bf16> dq(to_t<bf16>(q)), dk(to_t<bf16>(k)), dv(to_t<bf16>(v)), ddo(to_t<bf16>(dout)), dout_(to_t<bf16>(out));
+    Dev<float> dlse(lse), dws(size_t(N) * H * (hd + 1));
+    Dev<int32_t> dcu(cu);
+    auto rows = [&](const std::string& how) {
+      INFO(c.nseq << " x " << c.S << " H" << H << " KV" << KV << (c.causal ? " causal " : " full ") << how);
+      Dev<bf16> dqkv(size_t(N) * W);
+      dqkv.poison();
+      dws.poison();
+      cu::attention_backward_qkv<bf16>(dqkv.p, ddo.p, dq.p, dk.p, dv.p, dout_.p, dlse.p, dws.p, dcu.p, nullptr,
+                                       c.nseq, c.S, N, H, KV, hd, c.causal, scale, 10000.0, cu::default_stream());
+      LOOM_CHECK_CLOSE(tol::compare(to_f(dqkv.down()), ref, tol::kCudaBF16, "dqkv rows"));
+    };
+    {
+      BackendScope scope(cu::AttentionBackend::Cudnn);
+      setenv("LOOM_ATTN_QKV_JOIN", "1", 1);
+      const int plans = cu::attention_cudnn_dense_plans();
+      rows("cudnn, joined");
+      if (c.one_call) CHECK(cu::attention_cudnn_dense_plans() - plans == 1);  // the strided plan
+      rows("cudnn, joined again");
+      setenv("LOOM_ATTN_QKV_JOIN", "0", 1);
+      rows("cudnn, packed gradients and copies");
+    }
+    {
+      BackendScope scope(cu::AttentionBackend::Auto);
+      setenv("LOOM_ATTN_QKV_JOIN", "1", 1);
+      rows("auto, the probe");
+      rows("auto, the choice");
+    }
+  }
+  if (before) setenv("LOOM_ATTN_QKV_JOIN", saved.c_str(), 1);
+  else unsetenv("LOOM_ATTN_QKV_JOIN");
+}
+
 TEST_CASE("cudnn attention: more queries than keys, causal (rows that see no key)", "[cuda][attention][cudnn]") {
   need_gpu();
   BackendScope scope(cu::AttentionBackend::Cudnn);

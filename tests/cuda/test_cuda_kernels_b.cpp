@@ -606,7 +606,8 @@ TEST_CASE("attention_backward_qkv: the joined q|k|v gradient rows against the tw
     LOOM_CHECK_CLOSE(tol::compare(q0, q1, gemm_tol<bf16>(), "dq rows, joined against the two calls"));
     if (c.same_dq) CHECK(q0 == q1);
     // train.attention = auto: the first call probes both backends on the two calls' scratch,
-    // the second runs the cached choice (loom's kernels: the joined rows; cuDNN: the two calls)
+    // the second runs the cached choice (loom's kernels: the joined rows; cuDNN: its plan with
+    // strided gradients for a dense batch it takes in one call, test_cuda_attention_cudnn.cpp)
     setenv("LOOM_ATTN_QKV_JOIN", "1", 1);
     const cu::AttentionBackend was = cu::attention_backend();
     cu::set_attention_backend(cu::AttentionBackend::Auto);
