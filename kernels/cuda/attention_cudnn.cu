@@ -494,11 +494,9 @@ bool attn::cudnn_attention_backward_rows(bf* dqkv, const bf* dout, const bf* q, 
   if (nseq <= 0 || max_seqlen <= 0 || N == 0 || be == AttentionBackend::Loom ||
       !unsupported(false, true, N, N, H, KV, hd).empty() || !attn::dense_batch(cu, cu, nseq, max_seqlen, N, N))
     return false;
-  if (be == AttentionBackend::Auto) {
-    std::lock_guard<std::mutex> lock(choice_mu());
-    auto it = choices().find(make_key(true, nseq, max_seqlen, H, KV, hd, causal, true));
-    if (it == choices().end() || !it->second) return false;
-  }
+  if (be == AttentionBackend::Auto &&
+      attn::cudnn_auto_choice(true, nseq, max_seqlen, N, N, H, KV, hd, causal, /*dense=*/true) != 1)
+    return false;
   Key key = make_key(true, nseq, max_seqlen, H, KV, hd, causal, true);
   key.ld = (H + 2 * KV) * hd;
   cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;

@@ -300,7 +300,7 @@ void build_graph(Plan& P, const Key& k) {
     D dout = g.tensor(kDO, BF, q_dim, q_str, false, false, off_q);
     // the gradients: packed like q, k, v, or (k.ld, dense only) column blocks of joined rows
     const int64_t ld = k.ld;
-    const Dims dq_str = ld ? Dims{S * ld, hd, ld, 1} : q_str, dkv_str = ld ? Dims{S * ld, hd, ld, 1} : kv_str;
+    const Dims joined{S * ld, hd, ld, 1}, dq_str = ld ? joined : q_str, dkv_str = ld ? joined : kv_str;
     D dq = g.tensor(kDQ, BF, q_dim, dq_str, false, false, off_q);
     D dk = g.tensor(kDK, BF, kv_dim, dkv_str, false, false, off_k);
     D dv = g.tensor(kDV, BF, kv_dim, dkv_str, false, false, off_k);
