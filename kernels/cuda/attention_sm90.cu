@@ -151,6 +151,113 @@ __device__ __forceinline__ void fwd_key_tile(float (&o)[HD / 8][4], float (&mrow
   fence_regs(o);
 }
 
+// ------------------------------------------------------------------------ a short last query tile
+// The last query tile of a sequence when it holds at most 16 rows (196 tokens = 3 x 64 + 4): a
+// wgmma tile computes 64 rows, 60 of them for nothing, so instead each warp of the warpgroup
+// takes one key tile (warp w: keys w BC..) for the tile's first 16 rows with mma.sync (m16n8k16,
+// whose accumulators have the layout of one warp's part of a wgmma accumulator, so
+// online_softmax_tile and c_to_a serve both) and the four partial softmaxes are merged through
+// shared memory (tail_merge). This function: one warp's S = Q K^T over its tile (Q rows wr..
+// wr + 15 of the BR-row sw128 tile sQ; cK, cV: the BC-row sw128 K and V tiles of keys kb..), the
+// masks and the softmax from scratch (o must be zero, mrow -inf, lrow 0), O = P V. NS: the
+// tile's keys that are computed, as in fwd_key_tile.
+template <int HD, int BR, int BC, int NS = BC>
+__device__ __forceinline__ void tail_key_tile(float (&o)[HD / 8][4], float (&mrow)[2], float (&lrow)[2],
+                                              const bf* sQ, const bf* cK, const bf* cV, int wr, int kb, int Lk,
+                                              bool causal, int shift, float scale_log2) {
+  static_assert(HD == 64 && NS % 16 == 0 && NS <= BC, "one 64-column half; NS: 16, 32, .. BC keys");
+  const int lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+  float s[NS / 8][4] = {};
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; kk++) {  // S = Q K^T: A from the Q rows, B from the key rows
+    uint32_t a[4];
+    ldsm_x4(a, sQ + sw128<BR>(wr + (lane & 7) + ((lane >> 3) & 1) * 8, kk * 2 + (lane >> 4)));
+#pragma unroll
+    for (int np = 0; np < NS / 16; np++) {
+      uint32_t b[4];
+      ldsm_x4(b, cK + sw128<BC>(np * 16 + (lane & 7) + (lane >> 4) * 8, kk * 2 + ((lane >> 3) & 1)));
+      mma_bf16(s[2 * np], a, b[0], b[1]);
+      mma_bf16(s[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+  const bool need_mask = kb + NS > Lk || (causal && kb + NS - 1 > wr + shift);
+  float corr[2];
+  online_softmax_tile<NS>(s, need_mask, kb, Lk, causal, wr + g, shift, t, scale_log2, mrow, corr, lrow);
+#pragma unroll
+  for (int kk = 0; kk < NS / 16; kk++) {  // O = P V, V's key rows read transposed
+    uint32_t pa[4];
+    c_to_a(pa, s, kk);
+#pragma unroll
+    for (int dp = 0; dp < HD / 16; dp++) {
+      uint32_t b[4];
+      ldsm_x4_t(b, cV + sw128<BC>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, dp * 2 + (lane >> 4)));
+      mma_bf16(o[2 * dp], pa, b[0], b[1]);
+      mma_bf16(o[2 * dp + 1], pa, b[2], b[3]);
+    }
+  }
+}
+
+// The merge of tail_key_tile's four partial softmaxes, one per warp of the warpgroup over the
+// same 16 rows: warps 1-3 leave their O (fp32), their per-thread row sums and their maxima in
+// `scratch` (kTailScratchFloats floats), the warpgroup meets at named barrier 1 (a block has one
+// tail tile, so one barrier serves either warpgroup; an immediate id, so that ptxas does not
+// reserve all 16 barriers for a register operand), and warp 0
+// rescales every part to the common maximum M (each by exp2(m_w - M)) and adds them into its own
+// o and lrow, mrow = M. Afterwards warp 0 holds the tile's rows as fwd_key_tile leaves a warp's.
+constexpr int kTailStride = 72;  // floats a row of a partial O (64 + 8: the 8 rows a store touches spread over the banks)
+constexpr int kTailScratchFloats = 3 * 16 * kTailStride + 3 * 16 * 4 + 3 * 16;
+template <int HD>
+__device__ __forceinline__ void tail_merge(float (&o)[HD / 8][4], float (&mrow)[2], float (&lrow)[2],
+                                           float* scratch) {
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+  float* sO = scratch;                        // [3][16][kTailStride]
+  float* sL = sO + 3 * 16 * kTailStride;      // [3][16][4]: the quad's four partial row sums
+  float* sM = sL + 3 * 16 * 4;                // [3][16]
+  if (warp > 0) {
+    const int w = warp - 1;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      const int row = g + 8 * r;
+#pragma unroll
+      for (int dt = 0; dt < HD / 8; dt++)
+        *reinterpret_cast<float2*>(sO + (w * 16 + row) * kTailStride + dt * 8 + 2 * t) =
+            make_float2(o[dt][2 * r], o[dt][2 * r + 1]);
+      sL[(w * 16 + row) * 4 + t] = lrow[r];
+      if (t == 0) sM[w * 16 + row] = mrow[r];
+    }
+  }
+  asm volatile("bar.sync 1, 128;\n" ::: "memory");
+  if (warp > 0) return;
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    const int row = g + 8 * r;
+    float m = mrow[r];
+#pragma unroll
+    for (int w = 0; w < 3; w++) m = fmaxf(m, sM[w * 16 + row]);
+    const float m_use = m == -INFINITY ? 0.f : m;  // a row no warp saw a key for stays empty
+    const float f0 = exp2_ftz(mrow[r] - m_use);
+    float l = lrow[r] * f0;
+#pragma unroll
+    for (int dt = 0; dt < HD / 8; dt++) {
+      o[dt][2 * r] *= f0;
+      o[dt][2 * r + 1] *= f0;
+    }
+#pragma unroll
+    for (int w = 0; w < 3; w++) {
+      const float f = exp2_ftz(sM[w * 16 + row] - m_use);
+      l = fmaf(sL[(w * 16 + row) * 4 + t], f, l);
+#pragma unroll
+      for (int dt = 0; dt < HD / 8; dt++) {
+        const float2 p = *reinterpret_cast<const float2*>(sO + (w * 16 + row) * kTailStride + dt * 8 + 2 * t);
+        o[dt][2 * r] = fmaf(p.x, f, o[dt][2 * r]);
+        o[dt][2 * r + 1] = fmaf(p.y, f, o[dt][2 * r + 1]);
+      }
+    }
+    mrow[r] = m;
+    lrow[r] = l;
+  }
+}
+
 // ------------------------------------------------------------------------ the kernel
 template <int HD, int NWG, int BC>
 __global__ void __launch_bounds__(NWG * 128, 1)
@@ -233,15 +340,17 @@ __global__ void __launch_bounds__(NWG * 128, 2)
 attn_fwd_whole(bf* __restrict__ out, float* __restrict__ lse, const bf* __restrict__ q,
                const bf* __restrict__ k, const bf* __restrict__ v, const int32_t* __restrict__ cu_q,
                const int32_t* __restrict__ cu_k, int dense, int64_t Nq, int H, int KV, bool causal,
-               float scale_log2, int short_tile) {
+               float scale_log2, int short_tile, int tail) {
   pdl_entry();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert(HD == 64 && KT <= 4, "one 64-column half; cp.async groups waited for by count <= 3");
+  static_assert(HD == 64 && KT <= 4, "one 64-column half; cp.async groups waited for by count <= 3; "
+                                     "a tail warp per key tile");
   constexpr int BR = 64 * NWG * QT, NT = NWG * 128;
   extern __shared__ unsigned char smem_raw[];
   bf* sQ = reinterpret_cast<bf*>(smem_align1024(smem_raw));
   bf* sK = sQ + BR * HD;        // [KT][BC * HD]
   bf* sV = sK + KT * BC * HD;   // [KT][BC * HD]
+  float* sTail = reinterpret_cast<float*>(sV + KT * BC * HD);  // tail_merge's scratch
   const int wg = threadIdx.x / 128;
   const int seq = blockIdx.z, h = blockIdx.y, kvh = h / (H / KV);
   const SeqBounds sb = seq_bounds(cu_q, cu_k, seq, int(gridDim.z), dense);
@@ -282,6 +391,27 @@ attn_fwd_whole(bf* __restrict__ out, float* __restrict__ lse, const bf* __restri
     const int wlast = min(wr + 63, Lq - 1);
     float o[HD / 8][4] = {};
     float mrow[2] = {-INFINITY, -INFINITY}, lrow[2] = {0.f, 0.f};
+    if (tail && wr < Lq && Lq - wr <= 16) {  // the sequence's last query tile, at most 16 rows
+      if (qt == 0)  // the block's barriers of the first pass, all of them before any tile is read
+        for (int j = 0; j < ntiles; j++) wait_tile(j);
+      const int j = (threadIdx.x / 32) % 4, kb = j * BC;  // this warp's key tile
+      if (j < ntiles && !(causal && kb > wlast + shift)) {
+        const bf *cK = sK + j * BC * HD, *cV = sV + j * BC * HD;
+        const int rem = Lk - kb;
+        if (short_tile && rem <= 16)
+          tail_key_tile<HD, BR, BC, 16>(o, mrow, lrow, sQ, cK, cV, wr, kb, Lk, causal, shift, scale_log2);
+        else if (short_tile && rem <= 32)
+          tail_key_tile<HD, BR, BC, 32>(o, mrow, lrow, sQ, cK, cV, wr, kb, Lk, causal, shift, scale_log2);
+        else
+          tail_key_tile<HD, BR, BC>(o, mrow, lrow, sQ, cK, cV, wr, kb, Lk, causal, shift, scale_log2);
+      }
+      tail_merge<HD>(o, mrow, lrow, sTail);
+      if ((threadIdx.x / 32) % 4 == 0)  // warp 0 holds the rows; it stages them in its own rows of sQ,
+                                        // which every warp's products are done with (the barrier)
+        store_out_rows<HD, BR>(out + int64_t(q0) * qstride + h * HD, lse + int64_t(q0) * H + h, sQ, o, mrow,
+                               lrow, wr, 0, Lq, Lq, qstride, H);
+      continue;
+    }
 #pragma unroll 1
     for (int j = 0; j < ntiles; j++) {
       if (qt == 0) wait_tile(j);
@@ -308,7 +438,9 @@ void launch_whole(bf* out, float* lse, const bf* q, const bf* k, const bf* v, co
                   const int32_t* cu_k, int nseq, int max_seqlen, int64_t Nq, int64_t Nk, int H, int KV,
                   bool causal, float scale_log2, cudaStream_t s) {
   constexpr int NWG = 2, QT = 2, BC = 64, KT = 4, BR = 64 * NWG * QT;
-  const int smem = (BR + 2 * KT * BC) * 64 * int(sizeof(bf)) + 1024;  // + 1024: alignment slack
+  // + the tail's merge scratch (14.8 KB: two blocks, 223 KB, still fit a multiprocessor) + 1024:
+  // alignment slack
+  const int smem = (BR + 2 * KT * BC) * 64 * int(sizeof(bf)) + kTailScratchFloats * int(sizeof(float)) + 1024;
   static const bool once = [smem] {
     CUDA_CHECK(cudaFuncSetAttribute(attn_fwd_whole<64, NWG, QT, BC, KT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     smem));
@@ -320,9 +452,14 @@ void launch_whole(bf* out, float* lse, const bf* q, const bf* k, const bf* v, co
   // tile whole (read at every call: tests and benchmarks switch it)
   const char* e = std::getenv("LOOM_ATTN_SHORT_TILE");
   const int short_tile = !(e && e[0] == '0');
+  // a last query tile of at most 16 rows on mma.sync, a warp a key tile (tail_key_tile);
+  // LOOM_ATTN_TAIL=0 computes it as a whole wgmma tile (read at every call, as above)
+  const char* et = std::getenv("LOOM_ATTN_TAIL");
+  const int tail = !(et && et[0] == '0');
   dim3 grid(1, H, nseq);
   launch_kernel(attn_fwd_whole<64, NWG, QT, BC, KT>, grid, NWG * 128, smem, s, out, lse, q, k, v, cu_q, cu_k,
-                dense_seqlen(cu_q, cu_k, nseq, max_seqlen, Nq, Nk), Nq, H, KV, causal, scale_log2, short_tile);
+                dense_seqlen(cu_q, cu_k, nseq, max_seqlen, Nq, Nk), Nq, H, KV, causal, scale_log2, short_tile,
+                tail);
   LAUNCH_CHECK();
 }
 

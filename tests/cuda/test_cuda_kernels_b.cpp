@@ -256,8 +256,11 @@ const std::vector<AttnCase>& attn_cases() {
       {{256, 65, 1}, {256, 65, 1}, 0, 2, 3, 1, 64, false},
       {{200, 70}, {150, 66}, 1, 1, 6, 2, 64, true},
       // the whole-sequence forward's last key tile of 26 keys (m64n32 products) and of 48 (whole);
-      // the cases above give it 4, 1, 22, 2 and 9 keys (m64n16, m64n32)
+      // the cases above give it 4, 1, 22, 2 and 9 keys (m64n16, m64n32) and last query tiles of
+      // 1, 8 and 6 rows (tail_key_tile: four warps, partial softmaxes merged; causal, keys above
+      // the diagonal, rows that see nothing); here 15 rows (79) and 16 (144) beside 26 (90)
       {{90, 112}, {90, 112}, 0, 3, 4, 4, 64, false},
+      {{79, 144, 90}, {79, 144, 90}, 0, 1, 6, 3, 64, true},
       // a sequence with no keys at all beside one with keys: its rows get out 0, lse +inf
       {{70, 5}, {0, 9}, 0, 1, 4, 2, 64, false},
   };
@@ -422,8 +425,9 @@ TEST_CASE("attention forward/backward f32 (v1) against the CPU reference", "[cud
 // On an H100/H200 build for sm_90a the bf16 forward at hd 64/128 is the warp-specialized wgmma
 // kernel (attention_sm90_ws.cu) from 768 tokens (hd 64) / 256 (hd 128) and the lock-step one (attention_sm90.cu)
 // below (one warpgroup a block for sequences of at most 64 rows at hd 64, one block a sequence
-// and head for 65-256 rows, its last key tile as m64n16 / m64n32 products when it holds at most 16 / 32 keys: the
-// default and last sections, and every tile whole with LOOM_ATTN_SHORT_TILE=0; LOOM_ATTN_WHOLE=0 turns it off), except causal hd 64
+// and head for 65-256 rows, its last key tile as m64n16 / m64n32 products when it holds at most 16 / 32 keys and
+// a last query tile of at most 16 rows on mma.sync, a warp a key tile: the default and last sections, and every
+// tile whole with LOOM_ATTN_SHORT_TILE=0 LOOM_ATTN_TAIL=0; LOOM_ATTN_WHOLE=0 turns it off), except causal hd 64
 // batches of short sequences (< 512 rows a sequence on average), which
 // run the lock-step one with 2 x 64-key tiles (the default and last sections below, the only ones
 // that run that configuration with the causal mask); the case below runs everything again with
@@ -458,6 +462,8 @@ TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU ref
   const std::string saved_order = before_order ? before_order : "";
   const char* before_short = std::getenv("LOOM_ATTN_SHORT_TILE");
   const std::string saved_short = before_short ? before_short : "";
+  const char* before_tail = std::getenv("LOOM_ATTN_TAIL");
+  const std::string saved_tail = before_tail ? before_tail : "";
   SECTION("the default forward (on sm_90a: warp-specialized from 768 / 256 tokens, lock-step below and for "
           "causal hd 64 batches of short sequences)") {}
   SECTION("the warp-specialized wgmma forward on every shape (LOOM_ATTN_WS_MIN=0), chunks of 2 pairs, "
@@ -471,8 +477,10 @@ TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU ref
     setenv("LOOM_ATTN_WS_MIN", "0", 1);
     setenv("LOOM_ATTN_WS64", "4", 1);
   }
-  SECTION("the whole-sequence forward with every key tile computed whole (LOOM_ATTN_SHORT_TILE=0)") {
+  SECTION("the whole-sequence forward with every key tile and every last query tile computed whole "
+          "(LOOM_ATTN_SHORT_TILE=0, LOOM_ATTN_TAIL=0)") {
     setenv("LOOM_ATTN_SHORT_TILE", "0", 1);
+    setenv("LOOM_ATTN_TAIL", "0", 1);
   }
   SECTION("the lock-step wgmma forward (LOOM_ATTN_SM90=1), chunks of 3 pairs") {
     setenv("LOOM_ATTN_SM90", "1", 1);
@@ -516,6 +524,8 @@ TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU ref
   else unsetenv("LOOM_ATTN_BWD_ORDER");
   if (before_short) setenv("LOOM_ATTN_SHORT_TILE", saved_short.c_str(), 1);
   else unsetenv("LOOM_ATTN_SHORT_TILE");
+  if (before_tail) setenv("LOOM_ATTN_TAIL", saved_tail.c_str(), 1);
+  else unsetenv("LOOM_ATTN_TAIL");
 }
 
 // attention_backward_qkv (kernels.inc): the gradient of a joined q|k|v product's rows. bf16 at
