@@ -109,12 +109,14 @@ namespace {
 // and l rescaled, O += P V. Each product group is committed and waited for before its result is used.
 // NS: the tile's keys that are computed, the first NS of the BC-row tiles (NS < BC: a short
 // last tile, m64nNS products for S and NS / 16 k-steps of P V; the keys NS.. of it must lie
-// past Lk, where the full tile's mask would have zeroed their probabilities).
+// past Lk, where the full tile's mask would have zeroed their probabilities). NS = BC + 16: a
+// tile and the first 16 keys of the next one, stored right after it (the whole-sequence
+// forward's K and V tiles lie back to back), as one m64n80 product and five k-steps.
 template <int HD, int BR, int BC, int NS = BC>
 __device__ __forceinline__ void fwd_key_tile(float (&o)[HD / 8][4], float (&mrow)[2], float (&lrow)[2],
                                              const bf* sQw, const bf* cK, const bf* cV, int kb, int Lk, bool causal,
                                              int wrow, int shift, float scale_log2) {
-  static_assert(NS % 16 == 0 && NS <= BC, "NS: 16, 32, .. BC keys");
+  static_assert(NS % 16 == 0 && (NS <= BC || NS == BC + 16), "NS: 16, 32, .. BC keys, or BC + 16 (two tiles)");
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   float s[NS / 8][4];
   wg_fence();
@@ -415,11 +417,21 @@ attn_fwd_whole(bf* __restrict__ out, float* __restrict__ lse, const bf* __restri
 #pragma unroll 1
     for (int j = 0; j < ntiles; j++) {
       if (qt == 0) wait_tile(j);
-      const int kb = j * BC;
+      const int kb = j * BC, jt = j;
+      const int rem = Lk - kb;  // keys from this tile on (< BC only in the last one)
+      // the last two key tiles as one of BC + 16 keys when the last holds at most 16 (196 tokens:
+      // keys 128-195 as one m64n80 product, not 64 and then 16 in a second round of products,
+      // softmax and rescaling)
+      const bool join = short_tile == 2 && BC == 64 && j == ntiles - 2 && rem <= BC + 16;
+      if (join) {
+        if (qt == 0) wait_tile(j + 1);
+        j++;  // the next tile is this one's
+      }
       if (wr >= Lq || (causal && kb > wlast + shift)) continue;
-      const bf *cK = sK + j * BC * HD, *cV = sV + j * BC * HD;
-      const int rem = Lk - kb;  // keys in this tile (< BC only in the last one)
-      if (short_tile && rem <= 16)
+      const bf *cK = sK + jt * BC * HD, *cV = sV + jt * BC * HD;
+      if (join)
+        fwd_key_tile<HD, BR, BC, BC + 16>(o, mrow, lrow, sQ + wr * 64, cK, cV, kb, Lk, causal, wr, shift, scale_log2);
+      else if (short_tile && rem <= 16)
         fwd_key_tile<HD, BR, BC, 16>(o, mrow, lrow, sQ + wr * 64, cK, cV, kb, Lk, causal, wr, shift, scale_log2);
       else if (short_tile && rem <= 32)
         fwd_key_tile<HD, BR, BC, 32>(o, mrow, lrow, sQ + wr * 64, cK, cV, kb, Lk, causal, wr, shift, scale_log2);
@@ -451,7 +463,10 @@ void launch_whole(bf* out, float* lse, const bf* q, const bf* k, const bf* v, co
   // 4 keys, so 208 key columns a query tile instead of 256); LOOM_ATTN_SHORT_TILE=0 computes every
   // tile whole (read at every call: tests and benchmarks switch it)
   const char* e = std::getenv("LOOM_ATTN_SHORT_TILE");
-  const int short_tile = !(e && e[0] == '0');
+  // 2: also the last two key tiles as one of 80 keys when the last holds at most 16 (196 tokens);
+  // LOOM_ATTN_JOIN_LAST=0 keeps them apart (1)
+  const char* ej = std::getenv("LOOM_ATTN_JOIN_LAST");
+  const int short_tile = (e && e[0] == '0') ? 0 : (ej && ej[0] == '0') ? 1 : 2;
   // a last query tile of at most 16 rows on mma.sync, a warp a key tile (tail_key_tile);
   // LOOM_ATTN_TAIL=0 computes it as a whole wgmma tile (read at every call, as above)
   const char* et = std::getenv("LOOM_ATTN_TAIL");

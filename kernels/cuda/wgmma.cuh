@@ -75,7 +75,7 @@ __device__ __forceinline__ void fence_regs(T (&d)[N][4]) {
 // D[64 x N] (+)= A[64 x 16] B[16 x N]. wgmma_ss: A and B from shared memory; accumulate 0
 // overwrites D. wgmma_rs: A from registers in mma.sync's A-fragment layout (warp w of the
 // warpgroup holds rows 16w..16w+15). TB = 0: B is K-major ([N][K] rows), 1: MN-major.
-// N = 8 x the first extent of d (16, 32, 64 or 128).
+// N = 8 x the first extent of d (16, 32, 64, 80 or 128).
 // TA = 1 (wgmma_ss only): A is MN-major too, stored [K][M] (the backward's dQ = dS K reads
 // dS from its transposed [keys][queries] tile).
 template <int TB, int TA = 0>
@@ -114,6 +114,28 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[2][4], uint64_t da, uint64_t
       "%0, %1, %2, %3, %4, %5, %6, %7}, "
       "%8, %9, p, 1, 1, %12, %11;\n}\n"
       : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])
+      : "l"(da), "l"(db), "r"(accumulate), "n"(TB), "n"(TA));
+}
+// m64n80k16, both operands from shared memory (the whole-sequence forward's last two key tiles
+// as one when the last holds at most 16 keys: 196 tokens' keys 128-195 as 80 of S = Q K^T).
+template <int TB, int TA = 0>
+__device__ __forceinline__ void wgmma_ss(float (&d)[10][4], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
+      "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, "
+      "%40, %41, p, 1, 1, %44, %43;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+        "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+        "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+        "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+        "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
+        "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
+        "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3])
       : "l"(da), "l"(db), "r"(accumulate), "n"(TB), "n"(TA));
 }
 template <int TB>

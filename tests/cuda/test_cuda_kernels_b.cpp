@@ -426,8 +426,10 @@ TEST_CASE("attention forward/backward f32 (v1) against the CPU reference", "[cud
 // kernel (attention_sm90_ws.cu) from 768 tokens (hd 64) / 256 (hd 128) and the lock-step one (attention_sm90.cu)
 // below (one warpgroup a block for sequences of at most 64 rows at hd 64, one block a sequence
 // and head for 65-256 rows, its last key tile as m64n16 / m64n32 products when it holds at most 16 / 32 keys and
-// a last query tile of at most 16 rows on mma.sync, a warp a key tile: the default and last sections, and every
-// tile whole with LOOM_ATTN_SHORT_TILE=0 LOOM_ATTN_TAIL=0; LOOM_ATTN_WHOLE=0 turns it off), except causal hd 64
+// a last query tile of at most 16 rows on mma.sync, a warp a key tile, and the last two key tiles as one of 80 keys
+// when the last holds at most 16: the default and last sections (the one before them with the two key tiles apart,
+// LOOM_ATTN_JOIN_LAST=0), and every tile whole with LOOM_ATTN_SHORT_TILE=0 LOOM_ATTN_TAIL=0; LOOM_ATTN_WHOLE=0
+// turns it off), except causal hd 64
 // batches of short sequences (< 512 rows a sequence on average), which
 // run the lock-step one with 2 x 64-key tiles (the default and last sections below, the only ones
 // that run that configuration with the causal mask); the case below runs everything again with
@@ -464,6 +466,8 @@ TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU ref
   const std::string saved_short = before_short ? before_short : "";
   const char* before_tail = std::getenv("LOOM_ATTN_TAIL");
   const std::string saved_tail = before_tail ? before_tail : "";
+  const char* before_join = std::getenv("LOOM_ATTN_JOIN_LAST");
+  const std::string saved_join = before_join ? before_join : "";
   SECTION("the default forward (on sm_90a: warp-specialized from 768 / 256 tokens, lock-step below and for "
           "causal hd 64 batches of short sequences)") {}
   SECTION("the warp-specialized wgmma forward on every shape (LOOM_ATTN_WS_MIN=0), chunks of 2 pairs, "
@@ -491,7 +495,9 @@ TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU ref
     setenv("LOOM_ATTN_CHUNK_PAIRS", "2", 1);
   }
   SECTION("the warp-specialized wgmma backward on every shape in block_tile's order (LOOM_ATTN_BWD_WS_MIN=0, "
-          "LOOM_ATTN_BWD_ORDER=0), chunks of 3 pairs") {
+          "LOOM_ATTN_BWD_ORDER=0), chunks of 3 pairs; the whole-sequence forward's last two key tiles apart "
+          "(LOOM_ATTN_JOIN_LAST=0)") {
+    setenv("LOOM_ATTN_JOIN_LAST", "0", 1);
     setenv("LOOM_ATTN_BWD_WS_MIN", "0", 1);
     setenv("LOOM_ATTN_BWD_ORDER", "0", 1);
     setenv("LOOM_ATTN_CHUNK_PAIRS", "3", 1);
@@ -526,6 +532,8 @@ TEST_CASE("attention forward/backward bf16 (v2 tensor cores) against the CPU ref
   else unsetenv("LOOM_ATTN_SHORT_TILE");
   if (before_tail) setenv("LOOM_ATTN_TAIL", saved_tail.c_str(), 1);
   else unsetenv("LOOM_ATTN_TAIL");
+  if (before_join) setenv("LOOM_ATTN_JOIN_LAST", saved_join.c_str(), 1);
+  else unsetenv("LOOM_ATTN_JOIN_LAST");
 }
 
 // attention_backward_qkv (kernels.inc): the gradient of a joined q|k|v product's rows. bf16 at
