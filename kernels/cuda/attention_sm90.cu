@@ -90,6 +90,16 @@
  *   0.72 ms at B256 H12). Steps (bench/ab.sh, one binary, two rounds, whole | short): bench_mim
  *   22.65 / 22.59 | 22.49 / 22.57 ms, contrastive 42.73 / 42.79 | 43.03 / 42.72, the reference's
  *   VLM batch 48.54 / 48.54 | 48.25 / 48.36: 5-20 us a call, within the steps' noise.
+ *   The last query rows and the last key tiles (2026-12-03): a last query tile of at most 16
+ *   rows (196 tokens: 4) runs on mma.sync, each of the warpgroup's four warps against one key
+ *   tile, the partial softmaxes merged in shared memory (tail_key_tile, tail_merge;
+ *   LOOM_ATTN_TAIL=0 computes the whole 64-row tile), and the last two key tiles go as one of 80
+ *   keys when the last holds at most 16 (fwd_key_tile with NS = BC + 16: one m64n80 product for
+ *   S and five k-steps of P V, so a query tile takes three rounds at 196 tokens, not four;
+ *   LOOM_ATTN_JOIN_LAST=0 keeps them apart). H200, one call, forward ms, both off | tail | tail
+ *   + join: B128 H12 T196 0.102 | 0.097 | 0.094 (192 tokens: 0.081), B256 H12 0.193 | 0.182 |
+ *   0.175, B128 H6 0.057 | 0.054 | 0.052-0.055, B40 H12 0.040 | 0.037 | 0.036; the contrastive
+ *   step -0.27 and -0.38 ms (bench/ab.sh), the MIM and VLM steps within their noise.
  *
  * Test: tests/cuda/test_cuda_kernels_b.cpp ("attention ...", every bf16 case with hd 64/128
  *   runs this kernel on an H100/H200, and the v2 kernel with LOOM_ATTN_SM90=0).
