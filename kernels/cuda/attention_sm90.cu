@@ -213,10 +213,10 @@ __device__ __forceinline__ void tail_key_tile(float (&o)[HD / 8][4], float (&mro
 // same 16 rows: warps 1-3 leave their O (fp32), their per-thread row sums and their maxima in
 // `scratch` (kTailScratchFloats floats), the warpgroup meets at named barrier 1 (a block has one
 // tail tile, so one barrier serves either warpgroup; an immediate id, so that ptxas does not
-// reserve all 16 barriers for a register operand), and warp 0
-// rescales every part to the common maximum M (each by exp2(m_w - M)) and adds them into its own
-// o and lrow, mrow = M. Afterwards warp 0 holds the tile's rows as fwd_key_tile leaves a warp's.
-constexpr int kTailStride = 72;  // floats a row of a partial O (64 + 8: the 8 rows a store touches spread over the banks)
+// reserve all 16 barriers for a register operand), and warp 0 rescales every part to the common
+// maximum M (each by exp2(m_w - M)) and adds them into its own o and lrow, mrow = M. Afterwards warp 0 holds the tile's rows as fwd_key_tile leaves a warp's.
+// floats a row of a partial O: 64 + 8, so that the 8 rows one store touches spread over the banks
+constexpr int kTailStride = 72;
 constexpr int kTailScratchFloats = 3 * 16 * kTailStride + 3 * 16 * 4 + 3 * 16;
 template <int HD>
 __device__ __forceinline__ void tail_merge(float (&o)[HD / 8][4], float (&mrow)[2], float (&lrow)[2],
