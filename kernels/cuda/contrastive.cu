@@ -57,8 +57,8 @@
  *   contrastive 46.99 / 46.94 | 46.70 / 46.57 (steps 6-30), peak +63 MB (the padded copy and
  *   raw, transient at the loss). LOOM_PATCH_PAD=0 keeps M (read at every call).
  *
- * Reference: kernels/cpu/contrastive.cpp. Test: tests/cuda/test_cuda_kernels_b.cpp
- *   ("patch_disc_loss", "infonce_loss"); bash tools/gpu-kernels.sh tests/cuda/test_cuda_kernels_b.cpp
+ * Reference: kernels/cpu/contrastive.cpp. Test: tests/cuda/test_cuda_losses.cpp
+ *   ("patch_disc_loss", "infonce_loss"); bash tools/gpu-kernels.sh tests/cuda/test_cuda_losses.cpp
  */
 #include <cstdlib>
 #include <string>

@@ -64,9 +64,9 @@
  *     PyTorch materialized linear + cross_entropy, same run: 13.92 ms, 9.1 GB
  *   bf16 dlogits for the backward GEMMs (chosen): the fp32 alternative would need fp32 copies
  *   of W and h for cuBLAS (no mixed f32 x bf16 GEMM) and run at the fp32 SIMT rate.
- * Reference: kernels/cpu/cross_entropy.cpp. Test: tests/cuda/test_cuda_kernels_b.cpp
+ * Reference: kernels/cpu/cross_entropy.cpp. Test: tests/cuda/test_cuda_losses.cpp
  *   ("cross_entropy", "fused_linear_cross_entropy"); on a CUDA machine:
- *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_kernels_b.cpp
+ *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_losses.cpp
  */
 #include <cmath>
 #include <string>
