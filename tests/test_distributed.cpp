@@ -1,6 +1,7 @@
 // test_distributed.cpp: the CPU-testable parts of data parallel (trainer/distributed.h): the
-// launchers' environments, the batch shards, the GPU-count errors, and the TCP rendezvous that
-// carries the NCCL unique id, with its monitor (two ranks as two threads on localhost).
+// launchers' environments, the batch shards, the GPU-count errors, the TCP rendezvous that
+// carries the NCCL unique id, with its monitor, and the CPU collectives (ranks as threads on
+// localhost). Whole CPU runs of several processes: tests/dp_cpu.sh.
 #include <catch2/catch.hpp>
 
 #include <arpa/inet.h>
@@ -10,6 +11,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstring>
+#include <random>
 #include <set>
 #include <string>
 #include <thread>
@@ -264,4 +267,99 @@ TEST_CASE("rendezvous errors: wrong WORLD_SIZE, missing ranks, unreachable MASTE
     d.master_addr = "no-such-host.invalid";
     CHECK_THROWS_WITH(Rendezvous(d, "", 1), Contains("cannot resolve MASTER_ADDR 'no-such-host.invalid'"));
   }
+}
+
+// ------------------------------------------------------------------ the CPU collectives
+// world ranks as threads: rank 0 listens, the rest connect with its payload (as after the rendezvous)
+static std::vector<tcp::Comm> tcp_ranks(int world) {
+  std::vector<tcp::Comm> c(static_cast<size_t>(world));
+  c[0] = tcp::Comm::listen(world, 10);
+  const std::string payload = c[0].payload();
+  std::vector<std::thread> t;
+  for (int r = 1; r < world; r++)
+    t.emplace_back([&, r] { c[size_t(r)] = tcp::Comm::connect("127.0.0.1", payload, r, world, 10); });
+  c[0].accept_ranks();
+  for (auto& th : t) th.join();
+  return c;
+}
+
+template <class T>
+static void check_tcp_average(int world, size_t n, uint32_t seed) {
+  std::vector<tcp::Comm> c = tcp_ranks(world);
+  std::vector<std::vector<T>> buf(static_cast<size_t>(world), std::vector<T>(n));
+  std::mt19937 rng(seed);
+  std::normal_distribution<double> nd(0.0, 3.0);
+  for (auto& b : buf)
+    for (T& x : b) x = T(nd(rng));
+  std::vector<T> want(n);  // the mean in rank order in double, rounded once
+  for (size_t i = 0; i < n; i++) {
+    double s = 0;
+    for (int r = 0; r < world; r++) s += double(buf[size_t(r)][i]);
+    want[i] = T(s / world);
+  }
+  const DType dt = sizeof(T) == 4 ? DType::F32 : DType::F64;
+  std::vector<std::thread> t;
+  for (int r = 0; r < world; r++)
+    t.emplace_back([&, r] { c[size_t(r)].all_reduce_avg(buf[size_t(r)].data(), n, dt); });
+  for (auto& th : t) th.join();
+  for (int r = 0; r < world; r++) {
+    INFO("rank " << r << " of " << world << ", " << n << " elements");
+    CHECK(std::memcmp(buf[size_t(r)].data(), want.data(), n * sizeof(T)) == 0);  // the same bits everywhere
+  }
+}
+
+TEST_CASE("CPU collectives: every rank gets the same mean, summed in rank order, over several chunks", "[distributed]") {
+  const uint32_t seed = std::random_device{}();
+  INFO("seed " << seed);
+  const size_t per_chunk_f32 = tcp::Comm::kChunkBytes / 4;
+  check_tcp_average<float>(3, per_chunk_f32 * 2 + 12345, seed);  // two whole chunks and a part
+  check_tcp_average<double>(2, per_chunk_f32 / 2 + 7, seed + 1);  // one f64 chunk and a part
+  check_tcp_average<float>(4, 1, seed + 2);                       // the loss: one value
+}
+
+TEST_CASE("CPU collectives: a peer that is gone or silent is an error naming it", "[distributed]") {
+  SECTION("rank 2 closed its connection") {
+    std::vector<tcp::Comm> c = tcp_ranks(3);
+    c[2] = tcp::Comm();  // its socket closes
+    std::vector<float> x(1000, 1.0f);
+    std::thread t([&] {
+      std::vector<float> y(1000, 2.0f);
+      try {
+        c[1].all_reduce_avg(y.data(), y.size(), DType::F32);
+      } catch (const std::exception&) {
+      }
+    });
+    CHECK_THROWS_WITH(c[0].all_reduce_avg(x.data(), x.size(), DType::F32), Contains("rank 0 lost rank 2"));
+    c[0] = tcp::Comm();  // rank 1 now waits on a closed rank 0
+    t.join();
+  }
+  SECTION("rank 1 sends nothing within the timeout") {
+    std::vector<tcp::Comm> c = tcp_ranks(2);
+    c[0].set_timeout(0.5);
+    std::vector<double> x(10, 1.0);
+    double t0 = secs();
+    CHECK_THROWS_WITH(c[0].all_reduce_avg(x.data(), x.size(), DType::F64), Contains("rank 0 lost rank 1"));
+    CHECK(secs() - t0 < 3);
+  }
+  SECTION("a dtype it cannot average, and a rank 0 that is not on the CPU") {
+    std::vector<tcp::Comm> c = tcp_ranks(2);
+    int32_t i = 1;
+    CHECK_THROWS_WITH(c[0].all_reduce_avg(&i, 1, DType::I32), Contains("no average for dtype"));
+    CHECK_THROWS_WITH(tcp::Comm::connect("127.0.0.1", std::string(128, 'x'), 1, 2, 1),
+                      Contains("rank 0 does not") && Contains("train.device"));
+  }
+}
+
+TEST_CASE("train.procs: CPU ranks need the CPU device; train.gpus is not for the CPU", "[distributed]") {
+  auto run = [](std::vector<std::string> args) {
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    return train_command(int(argv.size()), argv.data());
+  };
+  CHECK_THROWS_WITH(run({"vit_mim.cfg", "--train.procs=2", "--train.device=cuda", "--train.out_dir=runs/test_procs"}),
+                    Contains("train.procs = 2 starts CPU processes and needs train.device = cpu (it is cuda"));
+  CHECK_THROWS_WITH(run({"vit_mim.cfg", "--train.gpus=2", "--train.device=cpu", "--train.out_dir=runs/test_procs"}),
+                    Contains("train.procs = 2 starts that many CPU processes"));
+  CHECK_THROWS_WITH(run({"vit_mim.cfg", "--train.gpus=2", "--train.procs=2", "--train.out_dir=runs/test_procs"}),
+                    Contains("not both"));
 }

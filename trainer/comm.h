@@ -1,9 +1,13 @@
-// comm.h: the few NCCL calls data parallel needs, behind plain types (trainer/comm_nccl.cpp).
-// In a build without NCCL (CPU-only, or nccl.h not found) available() is false and every other
-// call throws saying so.
+// comm.h: the collectives data parallel needs, behind plain types. Two backends:
+//   loom::nccl  GPUs: the few NCCL calls (trainer/comm_nccl.cpp). In a build without NCCL
+//               (CPU-only, or nccl.h not found) available() is false and every other call throws
+//               saying so.
+//   loom::tcp   the CPU: the same average over TCP, through rank 0 (trainer/comm_tcp.cpp), in
+//               every build; what PyTorch's gloo backend is to its NCCL one.
 #pragma once
 #include <cstddef>
 #include <string>
+#include <vector>
 
 #include "tensor/tensor.h"
 
@@ -23,3 +27,49 @@ void abort(void* comm);
 void destroy(void* comm);
 
 }  // namespace loom::nccl
+
+namespace loom::tcp {
+
+// Data parallel on the CPU: every rank holds one connection to rank 0. An average is computed
+// in chunks of kChunkBytes: each rank sends its chunk, rank 0 sums the ranks' values in rank
+// order in double precision, divides by the world size, rounds once to the buffer's dtype and
+// sends the result back to every rank. So every rank gets the same bits (the weights stay
+// identical without a broadcast) and the sum does not depend on timing. Rank 0 moves
+// 2 x (world - 1) x the buffer: plenty for a few processes on one machine, not a ring.
+class Comm {
+ public:
+  static constexpr size_t kChunkBytes = size_t(1) << 22;
+  // Rank 0, before the rendezvous: listen on a free port of every interface. The payload it
+  // hands the rendezvous ("loom-tcp PORT") tells the other ranks where to connect.
+  static Comm listen(int world, double timeout_s);
+  std::string payload() const;
+  // Rank 0: accept the other ranks (after the rendezvous has sent them the payload).
+  void accept_ranks();
+  // Ranks > 0: connect to rank 0 at `host` with rank 0's payload.
+  static Comm connect(const std::string& host, const std::string& payload, int rank, int world, double timeout_s);
+
+  Comm() = default;
+  Comm(Comm&& o) noexcept;
+  Comm& operator=(Comm&& o) noexcept;
+  Comm(const Comm&) = delete;
+  Comm& operator=(const Comm&) = delete;
+  ~Comm();
+
+  // In place: the element-wise mean of every rank's buffer (f32 or f64, host memory). A peer
+  // that is gone or sends nothing for timeout_s seconds is an error naming it.
+  void all_reduce_avg(void* buf, size_t count, DType dt);
+  // How long an average waits for a peer (train.dist_timeout; the join uses the timeout given
+  // to listen / connect).
+  void set_timeout(double seconds) { timeout_ms_ = seconds * 1e3; }
+  int rank() const { return rank_; }
+  int world() const { return world_; }
+
+ private:
+  int rank_ = 0, world_ = 1, listen_fd_ = -1, port_ = 0;
+  double timeout_ms_ = 0;
+  std::vector<int> fds_;       // rank 0: fds_[r] for r >= 1; others: fds_[0] is rank 0
+  std::vector<double> sum_;    // rank 0: one chunk's running sums
+  std::vector<char> chunk_;    // rank 0: one peer's chunk
+};
+
+}  // namespace loom::tcp

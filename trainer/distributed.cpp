@@ -25,6 +25,7 @@
 #include "tensor/dispatch.h"
 #include "trainer/comm.h"
 #include "trainer/config.h"
+#include "trainer/net.h"
 
 extern char** environ;
 
@@ -183,19 +184,25 @@ static int free_port_pair() {
   return 0;
 }
 
-int launch_local(int n, int argc, char** argv) {
-  std::string err = gpu_count_error(n, probe_gpu_count(),
+int launch_local(int n, int argc, char** argv, bool cuda) {
+  if (cuda) {
+    std::string err = gpu_count_error(n, probe_gpu_count(),
 #ifdef LOOM_CUDA
-                                    true
+                                      true
 #else
-                                    false
+                                      false
 #endif
-  );
-  LOOM_CHECK(err.empty(), "%s", err.c_str());
-  LOOM_CHECK(nccl::available(), "train.gpus = %d: %s", n, nccl::version().c_str());
+    );
+    LOOM_CHECK(err.empty(), "%s", err.c_str());
+    LOOM_CHECK(nccl::available(), "train.gpus = %d: %s", n, nccl::version().c_str());
+  }
+  // CPU ranks share the cores: each its share of OpenMP threads, unless the user chose
+  const int cores = std::max(1, int(std::thread::hardware_concurrency()));
+  const std::string threads = std::getenv("OMP_NUM_THREADS") ? "" : std::to_string(std::max(1, cores / n));
   int port = free_port_pair();
-  std::printf("launching %d ranks (one per GPU), rendezvous on 127.0.0.1:%d; rank 0 logs here, the others in "
-              "out_dir/rank_K.log\n", n, port + 1);
+  std::printf("launching %d ranks (%s), rendezvous on 127.0.0.1:%d; rank 0 logs here, the others in "
+              "out_dir/rank_K.log\n", n, cuda ? "one per GPU" : strformat("CPU processes, %s OpenMP threads each",
+              threads.empty() ? std::getenv("OMP_NUM_THREADS") : threads.c_str()).c_str(), port + 1);
   std::fflush(stdout);
   std::vector<pid_t> pids(size_t(n), -1);
   for (int r = 0; r < n; r++) {
@@ -208,6 +215,7 @@ int launch_local(int n, int argc, char** argv) {
       setenv("LOCAL_WORLD_SIZE", std::to_string(n).c_str(), 1);
       setenv("MASTER_ADDR", "127.0.0.1", 1);
       setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      if (!cuda && !threads.empty()) setenv("OMP_NUM_THREADS", threads.c_str(), 1);
       setpgid(0, getppid() == 1 ? 0 : getpgid(getppid()));
       std::vector<char*> args(argv, argv + argc);
       args.push_back(nullptr);
@@ -255,17 +263,17 @@ int launch_local(int n, int argc, char** argv) {
   return first_rc;
 }
 
-DistEnv select_rank_device(const EnvMap& env, const std::string& out_dir) {
-  DistEnv d = parse_dist_env(env);
-  if (!d.distributed()) return d;
+// GPU LOCAL_RANK of the visible ones becomes this process's only GPU (CUDA_VISIBLE_DEVICES).
+static void narrow_to_rank_gpu(const EnvMap& env, const DistEnv& d) {
 #ifndef LOOM_CUDA
-  LOOM_CHECK(false, "%s: data parallel needs the CUDA build with NCCL; this is a CPU-only build", d.describe().c_str());
+  (void)env;
+  LOOM_CHECK(false, "%s: data parallel on GPUs needs the CUDA build with NCCL; this is a CPU-only build (train.device "
+             "= cpu trains the ranks on the CPU)", d.describe().c_str());
 #else
   LOOM_CHECK(nccl::available(), "%s: %s", d.describe().c_str(), nccl::version().c_str());
   int have = probe_gpu_count();
   LOOM_CHECK(d.local_rank < have, "rank %d: LOCAL_RANK %d needs GPU %d, but this machine shows %d usable GPU%s "
              "(LOCAL_WORLD_SIZE %d)", d.rank, d.local_rank, d.local_rank, have, have == 1 ? "" : "s", d.local_world);
-  // GPU LOCAL_RANK of the visible ones becomes this process's only GPU
   std::string vis = env.count("CUDA_VISIBLE_DEVICES") ? env.at("CUDA_VISIBLE_DEVICES") : "";
   std::string pick = std::to_string(d.local_rank);
   if (!vis.empty()) {
@@ -286,6 +294,12 @@ DistEnv select_rank_device(const EnvMap& env, const std::string& out_dir) {
   LOOM_CHECK(seen == 1, "rank %d: CUDA sees %d GPUs after CUDA_VISIBLE_DEVICES=%s: it was initialized before the "
              "rank chose its GPU, and every rank would run on the same one", d.rank, seen, pick.c_str());
 #endif
+}
+
+DistEnv select_rank_device(const EnvMap& env, const std::string& out_dir, bool cuda) {
+  DistEnv d = parse_dist_env(env);
+  if (!d.distributed()) return d;
+  if (cuda) narrow_to_rank_gpu(env, d);
   if (d.rank != 0 && !out_dir.empty()) {
     std::string p = out_dir + "/rank_" + std::to_string(d.rank) + ".log";
     std::string mk = out_dir;
@@ -304,61 +318,21 @@ DistEnv select_rank_device(const EnvMap& env, const std::string& out_dir) {
 //   'A' abort (text), 'B' goodbye.
 namespace {
 
-bool write_all(int fd, const char* p, size_t n) {
-  while (n) {
-    ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return false;
-    p += w;
-    n -= size_t(w);
-  }
-  return true;
-}
-
-// reads exactly n bytes before deadline_ms (steady clock ms); false on EOF, error or timeout
-bool read_all(int fd, char* p, size_t n, double deadline_ms, double (*now)()) {
-  while (n) {
-    int wait = int(std::max(0.0, deadline_ms - now()));
-    pollfd pf{fd, POLLIN, 0};
-    int k = ::poll(&pf, 1, std::min(wait, 1000));
-    if (k < 0 && errno == EINTR) continue;
-    if (k == 0) {
-      if (now() >= deadline_ms) return false;
-      continue;
-    }
-    ssize_t r = ::recv(fd, p, n, 0);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return false;
-    p += r;
-    n -= size_t(r);
-  }
-  return true;
-}
-
-bool read_frame(int fd, char& type, std::string& body, double deadline_ms, double (*now)()) {
+bool read_frame(int fd, char& type, std::string& body, double deadline_ms) {
   unsigned char len[4];
-  if (!read_all(fd, reinterpret_cast<char*>(len), 4, deadline_ms, now)) return false;
+  if (!net::read_all(fd, len, 4, deadline_ms)) return false;
   uint32_t n = (uint32_t(len[0]) << 24) | (uint32_t(len[1]) << 16) | (uint32_t(len[2]) << 8) | len[3];
   if (n < 1 || n > (1u << 20)) return false;
   std::string buf(n, '\0');
-  if (!read_all(fd, buf.data(), n, deadline_ms, now)) return false;
+  if (!net::read_all(fd, buf.data(), n, deadline_ms)) return false;
   type = buf[0];
   body = buf.substr(1);
   return true;
 }
 
-std::string host_name() {
-  char h[256] = {0};
-  gethostname(h, sizeof h - 1);
-  return h;
-}
-
 }  // namespace
 
-double Rendezvous::now_ms_() {
-  using namespace std::chrono;
-  return duration<double, std::milli>(steady_clock::now().time_since_epoch()).count();
-}
+double Rendezvous::now_ms_() { return net::now_ms(); }
 
 bool Rendezvous::send_frame(int fd, char type, const std::string& body) {
   if (fd < 0) return false;
@@ -368,7 +342,7 @@ bool Rendezvous::send_frame(int fd, char type, const std::string& body) {
   buf[0] = char(n >> 24), buf[1] = char(n >> 16), buf[2] = char(n >> 8), buf[3] = char(n);
   buf += type;
   buf += body;
-  return write_all(fd, buf.data(), buf.size());
+  return net::write_all(fd, buf.data(), buf.size());
 }
 
 Rendezvous::Rendezvous(const DistEnv& env, const std::string& payload, double join_timeout_s) : env_(env) {
@@ -388,40 +362,11 @@ Rendezvous::Rendezvous(const DistEnv& env, const std::string& payload, double jo
   };
   if (env.rank == 0) {
     payload_ = payload;
-    int ls = socket(AF_INET6, SOCK_STREAM, 0);
-    bool v6 = ls >= 0;
-    if (!v6) ls = socket(AF_INET, SOCK_STREAM, 0);
-    LOOM_CHECK(ls >= 0, "rendezvous: socket: %s", std::strerror(errno));
-    int one = 1, zero = 0;
-    setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    int rc;
-    if (v6) {
-      setsockopt(ls, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero);
-      sockaddr_in6 a{};
-      a.sin6_family = AF_INET6;
-      a.sin6_addr = in6addr_any;
-      a.sin6_port = htons(uint16_t(port));
-      rc = bind(ls, (sockaddr*)&a, sizeof a);
-    } else {
-      sockaddr_in a{};
-      a.sin_family = AF_INET;
-      a.sin_addr.s_addr = htonl(INADDR_ANY);
-      a.sin_port = htons(uint16_t(port));
-      rc = bind(ls, (sockaddr*)&a, sizeof a);
-    }
-    if (rc != 0 || listen(ls, 128) != 0) {
-      int e = errno;
-      close(ls);
-      LOOM_CHECK(false, "rendezvous: rank 0 cannot listen on port %d (MASTER_PORT+1): %s", port, std::strerror(e));
-    }
+    int ls = net::listen_any(port, nullptr, "rendezvous: rank 0 (MASTER_PORT+1)");
     int joined = 1;
     while (joined < env.world) {
-      int wait = int(deadline - now_ms_());
-      pollfd pf{ls, POLLIN, 0};
-      int k = wait > 0 ? ::poll(&pf, 1, std::min(wait, 1000)) : 0;
-      if (k <= 0) {
-        if (k < 0 && errno == EINTR) continue;
-        if (now_ms_() < deadline) continue;
+      int fd = net::accept_until(ls, deadline);
+      if (fd < 0) {
         std::string missing;
         for (int r = 1; r < env.world; r++)
           if (fds_[size_t(r)] < 0) missing += (missing.empty() ? "" : ",") + std::to_string(r);
@@ -430,12 +375,9 @@ Rendezvous::Rendezvous(const DistEnv& env, const std::string& payload, double jo
                            "%s): is WORLD_SIZE right, and did every rank start?", joined, env.world, join_timeout_s,
                            missing.c_str()));
       }
-      int fd = accept(ls, nullptr, nullptr);
-      if (fd < 0) continue;
-      setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
       char type = 0;
       std::string body;
-      if (!read_frame(fd, type, body, std::min(deadline, now_ms_() + 10000), now_ms_) || type != 'H') {
+      if (!read_frame(fd, type, body, std::min(deadline, now_ms_() + 10000)) || type != 'H') {
         close(fd);  // not one of ours (a port scan, a stale process)
         continue;
       }
@@ -467,66 +409,25 @@ Rendezvous::Rendezvous(const DistEnv& env, const std::string& payload, double jo
     return;
   }
   // other ranks: connect to rank 0 (it may start later: retry until the deadline)
-  addrinfo hints{}, *res = nullptr;
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  int gai = getaddrinfo(env.master_addr.c_str(), std::to_string(port).c_str(), &hints, &res);
-  LOOM_CHECK(gai == 0, "rendezvous: rank %d cannot resolve MASTER_ADDR '%s': %s", env.rank, env.master_addr.c_str(),
-             gai_strerror(gai));
-  int fd = -1;
-  std::string last = "no attempt";
-  while (fd < 0) {
-    for (addrinfo* ai = res; ai && fd < 0; ai = ai->ai_next) {
-      int s = socket(ai->ai_family, SOCK_STREAM, 0);
-      if (s < 0) continue;
-      int fl = fcntl(s, F_GETFL, 0);
-      fcntl(s, F_SETFL, fl | O_NONBLOCK);
-      int rc = connect(s, ai->ai_addr, ai->ai_addrlen);
-      if (rc != 0 && errno == EINPROGRESS) {
-        pollfd pf{s, POLLOUT, 0};
-        int wait = int(std::max(1.0, std::min(2000.0, deadline - now_ms_())));
-        if (::poll(&pf, 1, wait) == 1) {
-          int e = 0;
-          socklen_t el = sizeof e;
-          getsockopt(s, SOL_SOCKET, SO_ERROR, &e, &el);
-          rc = e == 0 ? 0 : -1;
-          errno = e;
-        } else {
-          errno = ETIMEDOUT;
-        }
-      }
-      if (rc == 0) {
-        fcntl(s, F_SETFL, fl);
-        fd = s;
-      } else {
-        last = std::strerror(errno);
-        close(s);
-      }
-    }
-    if (fd >= 0) break;
-    if (now_ms_() >= deadline) {
-      freeaddrinfo(res);
-      LOOM_CHECK(false, "rendezvous: rank %d cannot reach rank 0 at %s:%d (MASTER_ADDR, MASTER_PORT+1) within %.0f s: "
-                 "%s. Is MASTER_ADDR right, and is rank 0 running?", env.rank, env.master_addr.c_str(), port,
-                 join_timeout_s, last.c_str());
-    }
-    usleep(200000);
-  }
-  freeaddrinfo(res);
-  int one = 1;
-  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  std::string why;
+  int fd = net::connect_until(env.master_addr, port, deadline, &why);
+  LOOM_CHECK(fd != -2, "rendezvous: rank %d cannot resolve MASTER_ADDR '%s': %s", env.rank, env.master_addr.c_str(),
+             why.c_str());
+  LOOM_CHECK(fd >= 0, "rendezvous: rank %d cannot reach rank 0 at %s:%d (MASTER_ADDR, MASTER_PORT+1) within %.0f s: "
+             "%s. Is MASTER_ADDR right, and is rank 0 running?", env.rank, env.master_addr.c_str(), port,
+             join_timeout_s, why.c_str());
   fds_[0] = fd;
-  send_frame(fd, 'H', strformat("%d %d %s", env.rank, env.world, host_name().c_str()));
+  send_frame(fd, 'H', strformat("%d %d %s", env.rank, env.world, net::host_name().c_str()));
   char type = 0;
   std::string body;
   // rank 0 answers once every rank has joined (it waits at most its own join timeout)
-  bool got = read_frame(fd, type, body, deadline + 15000, now_ms_);
+  bool got = read_frame(fd, type, body, deadline + 15000);
   if (!got || type != 'I') {
     close(fd);
     fds_[0] = -1;
     LOOM_CHECK(type != 'E' || !got, "%s", body.c_str());
-    LOOM_CHECK(false, "rendezvous: rank %d connected to rank 0 at %s:%d but got no NCCL id (rank 0 ended or the "
-               "other ranks did not all join)", env.rank, env.master_addr.c_str(), port);
+    LOOM_CHECK(false, "rendezvous: rank %d connected to rank 0 at %s:%d but got no payload (the NCCL id or the CPU "
+               "collectives' port; rank 0 ended or the other ranks did not all join)", env.rank, env.master_addr.c_str(), port);
   }
   payload_ = body;
 }
@@ -570,7 +471,7 @@ void Rendezvous::monitor_loop(double stall_timeout_s) {
       int r = who[i];
       char type = 0;
       std::string body;
-      bool ok = read_frame(pfs[i].fd, type, body, now_ms_() + 5000, now_ms_);
+      bool ok = read_frame(pfs[i].fd, type, body, now_ms_() + 5000);
       if (stop_) return;
       if (ok && type == 'B') {
         done_[size_t(r)] = true;
@@ -611,11 +512,19 @@ void Rendezvous::tell_abort(const std::string& why) {
 }
 
 // ------------------------------------------------------------------ data parallel
-DataParallel::DataParallel(const DistEnv& env, const Config& cfg) : env_(env) {
-  LOOM_CHECK(nccl::available(), "%s: %s", env.describe().c_str(), nccl::version().c_str());
-  std::string id = env.rank == 0 ? nccl::unique_id() : std::string();
-  rv_ = std::make_unique<Rendezvous>(env, id, cfg.get_float("train.dist_join_timeout"));
-  // the watchdog is up before NCCL's own init, which waits for every rank
+DataParallel::DataParallel(const DistEnv& env, const Config& cfg, Device device) : env_(env), device_(device) {
+  const bool cpu = device == Device::CPU;
+  const double join_s = cfg.get_float("train.dist_join_timeout"), stall_s = cfg.get_float("train.dist_timeout");
+  if (!cpu) LOOM_CHECK(nccl::available(), "%s: %s", env.describe().c_str(), nccl::version().c_str());
+  std::string payload;
+  if (env.rank == 0 && cpu) {
+    tcp_ = tcp::Comm::listen(env.world, join_s);
+    payload = tcp_.payload();
+  } else if (env.rank == 0) {
+    payload = nccl::unique_id();
+  }
+  rv_ = std::make_unique<Rendezvous>(env, payload, join_s);
+  // the watchdog is up before the collectives' own start, which waits for every rank
   int rank = env.rank;
   rv_->start_monitor(
       [this, rank](const std::string& why) {
@@ -623,14 +532,24 @@ DataParallel::DataParallel(const DistEnv& env, const Config& cfg) : env_(env) {
                      why.c_str());
         std::fflush(stderr);
         std::fflush(stdout);
-        // ncclCommAbort can wait on a peer that is gone: give it a few seconds, then leave
-        void* c = comm_;
-        std::thread([c] { nccl::abort(c); }).detach();
-        usleep(3000000);
+        if (device_ == Device::CUDA) {
+          // ncclCommAbort can wait on a peer that is gone: give it a few seconds, then leave
+          void* c = comm_;
+          std::thread([c] { nccl::abort(c); }).detach();
+          usleep(3000000);
+        }
         std::_Exit(3);
       },
-      [this] { return comm_ ? nccl::async_error(comm_) : std::string(); }, cfg.get_float("train.dist_timeout"));
-  comm_ = nccl::init(rv_->payload(), env.world, env.rank);
+      [this] { return comm_ ? nccl::async_error(comm_) : std::string(); }, stall_s);
+  if (!cpu) {
+    LOOM_CHECK(rv_->payload().rfind("loom-tcp ", 0) != 0, "%s trains on CUDA, but rank 0 trains on the CPU: is "
+               "train.device the same on every rank?", env.describe().c_str());
+    comm_ = nccl::init(rv_->payload(), env.world, env.rank);
+    return;
+  }
+  if (env.rank == 0) tcp_.accept_ranks();
+  else tcp_ = tcp::Comm::connect(env.master_addr, rv_->payload(), env.rank, env.world, join_s);
+  tcp_.set_timeout(stall_s > 0 ? stall_s : 1e9);  // 0: no limit, as for the watchdog
 }
 
 // The communicator is left to the process's exit: ncclCommDestroy can wait on peers that
@@ -638,25 +557,30 @@ DataParallel::DataParallel(const DistEnv& env, const Config& cfg) : env_(env) {
 DataParallel::~DataParallel() { rv_.reset(); }
 
 void DataParallel::reduce(Optimizer& opt, Tensor& loss) {
-  nccl::group_start();
-  for (Tensor& g : opt.grad_buffers()) nccl::all_reduce_avg(comm_, g.raw(), size_t(g.numel()), g.dtype(), cuda::default_stream());
-  if (loss.defined()) {
+  if (loss.defined())
     LOOM_CHECK(loss.numel() == 1 && loss.is_contiguous(), "DataParallel::reduce: the loss must be one value, got %s",
                loss.desc().c_str());
-    nccl::all_reduce_avg(comm_, loss.raw(), 1, loss.dtype(), cuda::default_stream());
+  if (device_ == Device::CPU) {
+    for (Tensor& g : opt.grad_buffers()) tcp_.all_reduce_avg(g.raw(), size_t(g.numel()), g.dtype());
+    if (loss.defined()) tcp_.all_reduce_avg(loss.raw(), 1, loss.dtype());
+    return;
   }
+  nccl::group_start();
+  for (Tensor& g : opt.grad_buffers()) nccl::all_reduce_avg(comm_, g.raw(), size_t(g.numel()), g.dtype(), cuda::default_stream());
+  if (loss.defined()) nccl::all_reduce_avg(comm_, loss.raw(), 1, loss.dtype(), cuda::default_stream());
   nccl::group_end();
 }
 
 void DataParallel::all_reduce_avg(Tensor& t) {
   LOOM_CHECK(t.is_contiguous(), "all_reduce_avg: %s is not contiguous", t.desc().c_str());
-  nccl::all_reduce_avg(comm_, t.raw(), size_t(t.numel()), t.dtype(), cuda::default_stream());
+  if (device_ == Device::CPU) tcp_.all_reduce_avg(t.raw(), size_t(t.numel()), t.dtype());
+  else nccl::all_reduce_avg(comm_, t.raw(), size_t(t.numel()), t.dtype(), cuda::default_stream());
 }
 
 void DataParallel::finish() {
   if (finished_) return;
   finished_ = true;
-  cuda::synchronize();
+  if (device_ == Device::CUDA) cuda::synchronize();
   rv_->goodbye();
 }
 
@@ -665,6 +589,9 @@ void DataParallel::fail(const std::string& why) {
 }
 
 std::string DataParallel::backend() const {
+  if (device_ == Device::CPU)
+    return strformat("data parallel: %s; CPU, gradients averaged over TCP through rank 0 (sums in rank order, in "
+                     "double precision) after the backward", env_.describe().c_str());
   return strformat("data parallel: %s; NCCL %s, gradients averaged with one all-reduce per parameter group after "
                    "the backward", env_.describe().c_str(), nccl::version().c_str());
 }

@@ -1,9 +1,12 @@
-// distributed.h: data-parallel training on several GPUs (one process per GPU, NCCL).
+// distributed.h: data-parallel training on several GPUs (one process per GPU, NCCL), or in
+// several CPU processes (averages over TCP: comm.h's tcp::Comm).
 //
 // How a run becomes several processes (README "Several GPUs"):
 //   ./train CONFIG --train.gpus=N      this process is a launcher: it starts N copies of itself
 //                                      with the torchrun variables set (MASTER_ADDR 127.0.0.1,
 //                                      a free MASTER_PORT), waits, and stops the rest when one fails
+//   ./train CONFIG --train.device=cpu --train.procs=N
+//                                      the same for N processes on the CPU
 //   torchrun ... ./train CONFIG        RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 //                                      MASTER_ADDR, MASTER_PORT
 //   srun ./train CONFIG                SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
@@ -11,12 +14,13 @@
 //                                      the first host of SLURM_JOB_NODELIST, MASTER_PORT or 29500
 //
 // Each rank uses GPU LOCAL_RANK of the GPUs it sees (CUDA_VISIBLE_DEVICES is narrowed to that
-// one before CUDA starts, so every thread of the process uses it).
+// one before CUDA starts, so every thread of the process uses it). With train.device = cpu (or
+// auto on a machine without GPUs) the ranks train on the CPU.
 //
-// The NCCL unique id travels over a small TCP side channel (Rendezvous): rank 0 listens on
-// MASTER_ADDR:MASTER_PORT+1 (torchrun's own agent holds MASTER_PORT), every other rank connects,
-// says {rank, world size, host}, and gets the 128-byte id back once all WORLD_SIZE ranks have
-// joined. A wrong WORLD_SIZE, a duplicate RANK or an unreachable MASTER_ADDR are errors within
+// The NCCL unique id (on the CPU: the port of rank 0's collectives) travels over a small TCP
+// side channel (Rendezvous): rank 0 listens on MASTER_ADDR:MASTER_PORT+1 (torchrun's own agent
+// holds MASTER_PORT), every other rank connects, says {rank, world size, host}, and gets the id
+// back once all WORLD_SIZE ranks have joined. A wrong WORLD_SIZE, a duplicate RANK or an unreachable MASTER_ADDR are errors within
 // train.dist_join_timeout seconds. The connections stay open for the whole run: they are how a
 // dead rank is noticed (its socket closes without a goodbye; rank 0 tells the others which rank
 // was lost) and how a rank that stopped making progress (a hung collective: no step finished in
@@ -32,6 +36,7 @@
 #include <vector>
 
 #include "tensor/tensor.h"
+#include "trainer/comm.h"
 
 namespace loom {
 
@@ -66,10 +71,12 @@ struct Shard {
 };
 Shard shard_of(int64_t global, int rank, int world);
 
-// ./train's own launcher (train.gpus = N > 1, no rank variables in the environment):
-// argv is the full command line (argv[0] the executable). Starts N ranks, returns the exit code:
-// 0 when all succeed, else the first failure's (the others are stopped).
-int launch_local(int n, int argc, char** argv);
+// ./train's own launcher (train.gpus = N > 1, or train.procs = N > 1 on the CPU, and no rank
+// variables in the environment): argv is the full command line (argv[0] the executable). Starts
+// N ranks, returns the exit code: 0 when all succeed, else the first failure's (the others are
+// stopped). CPU ranks (`cuda` false) share the cores: each gets OMP_NUM_THREADS = cores / N
+// unless the variable is set.
+int launch_local(int n, int argc, char** argv, bool cuda = true);
 // The error when `want` GPUs are asked for and `have` are usable ("" when fine).
 std::string gpu_count_error(int want, int have, bool cuda_build);
 // GPUs the CUDA runtime reports, asked in a forked child so that this process's CUDA state
@@ -121,16 +128,17 @@ class Rendezvous {
 // One per rank when world > 1: the rendezvous, the NCCL communicator and the watchdog.
 class DataParallel {
  public:
-  DataParallel(const DistEnv& env, const Config& cfg);
+  // `device`: CUDA averages with NCCL on the compute stream, the CPU over TCP (tcp::Comm).
+  DataParallel(const DistEnv& env, const Config& cfg, Device device);
   ~DataParallel();
   int rank() const { return env_.rank; }
   int world() const { return env_.world; }
   const DistEnv& env() const { return env_; }
   // After backward: average every flat gradient buffer of `opt` and the step's loss (an f32
-  // device scalar, in place) over the ranks, on the compute stream (graph-capturable). The
+  // device scalar, in place) over the ranks; on CUDA on the compute stream (graph-capturable). The
   // clip norm, the non-finite skip and the update then see the same values on every rank.
   void reduce(Optimizer& opt, Tensor& loss);
-  // Average one device tensor in place (f32/bf16), on the compute stream.
+  // Average one device tensor in place (CUDA: f32/bf16 on the compute stream; CPU: f32/f64).
   void all_reduce_avg(Tensor& t);
   void heartbeat() { rv_->heartbeat(); }
   void finish();                          // clean end (before the process exits)
@@ -139,14 +147,16 @@ class DataParallel {
 
  private:
   DistEnv env_;
+  Device device_;
   std::unique_ptr<Rendezvous> rv_;
-  void* comm_ = nullptr;
+  void* comm_ = nullptr;  // NCCL's communicator (CUDA)
+  tcp::Comm tcp_;         // the CPU's
   bool finished_ = false;
 };
 
-// Set up this process as a rank (when the environment says it is one): checks the GPU count,
-// narrows CUDA_VISIBLE_DEVICES to GPU LOCAL_RANK (before any CUDA call) and, for ranks other
-// than 0, sends stdout to out_dir/rank_K.log. Returns the parsed environment.
-DistEnv select_rank_device(const EnvMap& env, const std::string& out_dir);
+// Set up this process as a rank (when the environment says it is one): with `cuda`, checks the
+// GPU count and narrows CUDA_VISIBLE_DEVICES to GPU LOCAL_RANK (before any CUDA call); for ranks
+// other than 0, sends stdout to out_dir/rank_K.log. Returns the parsed environment.
+DistEnv select_rank_device(const EnvMap& env, const std::string& out_dir, bool cuda = true);
 
 }  // namespace loom

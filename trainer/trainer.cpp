@@ -464,8 +464,8 @@ int train_command(int argc, char** argv) {
   Config cfg = Config::load(path, overrides);
   EnvMap env = process_env();
   DistEnv de = parse_dist_env(env);
+  std::string dev = cfg.get_str("train.device");
   {  // the file's [section.cuda] / [section.cpu] values for the device this run uses
-    std::string dev = cfg.get_str("train.device");
     if (dev == "auto") {
       // A rank chooses its GPU by setting CUDA_VISIBLE_DEVICES (select_rank_device), which
       // CUDA reads once, when it initializes: a rank (or a launcher of ranks) asks a child
@@ -486,27 +486,32 @@ int train_command(int argc, char** argv) {
     } reset;
     return trainer == "vit_mim" ? train_mim(ctx) : train_vlm(ctx);
   };
-  // Several GPUs (trainer/distributed.h): a launcher when train.gpus > 1 and no launcher's
-  // environment says this process is a rank; a rank when it does.
-  const int gpus = cfg.get_int("train.gpus");
-  LOOM_CHECK(gpus >= 0, "%s: train.gpus = %d", cfg.source().c_str(), gpus);
-  if (!de.distributed() && gpus > 1) {
-    LOOM_CHECK(cfg.get_str("train.device") != "cpu", "%s: train.gpus = %d with train.device = cpu: data parallel "
-               "runs on CUDA", cfg.source().c_str(), gpus);
+  // Several GPUs or CPU processes (trainer/distributed.h): a launcher when train.gpus (or
+  // train.procs) > 1 and no launcher's environment says this process is a rank; a rank when it does.
+  const int gpus = cfg.get_int("train.gpus"), procs = cfg.get_int("train.procs");
+  const bool cpu = dev == "cpu";
+  LOOM_CHECK(gpus <= 1 || procs <= 1, "%s: train.gpus = %d and train.procs = %d: ranks on GPUs (train.gpus) or on the "
+             "CPU (train.procs), not both", cfg.source().c_str(), gpus, procs);
+  const int ranks = std::max(gpus, procs);
+  if (!de.distributed() && ranks > 1) {
+    // train.gpus asks for GPUs (with device auto on a machine without them, the launcher says
+    // how many there are); train.procs for the CPU
+    LOOM_CHECK(gpus <= 1 || cfg.get_str("train.device") != "cpu", "%s: train.gpus = %d with train.device = cpu: "
+               "train.procs = %d starts that many CPU processes", cfg.source().c_str(), gpus, gpus);
+    LOOM_CHECK(procs <= 1 || cpu, "%s: train.procs = %d starts CPU processes and needs train.device = cpu (it is %s; "
+               "train.gpus = %d for GPUs)", cfg.source().c_str(), procs, cfg.get_str("train.device").c_str(), procs);
     std::vector<char*> args = {const_cast<char*>("train")};
     for (int i = 0; i < argc; i++) args.push_back(argv[i]);
-    return launch_local(gpus, int(args.size()), args.data());
+    return launch_local(ranks, int(args.size()), args.data(), gpus > 1);
   }
   if (!de.distributed()) return run(open_run(cfg));
-  LOOM_CHECK(gpus <= 1 || gpus == de.local_world, "train.gpus = %d, but the launcher (%s) started %d ranks on this "
-             "machine (LOCAL_WORLD_SIZE): leave train.gpus out under torchrun / srun", gpus, de.launcher.c_str(),
-             de.local_world);
+  LOOM_CHECK(ranks <= 1 || ranks == de.local_world, "train.%s = %d, but the launcher (%s) started %d ranks on this "
+             "machine (LOCAL_WORLD_SIZE): leave train.%s out under torchrun / srun", gpus > 1 ? "gpus" : "procs",
+             ranks, de.launcher.c_str(), de.local_world, gpus > 1 ? "gpus" : "procs");
   LOOM_CHECK(!cfg.get_bool("train.dry_run"), "train.dry_run is a one-process check: run it without several ranks");
-  de = select_rank_device(env, cfg.get_str("train.out_dir"));
+  de = select_rank_device(env, cfg.get_str("train.out_dir"), !cpu);
   RunContext ctx = open_run(cfg, de.rank, de.world);
-  LOOM_CHECK(ctx.device == Device::CUDA, "%s: data parallel needs the CUDA device (train.device = %s)",
-             de.describe().c_str(), cfg.get_str("train.device").c_str());
-  DataParallel dp(de, cfg);
+  DataParallel dp(de, cfg, ctx.device);
   ctx.dp = &dp;
   std::printf("%s\n", dp.backend().c_str());
   int rc;

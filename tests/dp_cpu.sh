@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# tests/dp_cpu.sh [TRAIN]: data parallel on the CPU (train.procs, trainer/comm_tcp.cpp), the
+# checks of tools/dp-check.sh that need no GPU. Run by ctest (test `dp_cpu`) and by hand.
+#   equal   2 processes x batch B give the per-step losses of 1 process x 2B: MIM and the VLM
+#           (f32, within tests/tolerances.h's kDataParallelLossF32)
+#   logs    the launcher started CPU processes and rank 1 averaged over TCP
+#   fault   kill -9 of rank 1: rank 0 and the launcher stop within 30 s with an error naming
+#           the lost rank; the run resumes from its last checkpoint on 2 processes and on 1
+# Prints one line per check; exits with the number of failures.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+TRAIN=${1:-./train}
+TOL=$(sed -n 's/^inline constexpr double kDataParallelLossF32 = \([0-9.e+-]*\);.*/\1/p' tests/tolerances.h)
+[ -n "$TOL" ] || { echo "dp_cpu: no kDataParallelLossF32 in tests/tolerances.h"; exit 1; }
+W=$(mktemp -d /tmp/loom_dp_cpu_XXXXXX)
+trap 'rm -rf "$W"' EXIT
+fails=0
+note() { echo "dp_cpu: $*"; }
+fail() { note "FAIL: $*"; fails=$((fails + 1)); }
+
+# losses FILE: "step loss" per training line of metrics.jsonl
+losses() { sed -n 's/.*"kind":"train","loss":\([^,]*\),.*"step":\([0-9]*\)[,}].*/\2 \1/p' "$1"; }
+# compare NAME A B: every step of A in B, relative loss difference <= TOL
+compare() {
+  local out
+  out=$(join <(losses "$2/metrics.jsonl" | sort -k1,1) <(losses "$3/metrics.jsonl" | sort -k1,1) |
+        awk -v tol=$TOL -v want="$(losses "$2/metrics.jsonl" | wc -l)" '
+          { d = $2 - $3; if (d < 0) d = -d; s = $2 < 0 ? -$2 : $2; r = d / (s > 1e-12 ? s : 1e-12);
+            if (r > worst) { worst = r; at = $1 } n++ }
+          END { printf "%d of %d steps, largest relative difference %.3e (step %s)", n, want, worst, at;
+                exit !(n == want && n > 0 && worst <= tol) }')
+  if [ $? -eq 0 ]; then note "$1: $out: ok"; else fail "$1: $out (tolerance $TOL)"; fi
+}
+run() {  # run NAME ARGS...: ./train with a time limit, its log in $W/NAME.log
+  local name=$1
+  shift
+  timeout 300 "$TRAIN" "$@" > "$W/$name.log" 2>&1 || { fail "$name: exit $?"; tail -5 "$W/$name.log"; return 1; }
+}
+
+MIM=(vit_mim.cfg --train.device=cpu --train.steps=8 --train.warmup_steps=2 --train.log_every=1 --train.eval_every=0
+     --data.train_samples=512 --data.val_samples=64 --eval.samples=64)
+VLM=(vlm_sft.cfg --train.device=cpu --train.steps=8 --train.warmup_steps=2 --train.log_every=1 --train.eval_every=0
+     --data.train_samples=200 --data.val_samples=8 --eval.samples=4)
+
+# ---- equal
+run mim_1 "${MIM[@]}" --train.batch_size=32 --train.out_dir="$W/mim_1" &&
+  run mim_2 "${MIM[@]}" --train.batch_size=16 --train.procs=2 --train.out_dir="$W/mim_2" &&
+  compare "mim, 1 process x 32 vs 2 processes x 16" "$W/mim_1" "$W/mim_2"
+run vlm_1 "${VLM[@]}" --train.batch_size=4 --train.out_dir="$W/vlm_1" &&
+  run vlm_2 "${VLM[@]}" --train.batch_size=2 --train.procs=2 --train.out_dir="$W/vlm_2" &&
+  compare "vlm_sft, 1 process x 4 rows vs 2 processes x 2 rows" "$W/vlm_1" "$W/vlm_2"
+
+# ---- logs
+if [ -f "$W/vlm_2/rank_1.log" ] && grep -q "CPU, gradients averaged over TCP" "$W/vlm_2/rank_1.log" &&
+   grep -q "CPU processes" "$W/vlm_2.log"; then
+  note "logs: the launcher started CPU processes, rank 1 averaged over TCP: ok"
+else
+  fail "logs: no CPU data-parallel lines in $W/vlm_2.log / rank_1.log"
+fi
+
+# ---- fault
+D="$W/fault"
+F=("${MIM[@]}" --train.steps=4000 --train.batch_size=16 --train.save_every=5 --train.keep_last=2 --train.out_dir="$D")
+"$TRAIN" "${F[@]}" --train.procs=2 > "$W/fault.log" 2>&1 &
+launcher=$!
+for _ in $(seq 1 600); do
+  ls "$D" 2>/dev/null | grep -q '^step_0*[1-9][0-9]*$' && break
+  sleep 0.1
+done
+rank1=$(pgrep -P $launcher | while read -r p; do
+          tr '\0' '\n' < /proc/$p/environ 2>/dev/null | grep -qx RANK=1 && echo $p; done | head -1)
+if [ -z "$rank1" ]; then
+  fail "fault: no checkpoint or no rank 1 process within 60 s"
+  kill $launcher 2>/dev/null
+  wait $launcher 2>/dev/null
+else
+  t0=$(date +%s)
+  kill -9 "$rank1"
+  for _ in $(seq 1 300); do kill -0 $launcher 2>/dev/null || break; sleep 0.1; done
+  if kill -0 $launcher 2>/dev/null; then
+    fail "fault: the launcher still runs 30 s after rank 1 was killed"
+    pkill -9 -P $launcher
+    kill -9 $launcher
+    wait $launcher 2>/dev/null
+  else
+    wait $launcher
+    rc=$?
+    msg=$(grep -hE "^(error|launcher)" "$W/fault.log" | grep "rank 1" | head -1)
+    if [ $rc -ne 0 ] && echo "$msg" | grep -q "rank 1"; then
+      note "fault: kill -9 of rank 1 -> exit $rc after $(( $(date +%s) - t0 )) s: $msg: ok"
+    else
+      fail "fault: exit $rc, error line '$msg'"
+    fi
+  fi
+  last=$(ls "$D" | grep '^step_0*[0-9]*$' | sort | tail -1)
+  stop=$(( 10#${last#step_} + 3 ))
+  run fault_resume_2 "${F[@]}" --train.procs=2 --train.resume=latest --train.stop_at=$stop &&
+    grep -q "resumed from" "$W/fault_resume_2.log" && note "fault: resumed from $last on 2 processes, stopped at step $stop: ok" ||
+    fail "fault: no resume on 2 processes (see $W/fault_resume_2.log)"
+  run fault_resume_1 "${F[@]}" --train.batch_size=32 --train.resume=latest --train.stop_at=$((stop + 3)) &&
+    grep -q "resumed from" "$W/fault_resume_1.log" && note "fault: the 2-process checkpoint resumed on 1 process: ok" ||
+    fail "fault: no resume on 1 process"
+fi
+note "failures: $fails"
+exit $fails
