@@ -16,7 +16,11 @@ struct Node {
 };
 thread_local std::vector<Node> g_tape;
 thread_local bool g_grad_enabled = true;
+thread_local BackwardObserver* g_observer = nullptr;
 }  // namespace
+
+void set_backward_observer(BackwardObserver* o) { g_observer = o; }
+BackwardObserver* backward_observer() { return g_observer; }
 
 // ------------------------------------------------------------------ profiling
 namespace {
@@ -191,6 +195,7 @@ void replace_grad(const Tensor& x, const Tensor& g) {
 void accumulate_grad(const Tensor& x, const Tensor& g, bool fresh) {
   if (!x.defined() || !x.requires_grad() || !g.defined()) return;
   LOOM_CHECK(g.shape() == x.shape(), "gradient %s for tensor %s", g.desc().c_str(), x.desc().c_str());
+  if (g_observer && x.impl()->tape_id < 0) g_observer->leaf_written(x);
   Tensor cur = x.grad();
   Tensor gg = g.dtype() == x.dtype() ? g : g.to(x.dtype());
   if (!cur.defined()) {
@@ -231,6 +236,7 @@ Tensor grad_buffer(const Tensor& x, bool* is_new) {
     *is_new = true;
   } else if (!x.grad().defined()) x.impl()->grad = Tensor::zeros_like(x).impl();
   else if (x.grad().impl()->storage->grad_shared) x.impl()->grad = x.grad().clone().impl();  // about to be written
+  if (g_observer && x.impl()->tape_id < 0) g_observer->leaf_written(x);
   return x.grad();
 }
 
@@ -292,6 +298,7 @@ void backward(const Tensor& root, const Tensor& seed) {
     if (any) {
       n.backward();
       if (g_profile) cut(category_of(n.name), 1);
+      if (g_observer) g_observer->node_done();
     }
     n.backward = nullptr;  // frees what the node saved
     for (auto& o : n.outputs) {

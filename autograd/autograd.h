@@ -71,6 +71,20 @@ void replace_grad(const Tensor& x, const Tensor& g);
 // must then write (`=`) every element instead of adding (one pass over memory less).
 Tensor grad_buffer(const Tensor& x, bool* is_new = nullptr);
 
+// ---- watching the backward (data parallel's gradient buckets, trainer/grad_buckets.h)
+// While set (on this thread), leaf_written(x) is called whenever a backward closure is about
+// to write or add to the gradient of leaf x (grad_buffer, accumulate_grad), and node_done()
+// after each node's backward has run (the nested tapes of checkpoint() included). A leaf's
+// gradient is complete after the node_done() that follows its last leaf_written().
+class BackwardObserver {
+ public:
+  virtual ~BackwardObserver() = default;
+  virtual void leaf_written(const Tensor& leaf) = 0;
+  virtual void node_done() = 0;
+};
+void set_backward_observer(BackwardObserver* o);  // nullptr: none
+BackwardObserver* backward_observer();
+
 // ---- profiling (--train.profile=1)
 // While on, the GPU work of a step is cut at every recorded op, after every backward node and
 // at every profile_phase(), by CUDA events on the default stream (nothing waits inside the

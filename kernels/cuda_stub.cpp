@@ -38,6 +38,7 @@ void reset_peak_bytes() { no_cuda(); }
 size_t bytes_reserved() { no_cuda(); }
 size_t peak_bytes_reserved() { no_cuda(); }
 Stream copy_stream() { no_cuda(); }
+Stream comm_stream() { no_cuda(); }
 void* event_create(bool) { no_cuda(); }
 void event_destroy(void*) { no_cuda(); }
 void event_record(void*, Stream) { no_cuda(); }

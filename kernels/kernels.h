@@ -107,6 +107,9 @@ size_t peak_bytes_reserved();           // since reset_peak_bytes()
 // A second stream for host-to-device uploads of the next batch while the default stream
 // computes (created with cudaStreamNonBlocking: no implicit ordering with stream 0).
 Stream copy_stream();
+// A stream for data parallel's collectives beside the backward (trainer/grad_buckets.h): NCCL
+// averages a bucket of gradients there once an event says the backward has written it.
+Stream comm_stream();
 // Events (opaque handles): order work between streams and time it without a host sync.
 void* event_create(bool timing = false);
 void event_destroy(void* e);

@@ -308,6 +308,13 @@ std::vector<Tensor> Optimizer::grad_buffers() const {
   return v;
 }
 
+std::vector<std::vector<int64_t>> Optimizer::grad_offsets() const {
+  std::vector<std::vector<int64_t>> v;
+  for (auto* g : groups_)
+    if (g->n) v.push_back(g->offsets);
+  return v;
+}
+
 int64_t Optimizer::num_parameters() const {
   int64_t n = 0;
   for (auto* g : groups_) n += g->n;

@@ -76,6 +76,9 @@ class Optimizer {
   // The flat gradient buffers (one per non-empty group, compute dtype): data parallel averages
   // them across ranks between backward and clip_grad_norm.
   std::vector<Tensor> grad_buffers() const;
+  // For each of grad_buffers(): the element offsets at which its parameters' gradients start
+  // (data parallel's gradient buckets hold whole parameters).
+  std::vector<std::vector<int64_t>> grad_offsets() const;
   // One line naming the update kernel in use, e.g. "adamw: one fused multi-tensor kernel per
   // group (cuda, 4 groups, fp32 master + bf16 copy)".
   std::string backend() const;

@@ -3,6 +3,9 @@
 # checks of tools/dp-check.sh that need no GPU. Run by ctest (test `dp_cpu`) and by hand.
 #   equal   2 processes x batch B give the per-step losses of 1 process x 2B: MIM and the VLM
 #           (f32, within tests/tolerances.h's kDataParallelLossF32)
+#   buckets gradients averaged in small buckets during the backward (train.dist_bucket_mb),
+#           in the default 25 MB ones and after the backward give the same losses bit for bit,
+#           and small buckets do start before the backward ends
 #   logs    the launcher started CPU processes and rank 1 averaged over TCP
 #   fault   kill -9 of rank 1: rank 0 and the launcher stop within 30 s with an error naming
 #           the lost rank; the run resumes from its last checkpoint on 2 processes and on 1
@@ -49,6 +52,22 @@ run mim_1 "${MIM[@]}" --train.batch_size=32 --train.out_dir="$W/mim_1" &&
 run vlm_1 "${VLM[@]}" --train.batch_size=4 --train.out_dir="$W/vlm_1" &&
   run vlm_2 "${VLM[@]}" --train.batch_size=2 --train.procs=2 --train.out_dir="$W/vlm_2" &&
   compare "vlm_sft, 1 process x 4 rows vs 2 processes x 2 rows" "$W/vlm_1" "$W/vlm_2"
+
+# ---- buckets: the averages of small buckets start during the backward; the sums are the same
+run mim_2_b0 "${MIM[@]}" --train.batch_size=16 --train.procs=2 --train.dist_bucket_mb=0 --train.out_dir="$W/mim_2_b0" &&
+  run mim_2_bs "${MIM[@]}" --train.batch_size=16 --train.procs=2 --train.dist_bucket_mb=0.02 --train.out_dir="$W/mim_2_bs" &&
+  if cmp -s <(losses "$W/mim_2_b0/metrics.jsonl") <(losses "$W/mim_2_bs/metrics.jsonl") &&
+     cmp -s <(losses "$W/mim_2_b0/metrics.jsonl") <(losses "$W/mim_2/metrics.jsonl"); then
+    note "mim, 2 processes: buckets of 0.02 MB, of 25 MB and one average after the backward give the same losses bit for bit: ok"
+  else
+    fail "mim, 2 processes: the losses differ between train.dist_bucket_mb = 0, 0.02 and 25"
+  fi
+early=$(sed -n 's/^data parallel: \([0-9]*\) gradient buckets, \([0-9]*\) of them averaged while the backward ran$/\1 \2/p' "$W/mim_2_bs.log")
+if [ -n "$early" ] && [ "${early% *}" -gt 2 ] && [ "${early#* }" -gt 1 ]; then
+  note "buckets of 0.02 MB: ${early#* } of ${early% *} averaged while the backward ran: ok"
+else
+  fail "buckets of 0.02 MB: expected several buckets, more than one averaged during the backward; the log says '$early'"
+fi
 
 # ---- logs
 if [ -f "$W/vlm_2/rank_1.log" ] && grep -q "CPU, gradients averaged over TCP" "$W/vlm_2/rank_1.log" &&

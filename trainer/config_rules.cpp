@@ -243,6 +243,7 @@ void validate_config(const Config& c) {
   r.int_range("train.stop_at", 0, kMaxCount);
   r.int_range("train.gpus", 0, 1024);  // 0 and 1: one process
   r.int_range("train.procs", 0, 1024);
+  r.float_range("train.dist_bucket_mb", 0, false, 1e6, false);  // 0: one average after the backward
   r.float_range("train.dist_join_timeout", 0, true, 1e6, false);
   r.float_range("train.dist_timeout", 0, true, 1e6, false);
 

@@ -516,6 +516,7 @@ DataParallel::DataParallel(const DistEnv& env, const Config& cfg, Device device)
   const bool cpu = device == Device::CPU;
   const double join_s = cfg.get_float("train.dist_join_timeout"), stall_s = cfg.get_float("train.dist_timeout");
   if (!cpu) LOOM_CHECK(nccl::available(), "%s: %s", env.describe().c_str(), nccl::version().c_str());
+  bucket_mb_ = cfg.get_float("train.dist_bucket_mb");
   std::string payload;
   if (env.rank == 0 && cpu) {
     tcp_ = tcp::Comm::listen(env.world, join_s);
@@ -550,16 +551,104 @@ DataParallel::DataParallel(const DistEnv& env, const Config& cfg, Device device)
   if (env.rank == 0) tcp_.accept_ranks();
   else tcp_ = tcp::Comm::connect(env.master_addr, rv_->payload(), env.rank, env.world, join_s);
   tcp_.set_timeout(stall_s > 0 ? stall_s : 1e9);  // 0: no limit, as for the watchdog
+  worker_ = std::thread([this] {
+    std::unique_lock<std::mutex> l(mu_);
+    while (true) {
+      cv_.wait(l, [this] { return stopping_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;  // stopping, nothing left
+      Job j = jobs_.front();
+      jobs_.pop_front();
+      working_ = true;
+      l.unlock();
+      try {
+        if (!error_) tcp_.all_reduce_avg(j.data, j.count, j.dtype);
+      } catch (...) {
+        error_ = std::current_exception();  // reported by join() on the training thread
+      }
+      l.lock();
+      working_ = false;
+      cv_.notify_all();
+    }
+  });
 }
 
 // The communicator is left to the process's exit: ncclCommDestroy can wait on peers that
 // have already gone, and every rank ends (or fails) right after this.
-DataParallel::~DataParallel() { rv_.reset(); }
+DataParallel::~DataParallel() {
+  if (worker_.joinable()) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    worker_.join();
+  }
+  rv_.reset();
+}
+
+void DataParallel::begin_backward(Optimizer& opt) {
+  if (bucket_mb_ <= 0) return;
+  if (!buckets_) {
+    bucket_opt_ = &opt;
+    buckets_ = std::make_unique<GradBuckets>(opt.grad_buffers(), opt.grad_offsets(), size_t(bucket_mb_ * (1 << 20)),
+                                             [this](const Tensor& buf, const GradBuckets::Bucket& b) {
+                                               launch(buf, b.offset, b.numel);
+                                             });
+  }
+  LOOM_CHECK(bucket_opt_ == &opt, "DataParallel::begin_backward: one optimizer per run");
+  next_event_ = 0;
+  buckets_->begin();
+  in_backward_ = true;
+}
+
+void DataParallel::launch(const Tensor& buffer, int64_t offset, int64_t numel) {
+  void* data = static_cast<char*>(buffer.raw()) + offset * int64_t(dtype_size(buffer.dtype()));
+  if (device_ == Device::CPU) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      jobs_.push_back({data, size_t(numel), buffer.dtype()});
+    }
+    cv_.notify_all();
+    return;
+  }
+  // the comm stream starts once the compute stream has written the bucket
+  if (next_event_ == events_.size()) events_.push_back(cuda::event_create(false));
+  void* e = events_[next_event_++];
+  cuda::event_record(e, cuda::default_stream());
+  cuda::stream_wait_event(cuda::comm_stream(), e);
+  nccl::all_reduce_avg(comm_, data, size_t(numel), buffer.dtype(), cuda::comm_stream());
+}
+
+void DataParallel::join() {
+  if (device_ == Device::CPU) {
+    std::unique_lock<std::mutex> l(mu_);
+    cv_.wait(l, [this] { return jobs_.empty() && !working_; });
+    if (error_) std::rethrow_exception(error_);
+    return;
+  }
+  if (!joined_) joined_ = cuda::event_create(false);
+  cuda::event_record(joined_, cuda::comm_stream());
+  cuda::stream_wait_event(cuda::default_stream(), joined_);
+}
 
 void DataParallel::reduce(Optimizer& opt, Tensor& loss) {
   if (loss.defined())
     LOOM_CHECK(loss.numel() == 1 && loss.is_contiguous(), "DataParallel::reduce: the loss must be one value, got %s",
                loss.desc().c_str());
+  if (in_backward_) {  // the buckets: what the backward did not send yet, then wait for all
+    LOOM_CHECK(bucket_opt_ == &opt, "DataParallel::reduce: not the optimizer of begin_backward");
+    in_backward_ = false;
+    const bool learned = buckets_->learned();
+    buckets_->finish();
+    join();
+    if (!learned_logged_ && learned) {  // the first backward that could launch early
+      learned_logged_ = true;
+      std::printf("data parallel: %zu gradient buckets, %d of them averaged while the backward ran\n",
+                  buckets_->buckets().size(), buckets_->launched_early());
+    }
+    if (loss.defined()) all_reduce_avg(loss);
+    return;
+  }
   if (device_ == Device::CPU) {
     for (Tensor& g : opt.grad_buffers()) tcp_.all_reduce_avg(g.raw(), size_t(g.numel()), g.dtype());
     if (loss.defined()) tcp_.all_reduce_avg(loss.raw(), 1, loss.dtype());
@@ -589,11 +678,15 @@ void DataParallel::fail(const std::string& why) {
 }
 
 std::string DataParallel::backend() const {
+  const std::string when =
+      bucket_mb_ > 0 ? strformat("in buckets of about %g MB, each as soon as the backward has written it "
+                                 "(train.dist_bucket_mb)", bucket_mb_)
+                     : std::string("after the backward (train.dist_bucket_mb = 0)");
   if (device_ == Device::CPU)
     return strformat("data parallel: %s; CPU, gradients averaged over TCP through rank 0 (sums in rank order, in "
-                     "double precision) after the backward", env_.describe().c_str());
-  return strformat("data parallel: %s; NCCL %s, gradients averaged with one all-reduce per parameter group after "
-                   "the backward", env_.describe().c_str(), nccl::version().c_str());
+                     "double precision) %s", env_.describe().c_str(), when.c_str());
+  return strformat("data parallel: %s; NCCL %s, gradients averaged %s", env_.describe().c_str(),
+                   nccl::version().c_str(), when.c_str());
 }
 
 }  // namespace loom

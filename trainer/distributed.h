@@ -27,6 +27,9 @@
 // train.dist_timeout seconds, or NCCL's asynchronous error) stops all of them.
 #pragma once
 #include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
@@ -37,6 +40,7 @@
 
 #include "tensor/tensor.h"
 #include "trainer/comm.h"
+#include "trainer/grad_buckets.h"
 
 namespace loom {
 
@@ -134,9 +138,16 @@ class DataParallel {
   int rank() const { return env_.rank; }
   int world() const { return env_.world; }
   const DistEnv& env() const { return env_; }
-  // After backward: average every flat gradient buffer of `opt` and the step's loss (an f32
-  // device scalar, in place) over the ranks; on CUDA on the compute stream (graph-capturable). The
-  // clip norm, the non-finite skip and the update then see the same values on every rank.
+  // Before the backward whose gradients reduce() averages (the last micro-batch's): with
+  // train.dist_bucket_mb > 0 each bucket of gradients (trainer/grad_buckets.h) is averaged as
+  // soon as this backward has written it, on CUDA on comm_stream() after an event, on the CPU
+  // on a thread of this object, while the backward goes on. Without it, reduce() averages
+  // whole buffers after the backward.
+  void begin_backward(Optimizer& opt);
+  // After backward: average every flat gradient buffer of `opt` (or what the buckets have not
+  // sent yet, then wait for them) and the step's loss (an f32 device scalar, in place) over
+  // the ranks; on CUDA ordered on the compute stream (graph-capturable). The clip norm, the
+  // non-finite skip and the update then see the same values on every rank.
   void reduce(Optimizer& opt, Tensor& loss);
   // Average one device tensor in place (CUDA: f32/bf16 on the compute stream; CPU: f32/f64).
   void all_reduce_avg(Tensor& t);
@@ -146,11 +157,34 @@ class DataParallel {
   std::string backend() const;            // one log line
 
  private:
+  void launch(const Tensor& buffer, int64_t offset, int64_t numel);  // one bucket's average, in the background
+  void join();                                                        // wait for every launched one
+
   DistEnv env_;
   Device device_;
   std::unique_ptr<Rendezvous> rv_;
   void* comm_ = nullptr;  // NCCL's communicator (CUDA)
   tcp::Comm tcp_;         // the CPU's
+  // gradient buckets (train.dist_bucket_mb > 0)
+  double bucket_mb_ = 0;
+  std::unique_ptr<GradBuckets> buckets_;
+  const Optimizer* bucket_opt_ = nullptr;
+  bool in_backward_ = false;   // begin_backward() ran, reduce() not yet
+  bool learned_logged_ = false;
+  std::vector<void*> events_;  // CUDA: one per bucket launched in a backward, reused every step
+  size_t next_event_ = 0;
+  void* joined_ = nullptr;
+  struct Job {
+    void* data;
+    size_t count;
+    DType dtype;
+  };
+  std::thread worker_;  // CPU: averages the launched buckets in launch order
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Job> jobs_;
+  bool working_ = false, stopping_ = false;
+  std::exception_ptr error_;
   bool finished_ = false;
 };
 

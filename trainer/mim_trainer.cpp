@@ -317,6 +317,7 @@ int train_mim(const RunContext& ctx) {
     }
     {
       ProfileRange r("backward");
+      if (ctx.dp) ctx.dp->begin_backward(opt);  // gradient buckets averaged beside the backward
       backward(loss, loss_scale.defined() ? loss_scale.reshape(loss.shape()) : Tensor());  // fp16: seed S
     }
     ProfileRange r("optimizer");

@@ -328,8 +328,9 @@ static int train_vlm(const RunContext& ctx) {
     return {loss_f32, norm};
   };
   // Forward and backward of one micro-batch, its gradients scaled by f (1 on one GPU without
-  // accumulation); returns the unscaled loss.
-  auto forward_backward = [&](const VLMBatch& vb, const Tensor& features, double f) -> Tensor {
+  // accumulation); returns the unscaled loss. `last`: the step's last micro-batch, whose
+  // backward data parallel's gradient buckets watch (their averages run beside it).
+  auto forward_backward = [&](const VLMBatch& vb, const Tensor& features, double f, bool last) -> Tensor {
     Tensor loss;
     {
       ProfileRange r("forward");
@@ -338,13 +339,14 @@ static int train_vlm(const RunContext& ctx) {
     Tensor scaled = f != 1.0 ? scale(loss, f) : loss;
     {
       ProfileRange r("backward");
+      if (ctx.dp && last) ctx.dp->begin_backward(opt);
       backward(scaled, loss_scale.defined() ? loss_scale.reshape(scaled.shape()) : Tensor());  // fp16: seed S
     }
     return loss;
   };
   // One whole step of one batch (the graphs' body): forward, backward, the optimizer.
   auto whole_step = [&](const StagedBatch& sb, const std::map<std::string, Tensor>& t) -> std::vector<Tensor> {
-    Tensor loss = forward_backward(from_staged(sb, t), Tensor(), 1.0);
+    Tensor loss = forward_backward(from_staged(sb, t), Tensor(), 1.0, true);
     ProfileRange r("optimizer");
     return optimizer_step(loss);
   };
@@ -407,7 +409,7 @@ static int train_vlm(const RunContext& ctx) {
       if (!ahead) vb = from_staged(sb.batch, up.upload(sb.batch));
       profile_phase("data (upload)");
       const double f = sb.loss_scale / accum;  // 1 on one GPU without accumulation
-      Tensor loss = forward_backward(vb, features, f);
+      Tensor loss = forward_backward(vb, features, f, a == accum - 1);
       up.step_done();
       NoGradGuard ng;
       Tensor l = f != 1.0 ? scale(loss, f) : loss;

@@ -385,6 +385,15 @@ Stream copy_stream() {
   return s;
 }
 
+Stream comm_stream() {
+  static cudaStream_t s = [] {
+    cudaStream_t st;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    return st;
+  }();
+  return s;
+}
+
 void* event_create(bool timing) {
   cudaEvent_t e;
   CUDA_CHECK(cudaEventCreateWithFlags(&e, timing ? cudaEventDefault : cudaEventDisableTiming));
