@@ -1,7 +1,7 @@
 // test_distributed.cpp: the CPU-testable parts of data parallel (trainer/distributed.h): the
 // launchers' environments, the batch shards, the GPU-count errors, the TCP rendezvous that
 // carries the NCCL unique id, with its monitor, and the CPU collectives (ranks as threads on
-// localhost). Whole CPU runs of several processes: tests/dp_cpu.sh.
+// localhost). Whole CPU runs of several processes: tests/data_parallel.sh.
 #include <catch2/catch.hpp>
 
 #include <arpa/inet.h>

@@ -50,7 +50,7 @@ inline constexpr Tol kImageF32{1e-5, 1e-5, "bilinear weights in f32 on 8-bit pix
 // JPEG at quality 100 round trip: DCT quantization and YCbCr rounding move a pixel by a few
 // of 255 levels (x2 after (x - 0.5) / 0.5); 0.1 is about 13 levels.
 inline constexpr Tol kJpegQ100{0.1, 0.0, "JPEG q100: lossy by a few levels per pixel"};
-// Data parallel (tests/dp_cpu.sh reads this line): the per-step f32 training loss of N
+// Data parallel (tests/data_parallel.sh reads this line): the per-step f32 training loss of N
 // processes x batch B against 1 process x N*B. The same math with the batch's sums split
 // differently (each rank's products and means over B rows, then the mean of N means): 1.8e-7
 // and 2.3e-7 relative seen over 8 steps on the CPU; a wrong average or ranks whose weights

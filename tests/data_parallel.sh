@@ -1,24 +1,36 @@
 #!/usr/bin/env bash
-# tests/dp_cpu.sh [TRAIN]: data parallel on the CPU (train.procs, trainer/comm_tcp.cpp), the
-# checks of tools/dp-check.sh that need no GPU. Run by ctest (test `dp_cpu`) and by hand.
+# tests/data_parallel.sh [TRAIN] [cpu|cuda]: data parallel as several ./train processes, the
+# checks of tools/dp-check.sh as ctest tests: `dp_cpu` (every build, CI: train.procs, the
+# average over TCP, trainer/comm_tcp.cpp) and `dp_gpu` (CUDA builds: train.gpus=2, NCCL, in
+# f32 with LOOM_DETERMINISTIC=1; skipped, exit 4, on a machine with fewer than 2 GPUs).
 #   equal   2 processes x batch B give the per-step losses of 1 process x 2B: MIM and the VLM
 #           (f32, within tests/tolerances.h's kDataParallelLossF32)
 #   buckets gradients averaged in small buckets during the backward (train.dist_bucket_mb),
-#           in the default 25 MB ones and after the backward give the same losses bit for bit,
-#           and small buckets do start before the backward ends
-#   logs    the launcher started CPU processes and rank 1 averaged over TCP
+#           in the default 25 MB ones and after the backward give the same losses (bit for
+#           bit on the CPU, whose sums are in rank order), and small buckets do start before
+#           the backward ends
+#   logs    the launcher started the ranks and rank 1 says how it averages
 #   fault   kill -9 of rank 1: rank 0 and the launcher stop within 30 s with an error naming
 #           the lost rank; the run resumes from its last checkpoint on 2 processes and on 1
 # Prints one line per check; exits with the number of failures.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 TRAIN=${1:-./train}
+DEVICE=${2:-cpu}
+if [ "$DEVICE" = cuda ]; then
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+  [ "$gpus" -ge 2 ] || { echo "data_parallel cuda: $gpus GPU(s) here, 2 needed: skipped"; exit 4; }
+  export LOOM_DETERMINISTIC=1 NCCL_NVLS_ENABLE=0
+  RANKS=--train.gpus=2 DEV=(--train.device=cuda --train.dtype=f32) BACKEND="; NCCL"
+else
+  RANKS=--train.procs=2 DEV=(--train.device=cpu) BACKEND="CPU, gradients averaged over TCP"
+fi
 TOL=$(sed -n 's/^inline constexpr double kDataParallelLossF32 = \([0-9.e+-]*\);.*/\1/p' tests/tolerances.h)
-[ -n "$TOL" ] || { echo "dp_cpu: no kDataParallelLossF32 in tests/tolerances.h"; exit 1; }
-W=$(mktemp -d /tmp/loom_dp_cpu_XXXXXX)
+[ -n "$TOL" ] || { echo "data_parallel: no kDataParallelLossF32 in tests/tolerances.h"; exit 1; }
+W=$(mktemp -d /tmp/loom_data_parallel_XXXXXX)
 trap 'rm -rf "$W"' EXIT
 fails=0
-note() { echo "dp_cpu: $*"; }
+note() { echo "data_parallel $DEVICE: $*"; }
 fail() { note "FAIL: $*"; fails=$((fails + 1)); }
 
 # losses FILE: "step loss" per training line of metrics.jsonl
@@ -40,27 +52,32 @@ run() {  # run NAME ARGS...: ./train with a time limit, its log in $W/NAME.log
   timeout 300 "$TRAIN" "$@" > "$W/$name.log" 2>&1 || { fail "$name: exit $?"; tail -5 "$W/$name.log"; return 1; }
 }
 
-MIM=(vit_mim.cfg --train.device=cpu --train.steps=8 --train.warmup_steps=2 --train.log_every=1 --train.eval_every=0
+MIM=(vit_mim.cfg "${DEV[@]}" --train.steps=8 --train.warmup_steps=2 --train.log_every=1 --train.eval_every=0
      --data.train_samples=512 --data.val_samples=64 --eval.samples=64)
-VLM=(vlm_sft.cfg --train.device=cpu --train.steps=8 --train.warmup_steps=2 --train.log_every=1 --train.eval_every=0
+VLM=(vlm_sft.cfg "${DEV[@]}" --train.steps=8 --train.warmup_steps=2 --train.log_every=1 --train.eval_every=0
      --data.train_samples=200 --data.val_samples=8 --eval.samples=4)
 
 # ---- equal
 run mim_1 "${MIM[@]}" --train.batch_size=32 --train.out_dir="$W/mim_1" &&
-  run mim_2 "${MIM[@]}" --train.batch_size=16 --train.procs=2 --train.out_dir="$W/mim_2" &&
+  run mim_2 "${MIM[@]}" --train.batch_size=16 $RANKS --train.out_dir="$W/mim_2" &&
   compare "mim, 1 process x 32 vs 2 processes x 16" "$W/mim_1" "$W/mim_2"
 run vlm_1 "${VLM[@]}" --train.batch_size=4 --train.out_dir="$W/vlm_1" &&
-  run vlm_2 "${VLM[@]}" --train.batch_size=2 --train.procs=2 --train.out_dir="$W/vlm_2" &&
+  run vlm_2 "${VLM[@]}" --train.batch_size=2 $RANKS --train.out_dir="$W/vlm_2" &&
   compare "vlm_sft, 1 process x 4 rows vs 2 processes x 2 rows" "$W/vlm_1" "$W/vlm_2"
 
 # ---- buckets: the averages of small buckets start during the backward; the sums are the same
-run mim_2_b0 "${MIM[@]}" --train.batch_size=16 --train.procs=2 --train.dist_bucket_mb=0 --train.out_dir="$W/mim_2_b0" &&
-  run mim_2_bs "${MIM[@]}" --train.batch_size=16 --train.procs=2 --train.dist_bucket_mb=0.02 --train.out_dir="$W/mim_2_bs" &&
-  if cmp -s <(losses "$W/mim_2_b0/metrics.jsonl") <(losses "$W/mim_2_bs/metrics.jsonl") &&
-     cmp -s <(losses "$W/mim_2_b0/metrics.jsonl") <(losses "$W/mim_2/metrics.jsonl"); then
-    note "mim, 2 processes: buckets of 0.02 MB, of 25 MB and one average after the backward give the same losses bit for bit: ok"
-  else
-    fail "mim, 2 processes: the losses differ between train.dist_bucket_mb = 0, 0.02 and 25"
+run mim_2_b0 "${MIM[@]}" --train.batch_size=16 $RANKS --train.dist_bucket_mb=0 --train.out_dir="$W/mim_2_b0" &&
+  run mim_2_bs "${MIM[@]}" --train.batch_size=16 $RANKS --train.dist_bucket_mb=0.02 --train.out_dir="$W/mim_2_bs" &&
+  if [ "$DEVICE" = cpu ]; then
+    if cmp -s <(losses "$W/mim_2_b0/metrics.jsonl") <(losses "$W/mim_2_bs/metrics.jsonl") &&
+       cmp -s <(losses "$W/mim_2_b0/metrics.jsonl") <(losses "$W/mim_2/metrics.jsonl"); then
+      note "mim, 2 processes: buckets of 0.02 MB, of 25 MB and one average after the backward give the same losses bit for bit: ok"
+    else
+      fail "mim, 2 processes: the losses differ between train.dist_bucket_mb = 0, 0.02 and 25"
+    fi
+  else  # NCCL may pick another algorithm for another message size
+    compare "mim, 2 GPUs: one average after the backward vs buckets of 0.02 MB" "$W/mim_2_b0" "$W/mim_2_bs"
+    compare "mim, 2 GPUs: one average after the backward vs buckets of 25 MB" "$W/mim_2_b0" "$W/mim_2"
   fi
 early=$(sed -n 's/^data parallel: \([0-9]*\) gradient buckets, \([0-9]*\) of them averaged while the backward ran$/\1 \2/p' "$W/mim_2_bs.log")
 if [ -n "$early" ] && [ "${early% *}" -gt 2 ] && [ "${early#* }" -gt 1 ]; then
@@ -70,17 +87,17 @@ else
 fi
 
 # ---- logs
-if [ -f "$W/vlm_2/rank_1.log" ] && grep -q "CPU, gradients averaged over TCP" "$W/vlm_2/rank_1.log" &&
-   grep -q "CPU processes" "$W/vlm_2.log"; then
-  note "logs: the launcher started CPU processes, rank 1 averaged over TCP: ok"
+if [ -f "$W/vlm_2/rank_1.log" ] && grep -q "^data parallel: rank 1 of 2.*$BACKEND" "$W/vlm_2/rank_1.log" &&
+   grep -q "^launching 2 ranks" "$W/vlm_2.log"; then
+  note "logs: the launcher started 2 ranks, rank 1 says '$BACKEND': ok"
 else
-  fail "logs: no CPU data-parallel lines in $W/vlm_2.log / rank_1.log"
+  fail "logs: no data-parallel lines with '$BACKEND' in $W/vlm_2.log / rank_1.log"
 fi
 
 # ---- fault
 D="$W/fault"
 F=("${MIM[@]}" --train.steps=4000 --train.batch_size=16 --train.save_every=5 --train.keep_last=2 --train.out_dir="$D")
-"$TRAIN" "${F[@]}" --train.procs=2 > "$W/fault.log" 2>&1 &
+"$TRAIN" "${F[@]}" $RANKS > "$W/fault.log" 2>&1 &
 launcher=$!
 for _ in $(seq 1 600); do
   ls "$D" 2>/dev/null | grep -q '^step_0*[1-9][0-9]*$' && break
@@ -113,7 +130,7 @@ else
   fi
   last=$(ls "$D" | grep '^step_0*[0-9]*$' | sort | tail -1)
   stop=$(( 10#${last#step_} + 3 ))
-  run fault_resume_2 "${F[@]}" --train.procs=2 --train.resume=latest --train.stop_at=$stop &&
+  run fault_resume_2 "${F[@]}" $RANKS --train.resume=latest --train.stop_at=$stop &&
     grep -q "resumed from" "$W/fault_resume_2.log" && note "fault: resumed from $last on 2 processes, stopped at step $stop: ok" ||
     fail "fault: no resume on 2 processes (see $W/fault_resume_2.log)"
   run fault_resume_1 "${F[@]}" --train.batch_size=32 --train.resume=latest --train.stop_at=$((stop + 3)) &&
