@@ -550,12 +550,12 @@ DataParallel::DataParallel(const DistEnv& env, const Config& cfg, Device device)
   }
   if (env.rank == 0) tcp_.accept_ranks();
   else tcp_ = tcp::Comm::connect(env.master_addr, rv_->payload(), env.rank, env.world, join_s);
-  tcp_.set_timeout(stall_s > 0 ? stall_s : 1e9);  // 0: no limit, as for the watchdog
+  tcp_.set_timeout(stall_s);  // a peer silent that long: the watchdog stops the run too
   worker_ = std::thread([this] {
     std::unique_lock<std::mutex> l(mu_);
     while (true) {
       cv_.wait(l, [this] { return stopping_ || !jobs_.empty(); });
-      if (jobs_.empty()) return;  // stopping, nothing left
+      if (stopping_) return;  // the run ends (reduce() has joined) or fails (what is queued no longer matters)
       Job j = jobs_.front();
       jobs_.pop_front();
       working_ = true;
