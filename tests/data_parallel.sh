@@ -9,6 +9,7 @@
 #           in the default 25 MB ones and after the backward give the same losses (bit for
 #           bit on the CPU, whose sums are in rank order), and small buckets do start before
 #           the backward ends
+#   env     ranks started by hand with torchrun's variables (no launcher) give the same losses
 #   logs    the launcher started the ranks and rank 1 says how it averages
 #   fault   kill -9 of rank 1: rank 0 and the launcher stop within 30 s with an error naming
 #           the lost rank; the run resumes from its last checkpoint on 2 processes and on 1
@@ -84,6 +85,29 @@ if [ -n "$early" ] && [ "${early% *}" -gt 2 ] && [ "${early#* }" -gt 1 ]; then
   note "buckets of 0.02 MB: ${early#* } of ${early% *} averaged while the backward ran: ok"
 else
   fail "buckets of 0.02 MB: expected several buckets, more than one averaged during the backward; the log says '$early'"
+fi
+
+# ---- torchrun's way: two processes started with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
+# no launcher of ours give the launcher's losses (on the CPU bit for bit: each rank with the
+# OpenMP threads the launcher gives it, the summation orders are the same)
+P=$((20000 + RANDOM % 20000))
+threads=${OMP_NUM_THREADS:-$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))}
+for k in 0 1; do
+  RANK=$k LOCAL_RANK=$k WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$P OMP_NUM_THREADS=$threads \
+    timeout 300 "$TRAIN" "${MIM[@]}" --train.batch_size=16 --train.out_dir="$W/mim_env" > "$W/mim_env_$k.log" 2>&1 &
+done
+if wait -n && wait -n; then
+  if [ "$DEVICE" = cpu ]; then
+    if cmp -s <(losses "$W/mim_2/metrics.jsonl") <(losses "$W/mim_env/metrics.jsonl"); then
+      note "mim, 2 ranks from environment variables and from ./train's launcher: the same losses bit for bit: ok"
+    else
+      fail "mim, 2 ranks from environment variables: losses differ from the launcher's run"
+    fi
+  else
+    compare "mim, 2 ranks from environment variables vs ./train's launcher" "$W/mim_2" "$W/mim_env"
+  fi
+else
+  fail "mim, 2 ranks from environment variables: a rank failed ($(grep -h '^error' "$W"/mim_env_*.log | head -1))"
 fi
 
 # ---- logs
