@@ -4,7 +4,9 @@
 #   bash tools/dp-check.sh build      configure + build ./train (CUDA, NCCL)
 #   bash tools/dp-check.sh equal      f32: 2 GPUs x batch B == 1 GPU x 2B, per-step losses, MIM and VLM
 #   bash tools/dp-check.sh bf16       the same in bf16 (tolerance BF16_TOL, default 2e-2)
-#   bash tools/dp-check.sh scale      bench_mim / bench_vlm_sft, same per-GPU batch: 1 vs 2 GPUs
+#   bash tools/dp-check.sh scale      bench_mim / bench_vlm_sft, same per-GPU batch: 1 vs 2 GPUs, the 2-GPU
+#                                     run with gradient buckets beside the backward (default) and
+#                                     with one average after it (train.dist_bucket_mb=0)
 #   bash tools/dp-check.sh nodes      two torchrun launchers (--nnodes=2, one GPU each) over sockets
 #   bash tools/dp-check.sh fault      kill -9 of rank 1 mid-run; rank 0 must stop in < 60 s; resume
 #   bash tools/dp-check.sh auto       vlm_sft.cfg as shipped (train.device = auto) on 2 GPUs, bf16 and
@@ -72,10 +74,14 @@ for what in "$@"; do
       S=${SCALE_STEPS:-15}
       for w in mim vlm_sft; do
         run bench_${w}_1gpu bench_$w.cfg --train.steps=$S --train.out_dir=runs/dp_bench_${w}_1 &&
-        run bench_${w}_2gpu bench_$w.cfg --train.steps=$S --train.gpus=2 --train.out_dir=runs/dp_bench_${w}_2 || continue
+        run bench_${w}_2gpu bench_$w.cfg --train.steps=$S --train.gpus=2 --train.out_dir=runs/dp_bench_${w}_2 &&
+        run bench_${w}_2gpu_after bench_$w.cfg --train.steps=$S --train.gpus=2 --train.dist_bucket_mb=0 \
+          --train.out_dir=runs/dp_bench_${w}_2after || continue
         r1=$(python3 tools/dp_compare.py --rate runs/dp_bench_${w}_1/metrics.jsonl 5)
         r2=$(python3 tools/dp_compare.py --rate runs/dp_bench_${w}_2/metrics.jsonl 5)
-        note "bench_$w: 1 GPU $r1/s, 2 GPUs $r2/s (global), speed-up $(python3 -c "print(f'{$r2/$r1:.2f}x')")"
+        r3=$(python3 tools/dp_compare.py --rate runs/dp_bench_${w}_2after/metrics.jsonl 5)
+        note "bench_$w: 1 GPU $r1/s, 2 GPUs $r2/s (global), speed-up $(python3 -c "print(f'{$r2/$r1:.2f}x')"); with one average after the backward (train.dist_bucket_mb=0) $r3/s, $(python3 -c "print(f'{$r3/$r1:.2f}x')")"
+        grep -h "gradient buckets" "$OUT/bench_${w}_2gpu.log" | head -1 | sed 's/^/  /' | tee -a "$OUT/summary.txt"
         grep -h "peak" "$OUT/bench_${w}_1gpu.log" | tail -1 | sed 's/^/  1 GPU last step: /' | tee -a "$OUT/summary.txt"
         grep -h "peak" "$OUT/bench_${w}_2gpu.log" | tail -1 | sed 's/^/  2 GPUs last step: /' | tee -a "$OUT/summary.txt"
         for d in runs/dp_bench_${w}_*; do cp $d/metrics.jsonl "$OUT/$(basename $d).metrics.jsonl"; done
