@@ -65,11 +65,13 @@ class Comm {
   int world() const { return world_; }
 
  private:
+  template <class T>
+  void average(T* buf, size_t count);
+
   int rank_ = 0, world_ = 1, listen_fd_ = -1, port_ = 0;
   double timeout_ms_ = 0;
-  std::vector<int> fds_;       // rank 0: fds_[r] for r >= 1; others: fds_[0] is rank 0
-  std::vector<double> sum_;    // rank 0: one chunk's running sums
-  std::vector<char> chunk_;    // rank 0: one peer's chunk
+  std::vector<int> fds_;     // rank 0: fds_[r] for r >= 1; others: fds_[0] is rank 0
+  std::vector<double> sum_;  // rank 0: one chunk's running sums
 };
 
 }  // namespace loom::tcp

@@ -70,7 +70,6 @@ Comm& Comm::operator=(Comm&& o) noexcept {
   std::swap(timeout_ms_, o.timeout_ms_);
   std::swap(fds_, o.fds_);
   std::swap(sum_, o.sum_);
-  std::swap(chunk_, o.chunk_);
   return *this;
 }
 
@@ -80,45 +79,36 @@ Comm::~Comm() {
   if (listen_fd_ >= 0) close(listen_fd_);
 }
 
-template <class T>
-static void add_into(std::vector<double>& sum, const T* x, size_t n, bool first) {
-  for (size_t i = 0; i < n; i++) sum[i] = first ? double(x[i]) : sum[i] + double(x[i]);
-}
-
-template <class T>
-static void mean_into(T* out, const std::vector<double>& sum, size_t n, int world) {
-  for (size_t i = 0; i < n; i++) out[i] = T(sum[i] / world);
-}
-
 void Comm::all_reduce_avg(void* buf, size_t count, DType dt) {
   if (world_ == 1 || count == 0) return;
-  LOOM_CHECK(dt == DType::F32 || dt == DType::F64, "data parallel (CPU): no average for dtype %s (f32, f64)",
-             dtype_name(dt));
-  const size_t es = dt == DType::F32 ? 4 : 8, per = kChunkBytes / es;
-  char* base = static_cast<char*>(buf);
+  if (dt == DType::F32) average(static_cast<float*>(buf), count);
+  else if (dt == DType::F64) average(static_cast<double*>(buf), count);
+  else LOOM_CHECK(false, "data parallel (CPU): no average for dtype %s (f32, f64)", dtype_name(dt));
+}
+
+template <class T>
+void Comm::average(T* buf, size_t count) {
+  const size_t per = kChunkBytes / sizeof(T);
+  std::vector<T> peer;  // rank 0: one peer's chunk
   for (size_t at = 0; at < count; at += per) {
-    const size_t n = std::min(per, count - at), bytes = n * es;
-    char* p = base + at * es;
+    const size_t n = std::min(per, count - at), bytes = n * sizeof(T);
+    T* p = buf + at;
     const double deadline = net::now_ms() + timeout_ms_;
-    if (rank_ != 0) {
+    if (rank_ != 0) {  // send the chunk, get the mean back
       LOOM_CHECK(net::write_all(fds_[0], p, bytes) && net::read_all(fds_[0], p, bytes, deadline),
                  "data parallel (CPU): rank %d lost rank 0 during an average (it stopped, or sent nothing for %.0f "
                  "s)", rank_, timeout_ms_ / 1e3);
       continue;
     }
-    sum_.resize(n);
-    chunk_.resize(bytes);
-    if (dt == DType::F32) add_into(sum_, reinterpret_cast<const float*>(p), n, true);
-    else add_into(sum_, reinterpret_cast<const double*>(p), n, true);
+    sum_.assign(p, p + n);  // rank 0's values, then every other rank's in rank order
+    peer.resize(n);
     for (int r = 1; r < world_; r++) {
-      LOOM_CHECK(net::read_all(fds_[size_t(r)], chunk_.data(), bytes, deadline),
+      LOOM_CHECK(net::read_all(fds_[size_t(r)], peer.data(), bytes, deadline),
                  "data parallel (CPU): rank 0 lost rank %d during an average (it stopped, or sent nothing for %.0f s)",
                  r, timeout_ms_ / 1e3);
-      if (dt == DType::F32) add_into(sum_, reinterpret_cast<const float*>(chunk_.data()), n, false);
-      else add_into(sum_, reinterpret_cast<const double*>(chunk_.data()), n, false);
+      for (size_t i = 0; i < n; i++) sum_[i] += double(peer[i]);
     }
-    if (dt == DType::F32) mean_into(reinterpret_cast<float*>(p), sum_, n, world_);
-    else mean_into(reinterpret_cast<double*>(p), sum_, n, world_);
+    for (size_t i = 0; i < n; i++) p[i] = T(sum_[i] / world_);  // rounded once
     for (int r = 1; r < world_; r++)
       LOOM_CHECK(net::write_all(fds_[size_t(r)], p, bytes), "data parallel (CPU): rank 0 lost rank %d during an average",
                  r);

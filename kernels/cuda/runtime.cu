@@ -376,21 +376,19 @@ void graph_destroy(void* g) {
   if (g) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(g));
 }
 
+static cudaStream_t non_blocking_stream() {
+  cudaStream_t st;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  return st;
+}
+
 Stream copy_stream() {
-  static cudaStream_t s = [] {
-    cudaStream_t st;
-    CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-    return st;
-  }();
+  static cudaStream_t s = non_blocking_stream();
   return s;
 }
 
 Stream comm_stream() {
-  static cudaStream_t s = [] {
-    cudaStream_t st;
-    CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-    return st;
-  }();
+  static cudaStream_t s = non_blocking_stream();
   return s;
 }
 
