@@ -376,19 +376,12 @@ void graph_destroy(void* g) {
   if (g) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(g));
 }
 
-static cudaStream_t non_blocking_stream() {
-  cudaStream_t st;
-  CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  return st;
-}
-
 Stream copy_stream() {
-  static cudaStream_t s = non_blocking_stream();
-  return s;
-}
-
-Stream comm_stream() {
-  static cudaStream_t s = non_blocking_stream();
+  static cudaStream_t s = [] {
+    cudaStream_t st;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    return st;
+  }();
   return s;
 }
 
@@ -448,6 +441,17 @@ Stream side_stream() {
   return s;
 }
 Stream default_stream() { return t_side ? side_stream() : main_stream(); }
+// Data parallel's averages beside the backward: non-blocking, at the main stream's priority, so
+// that a bucket's few NCCL blocks start as soon as its event fires instead of queueing behind
+// the backward's blocks
+Stream comm_stream() {
+  static cudaStream_t s = [] {
+    cudaStream_t st;
+    CUDA_CHECK(cudaStreamCreateWithPriority(&st, cudaStreamNonBlocking, stream_priority(true)));
+    return st;
+  }();
+  return s;
+}
 
 void side_scope_begin() {
   if (t_side) throw std::logic_error("side_scope_begin: already in a side scope");
