@@ -61,8 +61,6 @@ class Comm {
   // How long an average waits for a peer (train.dist_timeout; the join uses the timeout given
   // to listen / connect).
   void set_timeout(double seconds) { timeout_ms_ = seconds * 1e3; }
-  int rank() const { return rank_; }
-  int world() const { return world_; }
 
  private:
   template <class T>
@@ -72,6 +70,7 @@ class Comm {
   double timeout_ms_ = 0;
   std::vector<int> fds_;     // rank 0: fds_[r] for r >= 1; others: fds_[0] is rank 0
   std::vector<double> sum_;  // rank 0: one chunk's running sums
+  std::vector<char> peer_;   // rank 0: one peer's chunk
 };
 
 }  // namespace loom::tcp

@@ -70,6 +70,7 @@ Comm& Comm::operator=(Comm&& o) noexcept {
   std::swap(timeout_ms_, o.timeout_ms_);
   std::swap(fds_, o.fds_);
   std::swap(sum_, o.sum_);
+  std::swap(peer_, o.peer_);
   return *this;
 }
 
@@ -89,7 +90,6 @@ void Comm::all_reduce_avg(void* buf, size_t count, DType dt) {
 template <class T>
 void Comm::average(T* buf, size_t count) {
   const size_t per = kChunkBytes / sizeof(T);
-  std::vector<T> peer;  // rank 0: one peer's chunk
   for (size_t at = 0; at < count; at += per) {
     const size_t n = std::min(per, count - at), bytes = n * sizeof(T);
     T* p = buf + at;
@@ -101,9 +101,10 @@ void Comm::average(T* buf, size_t count) {
       continue;
     }
     sum_.assign(p, p + n);  // rank 0's values, then every other rank's in rank order
-    peer.resize(n);
+    peer_.resize(bytes);
+    const T* peer = reinterpret_cast<const T*>(peer_.data());
     for (int r = 1; r < world_; r++) {
-      LOOM_CHECK(net::read_all(fds_[size_t(r)], peer.data(), bytes, deadline),
+      LOOM_CHECK(net::read_all(fds_[size_t(r)], peer_.data(), bytes, deadline),
                  "data parallel (CPU): rank 0 lost rank %d during an average (it stopped, or sent nothing for %.0f s)",
                  r, timeout_ms_ / 1e3);
       for (size_t i = 0; i < n; i++) sum_[i] += double(peer[i]);

@@ -551,6 +551,7 @@ DataParallel::DataParallel(const DistEnv& env, const Config& cfg, Device device)
   if (env.rank == 0) tcp_.accept_ranks();
   else tcp_ = tcp::Comm::connect(env.master_addr, rv_->payload(), env.rank, env.world, join_s);
   tcp_.set_timeout(stall_s);  // a peer silent that long: the watchdog stops the run too
+  if (bucket_mb_ <= 0) return;  // one average after the backward, on the training thread
   worker_ = std::thread([this] {
     std::unique_lock<std::mutex> l(mu_);
     while (true) {

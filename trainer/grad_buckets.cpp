@@ -58,47 +58,45 @@ void GradBuckets::begin() {
   set_backward_observer(this);
 }
 
-int GradBuckets::find_param(const Tensor& leaf) const {
+GradBuckets::Param* GradBuckets::find_param(const Tensor& leaf) {
   const Tensor& g = leaf.grad();
-  if (!g.defined()) return -1;
+  if (!g.defined()) return nullptr;
   const char* p = static_cast<const char*>(g.raw());
   for (size_t b = 0; b < buffers_.size(); b++) {
     const char* base = static_cast<const char*>(buffers_[b].raw());
     const size_t es = dtype_size(buffers_[b].dtype());
     if (p < base || p >= base + size_t(buffers_[b].numel()) * es || g.dtype() != buffers_[b].dtype()) continue;
     const int64_t at = int64_t(p - base) / int64_t(es);
-    const auto& ps = params_[b];
+    auto& ps = params_[b];
     auto it = std::upper_bound(ps.begin(), ps.end(), at, [](int64_t x, const Param& q) { return x < q.begin; });
-    if (it == ps.begin()) return -1;
+    if (it == ps.begin()) return nullptr;
     --it;
-    if (it->begin != at || it->end - it->begin != g.numel()) return -1;  // not a whole parameter's gradient
-    return int(b) << 24 | int(it - ps.begin());
+    if (it->begin != at || it->end - it->begin != g.numel()) return nullptr;  // not a whole parameter's gradient
+    return &*it;
   }
-  return -1;
+  return nullptr;
 }
 
 void GradBuckets::leaf_written(const Tensor& leaf) {
   if (!active_) return;
-  const int id = find_param(leaf);
-  if (id < 0) return;
-  const int b = id >> 24, i = id & 0xffffff;
-  Param& p = params_[size_t(b)][size_t(i)];
-  p.count++;
+  Param* p = find_param(leaf);
+  if (!p) return;
+  p->count++;
   if (!learned_) return;
-  LOOM_CHECK(p.count <= p.expected,
+  LOOM_CHECK(p->count <= p->expected,
              "data parallel: a parameter (gradient buffer %d, elements %lld..%lld) was written %lld times in this "
              "backward, %lld in the first: the step's graph changed between steps, and its gradient bucket may "
              "already be averaging; train.dist_bucket_mb = 0 averages after the backward instead",
-             b, (long long)p.begin, (long long)p.end, (long long)p.count, (long long)p.expected);
-  if (p.count == p.expected) done_now_.push_back({b, i});
+             buckets_[size_t(p->bucket)].buffer, (long long)p->begin, (long long)p->end, (long long)p->count,
+             (long long)p->expected);
+  if (p->count == p->expected) done_now_.push_back(p->bucket);
 }
 
 void GradBuckets::node_done() {
   if (!active_ || done_now_.empty()) return;
   // the node that made these parameters complete has run (its kernels are enqueued before
   // anything launched here on the stream's order; on the CPU they have finished)
-  for (auto [b, i] : done_now_) {
-    const int k = params_[size_t(b)][size_t(i)].bucket;
+  for (int k : done_now_) {
     if (--left_[size_t(k)] == 0) {
       launch_bucket(k);
       early_++;

@@ -21,7 +21,6 @@
 #pragma once
 #include <cstdint>
 #include <functional>
-#include <string>
 #include <vector>
 
 #include "autograd/autograd.h"
@@ -57,7 +56,7 @@ class GradBuckets : public BackwardObserver {
     int bucket;
     int64_t expected = 0, count = 0;
   };
-  int find_param(const Tensor& leaf) const;  // -1: not one of the buffers' parameters
+  Param* find_param(const Tensor& leaf);  // nullptr: not one of the buffers' parameters
   void launch_bucket(int b);
 
   std::vector<Tensor> buffers_;
@@ -65,7 +64,7 @@ class GradBuckets : public BackwardObserver {
   std::vector<Bucket> buckets_;
   std::vector<int> left_;                   // per bucket: parameters not yet complete
   std::vector<bool> sent_;
-  std::vector<std::pair<int, int>> done_now_;  // (buffer, param) completed in the running node
+  std::vector<int> done_now_;               // buckets of the parameters completed in the running node
   Launch launch_;
   bool active_ = false, learned_ = false;
   int early_ = 0;
