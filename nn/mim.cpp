@@ -126,7 +126,11 @@ Tensor LatentMIM::forward(const std::vector<MIMView>& views) const {
     }
     loss = scale(loss, 1.0 / double(views.size()));
   }
-  if (cfg.contrastive) loss = add(loss, scale(infonce_loss(pooled[0], pooled[1], cfg.tau), cfg.contrastive_weight));
+  if (cfg.contrastive) {
+    if (gather_pooled)
+      for (Tensor& p : pooled) p = gather_pooled(p);
+    loss = add(loss, scale(infonce_loss(pooled[0], pooled[1], cfg.tau), cfg.contrastive_weight));
+  }
   return loss;
 }
 

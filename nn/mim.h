@@ -3,6 +3,8 @@
 // vectorized patch-discrimination loss and, for the contrastive variant, InfoNCE between the
 // two views' pooled encodings.
 #pragma once
+#include <functional>
+
 #include "nn/vit.h"
 
 namespace loom {
@@ -41,6 +43,10 @@ class LatentMIM : public Module {
   std::vector<std::unique_ptr<ViTBlock>> pred_blocks;
   bool checkpoint_blocks = false;  // gradient checkpointing of the predictor blocks
   bool batch_views = true;         // views of one shape as one batch (false: one pass per view)
+  // Data parallel with train.dist_infonce = global: each view's pooled features [B, D] become
+  // every rank's [ranks x B, D] (DataParallel::all_gather_rows) before the InfoNCE. Unset: the
+  // InfoNCE's negatives are this process's batch.
+  std::function<Tensor(const Tensor&)> gather_pooled;
   LayerNorm pred_norm;
   Linear pred_out;
 

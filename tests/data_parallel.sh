@@ -9,6 +9,8 @@
 #           in the default 25 MB ones and after the backward give the same losses (bit for
 #           bit on the CPU, whose sums are in rank order), and small buckets do start before
 #           the backward ends
+#   infonce the contrastive MIM with train.dist_infonce = global: 2 x B as 1 x 2B; with local,
+#           not (each rank's own negatives)
 #   env     ranks started by hand with torchrun's variables (no launcher) give the same losses
 #   logs    the launcher started the ranks and rank 1 says how it averages
 #   fault   kill -9 of rank 1: rank 0 and the launcher stop within 30 s with an error naming
@@ -36,15 +38,20 @@ fail() { note "FAIL: $*"; fails=$((fails + 1)); }
 
 # losses FILE: "step loss" per training line of metrics.jsonl
 losses() { sed -n 's/.*"kind":"train","loss":\([^,]*\),.*"step":\([0-9]*\)[,}].*/\2 \1/p' "$1"; }
-# compare NAME A B: every step of A in B, relative loss difference <= TOL
-compare() {
-  local out
-  out=$(join <(losses "$2/metrics.jsonl" | sort -k1,1) <(losses "$3/metrics.jsonl" | sort -k1,1) |
-        awk -v tol=$TOL -v want="$(losses "$2/metrics.jsonl" | wc -l)" '
+# diff_of A B: prints "n of m steps, largest relative difference ..."; true when every step of
+# A is in B within TOL
+diff_of() {
+  join <(losses "$1/metrics.jsonl" | sort -k1,1) <(losses "$2/metrics.jsonl" | sort -k1,1) |
+        awk -v tol=$TOL -v want="$(losses "$1/metrics.jsonl" | wc -l)" '
           { d = $2 - $3; if (d < 0) d = -d; s = $2 < 0 ? -$2 : $2; r = d / (s > 1e-12 ? s : 1e-12);
             if (r > worst) { worst = r; at = $1 } n++ }
           END { printf "%d of %d steps, largest relative difference %.3e (step %s)", n, want, worst, at;
-                exit !(n == want && n > 0 && worst <= tol) }')
+                exit !(n == want && n > 0 && worst <= tol) }'
+}
+# compare NAME A B: every step of A in B, relative loss difference <= TOL
+compare() {
+  local out
+  out=$(diff_of "$2" "$3")
   if [ $? -eq 0 ]; then note "$1: $out: ok"; else fail "$1: $out (tolerance $TOL)"; fi
 }
 run() {  # run NAME ARGS...: ./train with a time limit, its log in $W/NAME.log
@@ -86,6 +93,20 @@ if [ -n "$early" ] && [ "${early% *}" -gt 2 ] && [ "${early#* }" -gt 1 ]; then
 else
   fail "buckets of 0.02 MB: expected several buckets, more than one averaged during the backward; the log says '$early'"
 fi
+
+# ---- the contrastive MIM's InfoNCE: with train.dist_infonce = global (the pooled features of
+# every rank gathered) 2 x 16 trains as 1 x 32; with the default (local: each rank's own batch as
+# negatives, as the reference's DDP) it does not, which shows the comparison can fail
+run cmim_1 "${MIM[@]}" --model.contrastive=true --train.batch_size=32 --train.out_dir="$W/cmim_1" &&
+  run cmim_2g "${MIM[@]}" --model.contrastive=true --train.batch_size=16 $RANKS --train.dist_infonce=global \
+    --train.out_dir="$W/cmim_2g" &&
+  compare "contrastive mim, global InfoNCE, 1 process x 32 vs 2 processes x 16" "$W/cmim_1" "$W/cmim_2g" &&
+  run cmim_2l "${MIM[@]}" --model.contrastive=true --train.batch_size=16 $RANKS --train.out_dir="$W/cmim_2l" &&
+  if out=$(diff_of "$W/cmim_1" "$W/cmim_2l"); then
+    fail "contrastive mim, local InfoNCE: 2 x 16 matched 1 x 32 ($out); expected each rank's own negatives to show"
+  else
+    note "contrastive mim, local InfoNCE: 2 x 16 differs from 1 x 32 ($out): ok"
+  fi
 
 # ---- torchrun's way: two processes started with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
 # no launcher of ours give the launcher's losses (on the CPU bit for bit: each rank with the

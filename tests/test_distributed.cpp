@@ -17,6 +17,8 @@
 #include <string>
 #include <thread>
 
+#include "autograd/autograd.h"
+#include "autograd/ops.h"
 #include "trainer/distributed.h"
 #include "trainer/trainer.h"
 
@@ -315,6 +317,78 @@ TEST_CASE("CPU collectives: every rank gets the same mean, summed in rank order,
   check_tcp_average<float>(3, per_chunk_f32 * 2 + 12345, seed);  // two whole chunks and a part
   check_tcp_average<double>(2, per_chunk_f32 / 2 + 7, seed + 1);  // one f64 chunk and a part
   check_tcp_average<float>(4, 1, seed + 2);                       // the loss: one value
+}
+
+TEST_CASE("CPU collectives: a gather puts every rank's part in rank order, the same bits on every rank", "[distributed]") {
+  const uint32_t seed = std::random_device{}();
+  INFO("seed " << seed);
+  for (auto [world, n] : {std::pair<int, size_t>{3, 12345}, {2, tcp::Comm::kChunkBytes / 4 + 3}, {4, 1}}) {
+    std::vector<tcp::Comm> c = tcp_ranks(world);
+    std::mt19937 rng(seed + uint32_t(world));
+    std::normal_distribution<float> nd(0.0f, 3.0f);
+    std::vector<std::vector<float>> part(static_cast<size_t>(world), std::vector<float>(n));
+    std::vector<float> want;
+    for (auto& p : part) {
+      for (float& x : p) x = nd(rng);
+      want.insert(want.end(), p.begin(), p.end());
+    }
+    // every output starts as NaN: a part not written fails the comparison
+    std::vector<std::vector<float>> out(static_cast<size_t>(world), std::vector<float>(n * static_cast<size_t>(world), NAN));
+    std::vector<std::thread> t;
+    for (int r = 0; r < world; r++)
+      t.emplace_back([&, r] { c[size_t(r)].all_gather(part[size_t(r)].data(), out[size_t(r)].data(), n * 4); });
+    for (auto& th : t) th.join();
+    for (int r = 0; r < world; r++) {
+      INFO("rank " << r << " of " << world << ", " << n << " floats a rank");
+      CHECK(std::memcmp(out[size_t(r)].data(), want.data(), want.size() * 4) == 0);
+    }
+  }
+}
+
+// The global InfoNCE of data parallel (train.dist_infonce = global): every rank gathers the
+// pooled features of all ranks, so its loss is the loss of the whole batch, and its rows' gradient
+// (times the world size, which the ranks' gradient mean divides again) is the whole batch's.
+TEST_CASE("gather_rows: a global InfoNCE over ranks is the whole batch's, loss and gradient", "[distributed]") {
+  const uint32_t seed = std::random_device{}();
+  INFO("seed " << seed);
+  const int world = 2, B = 5, D = 7;
+  const double tau = 0.1;
+  Rng rng(seed);
+  Tensor a = Tensor::randn({world * B, D}, rng, 1.0, DType::F64), b = Tensor::randn({world * B, D}, rng, 1.0, DType::F64);
+  a.requires_grad_(true);
+  b.requires_grad_(true);
+  Tensor whole = infonce_loss(a, b, tau);  // one process with the whole batch
+  backward(whole);
+  const std::vector<double> ga = a.grad().to_vector<double>(), gb = b.grad().to_vector<double>();
+  const double loss_whole = whole.item();
+
+  std::vector<tcp::Comm> c = tcp_ranks(world);
+  std::vector<double> loss(world, NAN);
+  std::vector<std::vector<double>> da(world), db(world);
+  std::vector<std::thread> t;
+  for (int r = 0; r < world; r++)
+    t.emplace_back([&, r] {
+      Tensor ar = a.narrow(0, int64_t(r) * B, B).clone(), br = b.narrow(0, int64_t(r) * B, B).clone();
+      ar.requires_grad_(true);
+      br.requires_grad_(true);
+      auto gather = [&](const Tensor& x, Tensor& out) {
+        c[size_t(r)].all_gather(x.raw(), out.raw(), size_t(x.numel()) * 8);
+      };
+      Tensor l = infonce_loss(gather_rows(ar, r, world, gather), gather_rows(br, r, world, gather), tau);
+      backward(l);
+      loss[size_t(r)] = l.item();
+      da[size_t(r)] = ar.grad().to_vector<double>();
+      db[size_t(r)] = br.grad().to_vector<double>();
+    });
+  for (auto& th : t) th.join();
+  for (int r = 0; r < world; r++) {
+    INFO("rank " << r);
+    CHECK(loss[size_t(r)] == loss_whole);  // the same inputs in the same order: the same bits
+    for (int i = 0; i < B * D; i++) {
+      CHECK(da[size_t(r)][size_t(i)] == world * ga[size_t(r * B * D + i)]);
+      CHECK(db[size_t(r)][size_t(i)] == world * gb[size_t(r * B * D + i)]);
+    }
+  }
 }
 
 TEST_CASE("CPU collectives: a peer that is gone or silent is an error naming it", "[distributed]") {

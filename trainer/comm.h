@@ -21,6 +21,8 @@ void group_start();
 void group_end();
 // In place on `stream` (the compute stream): sum / world of every rank's buffer.
 void all_reduce_avg(void* comm, void* buf, size_t count, DType dt, Stream stream);
+// On `stream`: recv [world x count] = every rank's send [count], in rank order.
+void all_gather(void* comm, const void* send, void* recv, size_t count, DType dt, Stream stream);
 // NCCL's asynchronous error of the communicator ("" when none)
 std::string async_error(void* comm);
 void abort(void* comm);
@@ -58,6 +60,9 @@ class Comm {
   // In place: the element-wise mean of every rank's buffer (f32 or f64, host memory). A peer
   // that is gone or sends nothing for timeout_s seconds is an error naming it.
   void all_reduce_avg(void* buf, size_t count, DType dt);
+  // recv [world x bytes] = every rank's `bytes` bytes of send, in rank order (any dtype: the
+  // bytes are copied, not added). Rank 0 collects the parts and sends the whole to each rank.
+  void all_gather(const void* send, void* recv, size_t bytes);
   // How long an average waits for a peer (train.dist_timeout; the join uses the timeout given
   // to listen / connect).
   void set_timeout(double seconds) { timeout_ms_ = seconds * 1e3; }

@@ -64,6 +64,11 @@ void all_reduce_avg(void* comm, void* buf, size_t count, DType dt, Stream stream
                            reinterpret_cast<cudaStream_t>(stream)));
 }
 
+void all_gather(void* comm, const void* send, void* recv, size_t count, DType dt, Stream stream) {
+  NCCL_CHECK(ncclAllGather(send, recv, count, nccl_type(dt), static_cast<ncclComm_t>(comm),
+                           reinterpret_cast<cudaStream_t>(stream)));
+}
+
 std::string async_error(void* comm) {
   ncclResult_t r = ncclSuccess;
   if (ncclCommGetAsyncError(static_cast<ncclComm_t>(comm), &r) != ncclSuccess) return "ncclCommGetAsyncError failed";
@@ -88,6 +93,7 @@ void* init(const std::string&, int, int) { LOOM_CHECK(false, "%s", kWhy); return
 void group_start() { LOOM_CHECK(false, "%s", kWhy); }
 void group_end() { LOOM_CHECK(false, "%s", kWhy); }
 void all_reduce_avg(void*, void*, size_t, DType, Stream) { LOOM_CHECK(false, "%s", kWhy); }
+void all_gather(void*, const void*, void*, size_t, DType, Stream) { LOOM_CHECK(false, "%s", kWhy); }
 std::string async_error(void*) { return ""; }
 void abort(void*) {}
 void destroy(void*) {}

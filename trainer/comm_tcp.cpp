@@ -87,6 +87,26 @@ void Comm::all_reduce_avg(void* buf, size_t count, DType dt) {
   else LOOM_CHECK(false, "data parallel (CPU): no average for dtype %s (f32, f64)", dtype_name(dt));
 }
 
+void Comm::all_gather(const void* send, void* recv, size_t bytes) {
+  char* out = static_cast<char*>(recv);
+  if (send != out + size_t(rank_) * bytes) std::memcpy(out + size_t(rank_) * bytes, send, bytes);
+  if (world_ == 1 || bytes == 0) return;
+  const size_t all = size_t(world_) * bytes;
+  const double deadline = net::now_ms() + timeout_ms_;
+  if (rank_ != 0) {  // send this rank's part, get the whole back
+    LOOM_CHECK(net::write_all(fds_[0], send, bytes) && net::read_all(fds_[0], out, all, deadline),
+               "data parallel (CPU): rank %d lost rank 0 during a gather (it stopped, or sent nothing for %.0f s)",
+               rank_, timeout_ms_ / 1e3);
+    return;
+  }
+  for (int r = 1; r < world_; r++)
+    LOOM_CHECK(net::read_all(fds_[size_t(r)], out + size_t(r) * bytes, bytes, deadline),
+               "data parallel (CPU): rank 0 lost rank %d during a gather (it stopped, or sent nothing for %.0f s)", r,
+               timeout_ms_ / 1e3);
+  for (int r = 1; r < world_; r++)
+    LOOM_CHECK(net::write_all(fds_[size_t(r)], out, all), "data parallel (CPU): rank 0 lost rank %d during a gather", r);
+}
+
 template <class T>
 void Comm::average(T* buf, size_t count) {
   const size_t per = kChunkBytes / sizeof(T);

@@ -244,6 +244,9 @@ void validate_config(const Config& c) {
   r.int_range("train.gpus", 0, 1024);  // 0 and 1: one process
   r.int_range("train.procs", 0, 1024);
   r.float_range("train.dist_bucket_mb", 0, false, 1e6, false);  // 0: one average after the backward
+  if (r.s("train.dist_infonce") == "global" && !(r.s("model.kind") == "mim" && r.c.get_bool("model.contrastive")))
+    r.bad("train.dist_infonce", "global", "gathers the contrastive MIM's InfoNCE features: needs model.kind = mim and "
+          "model.contrastive = true");
   r.float_range("train.dist_join_timeout", 0, true, 1e6, false);
   r.float_range("train.dist_timeout", 0, true, 1e6, false);
 

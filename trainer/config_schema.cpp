@@ -107,6 +107,7 @@ const std::vector<ConfigKey>& config_schema() {
       {"train", "gpus", I, "0", "GPUs on this machine: N > 1 starts N ranks (one process per GPU, NCCL data parallel); batch_size is per GPU. Ignored under torchrun/srun (their environment sets the ranks)", nullptr},
       {"train", "procs", I, "0", "CPU processes on this machine (train.device = cpu): N > 1 starts N ranks, data parallel with the gradients averaged over local TCP, each with its share of the cores; batch_size is per process. Ignored under torchrun/srun", nullptr},
       {"train", "dist_bucket_mb", F, "25", "data parallel: gradients are averaged in buckets of about this many MB, each as soon as the backward has written it, beside the rest of the backward (PyTorch DDP's bucket_cap_mb); 0 = one average of every buffer after the backward", nullptr},
+      {"train", "dist_infonce", S, "local", "data parallel, contrastive MIM: the InfoNCE's negatives from the rank's own batch (local, as the reference's DistributedDataParallel) or from every rank's (global: the pooled features all-gathered with their gradient, so N ranks x B train as one process x N*B)", "local|global"},
       {"train", "dist_join_timeout", F, "60", "data parallel: seconds for every rank to reach rank 0 (MASTER_ADDR:MASTER_PORT+1)", nullptr},
       {"train", "dist_timeout", F, "600", "data parallel: a rank that finishes no step in this many seconds (a hung collective) stops every rank", nullptr},
       {"train", "stop_at", I, "0", "stop after this step as if interrupted, checkpoint kept (0 = run to train.steps)", nullptr},

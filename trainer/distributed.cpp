@@ -21,6 +21,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "autograd/autograd.h"
+#include "autograd/ops.h"
 #include "optim/optimizer.h"
 #include "tensor/dispatch.h"
 #include "trainer/comm.h"
@@ -665,6 +667,35 @@ void DataParallel::all_reduce_avg(Tensor& t) {
   LOOM_CHECK(t.is_contiguous(), "all_reduce_avg: %s is not contiguous", t.desc().c_str());
   if (device_ == Device::CPU) tcp_.all_reduce_avg(t.raw(), size_t(t.numel()), t.dtype());
   else nccl::all_reduce_avg(comm_, t.raw(), size_t(t.numel()), t.dtype(), cuda::default_stream());
+}
+
+Tensor gather_rows(const Tensor& x, int rank, int world, const std::function<void(const Tensor& x, Tensor& out)>& gather) {
+  LOOM_CHECK(x.dim() >= 1 && world >= 1 && rank >= 0 && rank < world, "gather_rows: x %s, rank %d of %d",
+             x.desc().c_str(), rank, world);
+  Tensor xc = x.contiguous();
+  Shape s = xc.shape();
+  const int64_t n = s[0];
+  s[0] = n * world;
+  Tensor out = Tensor::empty(s, xc.dtype(), xc.device());
+  gather(xc, out);
+  if (any_requires_grad({x}))
+    record("gather_rows", {out}, [x, out, rank, world, n]() {
+      Tensor g = grad_of(out);
+      if (!g.defined()) return;
+      NoGradGuard ng;
+      accumulate_grad(x, scale(g.narrow(0, int64_t(rank) * n, n), double(world)), true);
+    });
+  return out;
+}
+
+Tensor DataParallel::all_gather_rows(const Tensor& x) {
+  LOOM_CHECK(!in_backward_, "DataParallel::all_gather_rows: not while a backward's gradient buckets are in flight");
+  return gather_rows(x, env_.rank, env_.world, [this](const Tensor& in, Tensor& out) {
+    if (device_ == Device::CPU)
+      tcp_.all_gather(in.raw(), out.raw(), size_t(in.numel()) * dtype_size(in.dtype()));
+    else
+      nccl::all_gather(comm_, in.raw(), out.raw(), size_t(in.numel()), in.dtype(), cuda::default_stream());
+  });
 }
 
 void DataParallel::finish() {

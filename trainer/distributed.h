@@ -87,6 +87,15 @@ std::string gpu_count_error(int want, int have, bool cuda_build);
 // (and its CUDA_VISIBLE_DEVICES) stays untouched; 0 in a CPU-only build.
 int probe_gpu_count();
 
+// Differentiable all-gather of rows: out [world * n, ...] holds every rank's x [n, ...] in rank
+// order, `gather(x, out)` moving the data (a collective every rank calls). The backward hands
+// x this rank's rows of out's gradient times `world`: the adjoint of a gather sums the
+// gradients every rank computed for these rows, and when every rank computes the same loss of
+// the gathered rows (the global InfoNCE: each holds all of them) that sum is world times its
+// own. Under data parallel, whose gradients are a mean over the ranks, the update is then the
+// one of a single process holding the whole batch.
+Tensor gather_rows(const Tensor& x, int rank, int world, const std::function<void(const Tensor& x, Tensor& out)>& gather);
+
 // ------------------------------------------------------------------ TCP rendezvous and monitor
 class Rendezvous {
  public:
@@ -151,6 +160,9 @@ class DataParallel {
   void reduce(Optimizer& opt, Tensor& loss);
   // Average one device tensor in place (CUDA: f32/bf16 on the compute stream; CPU: f32/f64).
   void all_reduce_avg(Tensor& t);
+  // gather_rows() over the ranks (CUDA: NCCL on the compute stream, graph-capturable; CPU: over
+  // TCP): x [n, ...] of every rank -> [world * n, ...]. Outside a bucketed backward only.
+  Tensor all_gather_rows(const Tensor& x);
   void heartbeat() { rv_->heartbeat(); }
   void finish();                          // clean end (before the process exits)
   void fail(const std::string& why);      // this rank is failing: tell the others

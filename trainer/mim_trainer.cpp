@@ -194,6 +194,11 @@ int train_mim(const RunContext& ctx) {
   for (auto& b : m.encoder.blocks) b->keep_gelu = keep_gelu != "false";
   for (auto& b : m.pred_blocks) b->keep_gelu = keep_gelu == "true";
   m.target.requires_grad_(false);
+  if (ctx.dp && cfg.get_str("train.dist_infonce") == "global") {
+    DataParallel* dp = ctx.dp;
+    m.gather_pooled = [dp](const Tensor& x) { return dp->all_gather_rows(x); };
+    std::printf("data parallel: the InfoNCE's negatives are every rank's batch (train.dist_infonce = global)\n");
+  }
   std::printf("%s\n", describe_params(m).c_str());
   OptimConfig oc = optim_config_from(cfg);
   Optimizer opt(param_groups_from(m, cfg), oc, ctx.compute, ctx.device);
