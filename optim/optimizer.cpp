@@ -25,6 +25,7 @@
 
 #include <cfloat>
 #include <cmath>
+#include <cstring>
 #include <set>
 
 #include "tensor/dispatch.h"
@@ -39,6 +40,10 @@ struct Optimizer::Group {
   std::vector<int64_t> offsets;    // element offset of each tensor in the flat buffers
   int64_t n = 0;
   Tensor master, m, v, buf, grad, copy;
+  // ZeRO-1 (Optimizer::shard): rank r owns [bounds[r], bounds[r + 1]); m, v / buf hold the
+  // owned part only, [lo, hi) of this rank. Unsharded: lo = 0, hi = n.
+  std::vector<int64_t> bounds;
+  int64_t lo = 0, hi = 0;
 
   // the flat buffer the model's slots view (what the forward reads)
   const Tensor& compute() const { return copy.defined() ? copy : master; }
@@ -97,6 +102,7 @@ Optimizer::Optimizer(std::vector<ParamGroup> groups, const OptimConfig& cfg, DTy
         g->n += slot->numel();
         slots.push_back(slot);
       }
+      g->hi = g->n;
       if (g->n == 0) continue;  // an empty group keeps its index and owns no buffers
       g->master = Tensor::empty({g->n}, master_dtype_, device);
       for (size_t i = 0; i < slots.size(); i++) g->slice(g->master, i).copy_(*slots[i]);
@@ -190,7 +196,12 @@ void Optimizer::step() {
     dispatch_float(g->grad, [&](auto dev, auto zero) {
       using G = decltype(zero);
       using M = acc_t<G>;
-      G* copy = data_or_null<G>(g->copy);
+      // the owned part [lo, hi) (all of it unless sharded); m, v and buf start at lo
+      const int64_t lo = g->lo, cnt = g->hi - g->lo;
+      if (cnt == 0) return;
+      G* copy = sharded() ? nullptr : data_or_null<G>(g->copy);  // sharded: cast below from the whole master
+      M* master = g->master.data<M>() + lo;
+      const G* grad = g->grad.data<G>() + lo;
       if (cfg_.kind == "adamw") {
         AdamWHyper h;
         h.lr = float(g->lr_scale);  // times the schedule's lr, ctl[3]
@@ -198,14 +209,48 @@ void Optimizer::step() {
         h.beta2 = float(cfg_.beta2);
         h.eps = float(cfg_.eps);
         h.weight_decay = float(g->weight_decay);
-        KERNEL(dev, adamw_update)(g->master.data<M>(), copy, g->m.data<M>(), g->v.data<M>(), g->grad.data<G>(),
-                                  ctl, g->n, h, stream_for(dev));
+        KERNEL(dev, adamw_update)(master, copy, g->m.data<M>(), g->v.data<M>(), grad, ctl, cnt, h, stream_for(dev));
       } else {
-        KERNEL(dev, sgd_update)(g->master.data<M>(), copy, g->buf.data<M>(), g->grad.data<G>(), ctl, g->n,
-                                float(g->lr_scale), float(cfg_.momentum), float(g->weight_decay), stream_for(dev));
+        KERNEL(dev, sgd_update)(master, copy, g->buf.data<M>(), grad, ctl, cnt, float(g->lr_scale),
+                                float(cfg_.momentum), float(g->weight_decay), stream_for(dev));
       }
     });
   }
+  if (!sharded()) return;
+  for (auto* g : groups_) {  // every rank's part of the new master to every rank, then the copy
+    if (!g->n) continue;
+    gather_(g->master, g->bounds);
+    if (g->copy.defined()) g->copy.copy_(g->master);
+  }
+}
+
+void Optimizer::shard(int rank, int world, PartGather gather) {
+  LOOM_CHECK(world >= 1 && rank >= 0 && rank < world && (world == 1 || gather),
+             "Optimizer::shard: rank %d of %d%s", rank, world, gather ? "" : " without a gather");
+  LOOM_CHECK(!sharded(), "Optimizer::shard: already sharded");
+  rank_ = rank;
+  world_ = world;
+  gather_ = std::move(gather);
+  if (world == 1) return;
+  constexpr int64_t kAlign = 64;  // elements: 256-byte aligned parts for the f32 state's 16-byte loads
+  for (auto* g : groups_) {
+    g->bounds.assign(size_t(world) + 1, g->n);
+    for (int r = 0; r < world; r++) g->bounds[size_t(r)] = std::min(g->n, g->n * r / world / kAlign * kAlign);
+    g->lo = g->bounds[size_t(rank)];
+    g->hi = g->bounds[size_t(rank) + 1];
+    if (!g->n) continue;
+    // the owned part of the (still zero) moments; one element when the part is empty, so the
+    // buffers stay allocated tensors
+    const int64_t own = std::max<int64_t>(1, g->hi - g->lo);
+    for (Tensor* t : {&g->m, &g->v, &g->buf})
+      if (t->defined()) *t = Tensor::zeros({own}, master_dtype_, device_);
+  }
+}
+
+int64_t Optimizer::owned_parameters() const {
+  int64_t n = 0;
+  for (auto* g : groups_) n += g->hi - g->lo;
+  return n;
 }
 
 Tensor Optimizer::master(const std::string& name) const {
@@ -225,9 +270,17 @@ std::map<std::string, Tensor> Optimizer::state_dict() const {
     if (!g.n) continue;
     const std::string p = "group." + std::to_string(i) + ".";
     sd[p + "master"] = g.master;
-    if (g.m.defined()) sd[p + "m"] = g.m;
-    if (g.v.defined()) sd[p + "v"] = g.v;
-    if (g.buf.defined()) sd[p + "buf"] = g.buf;
+    for (auto [key, t] : {std::pair<const char*, const Tensor*>{"m", &g.m}, {"v", &g.v}, {"buf", &g.buf}}) {
+      if (!t->defined()) continue;
+      if (!sharded()) {
+        sd[p + key] = *t;
+        continue;
+      }
+      Tensor whole = Tensor::zeros({g.n}, master_dtype_, device_);  // this rank's part, then the others'
+      if (g.hi > g.lo) whole.narrow(0, g.lo, g.hi - g.lo).copy_(t->narrow(0, 0, g.hi - g.lo));
+      gather_(whole, g.bounds);
+      sd[p + key] = whole;
+    }
   }
   sd["step"] = Tensor::from_vector(std::vector<int64_t>{steps()}, {1});
   if (scaler_.defined()) sd["loss_scale"] = scaler_;
@@ -236,7 +289,12 @@ std::map<std::string, Tensor> Optimizer::state_dict() const {
 
 void Optimizer::load_state_dict(const std::map<std::string, Tensor>& sd, const std::string& source) {
   // Check everything before writing anything, so a bad file leaves the optimizer as it was.
-  std::vector<std::pair<Tensor, const Tensor*>> todo;  // (destination, source)
+  struct Load {
+    Tensor dst;
+    const Tensor* src;
+    int64_t from, count;  // src's elements [from, from + count) -> dst's first count
+  };
+  std::vector<Load> todo;
   for (size_t i = 0; i < groups_.size(); i++) {
     const Group& g = *groups_[i];
     if (!g.n) continue;
@@ -244,15 +302,16 @@ void Optimizer::load_state_dict(const std::map<std::string, Tensor>& sd, const s
     const std::pair<const char*, Tensor> slots[] = {{"master", g.master}, {"m", g.m}, {"v", g.v}, {"buf", g.buf}};
     for (const auto& [key, dst] : slots) {
       if (!dst.defined()) continue;
+      const bool part = sharded() && std::strcmp(key, "master") != 0;  // the file holds all ranks' moments
       const std::string name = p + key;
       auto it = sd.find(name);
       LOOM_CHECK(it != sd.end(), "%s: missing optimizer tensor '%s' (expected %s[%lld], group '%s', %s)",
                  source.c_str(), name.c_str(), dtype_name(master_dtype_), (long long)g.n, g.name.c_str(),
                  cfg_.kind.c_str());
-      LOOM_CHECK(it->second.shape() == dst.shape() && dtype_is_float(it->second.dtype()),
+      LOOM_CHECK(it->second.shape() == Shape{g.n} && dtype_is_float(it->second.dtype()),
                  "%s: optimizer tensor '%s' is %s, expected %s[%lld] (group '%s')", source.c_str(), name.c_str(),
                  it->second.desc().c_str(), dtype_name(master_dtype_), (long long)g.n, g.name.c_str());
-      todo.push_back({dst, &it->second});
+      todo.push_back({dst, &it->second, part ? g.lo : 0, part ? g.hi - g.lo : g.n});
     }
   }
   auto st = sd.find("step");
@@ -270,7 +329,7 @@ void Optimizer::load_state_dict(const std::map<std::string, Tensor>& sd, const s
     std::string extra;  // name the entries this optimizer has no place for
     for (auto& [k, t] : sd) {
       bool used = k == "step" || k == "loss_scale";
-      for (auto& d : todo) used |= d.second == &t;
+      for (auto& d : todo) used |= d.src == &t;
       if (!used) extra += " '" + k + "' " + t.desc();
     }
     LOOM_CHECK(false, "%s: unexpected optimizer tensors (%s optimizer, %zu groups):%s", source.c_str(),
@@ -280,9 +339,10 @@ void Optimizer::load_state_dict(const std::map<std::string, Tensor>& sd, const s
   LOOM_CHECK(step >= 0 && step == std::floor(step), "%s: optimizer tensor 'step' = %g is not a count",
              source.c_str(), step);
 
-  for (auto& [dst, src] : todo) {
-    Tensor d = dst;
-    d.copy_(*src);  // converts dtype / device; exact for same-dtype state
+  for (auto& l : todo) {
+    if (l.count == 0) continue;  // a sharded rank's empty part
+    Tensor d = l.dst.narrow(0, 0, l.count);
+    d.copy_(l.src->narrow(0, l.from, l.count));  // converts dtype / device; exact for same-dtype state
   }
   for (auto* g : groups_)
     if (g->n && g->copy.defined()) g->copy.copy_(g->master);  // re-derive the bf16 weights
@@ -297,8 +357,11 @@ std::string Optimizer::backend() const {
   return strformat("%s: one fused multi-tensor kernel per group (%s, %d groups, %s master%s); clip, skip and "
                    "lr on the device%s", cfg_.kind.c_str(), device_name(device_), n, dtype_name(master_dtype_),
                    compute_ != master_dtype_ ? (std::string(" + ") + dtype_name(compute_) + " copy").c_str() : "",
-                   scaler_.defined() ? strformat("; dynamic loss scaling (growth every %d steps)", growth_interval_).c_str()
-                                     : "");
+                   (scaler_.defined() ? strformat("; dynamic loss scaling (growth every %d steps)", growth_interval_)
+                                      : std::string()).c_str()) +
+         (sharded() ? strformat("; ZeRO-1, rank %d of %d: moments of %lld of %lld parameters", rank_, world_,
+                                (long long)owned_parameters(), (long long)num_parameters())
+                    : std::string());
 }
 
 std::vector<Tensor> Optimizer::grad_buffers() const {

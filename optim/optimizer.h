@@ -11,6 +11,7 @@
 // one adamw_update launch per group, which also writes the new bf16 copy.
 // Frozen parameters (requires_grad false at construction) are left alone.
 #pragma once
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -79,6 +80,22 @@ class Optimizer {
   // For each of grad_buffers(): the element offsets at which its parameters' gradients start
   // (data parallel's gradient buckets hold whole parameters).
   std::vector<std::vector<int64_t>> grad_offsets() const;
+  // ZeRO stage 1 (data parallel, train.zero_stage = 1): each group's flat buffers are cut into
+  // `world` contiguous parts (bounds multiples of 64 elements); this rank keeps the AdamW
+  // moments (SGD: the momentum) of part `rank` only and updates only that part of the master
+  // weights. `gather(flat, bounds)` is a collective that hands every rank part r of `flat` (the
+  // elements [bounds[r], bounds[r + 1])) from rank r, in place; step() calls it on each group's
+  // master, and the bf16 / f16 copy is then cast from the whole master. The gradients stay
+  // whole (averaged as without it), so the clip norm and the skip are the same on every rank.
+  // state_dict() gathers the moments (then every rank must call it: a collective) into the one
+  // single-process layout, and load_state_dict() takes this rank's part of it, so checkpoints
+  // move freely between sharded, unsharded and single-process runs. Call before the first
+  // step and before load_state_dict.
+  using PartGather = std::function<void(Tensor& flat, const std::vector<int64_t>& bounds)>;
+  void shard(int rank, int world, PartGather gather);
+  bool sharded() const { return world_ > 1; }
+  // parameters whose moments this rank holds (all of them unless sharded)
+  int64_t owned_parameters() const;
   // One line naming the update kernel in use, e.g. "adamw: one fused multi-tensor kernel per
   // group (cuda, 4 groups, fp32 master + bf16 copy)".
   std::string backend() const;
@@ -94,6 +111,8 @@ class Optimizer {
   Tensor scaler_;  // {loss scale, applied steps in a row} f32 [2], when loss scaling is on
   int growth_interval_ = 2000;
   bool controlled_ = false;  // clip_grad_norm made this step's control
+  int rank_ = 0, world_ = 1;  // shard()
+  PartGather gather_;
  public:
   ~Optimizer();
   Optimizer(const Optimizer&) = delete;

@@ -9,6 +9,8 @@
 #           in the default 25 MB ones and after the backward give the same losses (bit for
 #           bit on the CPU, whose sums are in rank order), and small buckets do start before
 #           the backward ends
+#   zero    ZeRO-1 (train.zero_stage = 1) gives the losses of the unsharded run (on the CPU its
+#           checkpoint files bit for bit); the fault test's resumes go unsharded -> sharded -> 1 process
 #   infonce the contrastive MIM with train.dist_infonce = global: 2 x B as 1 x 2B; with local,
 #           not (each rank's own negatives)
 #   env     ranks started by hand with torchrun's variables (no launcher) give the same losses
@@ -94,6 +96,31 @@ else
   fail "buckets of 0.02 MB: expected several buckets, more than one averaged during the backward; the log says '$early'"
 fi
 
+# ---- ZeRO-1 (train.zero_stage = 1): each rank updates its part of the weights from the moments it
+# holds, then the parts are gathered; the same losses and, on the CPU, the same checkpoint bytes
+# (the moments gathered into the single-process layout)
+same_run() {  # same_run NAME A B: bit for bit on the CPU (losses and last checkpoint), within TOL on GPUs
+  if [ "$DEVICE" != cpu ]; then compare "$1" "$2" "$3"; return; fi
+  local ck
+  ck=$(ls "$2" | grep '^step_' | sort | tail -1)
+  if cmp -s <(losses "$2/metrics.jsonl") <(losses "$3/metrics.jsonl") && [ -n "$ck" ] &&
+     cmp -s "$2/$ck/optimizer.safetensors" "$3/$ck/optimizer.safetensors" &&
+     cmp -s "$2/$ck/model.safetensors" "$3/$ck/model.safetensors"; then
+    note "$1: the same losses and $ck files bit for bit: ok"
+  else
+    fail "$1: the losses or the $ck files differ"
+  fi
+}
+run mim_2z "${MIM[@]}" --train.batch_size=16 $RANKS --train.zero_stage=1 --train.out_dir="$W/mim_2z" &&
+  same_run "mim, 2 processes, ZeRO-1 vs not" "$W/mim_2" "$W/mim_2z"
+run vlm_2z "${VLM[@]}" --train.batch_size=2 $RANKS --train.zero_stage=1 --train.out_dir="$W/vlm_2z" &&
+  same_run "vlm_sft, 2 processes, ZeRO-1 vs not" "$W/vlm_2" "$W/vlm_2z"
+if grep -q "^optimizer .*ZeRO-1, rank 1 of 2: moments of" "$W/vlm_2z/rank_1.log" 2>/dev/null; then
+  note "ZeRO-1: rank 1 says $(sed -n 's/^optimizer .*ZeRO-1, rank 1 of 2: \(.*\)$/\1/p' "$W/vlm_2z/rank_1.log"): ok"
+else
+  fail "ZeRO-1: rank 1's log has no 'ZeRO-1, rank 1 of 2' optimizer line"
+fi
+
 # ---- the contrastive MIM's InfoNCE: with train.dist_infonce = global (the pooled features of
 # every rank gathered) 2 x 16 trains as 1 x 32; with the default (local: each rank's own batch as
 # negatives, as the reference's DDP) it does not, which shows the comparison can fail
@@ -175,11 +202,13 @@ else
   fi
   last=$(ls "$D" | grep '^step_0*[0-9]*$' | sort | tail -1)
   stop=$(( 10#${last#step_} + 3 ))
-  run fault_resume_2 "${F[@]}" $RANKS --train.resume=latest --train.stop_at=$stop &&
-    grep -q "resumed from" "$W/fault_resume_2.log" && note "fault: resumed from $last on 2 processes, stopped at step $stop: ok" ||
+  # the resume shards the optimizer (ZeRO-1) that the killed run did not, and the 1-process
+  # resume then reads the sharded run's checkpoint
+  run fault_resume_2 "${F[@]}" $RANKS --train.zero_stage=1 --train.resume=latest --train.stop_at=$stop &&
+    grep -q "resumed from" "$W/fault_resume_2.log" && note "fault: resumed from $last on 2 processes with ZeRO-1, stopped at step $stop: ok" ||
     fail "fault: no resume on 2 processes (see $W/fault_resume_2.log)"
   run fault_resume_1 "${F[@]}" --train.batch_size=32 --train.resume=latest --train.stop_at=$((stop + 3)) &&
-    grep -q "resumed from" "$W/fault_resume_1.log" && note "fault: the 2-process checkpoint resumed on 1 process: ok" ||
+    grep -q "resumed from" "$W/fault_resume_1.log" && note "fault: the 2-process ZeRO-1 checkpoint resumed on 1 process: ok" ||
     fail "fault: no resume on 1 process"
 fi
 note "failures: $fails"

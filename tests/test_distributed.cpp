@@ -19,6 +19,7 @@
 
 #include "autograd/autograd.h"
 #include "autograd/ops.h"
+#include "optim/optimizer.h"
 #include "trainer/distributed.h"
 #include "trainer/trainer.h"
 
@@ -388,6 +389,117 @@ TEST_CASE("gather_rows: a global InfoNCE over ranks is the whole batch's, loss a
       CHECK(da[size_t(r)][size_t(i)] == world * ga[size_t(r * B * D + i)]);
       CHECK(db[size_t(r)][size_t(i)] == world * gb[size_t(r * B * D + i)]);
     }
+  }
+}
+
+// ZeRO-1 (Optimizer::shard): ranks as threads, each with the same parameters and gradients;
+// every rank's weights and the gathered state must be what one unsharded optimizer computes,
+// bit for bit, and checkpoints must move between the two layouts.
+TEST_CASE("ZeRO-1: sharded optimizers give the unsharded weights and state, and load each other's", "[distributed]") {
+  const uint32_t seed = std::random_device{}();
+  INFO("seed " << seed);
+  const int world = 3;
+  // group sizes: 300 x 7 + 130 (parts of 640 / 704 / 786 elements, bounds multiples of 64),
+  // and 5 + 2 (smaller than one part: ranks 0 and 1 own nothing)
+  struct Params {
+    Tensor w, b, g, h;
+    std::vector<ParamGroup> groups() {
+      return {{"decay", 1.0, 0.1, {{"w", &w}, {"b", &b}}}, {"no_decay", 0.5, 0.0, {{"g", &g}, {"h", &h}}}};
+    }
+    explicit Params(uint32_t s) {
+      Rng r(s);
+      w = Tensor::randn({300, 7}, r);
+      b = Tensor::randn({130}, r);
+      g = Tensor::randn({5}, r);
+      h = Tensor::randn({2}, r);
+      for (Tensor* t : {&w, &b, &g, &h}) t->requires_grad_(true);
+    }
+  };
+  for (std::string kind : {"adamw", "sgd"}) {
+    INFO(kind);
+    OptimConfig oc;
+    oc.kind = kind;
+    auto set_grads = [&](Params& p, int step) {  // the same on every rank, as after the average
+      Rng r(seed + uint32_t(step));
+      for (Tensor* t : {&p.w, &p.b, &p.g, &p.h}) t->grad().copy_(Tensor::randn(t->shape(), r, 0.3));
+    };
+    auto train = [&](Params& p, Optimizer& o, int from, int to) {
+      for (int k = from; k < to; k++) {
+        set_grads(p, k);
+        o.clip_grad_norm(1.0);
+        o.step(1e-2 * (k + 1));
+      }
+    };
+    Params ref_p(seed);
+    Optimizer ref(ref_p.groups(), oc, DType::F32, Device::CPU);
+    train(ref_p, ref, 0, 3);
+    std::map<std::string, Tensor> ref_sd;  // copies: state_dict() hands out the live buffers
+    for (auto& [k, t] : ref.state_dict()) ref_sd[k] = t.clone();
+
+    std::vector<tcp::Comm> c = tcp_ranks(world);
+    std::vector<std::unique_ptr<Params>> ps;
+    std::vector<std::unique_ptr<Optimizer>> os;
+    for (int r = 0; r < world; r++) {
+      ps.push_back(std::make_unique<Params>(seed));
+      os.push_back(std::make_unique<Optimizer>(ps.back()->groups(), oc, DType::F32, Device::CPU));
+      os.back()->shard(r, world, [&c, r](Tensor& flat, const std::vector<int64_t>& bounds) {
+        std::vector<size_t> b;
+        for (int64_t x : bounds) b.push_back(size_t(x) * 4);
+        c[size_t(r)].all_gather_parts(flat.raw(), b);
+      });
+    }
+    CHECK(os[0]->owned_parameters() + os[1]->owned_parameters() + os[2]->owned_parameters() == ref.num_parameters());
+    CHECK(os[2]->owned_parameters() < ref.num_parameters() / 2);
+    std::vector<std::map<std::string, Tensor>> sds(world);
+    auto on_ranks = [&](const std::function<void(int)>& f) {
+      std::vector<std::thread> t;
+      for (int r = 0; r < world; r++) t.emplace_back([&, r] { f(r); });
+      for (auto& th : t) th.join();
+    };
+    on_ranks([&](int r) {
+      train(*ps[size_t(r)], *os[size_t(r)], 0, 3);
+      sds[size_t(r)] = os[size_t(r)]->state_dict();  // a collective: every rank at once
+    });
+    auto same = [](const Tensor& a, const Tensor& b) { return a.to_vector<float>() == b.to_vector<float>(); };
+    for (int r = 0; r < world; r++) {
+      INFO("rank " << r);
+      CHECK(same(ps[size_t(r)]->w, ref_p.w));
+      CHECK(same(ps[size_t(r)]->h, ref_p.h));
+      REQUIRE(sds[size_t(r)].size() == ref_sd.size());
+      for (auto& [k, t] : ref_sd) {
+        INFO(k);
+        CHECK(same(sds[size_t(r)].at(k), t));
+      }
+    }
+    // the sharded state into one unsharded optimizer, the unsharded into fresh sharded ones:
+    // three more steps everywhere, the same weights and state again
+    Params one_p(seed + 99);
+    Optimizer one(one_p.groups(), oc, DType::F32, Device::CPU);
+    one.load_state_dict(sds[1], "sharded");
+    train(one_p, one, 3, 6);
+    train(ref_p, ref, 3, 6);
+    on_ranks([&](int r) {
+      *ps[size_t(r)] = Params(seed + 7);  // other weights: all of them must come from the state
+      os[size_t(r)] = std::make_unique<Optimizer>(ps[size_t(r)]->groups(), oc, DType::F32, Device::CPU);
+      os[size_t(r)]->shard(r, world, [&c, r](Tensor& flat, const std::vector<int64_t>& bounds) {
+        std::vector<size_t> b;
+        for (int64_t x : bounds) b.push_back(size_t(x) * 4);
+        c[size_t(r)].all_gather_parts(flat.raw(), b);
+      });
+    });
+    on_ranks([&](int r) {
+      os[size_t(r)]->load_state_dict(ref_sd, "unsharded");
+      train(*ps[size_t(r)], *os[size_t(r)], 3, 6);
+      sds[size_t(r)] = os[size_t(r)]->state_dict();
+    });
+    const auto ref6 = ref.state_dict(), one6 = one.state_dict();
+    for (auto& [k, t] : ref6) {
+      INFO(k);
+      CHECK(same(one6.at(k), t));
+      for (int r = 0; r < world; r++) CHECK(same(sds[size_t(r)].at(k), t));
+    }
+    CHECK(same(one_p.b, ref_p.b));
+    CHECK(same(ps[0]->b, ref_p.b));
   }
 }
 

@@ -93,6 +93,8 @@ static void remove_stale_dirs(const std::string& out_dir) {
 // moment leaves the previous checkpoint as the latest. trainer.json records how many bytes
 // of metrics.jsonl belong to the steps before it (the resume truncates to that).
 void save_checkpoint(const RunContext& ctx, Module& model, const Optimizer& opt, const TrainerState& st) {
+  // ZeRO-1: the moments are gathered from every rank (a collective every rank joins)
+  const std::map<std::string, Tensor> opt_state = opt.state_dict();
   if (ctx.rank != 0) return;  // data parallel: every rank holds the same weights; rank 0 writes them
   char name[64];
   std::snprintf(name, sizeof name, "step_%08lld", (long long)st.step);
@@ -100,7 +102,7 @@ void save_checkpoint(const RunContext& ctx, Module& model, const Optimizer& opt,
   remove_stale_dirs(ctx.out_dir);
   mkdirs(tmp);
   save_safetensors(tmp + "/model.safetensors", model_master_state(model, opt));
-  save_safetensors(tmp + "/optimizer.safetensors", opt.state_dict());
+  save_safetensors(tmp + "/optimizer.safetensors", opt_state);
   std::string metrics = ctx.out_dir + "/metrics.jsonl";
   struct stat ms;
   int64_t metrics_bytes = -1;

@@ -23,6 +23,9 @@ void group_end();
 void all_reduce_avg(void* comm, void* buf, size_t count, DType dt, Stream stream);
 // On `stream`: recv [world x count] = every rank's send [count], in rank order.
 void all_gather(void* comm, const void* send, void* recv, size_t count, DType dt, Stream stream);
+// On `stream`, in place: buf's `count` elements from rank `root` to every rank (in a group:
+// one per rank for parts of unequal sizes, ZeRO-1's master weights)
+void broadcast(void* comm, void* buf, size_t count, DType dt, int root, Stream stream);
 // NCCL's asynchronous error of the communicator ("" when none)
 std::string async_error(void* comm);
 void abort(void* comm);
@@ -63,6 +66,9 @@ class Comm {
   // recv [world x bytes] = every rank's `bytes` bytes of send, in rank order (any dtype: the
   // bytes are copied, not added). Rank 0 collects the parts and sends the whole to each rank.
   void all_gather(const void* send, void* recv, size_t bytes);
+  // In place, parts of any sizes: rank r's bytes [bounds[r], bounds[r + 1]) of buf to every
+  // rank (bounds has world + 1 entries, non-decreasing).
+  void all_gather_parts(void* buf, const std::vector<size_t>& bounds);
   // How long an average waits for a peer (train.dist_timeout; the join uses the timeout given
   // to listen / connect).
   void set_timeout(double seconds) { timeout_ms_ = seconds * 1e3; }

@@ -69,6 +69,11 @@ void all_gather(void* comm, const void* send, void* recv, size_t count, DType dt
                            reinterpret_cast<cudaStream_t>(stream)));
 }
 
+void broadcast(void* comm, void* buf, size_t count, DType dt, int root, Stream stream) {
+  NCCL_CHECK(ncclBroadcast(buf, buf, count, nccl_type(dt), root, static_cast<ncclComm_t>(comm),
+                           reinterpret_cast<cudaStream_t>(stream)));
+}
+
 std::string async_error(void* comm) {
   ncclResult_t r = ncclSuccess;
   if (ncclCommGetAsyncError(static_cast<ncclComm_t>(comm), &r) != ncclSuccess) return "ncclCommGetAsyncError failed";
@@ -94,6 +99,7 @@ void group_start() { LOOM_CHECK(false, "%s", kWhy); }
 void group_end() { LOOM_CHECK(false, "%s", kWhy); }
 void all_reduce_avg(void*, void*, size_t, DType, Stream) { LOOM_CHECK(false, "%s", kWhy); }
 void all_gather(void*, const void*, void*, size_t, DType, Stream) { LOOM_CHECK(false, "%s", kWhy); }
+void broadcast(void*, void*, size_t, DType, int, Stream) { LOOM_CHECK(false, "%s", kWhy); }
 std::string async_error(void*) { return ""; }
 void abort(void*) {}
 void destroy(void*) {}

@@ -90,21 +90,35 @@ void Comm::all_reduce_avg(void* buf, size_t count, DType dt) {
 void Comm::all_gather(const void* send, void* recv, size_t bytes) {
   char* out = static_cast<char*>(recv);
   if (send != out + size_t(rank_) * bytes) std::memcpy(out + size_t(rank_) * bytes, send, bytes);
-  if (world_ == 1 || bytes == 0) return;
-  const size_t all = size_t(world_) * bytes;
+  std::vector<size_t> bounds(size_t(world_) + 1);
+  for (int r = 0; r <= world_; r++) bounds[size_t(r)] = size_t(r) * bytes;
+  all_gather_parts(recv, bounds);
+}
+
+void Comm::all_gather_parts(void* buf, const std::vector<size_t>& bounds) {
+  LOOM_CHECK(bounds.size() == size_t(world_) + 1, "tcp::Comm::all_gather_parts: %zu bounds for %d ranks",
+             bounds.size(), world_);
+  char* p = static_cast<char*>(buf);
+  const size_t all = bounds.back() - bounds.front();
+  if (world_ == 1 || all == 0) return;
+  auto part = [&](int r) { return std::make_pair(p + bounds[size_t(r)], bounds[size_t(r) + 1] - bounds[size_t(r)]); };
   const double deadline = net::now_ms() + timeout_ms_;
   if (rank_ != 0) {  // send this rank's part, get the whole back
-    LOOM_CHECK(net::write_all(fds_[0], send, bytes) && net::read_all(fds_[0], out, all, deadline),
+    auto [mine, n] = part(rank_);
+    LOOM_CHECK(net::write_all(fds_[0], mine, n) && net::read_all(fds_[0], p + bounds.front(), all, deadline),
                "data parallel (CPU): rank %d lost rank 0 during a gather (it stopped, or sent nothing for %.0f s)",
                rank_, timeout_ms_ / 1e3);
     return;
   }
-  for (int r = 1; r < world_; r++)
-    LOOM_CHECK(net::read_all(fds_[size_t(r)], out + size_t(r) * bytes, bytes, deadline),
+  for (int r = 1; r < world_; r++) {
+    auto [theirs, n] = part(r);
+    LOOM_CHECK(net::read_all(fds_[size_t(r)], theirs, n, deadline),
                "data parallel (CPU): rank 0 lost rank %d during a gather (it stopped, or sent nothing for %.0f s)", r,
                timeout_ms_ / 1e3);
+  }
   for (int r = 1; r < world_; r++)
-    LOOM_CHECK(net::write_all(fds_[size_t(r)], out, all), "data parallel (CPU): rank 0 lost rank %d during a gather", r);
+    LOOM_CHECK(net::write_all(fds_[size_t(r)], p + bounds.front(), all),
+               "data parallel (CPU): rank 0 lost rank %d during a gather", r);
 }
 
 template <class T>

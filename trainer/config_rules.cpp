@@ -247,6 +247,7 @@ void validate_config(const Config& c) {
   if (r.s("train.dist_infonce") == "global" && !(r.s("model.kind") == "mim" && r.c.get_bool("model.contrastive")))
     r.bad("train.dist_infonce", "global", "gathers the contrastive MIM's InfoNCE features: needs model.kind = mim and "
           "model.contrastive = true");
+  r.int_range("train.zero_stage", 0, 1);
   r.float_range("train.dist_join_timeout", 0, true, 1e6, false);
   r.float_range("train.dist_timeout", 0, true, 1e6, false);
 

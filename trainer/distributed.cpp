@@ -519,6 +519,7 @@ DataParallel::DataParallel(const DistEnv& env, const Config& cfg, Device device)
   const double join_s = cfg.get_float("train.dist_join_timeout"), stall_s = cfg.get_float("train.dist_timeout");
   if (!cpu) LOOM_CHECK(nccl::available(), "%s: %s", env.describe().c_str(), nccl::version().c_str());
   bucket_mb_ = cfg.get_float("train.dist_bucket_mb");
+  zero_stage_ = cfg.get_int("train.zero_stage");
   std::string payload;
   if (env.rank == 0 && cpu) {
     tcp_ = tcp::Comm::listen(env.world, join_s);
@@ -696,6 +697,31 @@ Tensor DataParallel::all_gather_rows(const Tensor& x) {
     else
       nccl::all_gather(comm_, in.raw(), out.raw(), size_t(in.numel()), in.dtype(), cuda::default_stream());
   });
+}
+
+void DataParallel::shard_optimizer(Optimizer& opt) {
+  if (zero_stage_ != 1) return;
+  opt.shard(env_.rank, env_.world, [this](Tensor& flat, const std::vector<int64_t>& bounds) {
+    LOOM_CHECK(flat.is_contiguous() && bounds.size() == size_t(env_.world) + 1 && bounds.back() <= flat.numel(),
+               "DataParallel: a gather of parts of %s over %zu bounds", flat.desc().c_str(), bounds.size());
+    const size_t es = dtype_size(flat.dtype());
+    if (device_ == Device::CPU) {
+      std::vector<size_t> b(bounds.size());
+      for (size_t i = 0; i < b.size(); i++) b[i] = size_t(bounds[i]) * es;
+      tcp_.all_gather_parts(flat.raw(), b);
+      return;
+    }
+    char* p = static_cast<char*>(flat.raw());
+    nccl::group_start();
+    for (int r = 0; r < env_.world; r++) {
+      const int64_t n = bounds[size_t(r) + 1] - bounds[size_t(r)];
+      if (n > 0) nccl::broadcast(comm_, p + size_t(bounds[size_t(r)]) * es, size_t(n), flat.dtype(), r, cuda::default_stream());
+    }
+    nccl::group_end();
+  });
+  std::printf("data parallel: ZeRO stage 1 (train.zero_stage = 1): this rank holds the optimizer moments of %.2fM of "
+              "%.2fM parameters and updates those; the master weights gathered after every update\n",
+              opt.owned_parameters() / 1e6, opt.num_parameters() / 1e6);
 }
 
 void DataParallel::finish() {

@@ -163,6 +163,10 @@ class DataParallel {
   // gather_rows() over the ranks (CUDA: NCCL on the compute stream, graph-capturable; CPU: over
   // TCP): x [n, ...] of every rank -> [world * n, ...]. Outside a bucketed backward only.
   Tensor all_gather_rows(const Tensor& x);
+  // train.zero_stage = 1: shards `opt` over the ranks (Optimizer::shard, ZeRO stage 1), its
+  // master weights' parts then gathered after every update (CUDA: one ncclBroadcast per rank in
+  // a group, on the compute stream; CPU: over TCP). Before the first step and any resume.
+  void shard_optimizer(Optimizer& opt);
   void heartbeat() { rv_->heartbeat(); }
   void finish();                          // clean end (before the process exits)
   void fail(const std::string& why);      // this rank is failing: tell the others
@@ -179,6 +183,7 @@ class DataParallel {
   tcp::Comm tcp_;         // the CPU's
   // gradient buckets (train.dist_bucket_mb > 0)
   double bucket_mb_ = 0;
+  int zero_stage_ = 0;
   std::unique_ptr<GradBuckets> buckets_;
   const Optimizer* bucket_opt_ = nullptr;
   bool in_backward_ = false;   // begin_backward() ran, reduce() not yet

@@ -202,6 +202,7 @@ int train_mim(const RunContext& ctx) {
   std::printf("%s\n", describe_params(m).c_str());
   OptimConfig oc = optim_config_from(cfg);
   Optimizer opt(param_groups_from(m, cfg), oc, ctx.compute, ctx.device);
+  if (ctx.dp) ctx.dp->shard_optimizer(opt);  // train.zero_stage = 1
   cast_frozen(m, ctx.compute);
   EMA ema(m.target, opt, "encoder.");
   const Tensor loss_scale = setup_loss_scaling(opt, ctx);  // fp16 only

@@ -168,6 +168,7 @@ static int train_vlm(const RunContext& ctx) {
               m.vision.num_parameters() / 1e6, m.projector.num_parameters() / 1e6, m.lm.num_parameters() / 1e6);
   OptimConfig oc = optim_config_from(cfg);
   Optimizer opt(param_groups_from(m, cfg), oc, ctx.compute, ctx.device);
+  if (ctx.dp) ctx.dp->shard_optimizer(opt);  // train.zero_stage = 1
   cast_frozen(m, ctx.compute);
   const Tensor loss_scale = setup_loss_scaling(opt, ctx);  // fp16 only
   std::printf("optimizer %s\n", opt.backend().c_str());
