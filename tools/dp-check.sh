@@ -7,6 +7,11 @@
 #   bash tools/dp-check.sh scale      bench_mim / bench_vlm_sft, same per-GPU batch: 1 vs 2 GPUs, the 2-GPU
 #                                     run with gradient buckets beside the backward (default) and
 #                                     with one average after it (train.dist_bucket_mb=0)
+#   bash tools/dp-check.sh zero       ZeRO-1 (train.zero_stage=1) on 2 GPUs against the unsharded run:
+#                                     bench_mim / bench_vlm_sft, losses (f32, deterministic), step rate
+#                                     and each run's peak memory
+#   bash tools/dp-check.sh infonce    contrastive MIM, f32: 2 GPUs x 16 with train.dist_infonce=global
+#                                     == 1 GPU x 32 (and with the default local InfoNCE: not)
 #   bash tools/dp-check.sh nodes      two torchrun launchers (--nnodes=2, one GPU each) over sockets
 #   bash tools/dp-check.sh fault      kill -9 of rank 1 mid-run; rank 0 must stop in < 60 s; resume
 #   bash tools/dp-check.sh auto       vlm_sft.cfg as shipped (train.device = auto) on 2 GPUs, bf16 and
@@ -86,6 +91,34 @@ for what in "$@"; do
         grep -h "peak" "$OUT/bench_${w}_2gpu.log" | tail -1 | sed 's/^/  2 GPUs last step: /' | tee -a "$OUT/summary.txt"
         for d in runs/dp_bench_${w}_*; do cp $d/metrics.jsonl "$OUT/$(basename $d).metrics.jsonl"; done
       done ;;
+    zero)
+      S=${SCALE_STEPS:-15}
+      for w in mim vlm_sft; do
+        for z in 0 1; do
+          LOOM_DETERMINISTIC=1 run zero${z}_${w}_f32 bench_$w.cfg --train.dtype=f32 --train.steps=$S --train.gpus=2 \
+            --train.zero_stage=$z --train.out_dir=runs/dp_zero${z}_${w}_f32
+          run zero${z}_${w} bench_$w.cfg --train.steps=$S --train.gpus=2 --train.zero_stage=$z --train.out_dir=runs/dp_zero${z}_$w
+        done
+        cmp_runs "bench_$w f32, 2 GPUs, ZeRO-1 vs not" runs/dp_zero0_${w}_f32 runs/dp_zero1_${w}_f32 ${F32_TOL:-1e-5}
+        r0=$(python3 tools/dp_compare.py --rate runs/dp_zero0_$w/metrics.jsonl 5)
+        r1=$(python3 tools/dp_compare.py --rate runs/dp_zero1_$w/metrics.jsonl 5)
+        note "bench_$w, 2 GPUs: $r0/s unsharded, $r1/s with ZeRO-1 ($(python3 -c "print(f'{$r1/$r0:.3f}x')"))"
+        for z in 0 1; do
+          grep -h "peak" "$OUT/zero${z}_$w.log" | tail -1 | sed "s/^/  zero_stage=$z last step: /" | tee -a "$OUT/summary.txt"
+          cp runs/dp_zero${z}_$w/metrics.jsonl "$OUT/dp_zero${z}_$w.metrics.jsonl"
+        done
+      done ;;
+    infonce)
+      export LOOM_DETERMINISTIC=1
+      C="--model.contrastive=true --train.dtype=f32 $MIM_SMALL"
+      run cmim_1gpu bench_mim.cfg $C --train.batch_size=32 --train.out_dir=runs/dp_cmim_1 &&
+      run cmim_2gpu_global bench_mim.cfg $C --train.batch_size=16 --train.gpus=2 --train.dist_infonce=global \
+        --train.out_dir=runs/dp_cmim_2g &&
+      cmp_runs "contrastive mim f32, 1 GPU x 32 vs 2 GPUs x 16, global InfoNCE" runs/dp_cmim_1 runs/dp_cmim_2g ${F32_TOL:-1e-5}
+      run cmim_2gpu_local bench_mim.cfg $C --train.batch_size=16 --train.gpus=2 --train.out_dir=runs/dp_cmim_2l &&
+      note "contrastive mim f32, 1 GPU x 32 vs 2 GPUs x 16, local InfoNCE (expected to differ): $(python3 tools/dp_compare.py \
+        runs/dp_cmim_1/metrics.jsonl runs/dp_cmim_2l/metrics.jsonl --tol ${F32_TOL:-1e-5} 2>&1)"
+      unset LOOM_DETERMINISTIC ;;
     nodes)
       command -v torchrun > /dev/null || { note "nodes: no torchrun here"; continue; }
       export LOOM_DETERMINISTIC=1
