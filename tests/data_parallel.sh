@@ -14,6 +14,7 @@
 #   infonce the contrastive MIM with train.dist_infonce = global: 2 x B as 1 x 2B; with local,
 #           not (each rank's own negatives)
 #   env     ranks started by hand with torchrun's variables (no launcher) give the same losses
+#   config  a rank started with another train.lr stops every rank at the rendezvous, naming the key
 #   logs    the launcher started the ranks and rank 1 says how it averages
 #   fault   kill -9 of rank 1: rank 0 and the launcher stop within 30 s with an error naming
 #           the lost rank; the run resumes from its last checkpoint on 2 processes and on 1
@@ -156,6 +157,26 @@ if wait -n && wait -n; then
   fi
 else
   fail "mim, 2 ranks from environment variables: a rank failed ($(grep -h '^error' "$W"/mim_env_*.log | head -1))"
+fi
+
+# ---- a rank started with other overrides (a torchrun node given another learning rate) is
+# refused at the rendezvous, with the key named, instead of training another model silently
+P=$((20000 + RANDOM % 20000))
+for k in 0 1; do
+  extra=()
+  [ $k -eq 1 ] && extra=(--train.lr=0.123)
+  RANK=$k LOCAL_RANK=$k WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$P OMP_NUM_THREADS=1 \
+    timeout 60 "$TRAIN" "${MIM[@]}" --train.batch_size=16 "${extra[@]}" --train.out_dir="$W/mim_cfg" \
+    > "$W/mim_cfg_$k.log" 2>&1 &
+done
+wait -n; rc_a=$?
+wait -n; rc_b=$?
+msg=$(grep -h "another config than rank 0" "$W"/mim_cfg_0.log | head -1)
+if [ $rc_a -ne 0 ] && [ $rc_b -ne 0 ] && [ $rc_a -ne 124 ] && [ $rc_b -ne 124 ] && echo "$msg" | grep -q "train.lr = 0.123" &&
+   grep -q "train.lr = 0.123" "$W/mim_cfg_1.log"; then
+  note "a rank with another train.lr: both stop at the rendezvous, naming it: ok"
+else
+  fail "a rank with another train.lr: exits $rc_a / $rc_b, rank 0 says '$msg'"
 fi
 
 # ---- logs

@@ -20,6 +20,7 @@
 #include "autograd/autograd.h"
 #include "autograd/ops.h"
 #include "optim/optimizer.h"
+#include "trainer/config.h"
 #include "trainer/distributed.h"
 #include "trainer/trainer.h"
 
@@ -252,6 +253,26 @@ TEST_CASE("rendezvous errors: wrong WORLD_SIZE, missing ranks, unreachable MASTE
     CHECK_THAT(e1, Contains("says WORLD_SIZE 3, rank 0 says 2"));
     CHECK(secs() - t0 < 5);
   }
+  SECTION("a rank started with another config") {
+    const int port = free_master_port();
+    Config a = Config::load("vit_mim.cfg"), b = Config::load("vit_mim.cfg", {"--train.zero_stage=1", "--train.lr=0.01",
+                                                                              "--train.out_dir=/elsewhere"});
+    std::string e1;
+    std::thread t([&] {
+      try {
+        Rendezvous r(env_of(1, 2, port), "", 10, config_fingerprint(b));
+      } catch (const std::exception& e) {
+        e1 = e.what();
+      }
+    });
+    const std::string want = "train.zero_stage = 1 (rank 0: 0)";
+    CHECK_THROWS_WITH(Rendezvous(env_of(0, 2, port), "id", 10, config_fingerprint(a)),
+                      Contains("rank 1") && Contains("another config than rank 0") && Contains(want) &&
+                          Contains("train.lr = 0.01 (rank 0: "));
+    t.join();
+    CHECK_THAT(e1, Contains(want));
+    CHECK_THAT(e1, !Contains("out_dir"));  // a path may differ between machines
+  }
   SECTION("fewer ranks than WORLD_SIZE") {
     const int port = free_master_port();
     double t0 = secs();
@@ -270,6 +291,24 @@ TEST_CASE("rendezvous errors: wrong WORLD_SIZE, missing ranks, unreachable MASTE
     d.master_addr = "no-such-host.invalid";
     CHECK_THROWS_WITH(Rendezvous(d, "", 1), Contains("cannot resolve MASTER_ADDR 'no-such-host.invalid'"));
   }
+}
+
+TEST_CASE("config fingerprints: paths may differ, nothing else", "[distributed]") {
+  Config a = Config::load("vlm_sft.cfg");
+  CHECK(config_difference(config_fingerprint(a), config_fingerprint(a)).empty());
+  Config paths = Config::load("vlm_sft.cfg", {"--train.out_dir=/scratch/x", "--data.workers=7", "--train.resume=latest"});
+  CHECK(config_difference(config_fingerprint(a), config_fingerprint(paths)).empty());
+  Config other = Config::load("vlm_sft.cfg", {"--train.batch_size=3", "--model.lm_depth=1"});
+  const std::string d = config_difference(config_fingerprint(a), config_fingerprint(other));
+  CHECK_THAT(d, Contains("train.batch_size = 3 (rank 0: ") && Contains("model.lm_depth = 1 (rank 0: "));
+  CHECK_THAT(config_difference("a=1\nb=2\n", "a=1\nc=2\n"), Contains("c = 2 (rank 0: no such key)") &&
+                                                                  Contains("b missing (rank 0: 2)"));
+  std::string many0, many1;
+  for (int i = 0; i < 12; i++) {
+    many0 += "k" + std::to_string(i) + "=0\n";
+    many1 += "k" + std::to_string(i) + "=1\n";
+  }
+  CHECK_THAT(config_difference(many0, many1), Contains("and 4 more"));
 }
 
 // ------------------------------------------------------------------ the CPU collectives

@@ -76,6 +76,8 @@ class Config {
 
   // The resolved config in file format: every key of the schema, overrides applied.
   std::string dump() const;
+  // Every key's value: "section.key" -> value (validated, unquoted)
+  const std::map<std::string, std::string>& values() const { return values_; }
   void save(const std::string& path) const;
   // The file this config was loaded from ("" for defaults / parsed text).
   const std::string& source() const { return source_; }

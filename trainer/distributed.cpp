@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <set>
 
 #include "autograd/autograd.h"
 #include "autograd/ops.h"
@@ -347,7 +348,49 @@ bool Rendezvous::send_frame(int fd, char type, const std::string& body) {
   return net::write_all(fd, buf.data(), buf.size());
 }
 
-Rendezvous::Rendezvous(const DistEnv& env, const std::string& payload, double join_timeout_s) : env_(env) {
+std::string config_fingerprint(const Config& cfg) {
+  static const std::set<std::string> local = {"model.lm_init", "model.vision_init", "model.init", "data.path",
+                                              "data.val_path", "data.tokenizer", "data.synth_rows", "data.workers",
+                                              "train.out_dir", "train.resume"};
+  std::string out;
+  for (auto& [k, v] : cfg.values())
+    if (!local.count(k)) out += k + "=" + v + "\n";
+  return out;
+}
+
+std::string config_difference(const std::string& rank0, const std::string& other) {
+  if (rank0 == other) return "";
+  auto parse = [](const std::string& text) {
+    std::map<std::string, std::string> m;
+    size_t at = 0;
+    while (at < text.size()) {
+      size_t end = text.find('\n', at);
+      if (end == std::string::npos) end = text.size();
+      const std::string line = text.substr(at, end - at);
+      const size_t eq = line.find('=');
+      if (eq != std::string::npos) m[line.substr(0, eq)] = line.substr(eq + 1);
+      at = end + 1;
+    }
+    return m;
+  };
+  const auto a = parse(rank0), b = parse(other);
+  std::vector<std::string> diffs;
+  for (auto& [k, v] : b) {
+    auto it = a.find(k);
+    if (it == a.end()) diffs.push_back(k + " = " + v + " (rank 0: no such key)");
+    else if (it->second != v) diffs.push_back(k + " = " + v + " (rank 0: " + it->second + ")");
+  }
+  for (auto& [k, v] : a)
+    if (!b.count(k)) diffs.push_back(k + " missing (rank 0: " + v + ")");
+  std::string out;
+  for (size_t i = 0; i < diffs.size() && i < 8; i++) out += (i ? ", " : "") + diffs[i];
+  if (diffs.size() > 8) out += strformat(" and %zu more", diffs.size() - 8);
+  return out.empty() ? "the configs differ" : out;
+}
+
+Rendezvous::Rendezvous(const DistEnv& env, const std::string& payload, double join_timeout_s,
+                       const std::string& fingerprint)
+    : env_(env) {
   const double deadline = now_ms_() + join_timeout_s * 1e3;
   const int port = env.rendezvous_port();
   fds_.assign(size_t(env.world), -1);
@@ -386,6 +429,8 @@ Rendezvous::Rendezvous(const DistEnv& env, const std::string& payload, double jo
       int r = -1, w = -1;
       char host[256] = {0};
       std::sscanf(body.c_str(), "%d %d %255s", &r, &w, host);
+      const size_t nl = body.find('\n');
+      const std::string theirs = nl == std::string::npos ? std::string() : body.substr(nl + 1);
       if (w != env.world) {
         std::string msg = strformat("rendezvous: rank %d (host %s) says WORLD_SIZE %d, rank 0 says %d: every rank "
                                     "must be started with the same WORLD_SIZE", r, host, w, env.world);
@@ -397,6 +442,16 @@ Rendezvous::Rendezvous(const DistEnv& env, const std::string& payload, double jo
       if (r <= 0 || r >= env.world || fds_[size_t(r)] >= 0) {
         std::string msg = strformat("rendezvous: two processes claim rank %d (host %s): every RANK must be unique",
                                     r, host);
+        send_frame(fd, 'E', msg);
+        close(fd);
+        close(ls);
+        fail_all(msg);
+      }
+      const std::string diff = config_difference(fingerprint, theirs);
+      if (!diff.empty()) {
+        std::string msg = strformat("rendezvous: rank %d (host %s) was started with another config than rank 0: %s. "
+                                    "Every rank must get the same config and overrides (paths and data.workers "
+                                    "may differ)", r, host, diff.c_str());
         send_frame(fd, 'E', msg);
         close(fd);
         close(ls);
@@ -419,7 +474,7 @@ Rendezvous::Rendezvous(const DistEnv& env, const std::string& payload, double jo
              "%s. Is MASTER_ADDR right, and is rank 0 running?", env.rank, env.master_addr.c_str(), port,
              join_timeout_s, why.c_str());
   fds_[0] = fd;
-  send_frame(fd, 'H', strformat("%d %d %s", env.rank, env.world, net::host_name().c_str()));
+  send_frame(fd, 'H', strformat("%d %d %s\n", env.rank, env.world, net::host_name().c_str()) + fingerprint);
   char type = 0;
   std::string body;
   // rank 0 answers once every rank has joined (it waits at most its own join timeout)
@@ -527,7 +582,7 @@ DataParallel::DataParallel(const DistEnv& env, const Config& cfg, Device device)
   } else if (env.rank == 0) {
     payload = nccl::unique_id();
   }
-  rv_ = std::make_unique<Rendezvous>(env, payload, join_s);
+  rv_ = std::make_unique<Rendezvous>(env, payload, join_s, config_fingerprint(cfg));
   // the watchdog is up before the collectives' own start, which waits for every rank
   int rank = env.rank;
   rv_->start_monitor(

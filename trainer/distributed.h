@@ -97,12 +97,23 @@ int probe_gpu_count();
 Tensor gather_rows(const Tensor& x, int rank, int world, const std::function<void(const Tensor& x, Tensor& out)>& gather);
 
 // ------------------------------------------------------------------ TCP rendezvous and monitor
+// What every rank of a run must agree on: "section.key=value" lines of every key except those
+// that may differ between machines (paths of files and folders, data.workers). Ranks started with
+// other values (a torchrun node given other overrides) would train different models, or the
+// same one differently, without an error: their averages only need equal sizes.
+std::string config_fingerprint(const Config& cfg);
+// "" when equal, else the keys that differ, "train.lr = 0.001 (rank 0: 0.0003), ..."
+std::string config_difference(const std::string& rank0, const std::string& other);
+
 class Rendezvous {
  public:
   // Rank 0 listens on env.rendezvous_port() (all interfaces) and waits for the other ranks;
   // the others connect to env.master_addr (retrying until the timeout). `payload` (rank 0's:
-  // the NCCL unique id) reaches every rank: payload() after construction.
-  Rendezvous(const DistEnv& env, const std::string& payload, double join_timeout_s);
+  // the NCCL unique id) reaches every rank: payload() after construction. Each rank sends its
+  // `fingerprint` (config_fingerprint) with its hello; a rank whose fingerprint differs from
+  // rank 0's stops every rank with an error naming the keys ("" on both sides: not checked).
+  Rendezvous(const DistEnv& env, const std::string& payload, double join_timeout_s,
+             const std::string& fingerprint = "");
   ~Rendezvous();
   const std::string& payload() const { return payload_; }
 
