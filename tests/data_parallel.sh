@@ -15,6 +15,7 @@
 #           not (each rank's own negatives)
 #   env     ranks started by hand with torchrun's variables (no launcher) give the same losses
 #   config  a rank started with another train.lr stops every rank at the rendezvous, naming the key
+#   resume  a rank that finds no checkpoint where rank 0 resumes stops both before the first step
 #   logs    the launcher started the ranks and rank 1 says how it averages
 #   fault   kill -9 of rank 1: rank 0 and the launcher stop within 30 s with an error naming
 #           the lost rank; the run resumes from its last checkpoint on 2 processes and on 1
@@ -177,6 +178,27 @@ if [ $rc_a -ne 0 ] && [ $rc_b -ne 0 ] && [ $rc_a -ne 124 ] && [ $rc_b -ne 124 ] 
   note "a rank with another train.lr: both stop at the rendezvous, naming it: ok"
 else
   fail "a rank with another train.lr: exits $rc_a / $rc_b, rank 0 says '$msg'"
+fi
+
+# ---- a rank that does not see the checkpoint (node-local out_dirs) would start from step 0 beside
+# rank 0's resumed weights: both stop before the first step instead
+P=$((20000 + RANDOM % 20000))
+cp -r "$W/mim_2" "$W/mim_seen"
+for k in 0 1; do
+  dir=$W/mim_seen
+  [ $k -eq 1 ] && dir=$W/mim_unseen
+  RANK=$k LOCAL_RANK=$k WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$P OMP_NUM_THREADS=1 \
+    timeout 60 "$TRAIN" "${MIM[@]}" --train.batch_size=16 --train.steps=12 --train.resume=latest --train.out_dir="$dir" \
+    > "$W/mim_resume_$k.log" 2>&1 &
+done
+wait -n; rc_a=$?
+wait -n; rc_b=$?
+msg=$(grep -h "the step the run starts from differs" "$W"/mim_resume_1.log | head -1)
+if [ $rc_a -ne 0 ] && [ $rc_b -ne 0 ] && [ $rc_a -ne 124 ] && [ $rc_b -ne 124 ] && [ -n "$msg" ] &&
+   grep -q "the step the run starts from differs" "$W/mim_resume_0.log"; then
+  note "a rank without the checkpoint: both stop before training: ok"
+else
+  fail "a rank without the checkpoint: exits $rc_a / $rc_b, rank 1 says '$msg'"
 fi
 
 # ---- logs

@@ -754,6 +754,16 @@ Tensor DataParallel::all_gather_rows(const Tensor& x) {
   });
 }
 
+void DataParallel::check_same(const std::string& what, double value, const std::string& hint) {
+  Tensor t = Tensor::from_vector(std::vector<double>{value, value * value}, {2}, device_);
+  all_reduce_avg(t);
+  const std::vector<double> m = t.to_vector<double>();  // waits for the average
+  const double spread = m[1] - m[0] * m[0];
+  LOOM_CHECK(spread <= 1e-9 * std::max(1.0, m[1]) && m[0] == value,
+             "data parallel: %s differs between the ranks (rank %d: %g, the ranks' mean %g): %s", what.c_str(), env_.rank,
+             value, m[0], hint.c_str());
+}
+
 void DataParallel::shard_optimizer(Optimizer& opt) {
   if (zero_stage_ != 1) return;
   opt.shard(env_.rank, env_.world, [this](Tensor& flat, const std::vector<int64_t>& bounds) {

@@ -217,7 +217,12 @@ int train_mim(const RunContext& ctx) {
     start = st.step;
     baselines = st.extra;
     std::printf("resumed from %s at step %lld\n", ck.c_str(), (long long)start);
-  } else if (!cfg.get_bool("train.dry_run") && test.n > 0 && ctx.rank == 0) {
+  }
+  if (ctx.dp)  // a rank that found no checkpoint (or another one) would train other weights silently
+    ctx.dp->check_same("the step the run starts from", double(start),
+                       "every rank must see the same checkpoint (train.out_dir on a file system all machines share, "
+                       "or train.resume naming the same folder everywhere)");
+  if (ck.empty() && !cfg.get_bool("train.dry_run") && test.n > 0 && ctx.rank == 0) {
     // the two baselines the trained encoder must beat: raw pixels, and this random encoder
     int d = train.c * train.h * train.w;
     baselines["probe_raw_pixels"] = probe(probe_tr.pixels, probe_tr, test.pixels, test, d, cfg);

@@ -183,6 +183,10 @@ static int train_vlm(const RunContext& ctx) {
     start = st.step;
     std::printf("resumed from %s at step %lld\n", ck.c_str(), (long long)start);
   }
+  if (ctx.dp)  // a rank that found no checkpoint (or another one) would train other weights silently
+    ctx.dp->check_same("the step the run starts from", double(start),
+                       "every rank must see the same checkpoint (train.out_dir on a file system all machines share, "
+                       "or train.resume naming the same folder everywhere)");
   // batch of micro-step s: rows [s*bs, (s+1)*bs) of the epoch's shuffled row order. Data
   // parallel: the micro-step's global batch is rows [s*G, (s+1)*G), G = bs x world, and this
   // rank takes its part [rank*bs, (rank+1)*bs) (the same permutation on every rank).
