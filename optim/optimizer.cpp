@@ -228,6 +228,8 @@ void Optimizer::shard(int rank, int world, PartGather gather) {
   LOOM_CHECK(world >= 1 && rank >= 0 && rank < world && (world == 1 || gather),
              "Optimizer::shard: rank %d of %d%s", rank, world, gather ? "" : " without a gather");
   LOOM_CHECK(!sharded(), "Optimizer::shard: already sharded");
+  LOOM_CHECK(steps() == 0, "Optimizer::shard: after %lld steps (shard before the first step and before a resume "
+             "loads the state: the moments start over)", (long long)steps());
   rank_ = rank;
   world_ = world;
   gather_ = std::move(gather);

@@ -539,6 +539,8 @@ TEST_CASE("ZeRO-1: sharded optimizers give the unsharded weights and state, and 
     }
     CHECK(same(one_p.b, ref_p.b));
     CHECK(same(ps[0]->b, ref_p.b));
+    // sharding a trained optimizer would restart its moments: refused
+    CHECK_THROWS_WITH(one.shard(0, 2, [](Tensor&, const std::vector<int64_t>&) {}), Contains("after 6 steps"));
   }
 }
 
