@@ -388,7 +388,7 @@ TEST_CASE("CPU collectives: a gather puts every rank's part in rank order, the s
 // The global InfoNCE of data parallel (train.dist_infonce = global): every rank gathers the
 // pooled features of all ranks, so its loss is the loss of the whole batch, and its rows' gradient
 // (times the world size, which the ranks' gradient mean divides again) is the whole batch's.
-TEST_CASE("gather_rows: a global InfoNCE over ranks is the whole batch's, loss and gradient", "[distributed]") {
+TEST_CASE("gather_over_ranks: a global InfoNCE over ranks is the whole batch's, loss and gradient", "[distributed]") {
   const uint32_t seed = std::random_device{}();
   INFO("seed " << seed);
   const int world = 2, B = 5, D = 7;
@@ -414,7 +414,7 @@ TEST_CASE("gather_rows: a global InfoNCE over ranks is the whole batch's, loss a
       auto gather = [&](const Tensor& x, Tensor& out) {
         c[size_t(r)].all_gather(x.raw(), out.raw(), size_t(x.numel()) * 8);
       };
-      Tensor l = infonce_loss(gather_rows(ar, r, world, gather), gather_rows(br, r, world, gather), tau);
+      Tensor l = infonce_loss(gather_over_ranks(ar, r, world, gather), gather_over_ranks(br, r, world, gather), tau);
       backward(l);
       loss[size_t(r)] = l.item();
       da[size_t(r)] = ar.grad().to_vector<double>();

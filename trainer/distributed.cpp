@@ -725,8 +725,9 @@ void DataParallel::all_reduce_avg(Tensor& t) {
   else nccl::all_reduce_avg(comm_, t.raw(), size_t(t.numel()), t.dtype(), cuda::default_stream());
 }
 
-Tensor gather_rows(const Tensor& x, int rank, int world, const std::function<void(const Tensor& x, Tensor& out)>& gather) {
-  LOOM_CHECK(x.dim() >= 1 && world >= 1 && rank >= 0 && rank < world, "gather_rows: x %s, rank %d of %d",
+Tensor gather_over_ranks(const Tensor& x, int rank, int world,
+                         const std::function<void(const Tensor& x, Tensor& out)>& gather) {
+  LOOM_CHECK(x.dim() >= 1 && world >= 1 && rank >= 0 && rank < world, "gather_over_ranks: x %s, rank %d of %d",
              x.desc().c_str(), rank, world);
   Tensor xc = x.contiguous();
   Shape s = xc.shape();
@@ -735,7 +736,7 @@ Tensor gather_rows(const Tensor& x, int rank, int world, const std::function<voi
   Tensor out = Tensor::empty(s, xc.dtype(), xc.device());
   gather(xc, out);
   if (any_requires_grad({x}))
-    record("gather_rows", {out}, [x, out, rank, world, n]() {
+    record("gather_over_ranks", {out}, [x, out, rank, world, n]() {
       Tensor g = grad_of(out);
       if (!g.defined()) return;
       NoGradGuard ng;
@@ -746,7 +747,7 @@ Tensor gather_rows(const Tensor& x, int rank, int world, const std::function<voi
 
 Tensor DataParallel::all_gather_rows(const Tensor& x) {
   LOOM_CHECK(!in_backward_, "DataParallel::all_gather_rows: not while a backward's gradient buckets are in flight");
-  return gather_rows(x, env_.rank, env_.world, [this](const Tensor& in, Tensor& out) {
+  return gather_over_ranks(x, env_.rank, env_.world, [this](const Tensor& in, Tensor& out) {
     if (device_ == Device::CPU)
       tcp_.all_gather(in.raw(), out.raw(), size_t(in.numel()) * dtype_size(in.dtype()));
     else

@@ -94,7 +94,8 @@ int probe_gpu_count();
 // the gathered rows (the global InfoNCE: each holds all of them) that sum is world times its
 // own. Under data parallel, whose gradients are a mean over the ranks, the update is then the
 // one of a single process holding the whole batch.
-Tensor gather_rows(const Tensor& x, int rank, int world, const std::function<void(const Tensor& x, Tensor& out)>& gather);
+Tensor gather_over_ranks(const Tensor& x, int rank, int world,
+                         const std::function<void(const Tensor& x, Tensor& out)>& gather);
 
 // ------------------------------------------------------------------ TCP rendezvous and monitor
 // What every rank of a run must agree on: "section.key=value" lines of every key except those
@@ -171,8 +172,9 @@ class DataParallel {
   void reduce(Optimizer& opt, Tensor& loss);
   // Average one device tensor in place (CUDA: f32/bf16 on the compute stream; CPU: f32/f64).
   void all_reduce_avg(Tensor& t);
-  // gather_rows() over the ranks (CUDA: NCCL on the compute stream, graph-capturable; CPU: over
-  // TCP): x [n, ...] of every rank -> [world * n, ...]. Outside a bucketed backward only.
+  // gather_over_ranks() with this run's collectives (CUDA: NCCL on the compute stream,
+  // graph-capturable; CPU: over TCP): x [n, ...] of every rank -> [world * n, ...]. Outside a
+  // bucketed backward only.
   Tensor all_gather_rows(const Tensor& x);
   // Stops the run (on every rank, with the same message) unless `value` is the same on every
   // rank: the mean of value and of value^2 over the ranks (f64) shows any spread. Waits for
