@@ -1,5 +1,7 @@
 // distributed.h: data-parallel training on several GPUs (one process per GPU, NCCL), or in
-// several CPU processes (averages over TCP: comm.h's tcp::Comm).
+// several CPU processes (averages over TCP: comm.h's tcp::Comm). distributed.cpp: the rank
+// environment, the launcher and the rendezvous; data_parallel.cpp: DataParallel and
+// gather_over_ranks.
 //
 // How a run becomes several processes (README "Several GPUs"):
 //   ./train CONFIG --train.gpus=N      this process is a launcher: it starts N copies of itself
