@@ -207,13 +207,17 @@ Tensor DataParallel::all_gather_rows(const Tensor& x) {
 }
 
 void DataParallel::check_same(const std::string& what, double value, const std::string& hint) {
-  Tensor t = Tensor::from_vector(std::vector<double>{value, value * value}, {2}, device_);
-  all_reduce_avg(t);
-  const std::vector<double> m = t.to_vector<double>();  // waits for the average
-  const double spread = m[1] - m[0] * m[0];
-  LOOM_CHECK(spread <= 1e-9 * std::max(1.0, m[1]) && m[0] == value,
-             "data parallel: %s differs between the ranks (rank %d: %g, the ranks' mean %g): %s", what.c_str(), env_.rank,
-             value, m[0], hint.c_str());
+  // every rank's value, copied (a mean would round: NCCL's average of 3 equal values need not be
+  // the value), so that every rank sees the same list and decides alike
+  const std::vector<double> all =
+      all_gather_rows(Tensor::from_vector(std::vector<double>{value}, {1}, device_)).to_vector<double>();
+  std::string values;
+  bool same = true;
+  for (size_t r = 0; r < all.size(); r++) {
+    same = same && all[r] == all[0];
+    values += strformat("%srank %zu: %g", r ? ", " : "", r, all[r]);
+  }
+  LOOM_CHECK(same, "data parallel: %s differs between the ranks (%s): %s", what.c_str(), values.c_str(), hint.c_str());
 }
 
 void DataParallel::shard_optimizer(Optimizer& opt) {

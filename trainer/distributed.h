@@ -179,8 +179,8 @@ class DataParallel {
   // bucketed backward only.
   Tensor all_gather_rows(const Tensor& x);
   // Stops the run (on every rank, with the same message) unless `value` is the same on every
-  // rank: the mean of value and of value^2 over the ranks (f64) shows any spread. Waits for
-  // the device: for start-up checks (the step a resumed run starts from).
+  // rank: every rank's value is gathered (f64) and compared. Waits for the device: for
+  // start-up checks (the step a resumed run starts from).
   void check_same(const std::string& what, double value, const std::string& hint);
   // train.zero_stage = 1: shards `opt` over the ranks (Optimizer::shard, ZeRO stage 1), its
   // master weights' parts then gathered after every update (CUDA: one ncclBroadcast per rank in
