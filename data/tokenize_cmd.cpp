@@ -2,6 +2,7 @@
 //
 //   train tokenize --tokenizer tokenizer.json < text.txt        -> [12,7,301,...]
 //   train tokenize --tokenizer tokenizer.json --decode < ids.json -> the text
+//   train tokenize --tokenizer tokenizer.json --add-special-tokens < text.txt -> [1,12,7,...]
 //
 // Encode reads all of stdin as UTF-8 text (no special treatment of a trailing newline: it
 // is part of the text) and prints the ids as one JSON array and a newline. --decode reads a
@@ -19,15 +20,17 @@ namespace loom {
 
 namespace {
 const char* kUsage =
-    "usage: train tokenize --tokenizer PATH [--decode] [--skip-special]\n"
+    "usage: train tokenize --tokenizer PATH [--decode] [--skip-special] [--add-special-tokens]\n"
     "  encode (default): stdin text -> JSON array of ids on stdout\n"
+    "  --add-special-tokens: with encode, the post-processor's tokens too (e.g. BOS),\n"
+    "                    as HF's encode(text) adds them by default\n"
     "  --decode:         stdin JSON array of ids -> text on stdout\n"
     "  --skip-special:   with --decode, leave special tokens out\n";
 }
 
 int tokenize_command(int argc, char** argv) {
   std::string path;
-  bool decode = false, skip_special = false;
+  bool decode = false, skip_special = false, add_special = false;
   // argv holds the options; a leading "tokenize" (the subcommand's own name) is skipped
   for (int i = argc > 0 && std::strcmp(argv[0], "tokenize") == 0 ? 1 : 0; i < argc; i++) {
     std::string a = argv[i];
@@ -39,6 +42,8 @@ int tokenize_command(int argc, char** argv) {
       decode = true;
     } else if (a == "--skip-special") {
       skip_special = true;
+    } else if (a == "--add-special-tokens") {
+      add_special = true;
     } else if (a == "--help" || a == "-h") {
       std::cout << kUsage;
       return 0;
@@ -57,7 +62,7 @@ int tokenize_command(int argc, char** argv) {
     if (!decode) {
       std::vector<int32_t> ids;
       try {
-        ids = tok.encode(input);
+        ids = tok.encode(input, add_special);
       } catch (const std::invalid_argument& e) {
         std::cerr << "tokenize: stdin: " << e.what() << "\n";
         return 1;

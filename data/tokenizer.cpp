@@ -297,12 +297,17 @@ std::vector<std::string> Tokenizer::pre_tokenize(const std::string& text) const 
   return out;
 }
 
-std::vector<int32_t> Tokenizer::encode(const std::string& text) const {
+const std::vector<int32_t>& Tokenizer::special_prefix() const { return impl_->post_prefix; }
+const std::vector<int32_t>& Tokenizer::special_suffix() const { return impl_->post_suffix; }
+
+std::vector<int32_t> Tokenizer::encode(const std::string& text, bool add_special_tokens) const {
   size_t bad = text::find_invalid_utf8(text);
   if (bad != std::string::npos)
     throw std::invalid_argument("tokenizer: text is not valid UTF-8 at byte " + std::to_string(bad));
   const Impl& im = *impl_;
+  if (add_special_tokens && !im.post_error.empty()) throw std::runtime_error(im.post_error);
   std::vector<int32_t> ids;
+  if (add_special_tokens) ids = im.post_prefix;
   std::vector<std::string> words;
   for (const Segment& raw : im.split_added(text, im.raw_trie)) {
     if (raw.id >= 0) {
@@ -321,6 +326,7 @@ std::vector<int32_t> Tokenizer::encode(const std::string& text) const {
       for (const std::string& w : words) im.bpe(w, ids);
     }
   }
+  if (add_special_tokens) ids.insert(ids.end(), im.post_suffix.begin(), im.post_suffix.end());
   return ids;
 }
 

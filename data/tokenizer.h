@@ -24,8 +24,12 @@
 // tokens joined by ' ') -> the strings joined. Invalid UTF-8 becomes U+FFFD as HF does:
 // ByteLevel per ill-formed subpart, ByteFallback once per byte of an invalid run.
 //
-// Not applied: post_processor (encode never adds BOS/EOS; callers add them explicitly),
-// truncation and padding. They are kept and written back by save().
+//   5. post-processor, only when encode is asked to add special tokens (HF's
+//      add_special_tokens=True): the ids its single-sequence template puts before and after
+//      the text (TemplateProcessing, BertProcessing, RobertaProcessing, ByteLevel, Sequence;
+//      e.g. Llama's BOS). Without the request, as the chat pipeline encodes, none are added.
+// Not applied: truncation, padding and the post-processor's pair template. All three are kept
+// and written back by save().
 //
 // A Tokenizer is immutable after construction and safe to use from several threads (the
 // per-pre-token cache is guarded by a mutex); copies share the same state.
@@ -61,8 +65,15 @@ class Tokenizer {
   std::string to_json() const;                 // the same document as a string
 
   // Added and special tokens found in `text` become their ids. Throws std::invalid_argument
-  // when text is not valid UTF-8 (the byte offset is in the message).
-  std::vector<int32_t> encode(const std::string& text) const;
+  // when text is not valid UTF-8 (the byte offset is in the message). add_special_tokens:
+  // the post-processor's tokens around the ids (HF's default is true, loom's false: the chat
+  // template writes its special tokens into the text itself); a file whose post-processor
+  // cannot be applied (unknown type, malformed, ids past the vocabulary) loads, and this
+  // throws std::runtime_error naming the file and the JSON path.
+  std::vector<int32_t> encode(const std::string& text, bool add_special_tokens = false) const;
+  // The ids encode(text, true) puts before and after the text (empty without a post-processor).
+  const std::vector<int32_t>& special_prefix() const;
+  const std::vector<int32_t>& special_suffix() const;
   // Ids outside the vocabulary throw std::out_of_range naming the id.
   std::string decode(const std::vector<int32_t>& ids, bool skip_special = false) const;
 

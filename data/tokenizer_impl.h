@@ -142,6 +142,10 @@ struct Tokenizer::Impl {
   std::vector<PreStep> pre;
   bool has_decoder = true;  // else HF's no-decoder fallback: join the tokens with ' '
   std::vector<DecodeStep> decoders;
+  // the post-processor (tokenizer_io.cpp, parse_post): ids put around the text by
+  // encode(text, true), or why it cannot be applied
+  std::vector<int32_t> post_prefix, post_suffix;
+  std::string post_error;
   // kept verbatim for save()
   json normalizer_json, pre_json, post_json, decoder_json, truncation_json, padding_json;
   // per pre-token cache (HF keeps one too); bounded so a long run cannot grow it forever.

@@ -105,6 +105,18 @@ int tokenizer(const uint8_t* data, size_t size) {
       if (id < 0 || id >= tok->vocab_size()) broken("encode produced id " + std::to_string(id) + " outside the vocabulary");
     std::string back = tok->decode(ids);
     if (tok == &fallback && back != text) broken("the byte-level tokenizer does not round-trip valid UTF-8");
+    std::vector<int32_t> with;
+    try {
+      with = tok->encode(text, true);
+    } catch (const std::runtime_error&) {  // a post-processor loom cannot apply: refused, as documented
+      return 0;
+    }
+    std::vector<int32_t> expect = tok->special_prefix();
+    expect.insert(expect.end(), ids.begin(), ids.end());
+    expect.insert(expect.end(), tok->special_suffix().begin(), tok->special_suffix().end());
+    if (with != expect) broken("encode(text, true) is not the post-processor's tokens around encode(text)");
+    for (int32_t id : with)
+      if (id < 0 || id >= tok->vocab_size()) broken("the post-processor added id " + std::to_string(id) + " outside the vocabulary");
   } catch (const std::invalid_argument&) {  // not valid UTF-8: refused, as documented
   } catch (const std::exception&) {
   }

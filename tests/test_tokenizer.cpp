@@ -445,4 +445,20 @@ TEST_CASE("tokenize command: encode to a JSON array and decode back", "[tokenize
   CHECK(run_cmd({}, "").first == 2);
   CHECK(run_cmd({"--decode", "--tokenizer"}, "").first == 2);  // --tokenizer without its value
   CHECK(run_cmd({"tokenize", "--tokenizer", tj, "--bogus"}, "").first == 2);
+  // --add-special-tokens: the post-processor's tokens, here a Llama-3-like BOS on the fixture
+  json doc = json::parse(read_file(tj));
+  const int32_t bos = Tokenizer::from_file(tj).token_id("<|endoftext|>");
+  doc["post_processor"] = {{"type", "TemplateProcessing"},
+                           {"single", json::parse(R"([{"SpecialToken":{"id":"<|endoftext|>","type_id":0}},)"
+                                                  R"({"Sequence":{"id":"A","type_id":0}}])")},
+                           {"special_tokens", {{"<|endoftext|>", {{"id", "<|endoftext|>"}, {"ids", {bos}}}}}}};
+  std::string path = "/tmp/loom_test_post_" + std::to_string(::getpid()) + ".json";
+  std::ofstream(path) << doc.dump();
+  auto [rc6, out6] = run_cmd({"tokenize", "--tokenizer", path, "--add-special-tokens"}, text);
+  CHECK(rc6 == 0);
+  std::vector<int32_t> with_bos{bos};
+  with_bos.insert(with_bos.end(), ids.begin(), ids.end());
+  CHECK(json::parse(out6).get<std::vector<int32_t>>() == with_bos);
+  CHECK(json::parse(run_cmd({"tokenize", "--tokenizer", path}, text).second).get<std::vector<int32_t>>() == ids);
+  std::remove(path.c_str());
 }

@@ -245,3 +245,83 @@ TEST_CASE("tokenizer spm: chat tokens added as special tokens, as HF's add_speci
   Tokenizer again = Tokenizer::from_json(t.to_json(), "saved");
   CHECK(again.encode("<|im_start|>user\nhi<|im_end|>") == ids);
 }
+
+// The post-processor (tokenizer.h, step 5): what HF's encode(text, add_special_tokens=True)
+// puts around the ids, on the 17-entry vocabulary (<s> = 1, </s> = 2). The expected ids are
+// spelled out from HF's definitions of each type; the real Llama 2 layout is TemplateProcessing
+// [<s>, A], Llama 3's Sequence[ByteLevel, TemplateProcessing [<|begin_of_text|>, A]].
+TEST_CASE("tokenizer spm: post-processors add their tokens only when asked", "[tokenizer][spm]") {
+  auto with_post = [](const std::string& post) {
+    json d = json::parse(spm_json(kLlamaNorm, "null", kLlamaDecoder));
+    d["post_processor"] = json::parse(post);
+    return Tokenizer::from_json(d.dump(), "post.json");
+  };
+  const std::string bos = R"({"SpecialToken":{"id":"<s>","type_id":0}})";
+  const std::string eos = R"({"SpecialToken":{"id":"</s>","type_id":0}})";
+  const std::string seq_a = R"({"Sequence":{"id":"A","type_id":0}})";
+  const std::string specials =
+      R"("special_tokens":{"<s>":{"id":"<s>","ids":[1],"tokens":["<s>"]},"</s>":{"id":"</s>","ids":[2],"tokens":["</s>"]}})";
+  auto templ = [&](const std::string& single) {
+    return R"({"type":"TemplateProcessing","single":[)" + single + R"(],"pair":[],)" + specials + "}";
+  };
+  const std::string text = "ab a";
+  const Ids plain = with_post("null").encode(text);
+  REQUIRE(plain.size() >= 2);
+  auto around = [&](Ids pre, Ids post) {
+    pre.insert(pre.end(), plain.begin(), plain.end());
+    pre.insert(pre.end(), post.begin(), post.end());
+    return pre;
+  };
+
+  Tokenizer llama2 = with_post(templ(bos + "," + seq_a));
+  CHECK(llama2.encode(text) == plain);  // not asked: nothing added (loom's default)
+  CHECK(llama2.encode(text, true) == around({1}, {}));
+  CHECK(llama2.encode("", true) == Ids{1});  // HF adds BOS to an empty text too
+  CHECK(llama2.special_prefix() == Ids{1});
+  CHECK(llama2.special_suffix().empty());
+  CHECK(with_post("null").encode(text, true) == plain);
+
+  Tokenizer llama3 = with_post(R"({"type":"Sequence","processors":[{"type":"ByteLevel","add_prefix_space":true,)"
+                               R"("trim_offsets":false,"use_regex":true},)" + templ(bos + "," + seq_a + "," + eos) + "]}");
+  CHECK(llama3.encode(text, true) == around({1}, {2}));
+  // a Sequence applies its processors in turn, each wrapping the one before's output
+  Tokenizer nested = with_post(R"({"type":"Sequence","processors":[)" + templ(bos + "," + seq_a + "," + eos) + "," +
+                               templ(eos + "," + seq_a + "," + bos) + "]}");
+  CHECK(nested.encode(text, true) == around({2, 1}, {2, 1}));
+  CHECK(with_post(R"({"type":"BertProcessing","sep":["</s>",2],"cls":["<s>",1]})").encode(text, true) == around({1}, {2}));
+  CHECK(with_post(R"({"type":"RobertaProcessing","sep":["</s>",2],"cls":["<s>",1],"trim_offsets":true,)"
+                  R"("add_prefix_space":true})").encode(text, true) == around({1}, {2}));
+  // a special token of several ids, and the pair template left alone
+  Tokenizer multi = with_post(R"({"type":"TemplateProcessing","single":[)" + seq_a +
+                              R"(,{"SpecialToken":{"id":"END","type_id":1}}],"pair":[{"Sequence":{"id":"B","type_id":1}}],)"
+                              R"("special_tokens":{"END":{"id":"END","ids":[2,1,2],"tokens":["</s>","<s>","</s>"]}}})");
+  CHECK(multi.encode(text, true) == around({}, {2, 1, 2}));
+  // kept and written back: the reloaded file adds the same
+  CHECK(Tokenizer::from_json(llama3.to_json(), "again.json").encode(text, true) == around({1}, {2}));
+  CHECK(json::parse(llama3.to_json())["post_processor"]["processors"][1]["single"][0]["SpecialToken"]["id"] == "<s>");
+
+  // What loom cannot apply still loads (encoding without the tokens never needs it); asking for
+  // the tokens names the file and the JSON path.
+  auto refuse_on_encode = [&](const std::string& post, const std::string& key, const std::string& what) {
+    Tokenizer t = with_post(post);
+    CHECK(t.encode(text) == plain);
+    CHECK_THROWS_WITH(t.encode(text, true), Catch::Contains("post.json") && Catch::Contains(key) && Catch::Contains(what));
+    CHECK(t.special_prefix().empty());
+  };
+  refuse_on_encode(R"({"type":"Sequence","processors":[{"type":"ByteLevel"},{"type":"Fancy"}]})",
+                   "post_processor.processors[1].type", "unsupported post-processor \"Fancy\"");
+  refuse_on_encode(templ(bos + R"(,{"Sequence":{"id":"B","type_id":0}})"), "post_processor.single[1].Sequence.id",
+                   "sequence \"A\" only");
+  refuse_on_encode(templ(bos), "post_processor.single", "found it 0 times");
+  refuse_on_encode(templ(seq_a + "," + seq_a), "post_processor.single", "found it 2 times");
+  refuse_on_encode(templ(R"({"SpecialToken":{"id":"<bos>","type_id":0}},)" + seq_a), "post_processor.single[0].SpecialToken.id",
+                   "\"<bos>\" is not in post_processor.special_tokens");
+  refuse_on_encode(R"({"type":"TemplateProcessing","single":[)" + bos + "," + seq_a +
+                       R"(],"special_tokens":{"<s>":{"id":"<s>","ids":[1.5]}}})",
+                   "post_processor.special_tokens[\"<s>\"].ids[0]", "integer id");
+  refuse_on_encode(R"({"type":"TemplateProcessing","single":[)" + bos + "," + seq_a +
+                       R"(],"special_tokens":{"<s>":{"id":"<s>","ids":[17]}}})",
+                   "post_processor", "id 17 is past the vocabulary (17 ids)");
+  refuse_on_encode(R"({"type":"BertProcessing","sep":["</s>"],"cls":["<s>",1]})", "post_processor.sep", "[token, id]");
+  refuse_on_encode(R"({"single":[]})", "post_processor.type", "missing");
+}
