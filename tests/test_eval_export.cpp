@@ -28,6 +28,8 @@
 #include "trainer/init_weights.h"
 #include "trainer/run.h"
 #include "trainer/trainer.h"
+#include "trainer/vlm_task.h"
+#include "tests/tolerances.h"
 
 using namespace loom;
 using json = nlohmann::json;
@@ -358,6 +360,7 @@ TEST_CASE("eval on a finished MIM run reproduces its probe; export refuses it", 
   CHECK_THAT(r.text, Contains("eval at step 3: linear probe"));
   REQUIRE_THROWS_WITH(export_hf(run, run + "/hf"), Contains("vit_mim") && Contains("language model"));
   CHECK(!exists(run + "/hf"));
+  CHECK_THROWS_WITH(call(chat_command, {run, "--device", "cpu"}), Contains("model.kind = mim") && Contains("VLM run"));
   std::system(("rm -rf " + run).c_str());
 }
 
@@ -451,4 +454,86 @@ TEST_CASE("HF config.json: every number checked, the file and the key in the err
   std::ofstream(out + "/config.json") << sig.dump();
   CHECK_THROWS_WITH(siglip_config(out), Contains("\"hidden_size\" = 0"));
   std::system(("rm -rf " + out).c_str());
+}
+
+TEST_CASE("sampling: greedy, temperature, top_k and top_p as HF's generate defines them", "[chat]") {
+  uint64_t seed = fresh_seed();
+  Rng rng(seed);
+  // greedy: the argmax, ties to the lowest id, whatever top_k / top_p say
+  std::vector<double> logits(50);
+  for (double& l : logits) l = rng.normal();
+  const int32_t best = int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  CHECK(sample_next(logits, Sampling{}, rng) == best);
+  CHECK(sample_next(logits, Sampling{0, 3, 0.5}, rng) == best);
+  CHECK(sample_next({1.0, 3.0, 3.0, 2.0}, Sampling{}, rng) == 1);
+  for (int i = 0; i < 50; i++) {  // a single candidate left: always the argmax
+    CHECK(sample_next(logits, Sampling{1.0, 1, 1.0}, rng) == best);
+    CHECK(sample_next(logits, Sampling{2.0, 0, 1e-9}, rng) == best);
+  }
+  // frequencies: probabilities 0.5, 0.3, 0.15, 0.05 at shuffled ids
+  const std::vector<double> probs{0.5, 0.3, 0.15, 0.05};
+  std::vector<int32_t> id = rng.permutation(4);
+  std::vector<double> lg(4);
+  for (int i = 0; i < 4; i++) lg[size_t(id[size_t(i)])] = std::log(probs[size_t(i)]) + 1.7;  // a shift changes nothing
+  auto expect = [&](const Sampling& s, std::vector<double> want) {  // want: by rank, unnormalized
+    double z = 0;
+    for (double w : want) z += w;
+    const int n = 40000;
+    std::vector<int> count(4, 0);
+    for (int i = 0; i < n; i++) count[size_t(sample_next(lg, s, rng))]++;
+    for (int r = 0; r < 4; r++) {
+      const double p = want[size_t(r)] / z, f = double(count[size_t(id[size_t(r)])]) / n;
+      INFO("T " << s.temperature << " top_k " << s.top_k << " top_p " << s.top_p << " rank " << r << ": " << f
+                << " drawn, " << p << " expected (seed " << seed << ")");
+      CHECK(std::fabs(f - p) <= tol::kSamplingSigmas * std::sqrt(std::max(p * (1 - p), 1e-12) / n));
+    }
+  };
+  expect({1.0, 0, 1.0}, {0.5, 0.3, 0.15, 0.05});
+  expect({2.0, 0, 1.0}, {std::sqrt(0.5), std::sqrt(0.3), std::sqrt(0.15), std::sqrt(0.05)});  // p^(1/T)
+  expect({1.0, 2, 1.0}, {0.5, 0.3, 0, 0});
+  expect({1.0, 0, 0.79}, {0.5, 0.3, 0, 0});    // 0.5 + 0.3 reaches 0.79: the third is cut
+  expect({1.0, 0, 0.81}, {0.5, 0.3, 0.15, 0});  // it does not reach 0.81: the third stays
+  // top_p counts the mass left by top_k: 0.8 / 0.95 = 0.84 of the top 3 is under 0.9, not under 0.8
+  expect({1.0, 3, 0.9}, {0.5, 0.3, 0.15, 0});
+  expect({1.0, 3, 0.8}, {0.5, 0.3, 0, 0});
+  // out of range: errors naming the option
+  CHECK_THROWS_WITH(check_sampling({-1, 0, 1}), Contains("temperature"));
+  CHECK_THROWS_WITH(check_sampling({1, -2, 1}), Contains("top_k"));
+  CHECK_THROWS_WITH(check_sampling({1, 0, 0}), Contains("top_p"));
+  CHECK_THROWS_WITH(check_sampling({1, 0, 1.5}), Contains("top_p"));
+  CHECK_THROWS_WITH(check_sampling({std::nan(""), 0, 1}), Contains("temperature"));
+}
+
+TEST_CASE("chat on a finished run: greedy, sampled with a seed, bad options named", "[chat]") {
+  const std::string& run = vlm_run();
+  auto chat = [&](std::vector<std::string> args) {
+    args.insert(args.begin(), run);
+    args.insert(args.end(), {"--device", "cpu"});
+    std::string out = run + "/chat.txt";
+    int rc;
+    {
+      StdoutToFile capture(out);
+      rc = call(chat_command, args);
+    }
+    REQUIRE(rc == 0);
+    std::string text = slurp(out);
+    INFO(text);
+    CHECK_THAT(text, Contains("user: ") && Contains("assistant: "));
+    return text;
+  };
+  const std::string greedy = chat({});
+  CHECK(chat({"--temperature", "0", "--top_k", "3"}) == greedy);  // T 0: greedy whatever the rest
+  const std::vector<std::string> sampled{"--temperature", "1.5", "--top_k", "20", "--top_p", "0.95", "--seed", "7",
+                                         "--max_new_tokens", "12"};
+  CHECK(chat(sampled) == chat(sampled));  // the seed fixes the draws
+  for (auto bad : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--top_p", "0"}, "--top_p"}, {{"--top_p", "1.2"}, "--top_p"}, {{"--top_k", "2.5"}, "--top_k"},
+           {{"--temperature", "-1"}, "--temperature"}, {{"--temperature", "hot"}, "--temperature"},
+           {{"--seed", "-3"}, "--seed"}, {{"--max_new_tokens", "0"}, "--max_new_tokens"}, {{"--top_k"}, "--top_k"},
+           {{"--bogus", "1"}, "--bogus"}}) {
+    std::vector<std::string> args{run};
+    args.insert(args.end(), bad.first.begin(), bad.first.end());
+    INFO(bad.second);
+    CHECK_THROWS_WITH(call(chat_command, args), Contains(bad.second));
+  }
 }

@@ -58,6 +58,11 @@ inline constexpr Tol kJpegQ100{0.1, 0.0, "JPEG q100: lossy by a few levels per p
 inline constexpr double kDataParallelLossF32 = 1e-5;
 // Whole-model fixture checks on the CPU in f64 against PyTorch f64 (issue requirement).
 inline constexpr double kFixtureRelF64 = 1e-6;
+// Sampled token frequencies against their probabilities: n draws of a token of probability p
+// give a binomial count, standard deviation sqrt(p (1 - p) / n) of the frequency; 5 of them
+// fail a correct sampler once in ~1.7 million checks, while a wrong cut (top_k, top_p) or a
+// missing temperature moves a frequency by 0.05 or more, 10+ deviations at n = 40000.
+inline constexpr double kSamplingSigmas = 5.0;
 
 struct Report {
   bool ok = true;

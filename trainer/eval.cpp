@@ -45,7 +45,7 @@ EvalReport evaluate_vlm(const VLM& m, const VLMData& d, const RunContext& ctx, i
     Tensor img = Tensor::from_vector(d.images[size_t(q.image)], {1, d.channels, d.image_size, d.image_size})
                      .to(ctx.compute)
                      .to(ctx.device);
-    auto ids = generate(m, img, qa_prompt(d, q.question), ctx.cfg.get_int("eval.max_new_tokens"), d.end_id, 0, rng);
+    auto ids = generate(m, img, qa_prompt(d, q.question), ctx.cfg.get_int("eval.max_new_tokens"), d.end_id, Sampling{}, rng);
     const std::string got = trim(d.tok->decode(ids, true));
     bool ok = got == trim(q.answer);
     if (!ok && misses.size() < 3) misses.push_back("  \"" + q.question + "\" -> \"" + got + "\" (want \"" + q.answer + "\")\n");

@@ -532,10 +532,12 @@ int train_command(int argc, char** argv) {
   return rc;
 }
 
-// ./train chat CHECKPOINT --image IMG [--prompt TEXT] [--temperature T] [--max_new_tokens N]
+// ./train chat CHECKPOINT --image IMG [--prompt TEXT] [--temperature T] [--top_k K] [--top_p P]
+//                        [--seed S] [--max_new_tokens N] [--device D]
 int chat_command(int argc, char** argv) {
   std::string ck, image, prompt, device = "auto";
-  double temperature = 0;
+  Sampling sampling;
+  uint64_t seed = 0;
   int max_new = 32;
   for (int i = 0; i < argc; i++) {
     std::string a = argv[i];
@@ -543,17 +545,34 @@ int chat_command(int argc, char** argv) {
       LOOM_CHECK(i + 1 < argc, "chat: %s needs a value", name);
       return argv[++i];
     };
+    auto number = [&](const char* name, double lo, double hi, bool integer) {  // the whole value, in range
+      std::string v = val(name);
+      char* end = nullptr;
+      double x = std::strtod(v.c_str(), &end);
+      LOOM_CHECK(!v.empty() && end == v.c_str() + v.size() && std::isfinite(x) && x >= lo && x <= hi &&
+                     (!integer || x == std::floor(x)),
+                 "chat: %s: expected %s in [%g, %g], got \"%s\"", name, integer ? "an integer" : "a number", lo, hi,
+                 v.c_str());
+      return x;
+    };
     if (a == "--image") image = val("--image");
     else if (a == "--prompt") prompt = val("--prompt");
-    else if (a == "--temperature") temperature = std::stod(val("--temperature"));
-    else if (a == "--max_new_tokens") max_new = std::stoi(val("--max_new_tokens"));
+    else if (a == "--temperature") sampling.temperature = number("--temperature", 0, 1e6, false);
+    else if (a == "--top_k") sampling.top_k = int(number("--top_k", 0, 1e9, true));
+    else if (a == "--top_p") sampling.top_p = number("--top_p", 1e-12, 1, false);
+    else if (a == "--seed") seed = uint64_t(number("--seed", 0, 9007199254740992.0, true));
+    else if (a == "--max_new_tokens") max_new = int(number("--max_new_tokens", 1, 1e6, true));
     else if (a == "--device") device = val("--device");
     else if (a.rfind("--", 0) == 0) LOOM_CHECK(false, "chat: unknown option %s", a.c_str());
     else ck = a;
   }
-  LOOM_CHECK(!ck.empty(), "usage: ./train chat CHECKPOINT --image IMG [--prompt TEXT] [--temperature T]");
+  LOOM_CHECK(!ck.empty(), "usage: ./train chat CHECKPOINT --image IMG [--prompt TEXT] [--temperature T] [--top_k K] "
+                          "[--top_p P] [--seed S] [--max_new_tokens N]");
+  check_sampling(sampling);
   ck = resolve_checkpoint(ck == "latest" ? "runs/vlm_sft" : ck, "chat");  // a run folder: its newest checkpoint
   Config cfg = Config::parse(checkpoint_config_text(ck), ck + "/trainer.json");
+  LOOM_CHECK(cfg.get_str("model.kind") == "vlm", "chat: %s holds a model.kind = %s run; chat needs a VLM run",
+             ck.c_str(), cfg.get_str("model.kind").c_str());
   cfg.set("train.device", device);
   cfg.set("train.out_dir", ck + "/..");
   for (const char* k : {"model.init", "model.lm_init", "model.vision_init"}) cfg.set(k, "");  // the checkpoint has all
@@ -585,7 +604,8 @@ int chat_command(int argc, char** argv) {
   }
   if (prompt.empty()) prompt = caption ? shapes_caption_prompt() : "What colour is the circle?";
   Tensor img = Tensor::from_vector(px, {1, d.channels, d.image_size, d.image_size}).to(ctx.device);
-  auto ids = generate(m, img, qa_prompt(d, prompt), max_new, d.end_id, temperature, rng);
+  Rng sample_rng(seed);
+  auto ids = generate(m, img, qa_prompt(d, prompt), max_new, d.end_id, sampling, sample_rng);
   std::printf("user: %s\nassistant: %s\n", prompt.c_str(), d.tok->decode(ids, true).c_str());
   return 0;
 }

@@ -344,8 +344,49 @@ VLMBatch from_staged(const StagedBatch& b, const std::map<std::string, Tensor>& 
   return v;
 }
 
+void check_sampling(const Sampling& s) {
+  LOOM_CHECK(std::isfinite(s.temperature) && s.temperature >= 0, "sampling: temperature must be >= 0, got %g",
+             s.temperature);
+  LOOM_CHECK(s.top_k >= 0, "sampling: top_k must be >= 0 (0: every token), got %d", s.top_k);
+  LOOM_CHECK(std::isfinite(s.top_p) && s.top_p > 0 && s.top_p <= 1, "sampling: top_p must be in (0, 1], got %g",
+             s.top_p);
+}
+
+int32_t sample_next(std::vector<double> logits, const Sampling& s, Rng& rng) {
+  LOOM_CHECK(!logits.empty(), "sample_next: no logits");
+  const size_t V = logits.size();
+  const size_t best = size_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  if (s.temperature <= 0) return int32_t(best);
+  // candidates by descending logit (ties: lower id first), cut to top_k
+  std::vector<int32_t> order(V);
+  for (size_t i = 0; i < V; i++) order[i] = int32_t(i);
+  size_t keep = s.top_k > 0 ? std::min(V, size_t(s.top_k)) : V;
+  auto by_logit = [&](int32_t a, int32_t b) { return logits[size_t(a)] > logits[size_t(b)] || (logits[size_t(a)] == logits[size_t(b)] && a < b); };
+  std::partial_sort(order.begin(), order.begin() + std::ptrdiff_t(keep), order.end(), by_logit);
+  order.resize(keep);
+  // softmax(logits / T) over the candidates (the largest first, so exp(0) = 1 is the max)
+  const double mx = logits[size_t(order[0])];
+  std::vector<double> p(keep);
+  double z = 0;
+  for (size_t i = 0; i < keep; i++) z += (p[i] = std::exp((logits[size_t(order[i])] - mx) / s.temperature));
+  // nucleus: the shortest prefix whose mass reaches top_p of the total
+  if (s.top_p < 1) {
+    double cum = 0;
+    size_t n = 0;
+    while (n < keep && cum < s.top_p * z) cum += p[n++];
+    keep = std::max<size_t>(n, 1);
+    z = 0;
+    for (size_t i = 0; i < keep; i++) z += p[i];
+  }
+  double u = rng.uniform() * z;
+  for (size_t i = 0; i < keep; i++)
+    if ((u -= p[i]) < 0) return order[i];
+  return order[keep - 1];  // u rounded past the last candidate
+}
+
 std::vector<int32_t> generate(const VLM& m, const Tensor& image, const std::vector<int32_t>& prompt, int max_new,
-                              int32_t stop_id, double temperature, Rng& rng) {
+                              int32_t stop_id, const Sampling& sampling, Rng& rng) {
+  check_sampling(sampling);
   NoGradGuard ng;
   Device dev = m.lm.embed_tokens.device();
   int64_t n = int64_t(prompt.size());
@@ -362,16 +403,7 @@ std::vector<int32_t> generate(const VLM& m, const Tensor& image, const std::vect
   std::vector<int32_t> out;
   for (int t = 0; t < max_new; t++) {
     std::vector<double> logits = m.lm.logits(h.narrow(0, h.size(0) - 1, 1)).to_vector<double>();
-    int32_t next = 0;
-    if (temperature <= 0) {
-      next = int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
-    } else {  // sample from softmax(logits / T)
-      double mx = *std::max_element(logits.begin(), logits.end()), z = 0;
-      for (auto& l : logits) z += (l = std::exp((l - mx) / temperature));
-      double u = rng.uniform() * z;
-      for (size_t i = 0; i < logits.size(); i++)
-        if ((u -= logits[i]) <= 0) { next = int32_t(i); break; }
-    }
+    const int32_t next = sample_next(std::move(logits), sampling, rng);
     if (next == stop_id) break;
     out.push_back(next);
     Tensor id = Tensor::from_vector(std::vector<int32_t>{next}, {1}, dev);

@@ -53,8 +53,24 @@ StagedBatch stage_batch(const VLMData& d, const PackedBatch& pb, const std::shar
                         int64_t loss_multiple = 1);
 VLMBatch from_staged(const StagedBatch& b, const std::map<std::string, Tensor>& t);
 
-// Greedy (temperature 0) or sampled generation with a KV cache; stops at stop_id.
+// How the next token is picked, as HF's generate does it: temperature 0 is greedy (argmax);
+// otherwise the logits are divided by the temperature, only the top_k largest kept (0: all),
+// then only the smallest set of the most likely tokens whose probabilities add up to at least
+// top_p (1: all; at least one token is always kept), and one is drawn from what is left.
+struct Sampling {
+  double temperature = 0;
+  int top_k = 0;
+  double top_p = 1.0;
+};
+// Throws naming the option when a value is out of range (temperature < 0, top_k < 0,
+// top_p outside (0, 1], or any of them not finite).
+void check_sampling(const Sampling& s);
+// The next token for one position's logits; ties of the argmax go to the lowest id. Exposed
+// for the tests.
+int32_t sample_next(std::vector<double> logits, const Sampling& s, Rng& rng);
+
+// Generation with a KV cache from the prompt; stops at stop_id or after max_new tokens.
 std::vector<int32_t> generate(const VLM& m, const Tensor& image, const std::vector<int32_t>& prompt, int max_new,
-                              int32_t stop_id, double temperature, Rng& rng);
+                              int32_t stop_id, const Sampling& s, Rng& rng);
 
 }  // namespace loom
