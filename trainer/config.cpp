@@ -206,7 +206,7 @@ std::string Config::resolve_path(const std::string& name) {
 
 Config Config::parse(const std::string& text, const std::string& origin) {
   Config c;
-  c.source_.clear();
+  c.source_ = origin;  // error messages of later checks name the text too (e.g. a checkpoint's trainer.json)
   std::map<std::string, int> seen;  // "section.key" -> line of first definition
   std::string section;
   std::istringstream in(text);

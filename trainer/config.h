@@ -79,7 +79,7 @@ class Config {
   // Every key's value: "section.key" -> value (validated, unquoted)
   const std::map<std::string, std::string>& values() const { return values_; }
   void save(const std::string& path) const;
-  // The file this config was loaded from ("" for defaults / parsed text).
+  // The file this config was loaded from, the origin of parsed text ("" for defaults).
   const std::string& source() const { return source_; }
 
  private:
