@@ -361,7 +361,10 @@ int32_t sample_next(std::vector<double> logits, const Sampling& s, Rng& rng) {
   std::vector<int32_t> order(V);
   for (size_t i = 0; i < V; i++) order[i] = int32_t(i);
   size_t keep = s.top_k > 0 ? std::min(V, size_t(s.top_k)) : V;
-  auto by_logit = [&](int32_t a, int32_t b) { return logits[size_t(a)] > logits[size_t(b)] || (logits[size_t(a)] == logits[size_t(b)] && a < b); };
+  auto by_logit = [&](int32_t a, int32_t b) {
+    const double la = logits[size_t(a)], lb = logits[size_t(b)];
+    return la > lb || (la == lb && a < b);
+  };
   std::partial_sort(order.begin(), order.begin() + std::ptrdiff_t(keep), order.end(), by_logit);
   order.resize(keep);
   // softmax(logits / T) over the candidates (the largest first, so exp(0) = 1 is the max)
