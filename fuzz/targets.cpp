@@ -58,7 +58,7 @@ int config(const uint8_t* data, size_t size) {
       a = b + 1;
     }
     std::string d = c.dump();
-    Config again = Config::parse(d, "fuzz dump");
+    Config again = Config::parse(d, "fuzz.cfg");  // the same origin: the header names it
     if (again.dump() != d) broken("dump() does not parse back to itself:\n" + d);
     validate_config(c);
   } catch (const std::exception&) {

@@ -95,26 +95,6 @@ std::string strip_comment(const std::string& line) {
   return line;
 }
 
-bool parse_int(const std::string& s, int64_t* out) {
-  if (s.empty()) return false;
-  errno = 0;
-  char* end = nullptr;
-  long long v = std::strtoll(s.c_str(), &end, 10);
-  if (errno != 0 || end != s.c_str() + s.size()) return false;  // all of it (a NUL inside is not an end)
-  *out = v;
-  return true;
-}
-
-bool parse_float(const std::string& s, double* out) {
-  if (s.empty()) return false;
-  errno = 0;
-  char* end = nullptr;
-  double v = std::strtod(s.c_str(), &end);
-  if (errno != 0 || end != s.c_str() + s.size() || !std::isfinite(v)) return false;
-  *out = v;
-  return true;
-}
-
 bool parse_bool(const std::string& s, bool* out) {
   if (s == "true" || s == "1" || s == "yes" || s == "on") return *out = true, true;
   if (s == "false" || s == "0" || s == "no" || s == "off") return *out = false, true;
@@ -171,6 +151,26 @@ std::string dirname_of(const std::string& p) {
 }
 
 }  // namespace
+
+bool parse_int(const std::string& s, int64_t* out) {
+  if (s.empty()) return false;
+  errno = 0;
+  char* end = nullptr;
+  long long v = std::strtoll(s.c_str(), &end, 10);
+  if (errno != 0 || end != s.c_str() + s.size()) return false;  // all of it (a NUL inside is not an end)
+  *out = v;
+  return true;
+}
+
+bool parse_float(const std::string& s, double* out) {
+  if (s.empty()) return false;
+  errno = 0;
+  char* end = nullptr;
+  double v = std::strtod(s.c_str(), &end);
+  if (errno != 0 || end != s.c_str() + s.size() || !std::isfinite(v)) return false;
+  *out = v;
+  return true;
+}
 
 Config::Config() {
   for (const ConfigKey& k : config_schema()) values_[std::string(k.section) + "." + k.key] = k.def;

@@ -547,12 +547,11 @@ int chat_command(int argc, char** argv) {
     };
     auto number = [&](const char* name, double lo, double hi, bool integer) {  // the whole value, in range
       std::string v = val(name);
-      char* end = nullptr;
-      double x = std::strtod(v.c_str(), &end);
-      LOOM_CHECK(!v.empty() && end == v.c_str() + v.size() && std::isfinite(x) && x >= lo && x <= hi &&
-                     (!integer || x == std::floor(x)),
-                 "chat: %s: expected %s in [%g, %g], got \"%s\"", name, integer ? "an integer" : "a number", lo, hi,
-                 v.c_str());
+      int64_t n = 0;
+      double x = 0;
+      const bool ok = integer ? parse_int(v, &n) && (x = double(n), true) : parse_float(v, &x);
+      LOOM_CHECK(ok && x >= lo && x <= hi, "chat: %s: expected %s in [%g, %g], got \"%s\"", name,
+                 integer ? "an integer" : "a number", lo, hi, v.c_str());
       return x;
     };
     if (a == "--image") image = val("--image");
