@@ -356,7 +356,6 @@ std::shared_ptr<Tokenizer::Impl> build(const json& doc, const std::string& origi
     parse_post(im->post_json, origin, "post_processor", im->post_prefix, im->post_suffix);
   } catch (const std::runtime_error& e) {
     im->post_error = e.what();
-    im->post_prefix.clear(), im->post_suffix.clear();
   }
 
   im->id_to_tok.resize(size_t(max_id + 1));
@@ -371,12 +370,13 @@ std::shared_ptr<Tokenizer::Impl> build(const json& doc, const std::string& origi
     if (a.special || !a.normalized) im->raw_trie.insert(a.content, int(i));
     else im->norm_trie.insert(im->normalize(a.content), int(i));
   }
-  for (const std::vector<int32_t>* v : {&im->post_prefix, &im->post_suffix})
-    for (int32_t id : *v)
-      if (im->post_error.empty() && size_t(id) >= im->id_to_tok.size())
-        im->post_error = "tokenizer " + origin + ": post_processor: id " + std::to_string(id) +
-                         " is past the vocabulary (" + std::to_string(im->id_to_tok.size()) + " ids)";
-  if (!im->post_error.empty()) im->post_prefix.clear(), im->post_suffix.clear();
+  std::vector<int32_t> post = im->post_prefix;  // every id the post-processor adds
+  post.insert(post.end(), im->post_suffix.begin(), im->post_suffix.end());
+  for (int32_t id : post)
+    if (im->post_error.empty() && size_t(id) >= im->id_to_tok.size())
+      im->post_error = "tokenizer " + origin + ": post_processor: id " + std::to_string(id) +
+                       " is past the vocabulary (" + std::to_string(im->id_to_tok.size()) + " ids)";
+  if (!im->post_error.empty()) im->post_prefix.clear(), im->post_suffix.clear();  // nothing half-applied
   return im;
 }
 

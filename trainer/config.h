@@ -44,8 +44,8 @@ class Config;
 // Config::load calls it after the overrides.
 void validate_config(const Config& c);
 
-// A number that is the whole of s (no sign of trailing text, no NUL inside, in range; floats
-// finite), as config values are read; false otherwise. Also for command-line options.
+// A number that is the whole of s (nothing after it, no NUL inside, in range; floats finite),
+// as config values are read; false otherwise. Also for command-line options.
 bool parse_int(const std::string& s, int64_t* out);
 bool parse_float(const std::string& s, double* out);
 

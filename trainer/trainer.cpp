@@ -549,7 +549,8 @@ int chat_command(int argc, char** argv) {
       std::string v = val(name);
       int64_t n = 0;
       double x = 0;
-      const bool ok = integer ? parse_int(v, &n) && (x = double(n), true) : parse_float(v, &x);
+      bool ok = integer ? parse_int(v, &n) : parse_float(v, &x);
+      if (integer) x = double(n);
       LOOM_CHECK(ok && x >= lo && x <= hi, "chat: %s: expected %s in [%g, %g], got \"%s\"", name,
                  integer ? "an integer" : "a number", lo, hi, v.c_str());
       return x;
