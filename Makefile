@@ -50,7 +50,7 @@ build: $(BUILD)/CMakeCache.txt
 $(BUILD)/CMakeCache.txt:
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DLOOM_NATIVE=$(if $(filter 0,$(NATIVE)),OFF,ON) $(CMAKE_FLAGS)
 
-# ctest runs $(JOBS) test processes side by side; each takes 2 OpenMP threads unless
+# ctest runs $(JOBS) test processes side by side; each takes 2 threads (kernels/cpu/parallel.h) unless
 # OMP_NUM_THREADS says otherwise (with every core's threads in each of 8 processes on 16 cores,
 # test_cpu_attention took over 180 s instead of 2.3)
 test: build

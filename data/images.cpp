@@ -16,6 +16,8 @@
 #include <fstream>
 #include <stdexcept>
 
+#include "kernels/cpu/parallel.h"
+
 #define STB_IMAGE_IMPLEMENTATION
 #define STBI_ONLY_PNG
 #ifndef LOOM_HAVE_LIBJPEG
@@ -375,9 +377,9 @@ ImageSet load_image_folder(const std::string& dir, int size, int channels, DataS
   std::vector<std::vector<float>> px(files.size());
   std::vector<ImageStatus> st(files.size());
   std::vector<std::string> err(files.size());
-#pragma omp parallel for schedule(dynamic, 8)
-  for (int64_t i = 0; i < int64_t(files.size()); i++)
+  cpu::parallel_for_each(int64_t(files.size()), [&](int64_t i) {
     st[i] = load_image_chw(files[i], size, channels, px[i], &err[i], max_pixels);
+  });
 
   ImageSet set;
   set.c = channels;

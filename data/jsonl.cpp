@@ -12,6 +12,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "kernels/cpu/parallel.h"
+
 namespace loom {
 
 namespace {
@@ -111,16 +113,15 @@ std::vector<ConversationSample> load_llava_jsonl(const std::string& path, const 
   for (size_t c0 = 0; c0 < entries.size(); c0 += chunk) {
     const size_t c1 = std::min(entries.size(), c0 + chunk);
     // Images of this chunk, in parallel (decode dominates the load time).
-#pragma omp parallel for schedule(dynamic, 4)
-    for (int64_t i = int64_t(c0); i < int64_t(c1); i++) {
-      Entry& e = entries[i];
-      if (!e.reason.empty()) continue;
+    cpu::parallel_for_each(int64_t(c1 - c0), [&](int64_t k) {
+      Entry& e = entries[c0 + size_t(k)];
+      if (!e.reason.empty()) return;
       if (opt.image_size > 0)
         e.image_status = load_image_chw(e.sample.image_path, opt.image_size, opt.channels, e.sample.image,
                                         &e.image_error, opt.max_pixels);
       else
         e.image_status = probe_image(e.sample.image_path, nullptr, nullptr, &e.image_error, opt.max_pixels);
-    }
+    });
     // Verdicts in line order.
     for (size_t i = c0; i < c1; i++) {
       Entry& e = entries[i];

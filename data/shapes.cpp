@@ -9,6 +9,8 @@
 #include <map>
 #include <stdexcept>
 
+#include "kernels/cpu/parallel.h"
+
 namespace loom {
 
 namespace {
@@ -159,8 +161,7 @@ std::vector<VQASample> make_shapes_dataset(int n, int image_size, uint64_t seed)
   if (n < 0) throw std::runtime_error("shapes: n must be >= 0, got " + std::to_string(n));
   if (image_size < 8) throw std::runtime_error("shapes: image_size must be >= 8, got " + std::to_string(image_size));
   std::vector<VQASample> out(n);  // no throw inside the parallel loop: sizes are checked above
-#pragma omp parallel for schedule(static)
-  for (int i = 0; i < n; i++) out[i] = make_shapes_sample(i, image_size, seed);
+  cpu::parallel_for(n, [&](int64_t i) { out[i] = make_shapes_sample(i, image_size, seed); });
   return out;
 }
 

@@ -139,7 +139,7 @@ run cmim_1 "${MIM[@]}" --model.contrastive=true --train.batch_size=32 --train.ou
 
 # ---- torchrun's way: two processes started with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
 # no launcher of ours give the launcher's losses (on the CPU bit for bit: each rank with the
-# OpenMP threads the launcher gives it, the summation orders are the same)
+# threads the launcher gives it, the summation orders are the same)
 P=$((20000 + RANDOM % 20000))
 threads=${OMP_NUM_THREADS:-$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))}
 for k in 0 1; do

@@ -2,8 +2,8 @@
 // / backward) against naive formulas and central differences in double (the method:
 // tests/cpu_kernel_test_util.h).
 #include <catch2/catch.hpp>
-#include <omp.h>
 
+#include "kernels/cpu/parallel.h"
 #include "kernels/kernels.h"
 #include "tests/tolerances.h"
 
@@ -155,9 +155,9 @@ TEST_CASE("linear: float against double, forward and backward", "[matmul]") {
 // sizes, so the slabs are uneven); C starts as NaN where beta = 0.
 TEST_CASE("gemm and linear above the split threshold: row and column slabs, any thread count", "[matmul]") {
   struct Shape { int M, N, K; };
-  const int threads_before = omp_get_max_threads();
+  const int threads_before = cpu::num_threads();
   for (int threads : {1, 3}) {
-    omp_set_num_threads(threads);
+    cpu::set_num_threads(threads);
     for (Shape sh : {Shape{301, 40, 70}, Shape{37, 290, 65}}) {  // tall, wide; M*N*K > 2^18
       const int M = sh.M, N = sh.N, K = sh.K;
       for (int tA = 0; tA < 2; tA++)
@@ -188,5 +188,5 @@ TEST_CASE("gemm and linear above the split threshold: row and column slabs, any 
                                     tol::kSameMathF64, "split linear dweight"));
     }
   }
-  omp_set_num_threads(threads_before);
+  cpu::set_num_threads(threads_before);
 }

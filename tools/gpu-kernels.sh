@@ -26,7 +26,7 @@ compile() {  # src -> obj
   local src=$1 obj=$B/$(echo "$1" | tr '/' '_').o
   case "$src" in
     *.cu) $NVCC -std=c++17 -O3 $GENCODE --expt-relaxed-constexpr -lineinfo $INC $DEF -c "$src" -o "$obj" ;;
-    *) g++ -std=c++17 -O2 -fopenmp $INC $DEF -c "$src" -o "$obj" ;;
+    *) g++ -std=c++17 -O2 -pthread $INC $DEF -c "$src" -o "$obj" ;;
   esac
 }
 export -f compile; export B NVCC ARCH INC DEF GENCODE
@@ -39,7 +39,7 @@ rc=0
 for t in "${tests[@]}"; do
   name=$(basename "$t" .cpp)
   main=$B/tests_catch_main.cpp.o; case "$t" in bench/*) main= ;; esac
-  g++ -fopenmp -o $B/$name $B/$(echo "$t" | tr '/' '_').o $main "${lib[@]}" \
+  g++ -pthread -o $B/$name $B/$(echo "$t" | tr '/' '_').o $main "${lib[@]}" \
     -L/usr/local/cuda/lib64 -lcudart -lcublasLt -lcublas -lpthread >> "$OUT/kbuild.log" 2>&1 || { echo "link failed: $name"; tail -30 "$OUT/kbuild.log"; rc=1; continue; }
   echo "== $name"
   $B/$name ${TEST_ARGS:-} > "$OUT/$name.log" 2>&1; r=$?

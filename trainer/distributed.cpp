@@ -197,12 +197,12 @@ int launch_local(int n, int argc, char** argv, bool cuda) {
     LOOM_CHECK(err.empty(), "%s", err.c_str());
     LOOM_CHECK(nccl::available(), "train.gpus = %d: %s", n, nccl::version().c_str());
   }
-  // CPU ranks share the cores: each its share of OpenMP threads, unless the user chose
+  // CPU ranks share the cores: each its share of threads (kernels/cpu/parallel.h), unless the user chose
   const int cores = std::max(1, int(std::thread::hardware_concurrency()));
   const std::string threads = std::getenv("OMP_NUM_THREADS") ? "" : std::to_string(std::max(1, cores / n));
   int port = free_port_pair();
   std::printf("launching %d ranks (%s), rendezvous on 127.0.0.1:%d; rank 0 logs here, the others in "
-              "out_dir/rank_K.log\n", n, cuda ? "one per GPU" : strformat("CPU processes, %s OpenMP threads each",
+              "out_dir/rank_K.log\n", n, cuda ? "one per GPU" : strformat("CPU processes, %s threads each",
               threads.empty() ? std::getenv("OMP_NUM_THREADS") : threads.c_str()).c_str(), port + 1);
   std::fflush(stdout);
   std::vector<pid_t> pids(size_t(n), -1);

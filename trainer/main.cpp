@@ -37,21 +37,6 @@ static void usage() {
                "                                               tokenizer, chat template), DIR/vision (SiglipVisionModel)\n");
 }
 
-// OpenMP's idle threads. libgomp lets a thread that has finished its share of a parallel loop
-// spin up to 300000 times before it sleeps, so between two parallel kernels the second core
-// stays busy while the main thread runs the serial work (autograd bookkeeping, small ops). On
-// a 2-core virtual machine that spinning slowed the main thread: a vlm_sft.cfg CPU step took
-// 0.18 s with libgomp's default and 0.12-0.14 s with 20000 spins (2026-11-23, 2-core KVM guest,
-// 150 steps, GOMP_SPINCOUNT 1000 / 5000 / 20000 / 100000 / passive; 20000 the fastest, passive
-// the slowest). libgomp reads its spin count once, when it loads, before main; so `train`
-// starts itself again with GOMP_SPINCOUNT in the environment. A user's own OMP_WAIT_POLICY
-// or GOMP_SPINCOUNT is kept as it is.
-static void set_openmp_spin(char** argv) {
-  if (std::getenv("OMP_WAIT_POLICY") || std::getenv("GOMP_SPINCOUNT")) return;
-  ::setenv("GOMP_SPINCOUNT", "20000", 1);
-  ::execv("/proc/self/exe", argv);  // returns only if it failed: go on with libgomp's default
-}
-
 // The host heap. A CPU step allocates and frees the same few hundred activation buffers every
 // step, many of them 0.1-4 MB. glibc's malloc serves a block above its mmap threshold (128 KiB
 // at first, raised as such blocks are freed) with a fresh mmap, and gives the top of its heap
@@ -77,7 +62,6 @@ static void set_malloc_policy() {
 }
 
 int main(int argc, char** argv) {
-  set_openmp_spin(argv);
   set_malloc_policy();
   if (argc < 2 || !std::strcmp(argv[1], "-h") || !std::strcmp(argv[1], "--help")) {
     usage();

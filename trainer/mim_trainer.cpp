@@ -8,6 +8,7 @@
 
 #include "data/fashion_mnist.h"
 #include "data/images.h"
+#include "kernels/cpu/parallel.h"
 #include "nn/mim.h"
 #include "trainer/distributed.h"
 #include "trainer/prefetch.h"
@@ -57,9 +58,8 @@ double knn_probe(const std::vector<float>& xtr, const std::vector<int32_t>& ytr,
     return o;
   };
   std::vector<float> a = normed(xtr), b = normed(xte);
-  int64_t correct = 0;
-#pragma omp parallel for reduction(+ : correct) schedule(dynamic, 16)
-  for (int64_t i = 0; i < m; i++) {
+  std::vector<uint8_t> right(static_cast<size_t>(std::max<int64_t>(m, 0)));  // per test image, summed below
+  cpu::parallel_for(m, [&](int64_t i) {
     std::vector<std::pair<float, int>> sims(static_cast<size_t>(n));
     for (int64_t j = 0; j < n; j++) {
       float s = 0;
@@ -69,8 +69,10 @@ double knn_probe(const std::vector<float>& xtr, const std::vector<int32_t>& ytr,
     std::partial_sort(sims.begin(), sims.begin() + k, sims.end());
     std::vector<double> votes(size_t(classes), 0);
     for (int t = 0; t < k; t++) votes[size_t(sims[size_t(t)].second)] += std::exp(-sims[size_t(t)].first / 0.07);
-    correct += int32_t(std::max_element(votes.begin(), votes.end()) - votes.begin()) == yte[size_t(i)];
-  }
+    right[size_t(i)] = int32_t(std::max_element(votes.begin(), votes.end()) - votes.begin()) == yte[size_t(i)];
+  });
+  int64_t correct = 0;
+  for (uint8_t r : right) correct += r;
   return double(correct) / double(std::max<int64_t>(m, 1));
 }
 

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/cpu/parallel.h"
 #include "kernels/kernels.h"
 
 namespace loom::cpu {
@@ -35,65 +36,59 @@ template <class A> struct Gelu {
 template <class T> void gelu_forward(T* out, const T* inp, int64_t n, Stream) {
   using A = acc_t<T>;
   using G = Gelu<A>;
-#pragma omp parallel for if (n > kParallelMin)
-  for (int64_t i = 0; i < n; i++) {
+  parallel_for(n, [&](int64_t i) {
     const A x = A(inp[i]);
     const A u = G::kSqrt2OverPi * (x + G::kCubic * x * x * x);
     out[i] = T(x * sigmoid(A(2) * u));  // 0.5 (1 + tanh u) = sigmoid(2u): one exp, no tanh
-  }
+  }, n > kParallelMin);
 }
 
 template <class T> void gelu_backward(T* dinp, const T* dout, const T* inp, int64_t n, Stream) {
   using A = acc_t<T>;
   using G = Gelu<A>;
-#pragma omp parallel for if (n > kParallelMin)
-  for (int64_t i = 0; i < n; i++) {
+  parallel_for(n, [&](int64_t i) {
     const A x = A(inp[i]);
     // with s = sigmoid(2u) = 0.5 (1 + tanh u):  0.5 (1 - tanh^2 u) = 2 s (1 - s)
     const A s = sigmoid(A(2) * G::kSqrt2OverPi * (x + G::kCubic * x * x * x));
     const A du_dx = G::kSqrt2OverPi * (A(1) + A(3) * G::kCubic * x * x);
     const A dy_dx = s + x * A(2) * s * (A(1) - s) * du_dx;
     dinp[i] = T(A(dout[i]) * dy_dx);
-  }
+  }, n > kParallelMin);
 }
 
 template <class T> void silu_forward(T* out, const T* inp, int64_t n, Stream) {
   using A = acc_t<T>;
-#pragma omp parallel for if (n > kParallelMin)
-  for (int64_t i = 0; i < n; i++) {
+  parallel_for(n, [&](int64_t i) {
     const A x = A(inp[i]);
     out[i] = T(x * sigmoid(x));
-  }
+  }, n > kParallelMin);
 }
 
 template <class T> void silu_backward(T* dinp, const T* dout, const T* inp, int64_t n, Stream) {
   using A = acc_t<T>;
-#pragma omp parallel for if (n > kParallelMin)
-  for (int64_t i = 0; i < n; i++) {
+  parallel_for(n, [&](int64_t i) {
     const A x = A(inp[i]), s = sigmoid(x);
     dinp[i] = T(A(dout[i]) * s * (A(1) + x * (A(1) - s)));
-  }
+  }, n > kParallelMin);
 }
 
 template <class T> void swiglu_forward(T* out, const T* gate, const T* up, int64_t n, Stream) {
   using A = acc_t<T>;
-#pragma omp parallel for if (n > kParallelMin)
-  for (int64_t i = 0; i < n; i++) {
+  parallel_for(n, [&](int64_t i) {
     const A g = A(gate[i]);
     out[i] = T(g * sigmoid(g) * A(up[i]));
-  }
+  }, n > kParallelMin);
 }
 
 template <class T>
 void swiglu_backward(T* dgate, T* dup, const T* dout, const T* gate, const T* up, int64_t n, Stream) {
   using A = acc_t<T>;
-#pragma omp parallel for if (n > kParallelMin)
-  for (int64_t i = 0; i < n; i++) {
+  parallel_for(n, [&](int64_t i) {
     const A g = A(gate[i]), s = sigmoid(g), dy = A(dout[i]);
     const A u = A(up[i]);  // read both inputs before writing: dgate/dup may alias gate/up
     dgate[i] = T(dy * u * s * (A(1) + g * (A(1) - s)));
     dup[i] = T(dy * g * s);
-  }
+  }, n > kParallelMin);
 }
 
 template <class T>  // the specification: the forward's product and the backward, one after the other
@@ -105,24 +100,23 @@ void swiglu_backward_product(T* dgate, T* dup, T* prod, const T* dout, const T* 
 
 // The joined layout (kernels.inc): row n of gu holds gate | up; the flat ops on each row.
 template <class T> void swiglu_forward_joined(T* out, const T* gu, int64_t N, int I, Stream s) {
-#pragma omp parallel for if (N * I > kParallelMin)
-  for (int64_t n = 0; n < N; n++) swiglu_forward(out + n * I, gu + n * 2 * I, gu + n * 2 * I + I, I, s);
+  parallel_for(N, [&](int64_t n) {
+    swiglu_forward(out + n * I, gu + n * 2 * I, gu + n * 2 * I + I, I, s);
+  }, N * I > kParallelMin);
 }
 
 template <class T>
 void swiglu_backward_joined(T* dgu, T* prod, const T* dout, const T* gu, int64_t N, int I, Stream s) {
-#pragma omp parallel for if (N * I > kParallelMin)
-  for (int64_t n = 0; n < N; n++) {
+  parallel_for(N, [&](int64_t n) {
     const T *g = gu + n * 2 * I, *u = g + I;
     if (prod) swiglu_forward(prod + n * I, g, u, I, s);
     swiglu_backward(dgu + n * 2 * I, dgu + n * 2 * I + I, dout + n * I, g, u, I, s);
-  }
+  }, N * I > kParallelMin);
 }
 
 template <class T> void softmax_forward(T* out, const T* inp, int64_t N, int C, Stream) {
   using A = acc_t<T>;
-#pragma omp parallel for if (N * C > kParallelMin)
-  for (int64_t n = 0; n < N; n++) {
+  parallel_for(N, [&](int64_t n) {
     const T* x = inp + n * C;
     T* y = out + n * C;
     A row_max = -INFINITY;
@@ -135,21 +129,20 @@ template <class T> void softmax_forward(T* out, const T* inp, int64_t N, int C, 
     }
     const A inv_sum = A(1) / sum;
     for (int c = 0; c < C; c++) y[c] = T(A(y[c]) * inv_sum);
-  }
+  }, N * C > kParallelMin);
 }
 
 template <class T>
 void softmax_backward(T* dinp, const T* dout, const T* out, int64_t N, int C, Stream) {
   using A = acc_t<T>;
-#pragma omp parallel for if (N * C > kParallelMin)
-  for (int64_t n = 0; n < N; n++) {
+  parallel_for(N, [&](int64_t n) {
     const T* y = out + n * C;
     const T* dy = dout + n * C;
     T* dx = dinp + n * C;
     A dot = 0;  // sum(dout * y)
     for (int c = 0; c < C; c++) dot += A(dy[c]) * A(y[c]);
     for (int c = 0; c < C; c++) dx[c] = T(A(y[c]) * (A(dy[c]) - dot));
-  }
+  }, N * C > kParallelMin);
 }
 
 #define LOOM_ACTIVATIONS(T)                                                                 \

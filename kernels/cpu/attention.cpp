@@ -45,6 +45,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels/cpu/parallel.h"
 #include "kernels/kernels.h"
 
 namespace loom::cpu {
@@ -121,11 +122,11 @@ void attention_forward(T* out, acc_t<T>* lse, const T* q, const T* k, const T* v
   std::fill(out, out + Nq * q_row, T(0));
   std::fill(lse, lse + Nq * H, std::numeric_limits<A>::infinity());
 
-#pragma omp parallel
-  {
-    std::vector<A> p_buf(int64_t(kQueryTile) * std::max(max_seqlen, 1));  // S, then P, per thread
-#pragma omp for schedule(dynamic)
-    for (int64_t item = 0; item < int64_t(nseq) * H; item++) {
+  // one (sequence, head) per work item, a few items per range; S, then P, per range
+  const int64_t items = int64_t(nseq) * H;
+  parallel_ranges(items, 4 * default_chunks(), [&](int64_t item0, int64_t item1) {
+    std::vector<A> p_buf(int64_t(kQueryTile) * std::max(max_seqlen, 1));
+    for (int64_t item = item0; item < item1; item++) {
       const int i = int(item / H), h = int(item % H), g = h / group;
       const int Lq = cu_q[i + 1] - cu_q[i], Lk = cu_k[i + 1] - cu_k[i];
       const int64_t kv_off = int64_t(cu_k[i]) * kv_row + int64_t(g) * hd;
@@ -161,7 +162,7 @@ void attention_forward(T* out, acc_t<T>* lse, const T* q, const T* k, const T* v
         O.noalias() = P * V.topRows(n);  // out_t = sum_j p_tj v_j
       }
     }
-  }
+  });
 }
 
 template <class T>
@@ -184,22 +185,22 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T*
 
   // Pass 1: delta_t = dout_t . out_t for every query row of every sequence and head.
   for (int i = 0; i < nseq; i++) {
-#pragma omp parallel for
-    for (int64_t row = cu_q[i]; row < cu_q[i + 1]; row++)
+    parallel_for(cu_q[i + 1] - cu_q[i], [&](int64_t r) {
+      const int64_t row = cu_q[i] + r;
       for (int h = 0; h < H; h++) {
         Eigen::Map<const Vec<T>> dout_t(dout + row * q_row + int64_t(h) * hd, hd);
         Eigen::Map<const Vec<T>> out_t(out + row * q_row + int64_t(h) * hd, hd);
         delta[row * H + h] = dout_t.dot(out_t);
       }
+    });
   }
 
   // Pass 2: one (sequence, kv head) per work item; it owns dk/dv of that head's key rows.
-#pragma omp parallel
-  {
+  const int64_t kv_items = int64_t(nseq) * KV;
+  parallel_ranges(kv_items, 4 * default_chunks(), [&](int64_t item0, int64_t item1) {
     const int64_t tile_elems = int64_t(kQueryTile) * std::max(max_seqlen, 1);
-    std::vector<A> p_buf(tile_elems), ds_buf(tile_elems);  // P and dP/dS of one tile, per thread
-#pragma omp for schedule(dynamic)
-    for (int64_t item = 0; item < int64_t(nseq) * KV; item++) {
+    std::vector<A> p_buf(tile_elems), ds_buf(tile_elems);  // P and dP/dS of one tile, per range
+    for (int64_t item = item0; item < item1; item++) {
       const int i = int(item / KV), g = int(item % KV);
       const int Lq = cu_q[i + 1] - cu_q[i], Lk = cu_k[i + 1] - cu_k[i];
       const int64_t kv_off = int64_t(cu_k[i]) * kv_row + int64_t(g) * hd;
@@ -239,7 +240,7 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T*
         }
       }
     }
-  }
+  });
 }
 
 template <class T>

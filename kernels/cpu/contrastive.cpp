@@ -34,6 +34,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels/cpu/parallel.h"
 #include "kernels/kernels.h"
 
 namespace loom::cpu {
@@ -74,8 +75,7 @@ void patch_disc_loss(acc_t<T>* loss, T* dpred, const T* pred, const T* target, i
   const A inv_tau = A(1) / A(tau), inv_BM = A(1) / (A(B) * A(M));
   std::vector<A> sample_loss(B);
 
-#pragma omp parallel for schedule(dynamic)
-  for (int b = 0; b < B; b++) {
+  parallel_for_each(B, [&](int64_t b) {
     const T* p = pred + b * MD;
     const T* t = target + b * MD;
     T* dp = dpred + b * MD;
@@ -120,7 +120,7 @@ void patch_disc_loss(acc_t<T>* loss, T* dpred, const T* pred, const T* target, i
       const A proj = clamped ? A(0) : r * r * r * P.row(i).dot(dP.row(i));
       dP.row(i) = r * dP.row(i) - proj * P.row(i);
     }
-  }
+  });
 
   A total = 0;  // in sample order
   for (int b = 0; b < B; b++) total += sample_loss[b];

@@ -29,6 +29,7 @@
 #include <string>
 #include <type_traits>
 
+#include "kernels/cpu/parallel.h"
 #include "kernels/kernels.h"
 
 namespace loom::cpu {
@@ -74,8 +75,7 @@ void cross_entropy_forward(acc_t<T>* loss, acc_t<T>* lse, const T* logits, const
   if (V <= 0) throw std::invalid_argument("cross_entropy_forward: expected V > 0, got " + std::to_string(V));
   const int64_t count = count_valid_targets("cross_entropy_forward", targets, N, V);
 
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; n++) lse[n] = row_logsumexp(logits + n * V, V);
+  parallel_for(N, [&](int64_t n) { lse[n] = row_logsumexp(logits + n * V, V); });
 
   A sum = 0;  // in row order: deterministic
   for (int64_t n = 0; n < N; n++)
@@ -90,14 +90,13 @@ void cross_entropy_backward(T* dlogits, const acc_t<T>* dloss, const T* logits, 
   const int64_t count = count_valid_targets("cross_entropy_backward", targets, N, V);
   const A g = count > 0 ? dloss[0] / A(count) : A(0);
 
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; n++) {
+  parallel_for(N, [&](int64_t n) {
     if (targets[n] < 0) {
       std::fill(dlogits + n * V, dlogits + (n + 1) * V, T(0));
     } else {
       row_softmax_grad(dlogits + n * V, logits + n * V, lse[n], targets[n], g, V);
     }
-  }
+  });
 }
 
 template <class T>
@@ -125,11 +124,10 @@ void fused_linear_cross_entropy(acc_t<T>* loss, T* dh, T* dW, const T* h, const 
 
     // Loss of each row, then its gradient over the same row of the workspace. The rows are
     // cut into a fixed number of blocks whose partial sums are added in order: the loss does
-    // not depend on the thread count (an OpenMP reduction would add in finishing order).
+    // not depend on the thread count (a sum in finishing order would not).
     constexpr int kBlocks = 64;
     A partial[kBlocks] = {};
-#pragma omp parallel for schedule(static)
-    for (int b = 0; b < kBlocks; b++) {
+    parallel_for(kBlocks, [&](int64_t b) {
       for (int64_t r = rows * b / kBlocks; r < rows * (b + 1) / kBlocks; r++) {
         A* x = workspace + r * V;
         const int32_t y = targets[r0 + r];
@@ -141,7 +139,7 @@ void fused_linear_cross_entropy(acc_t<T>* loss, T* dh, T* dW, const T* h, const 
         partial[b] += lse - x[y];
         row_softmax_grad(x, x, lse, y, grad_mul, V);  // elementwise, so in place is safe
       }
-    }
+    });
     for (int b = 0; b < kBlocks; b++) sum += partial[b];
 
     gemm(dh + r0 * D, x_c, W, rows, D, V, false, false, 1.0, 0.0, 1, 0, 0, 0, s);  // dh_c = dx_c W    [rows, D]

@@ -18,14 +18,15 @@
 //   argmax_rows  out[N] = first index of the largest value of each row (a NaN counts as largest)
 // Backward outputs are `=` except dtable (`+=`, a parameter gradient).
 //
-// Index arguments are checked on the host before any thread starts (an exception may not
-// leave an OpenMP region): an id outside its range throws std::out_of_range naming it.
+// Index arguments are checked on the host before any thread starts, so that an id outside its
+// range throws std::out_of_range naming it before any output is written.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <string>
 
+#include "kernels/cpu/parallel.h"
 #include "kernels/kernels.h"
 
 namespace loom::cpu {
@@ -53,9 +54,9 @@ void check_divisible(int64_t size, int64_t by, const char* op, const char* what)
 template <class T>
 void embedding_forward(T* out, const int32_t* ids, const T* table, int64_t N, int C, int V, Stream) {
   check_ids(ids, N, V, "embedding_forward", "id");
-#pragma omp parallel for if (N * C > kParallelMin)
-  for (int64_t n = 0; n < N; n++)
+  parallel_for(N, [&](int64_t n) {
     std::memcpy(out + n * C, table + int64_t(ids[n]) * C, sizeof(T) * C);
+  }, N * C > kParallelMin);
 }
 
 // Deterministic without atomics: each thread owns a block of columns and adds the rows in
@@ -64,25 +65,23 @@ template <class T>
 void embedding_backward(T* dtable, const T* dout, const int32_t* ids, int64_t N, int C, int V, Stream) {
   check_ids(ids, N, V, "embedding_backward", "id");
   const int nblocks = (C + kColBlock - 1) / kColBlock;
-#pragma omp parallel for if (N * C > kParallelMin)
-  for (int blk = 0; blk < nblocks; blk++) {
+  parallel_for(nblocks, [&](int64_t blk) {
     const int c0 = blk * kColBlock, c1 = c0 + kColBlock < C ? c0 + kColBlock : C;
     for (int64_t n = 0; n < N; n++) {
       T* row = dtable + int64_t(ids[n]) * C;
       const T* g = dout + n * C;
       for (int c = c0; c < c1; c++) row[c] += g[c];
     }
-  }
+  }, N * C > kParallelMin);
 }
 
 template <class T>
 void gather_rows(T* out, const T* inp, const int32_t* idx, int B, int N, int K, int C, Stream) {
   check_ids(idx, int64_t(B) * K, N, "gather_rows", "index");
-#pragma omp parallel for if (int64_t(B) * K * C > kParallelMin)
-  for (int64_t bk = 0; bk < int64_t(B) * K; bk++) {
+  parallel_for(int64_t(B) * K, [&](int64_t bk) {
     const int64_t b = bk / K;
     std::memcpy(out + bk * C, inp + (b * N + idx[bk]) * C, sizeof(T) * C);
-  }
+  }, int64_t(B) * K * C > kParallelMin);
 }
 
 // Threads over b only: rows of different batch items never collide, and within one item the
@@ -91,8 +90,7 @@ template <class T>
 void scatter_rows(T* out, const int32_t* idx, const T* src, int B, int N, int K, int C,
                   bool accumulate, Stream) {
   check_ids(idx, int64_t(B) * K, N, "scatter_rows", "index");
-#pragma omp parallel for if (int64_t(B) * K * C > kParallelMin)
-  for (int b = 0; b < B; b++) {
+  parallel_for(B, [&](int64_t b) {
     for (int k = 0; k < K; k++) {
       const int64_t bk = int64_t(b) * K + k;
       T* dst = out + (int64_t(b) * N + idx[bk]) * C;
@@ -102,7 +100,7 @@ void scatter_rows(T* out, const int32_t* idx, const T* src, int B, int N, int K,
       else
         std::memcpy(dst, row, sizeof(T) * C);
     }
-  }
+  }, int64_t(B) * K * C > kParallelMin);
 }
 
 template <class T> void zero_rows(T* out, const int32_t* idx, int B, int N, int K, int C, Stream) {
@@ -121,8 +119,7 @@ template <bool Forward, class T>
 void patch_permute(T* dst, const T* src, int B, int Ch, int H, int W, int p) {
   const int gh = H / p, gw = W / p;
   const int64_t P = int64_t(p) * p * Ch;  // features per patch
-#pragma omp parallel for if (int64_t(B) * Ch * H * W > kParallelMin)
-  for (int64_t bi = 0; bi < int64_t(B) * gh; bi++) {  // (image, patch row i)
+  parallel_for(int64_t(B) * gh, [&](int64_t bi) {  // (image, patch row i)
     const int64_t b = bi / gh;
     const int i = int(bi % gh);
     for (int j = 0; j < gw; j++) {
@@ -136,7 +133,7 @@ void patch_permute(T* dst, const T* src, int B, int Ch, int H, int W, int p) {
             else dst[pix] = src[feat];
           }
     }
-  }
+  }, int64_t(B) * Ch * H * W > kParallelMin);
 }
 
 // pixel_shuffle's index map, moved a D vector at a time; forward dst = coarse tokens,
@@ -145,8 +142,7 @@ template <bool Forward, class T>
 void shuffle_permute(T* dst, const T* src, int B, int G, int D, int s) {
   const int g = G / s;                   // coarse grid side
   const int64_t W = int64_t(s) * s * D;  // coarse token width
-#pragma omp parallel for if (int64_t(B) * G * G * D > kParallelMin)
-  for (int64_t bI = 0; bI < int64_t(B) * g; bI++) {  // (image, coarse row I)
+  parallel_for(int64_t(B) * g, [&](int64_t bI) {  // (image, coarse row I)
     const int64_t b = bI / g;
     const int I = int(bI % g);
     for (int J = 0; J < g; J++) {
@@ -159,7 +155,7 @@ void shuffle_permute(T* dst, const T* src, int B, int G, int D, int s) {
           else std::memcpy(dst + cell, src + slot, sizeof(T) * D);
         }
     }
-  }
+  }, int64_t(B) * G * G * D > kParallelMin);
 }
 
 }  // namespace
@@ -191,38 +187,36 @@ void pixel_shuffle_backward(T* dinp, const T* dout, int B, int G, int D, int s, 
 
 template <class T> void mean_pool_forward(T* out, const T* inp, int B, int K, int C, Stream) {
   using A = acc_t<T>;
-#pragma omp parallel for if (int64_t(B) * K * C > kParallelMin)
-  for (int b = 0; b < B; b++) {
+  parallel_for(B, [&](int64_t b) {
     T* o = out + int64_t(b) * C;
     for (int c = 0; c < C; c++) {
       A sum = 0;
       for (int k = 0; k < K; k++) sum += A(inp[(int64_t(b) * K + k) * C + c]);
       o[c] = T(sum / A(K));
     }
-  }
+  }, int64_t(B) * K * C > kParallelMin);
 }
 
 template <class T> void mean_pool_backward(T* dinp, const T* dout, int B, int K, int C, Stream) {
   using A = acc_t<T>;
-#pragma omp parallel for if (int64_t(B) * K * C > kParallelMin)
-  for (int b = 0; b < B; b++)
+  parallel_for(B, [&](int64_t b) {
     for (int k = 0; k < K; k++)
       for (int c = 0; c < C; c++)
         dinp[(int64_t(b) * K + k) * C + c] = T(A(dout[int64_t(b) * C + c]) / A(K));
+  }, int64_t(B) * K * C > kParallelMin);
 }
 
 template <class T>
 void l2norm_forward(T* out, acc_t<T>* rnorm, const T* inp, int64_t N, int C, double eps, Stream) {
   using A = acc_t<T>;
-#pragma omp parallel for if (N * C > kParallelMin)
-  for (int64_t n = 0; n < N; n++) {
+  parallel_for(N, [&](int64_t n) {
     const T* x = inp + n * C;
     A sumsq = 0;
     for (int c = 0; c < C; c++) sumsq += A(x[c]) * A(x[c]);
     const A r = A(1) / std::fmax(std::sqrt(sumsq), A(eps));
     for (int c = 0; c < C; c++) out[n * C + c] = T(A(x[c]) * r);
     if (rnorm) rnorm[n] = r;
-  }
+  }, N * C > kParallelMin);
 }
 
 // The backward is not given eps, so it tells a clamped row by recomputing ||x||: unclamped,
@@ -232,8 +226,7 @@ template <class T>
 void l2norm_backward(T* dinp, const T* dout, const T* inp, const acc_t<T>* rnorm, int64_t N,
                      int C, Stream) {
   using A = acc_t<T>;
-#pragma omp parallel for if (N * C > kParallelMin)
-  for (int64_t n = 0; n < N; n++) {
+  parallel_for(N, [&](int64_t n) {
     const T* x = inp + n * C;
     const T* dy = dout + n * C;
     A sumsq = 0, x_dot_dy = 0;
@@ -245,12 +238,11 @@ void l2norm_backward(T* dinp, const T* dout, const T* inp, const acc_t<T>* rnorm
     const bool clamped = std::sqrt(sumsq) * r < A(1) - A(1e-4);
     const A proj = clamped ? A(0) : r * r * x_dot_dy;  // component of dout along x
     for (int c = 0; c < C; c++) dinp[n * C + c] = T(r * (A(dy[c]) - A(x[c]) * proj));
-  }
+  }, N * C > kParallelMin);
 }
 
 template <class T> void argmax_rows(int32_t* out, const T* inp, int64_t N, int C, Stream) {
-#pragma omp parallel for if (N * C > kParallelMin)
-  for (int64_t n = 0; n < N; n++) {
+  parallel_for(N, [&](int64_t n) {
     const T* x = inp + n * C;
     int best = 0;
     for (int c = 1; c < C; c++) {
@@ -258,7 +250,7 @@ template <class T> void argmax_rows(int32_t* out, const T* inp, int64_t N, int C
       if (x[c] > x[best] || std::isnan(x[c])) best = c;
     }
     out[n] = best;
-  }
+  }, N * C > kParallelMin);
 }
 
 #define LOOM_INDEXING(T)                                                                        \

@@ -17,15 +17,14 @@
 // destination does not overlap the operands, so the product is written straight into it
 // instead of through a temporary. Eigen's GEMM is blocked for the cache.
 //
-// Threads: we split each product ourselves, one slab of C per OpenMP thread (rows of C when
-// C is tall, columns when it is wide), and let Eigen run single-threaded inside a slab.
-// Eigen's own OpenMP split is tuned for large square products; on the skinny ones of a
-// small model (2048 tokens x 96 features x 256) it gave no speedup on 2 cores, and its
-// spinning worker slowed the serial code between products (2026-11-23, 2-core KVM guest:
-// a vlm_sft.cfg step 176 ms with Eigen's split, 105-125 ms with `split_product` below and
-// libgomp's spin count lowered by trainer/main.cpp).
+// Threads: we split each product ourselves, one slab of C per thread of kernels/cpu/parallel.h
+// (rows of C when C is tall, columns when it is wide), and Eigen runs single-threaded inside a
+// slab (the library is built without OpenMP, so Eigen has no threads of its own). Eigen's own
+// OpenMP split is tuned for large square products; on the skinny ones of a small model (2048
+// tokens x 96 features x 256) it gave no speedup on 2 cores, and its spinning worker slowed
+// the serial code between products (2026-11-23, 2-core KVM guest: a vlm_sft.cfg step 176 ms
+// with Eigen's split, 105-125 ms with `split_product` below).
 #include <Eigen/Core>
-#include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -33,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cpu/parallel.h"
 #include "kernels/kernels.h"
 
 namespace loom::cpu {
@@ -68,7 +68,7 @@ constexpr int64_t kSplitMin = int64_t(1) << 18;
 template <class T, class OpA, class OpB>
 void split_product(MapMat<T> C, const OpA& opA, const OpB& opB, T alpha, T beta) {
   const int64_t M = C.rows(), N = C.cols(), K = opA.cols();
-  const int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  const int threads = in_parallel() ? 1 : num_threads();
   if (threads == 1 || M * N * K < kSplitMin) {
     gemm_one(C, opA, opB, alpha, beta);
     return;
@@ -76,21 +76,11 @@ void split_product(MapMat<T> C, const OpA& opA, const OpB& opB, T alpha, T beta)
   const bool by_rows = M >= N;
   const int64_t len = by_rows ? M : N;
   const int parts = int(std::min<int64_t>(threads, std::max<int64_t>(1, len / 16)));
-#pragma omp parallel for num_threads(parts) schedule(static, 1)
-  for (int t = 0; t < parts; t++) {
+  parallel_for_each(parts, [&](int64_t t) {
     const int64_t lo = len * t / parts, n = len * (t + 1) / parts - lo;
     if (by_rows) gemm_one(C.middleRows(lo, n), opA.middleRows(lo, n), opB, alpha, beta);
     else gemm_one(C.middleCols(lo, n), opA, opB.middleCols(lo, n), alpha, beta);
-  }
-}
-
-// Eigen's own threads off once: every split is ours (see the header).
-void eigen_single_threaded() {
-  static const bool once = [] {
-    Eigen::setNbThreads(1);
-    return true;
-  }();
-  (void)once;
+  });
 }
 
 }  // namespace
@@ -109,10 +99,8 @@ void gemm(T* C, const T* A, const T* B, int M, int N, int K, bool transA, bool t
   const int b_rows = transB ? N : K, b_cols = transB ? K : N;
   // Several batch items: one thread per item (each product then runs on that thread alone).
   // One item: split_product cuts it into one slab per thread.
-  eigen_single_threaded();
   const bool by_batch = batch > 1 && int64_t(batch) * M * N * K > 32768;
-#pragma omp parallel for if (by_batch)
-  for (int b = 0; b < batch; b++) {
+  parallel_for(batch, [&](int64_t b) {
     CMapMat<T> a(A + b * strideA, a_rows, a_cols);
     CMapMat<T> bm(B + b * strideB, b_rows, b_cols);
     MapMat<T> c(C + b * strideC, M, N);
@@ -120,13 +108,12 @@ void gemm(T* C, const T* A, const T* B, int M, int N, int K, bool transA, bool t
     else if (transA && !transB) split_product(c, a.transpose(), bm, al, be);
     else if (!transA && transB) split_product(c, a, bm.transpose(), al, be);
     else split_product(c, a.transpose(), bm.transpose(), al, be);
-  }
+  }, by_batch);
 }
 
 template <class T>
 void linear_forward(T* out, const T* inp, const T* weight, const T* bias, int64_t N, int I,
                     int O, Stream) {
-  eigen_single_threaded();
   CMapMat<T> x(inp, N, I), w(weight, O, I);
   MapMat<T> y(out, N, O);
   split_product(y, x, w.transpose(), T(1), T(0));
@@ -136,7 +123,6 @@ void linear_forward(T* out, const T* inp, const T* weight, const T* bias, int64_
 template <class T>
 void linear_forward_add(T* out, const T* inp, const T* weight, const T* bias, const T* resid, int64_t N, int I,
                         int O, Stream) {
-  eigen_single_threaded();
   CMapMat<T> x(inp, N, I), w(weight, O, I);
   MapMat<T> y(out, N, O);
   if (out != resid) y = CMapMat<T>(resid, N, O);
@@ -147,7 +133,6 @@ void linear_forward_add(T* out, const T* inp, const T* weight, const T* bias, co
 template <class T>
 void linear_backward(T* dinp, T* dweight, T* dbias, const T* dout, const T* inp,
                      const T* weight, int64_t N, int I, int O, Stream) {
-  eigen_single_threaded();
   CMapMat<T> dy(dout, N, O);
   if (dinp) split_product(MapMat<T>(dinp, N, I), dy, CMapMat<T>(weight, O, I), T(1), T(0));
   if (dweight) split_product(MapMat<T>(dweight, O, I), dy.transpose(), CMapMat<T>(inp, N, I), T(1), T(1));

@@ -14,13 +14,14 @@
 //
 // Strided walks split the index space into "rows" (every dim but the last) and an inner loop
 // over the last dim, so the hot loop is a plain strided loop and a row's start offset is
-// computed once. OpenMP runs over rows when the work is large.
+// computed once. parallel_for (kernels/cpu/parallel.h) runs over rows when the work is large.
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
 
+#include "kernels/cpu/parallel.h"
 #include "kernels/kernels.h"
 
 namespace loom::cpu {
@@ -68,31 +69,27 @@ void binary_rows(T* out, const T* a, const Layout& la, const T* b, const Layout&
   int64_t rows, len;
   rows_and_len(la, &rows, &len);
   const int64_t sa = last_stride(la), sb = last_stride(lb);
-#pragma omp parallel for if (rows * len > kParallelMin)
-  for (int64_t r = 0; r < rows; r++) {
+  parallel_for(rows, [&](int64_t r) {
     const T* ar = a + row_offset(la, r);
     const T* br = b + row_offset(lb, r);
     T* o = out + r * len;
     for (int64_t i = 0; i < len; i++) o[i] = f(ar[i * sa], br[i * sb]);
-  }
+  }, rows * len > kParallelMin);
 }
 
 template <class T, class F> void unary_map(T* out, const T* in, int64_t n, F f) {
-#pragma omp parallel for if (n > kParallelMin)
-  for (int64_t i = 0; i < n; i++) out[i] = f(in[i]);
+  parallel_for(n, [&](int64_t i) { out[i] = f(in[i]); }, n > kParallelMin);
 }
 
 }  // namespace
 
 template <class T> void fill(T* out, double value, int64_t n, Stream) {
   const T v = cast<T>(value);
-#pragma omp parallel for if (n > kParallelMin)
-  for (int64_t i = 0; i < n; i++) out[i] = v;
+  parallel_for(n, [&](int64_t i) { out[i] = v; }, n > kParallelMin);
 }
 
 template <class To, class From> void convert(To* out, const From* in, int64_t n, Stream) {
-#pragma omp parallel for if (n > kParallelMin)
-  for (int64_t i = 0; i < n; i++) out[i] = cast<To>(in[i]);
+  parallel_for(n, [&](int64_t i) { out[i] = cast<To>(in[i]); }, n > kParallelMin);
 }
 
 template <class T> void copy_strided(T* out, const T* in, Layout in_layout, Stream) {
@@ -100,12 +97,11 @@ template <class T> void copy_strided(T* out, const T* in, Layout in_layout, Stre
   int64_t rows, len;
   rows_and_len(in_layout, &rows, &len);
   const int64_t s = last_stride(in_layout);
-#pragma omp parallel for if (rows * len > kParallelMin)
-  for (int64_t r = 0; r < rows; r++) {
+  parallel_for(rows, [&](int64_t r) {
     const T* src = in + row_offset(in_layout, r);
     T* dst = out + r * len;
     for (int64_t i = 0; i < len; i++) dst[i] = src[i * s];
-  }
+  }, rows * len > kParallelMin);
 }
 
 template <class T>
@@ -144,19 +140,18 @@ void axpby(T* out, const T* a, double alpha, const T* b, double beta, int64_t n,
   using A = acc_t<T>;
   const A al = A(alpha), be = A(beta);
   if (b == nullptr) {
-#pragma omp parallel for if (n > kParallelMin)
-    for (int64_t i = 0; i < n; i++) out[i] = T(al * A(a[i]));
+    parallel_for(n, [&](int64_t i) { out[i] = T(al * A(a[i])); }, n > kParallelMin);
   } else {
-#pragma omp parallel for if (n > kParallelMin)
-    for (int64_t i = 0; i < n; i++) out[i] = T(al * A(a[i]) + be * A(b[i]));
+    parallel_for(n, [&](int64_t i) { out[i] = T(al * A(a[i]) + be * A(b[i])); }, n > kParallelMin);
   }
 }
 
 template <class T> void axpy_dev(T* y, const acc_t<T>* alpha_dev, const T* x, int64_t n, bool accumulate, Stream) {
   using A = acc_t<T>;
   const A alpha = *alpha_dev;  // on the CPU the "device" scalar is host memory
-#pragma omp parallel for if (n > kParallelMin)
-  for (int64_t i = 0; i < n; i++) y[i] = T((accumulate ? A(y[i]) : A(0)) + alpha * A(x[i]));
+  parallel_for(n, [&](int64_t i) {
+    y[i] = T((accumulate ? A(y[i]) : A(0)) + alpha * A(x[i]));
+  }, n > kParallelMin);
 }
 
 // Serial on purpose: threads over rows would race on `out` wherever a reduced dim is not the

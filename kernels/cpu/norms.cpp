@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/cpu/parallel.h"
 #include "kernels/kernels.h"
 
 namespace loom::cpu {
@@ -72,8 +73,7 @@ void norm_param_grads(T* dweight, T* dbias, const T* dout, const T* inp, const a
   using A = acc_t<T>;
   if (!dweight && !dbias) return;
   const int nblocks = (C + kColBlock - 1) / kColBlock;
-#pragma omp parallel for if (N * C > kParallelMin)
-  for (int blk = 0; blk < nblocks; blk++) {
+  parallel_for(nblocks, [&](int64_t blk) {
     const int c0 = blk * kColBlock, c1 = c0 + kColBlock < C ? c0 + kColBlock : C;
     A dw[kColBlock] = {}, db[kColBlock] = {};
     for (int64_t n = 0; n < N; n++) {
@@ -90,7 +90,7 @@ void norm_param_grads(T* dweight, T* dbias, const T* dout, const T* inp, const a
       if (dweight) dweight[c] = T(A(dweight[c]) + dw[c - c0]);
       if (dbias) dbias[c] = T(A(dbias[c]) + db[c - c0]);
     }
-  }
+  }, N * C > kParallelMin);
 }
 
 }  // namespace
@@ -98,10 +98,10 @@ void norm_param_grads(T* dweight, T* dbias, const T* dout, const T* inp, const a
 template <class T>
 void layernorm_forward(T* out, acc_t<T>* mean, acc_t<T>* rstd, const T* inp, const T* weight,
                        const T* bias, int64_t N, int C, double eps, Stream) {
-#pragma omp parallel for if (N * C > kParallelMin)
-  for (int64_t n = 0; n < N; n++)
+  parallel_for(N, [&](int64_t n) {
     layernorm_row(out + n * C, mean ? mean + n : nullptr, rstd ? rstd + n : nullptr,
                   inp + n * C, weight, bias, C, eps);
+  }, N * C > kParallelMin);
 }
 
 template <class T>
@@ -110,8 +110,7 @@ void layernorm_backward(T* dinp, const T* dresid, T* dweight, T* dbias, const T*
                         int C, Stream) {
   using A = acc_t<T>;
   if (dinp) {
-#pragma omp parallel for if (N * C > kParallelMin)
-    for (int64_t n = 0; n < N; n++) {
+    parallel_for(N, [&](int64_t n) {
       const T* x = inp + n * C;
       const T* dy = dout + n * C;
       T* dx = dinp + n * C;
@@ -131,7 +130,7 @@ void layernorm_backward(T* dinp, const T* dresid, T* dweight, T* dbias, const T*
         dx[c] = T(rstd[n] * (g - mean_g - xhat * mean_gxhat));
         if (dresid) dx[c] = T(A(dx[c]) + A(dresid[n * C + c]));  // rounded twice, as a separate add
       }
-    }
+    }, N * C > kParallelMin);
   }
   norm_param_grads(dweight, dbias, dout, inp, mean, rstd, N, C);
 }
@@ -140,22 +139,21 @@ template <class T>
 void residual_layernorm_forward(T* resid_out, T* out, acc_t<T>* mean, acc_t<T>* rstd,
                                 const T* resid, const T* x, const T* weight, const T* bias,
                                 int64_t N, int C, double eps, Stream) {
-#pragma omp parallel for if (N * C > kParallelMin)
-  for (int64_t n = 0; n < N; n++) {
+  parallel_for(N, [&](int64_t n) {
     T* r = resid_out + n * C;
     for (int c = 0; c < C; c++) r[c] = resid[n * C + c] + x[n * C + c];
     // normalize the stored sum (what backward will read back as its input)
     layernorm_row(out + n * C, mean ? mean + n : nullptr, rstd ? rstd + n : nullptr, r, weight,
                   bias, C, eps);
-  }
+  }, N * C > kParallelMin);
 }
 
 template <class T>
 void rmsnorm_forward(T* out, acc_t<T>* rstd, const T* inp, const T* weight, int64_t N, int C,
                      double eps, Stream) {
-#pragma omp parallel for if (N * C > kParallelMin)
-  for (int64_t n = 0; n < N; n++)
+  parallel_for(N, [&](int64_t n) {
     rmsnorm_row(out + n * C, rstd ? rstd + n : nullptr, inp + n * C, weight, C, eps);
+  }, N * C > kParallelMin);
 }
 
 template <class T>
@@ -163,8 +161,7 @@ void rmsnorm_backward(T* dinp, const T* dresid, T* dweight, const T* dout, const
                       const acc_t<T>* rstd, int64_t N, int C, Stream) {
   using A = acc_t<T>;
   if (dinp) {
-#pragma omp parallel for if (N * C > kParallelMin)
-    for (int64_t n = 0; n < N; n++) {
+    parallel_for(N, [&](int64_t n) {
       const T* x = inp + n * C;
       const T* dy = dout + n * C;
       T* dx = dinp + n * C;
@@ -177,7 +174,7 @@ void rmsnorm_backward(T* dinp, const T* dresid, T* dweight, const T* dout, const
         dx[c] = T(rstd[n] * (g - xhat * mean_gxhat));
         if (dresid) dx[c] = T(A(dx[c]) + A(dresid[n * C + c]));
       }
-    }
+    }, N * C > kParallelMin);
   }
   norm_param_grads<T>(dweight, nullptr, dout, inp, nullptr, rstd, N, C);
 }
@@ -185,12 +182,11 @@ void rmsnorm_backward(T* dinp, const T* dresid, T* dweight, const T* dout, const
 template <class T>
 void residual_rmsnorm_forward(T* resid_out, T* out, acc_t<T>* rstd, const T* resid, const T* x,
                               const T* weight, int64_t N, int C, double eps, Stream) {
-#pragma omp parallel for if (N * C > kParallelMin)
-  for (int64_t n = 0; n < N; n++) {
+  parallel_for(N, [&](int64_t n) {
     T* r = resid_out + n * C;
     for (int c = 0; c < C; c++) r[c] = resid[n * C + c] + x[n * C + c];
     rmsnorm_row(out + n * C, rstd ? rstd + n : nullptr, r, weight, C, eps);
-  }
+  }, N * C > kParallelMin);
 }
 
 #define LOOM_NORMS(T)                                                                          \

@@ -27,12 +27,13 @@
 //   the gradients are S times too large: norm /= S, the update's gradient scale /= S; a
 //   skipped step halves S, growth_interval applied steps in a row double it (torch's GradScaler).
 //
-// Every update is elementwise (OpenMP over elements). The norm's sum is cut into a fixed
+// Every update is elementwise (parallel_for over elements, kernels/cpu/parallel.h). The norm's sum is cut into a fixed
 // number of blocks added in order, so it does not depend on the thread count.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/cpu/parallel.h"
 #include "kernels/kernels.h"
 
 namespace loom::cpu {
@@ -55,8 +56,7 @@ void adamw_update(M* master, G* copy, M* m, M* v, const G* grad, const float* ct
   const M eps = M(h.eps);
   const M scale = ctl ? M(ctl[0]) : M(1);
 
-#pragma omp parallel for schedule(static) if (n > kParallelMin)
-  for (int64_t i = 0; i < n; i++) {
+  parallel_for(n, [&](int64_t i) {
     const M g = M(grad[i]) * scale;
     master[i] *= decay;
     m[i] += one_minus_b1 * (g - m[i]);
@@ -64,7 +64,7 @@ void adamw_update(M* master, G* copy, M* m, M* v, const G* grad, const float* ct
     const M denom = std::sqrt(v[i]) / bias_correction2_sqrt + eps;
     master[i] -= step_size * m[i] / denom;
     if (copy) copy[i] = G(master[i]);
-  }
+  }, n > kParallelMin);
 }
 
 template <class M, class G>
@@ -73,8 +73,7 @@ void sgd_update(M* master, G* copy, M* buf, const G* grad, const float* ctl, int
   if (ctl && ctl[1] == 0.0f) return;  // a skipped (non-finite) step
   const M scale = ctl ? M(ctl[0]) : M(1);
   const M mu = M(momentum), wd = M(weight_decay), lr_ = ctl ? M(double(lr) * double(ctl[3])) : M(lr);
-#pragma omp parallel for schedule(static) if (n > kParallelMin)
-  for (int64_t i = 0; i < n; i++) {
+  parallel_for(n, [&](int64_t i) {
     const M g = M(grad[i]) * scale;
     M step = g;  // without momentum the step is the gradient itself
     if (momentum != 0.0f) {
@@ -85,18 +84,17 @@ void sgd_update(M* master, G* copy, M* buf, const G* grad, const float* ctl, int
     }
     master[i] -= lr_ * (step + wd * master[i]);
     if (copy) copy[i] = G(master[i]);
-  }
+  }, n > kParallelMin);
 }
 
 template <class M, class G>
 void ema_update(M* target, G* copy, const M* source, const float* ctl, int64_t n, double decay, Stream) {
   if (ctl && ctl[1] == 0.0f) return;  // the optimizer skipped this step: so does the EMA
   const M w = M(1.0 - decay);
-#pragma omp parallel for schedule(static) if (n > kParallelMin)
-  for (int64_t i = 0; i < n; i++) {
+  parallel_for(n, [&](int64_t i) {
     target[i] += w * (source[i] - target[i]);
     if (copy) copy[i] = G(target[i]);
-  }
+  }, n > kParallelMin);
 }
 
 template <class M, class G>
@@ -109,10 +107,10 @@ template <class G>
 void grad_norm_squared(float* out, const G* grad, int64_t n, Stream) {
   constexpr int kBlocks = 64;
   double partial[kBlocks] = {};  // double partials: n is up to ~1e8 squares
-#pragma omp parallel for schedule(static) if (n > kParallelMin)
-  for (int b = 0; b < kBlocks; b++)
+  parallel_for(kBlocks, [&](int64_t b) {
     for (int64_t i = n * b / kBlocks; i < n * (b + 1) / kBlocks; i++)
       partial[b] += double(grad[i]) * double(grad[i]);
+  }, n > kParallelMin);
   double sum = 0;
   for (int b = 0; b < kBlocks; b++) sum += partial[b];
   out[0] += float(sum);

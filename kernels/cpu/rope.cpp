@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cpu/parallel.h"
 #include "kernels/kernels.h"
 
 namespace loom::cpu {
@@ -46,8 +47,7 @@ void rotate(T* out, int64_t ldo, const T* inp, int64_t ldi, const int32_t* pos, 
   using A = acc_t<T>;
   const std::vector<A> inv_freq = inverse_frequencies<A>(hd, theta);
   const int half = hd / 2;
-#pragma omp parallel for if (N * H * hd > kParallelMin)
-  for (int64_t n = 0; n < N; n++) {
+  parallel_for(N, [&](int64_t n) {
     for (int i = 0; i < half; i++) {
       const A angle = A(pos[n]) * inv_freq[i];
       const A cos_a = std::cos(angle), sin_a = A(sign) * std::sin(angle);
@@ -59,7 +59,7 @@ void rotate(T* out, int64_t ldo, const T* inp, int64_t ldi, const int32_t* pos, 
         y[i + half] = T(x2 * cos_a + x1 * sin_a);
       }
     }
-  }
+  }, N * H * hd > kParallelMin);
 }
 
 }  // namespace
