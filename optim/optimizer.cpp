@@ -432,7 +432,15 @@ EMA::EMA(Module& target, const Optimizer& opt, const std::string& source_prefix)
     ctl_ = opt.control();
     target_slots_.push_back(slot);
     target_master_.push_back(tm);
+    names_.push_back(name);
   }
+}
+
+std::map<std::string, Tensor> EMA::masters(const std::string& prefix) const {
+  std::map<std::string, Tensor> out;
+  for (size_t i = 0; i < pairs_.size(); i++)
+    if (!target_slots_[i]->same(pairs_[i].first)) out[prefix + names_[i]] = pairs_[i].first;
+  return out;
 }
 
 void EMA::update(double decay) {

@@ -131,11 +131,20 @@ class EMA {
  public:
   EMA(Module& target, const Optimizer& opt, const std::string& source_prefix);
   void update(double decay);  // one ema_update_many call per run of targets of one dtype
+  // The masters the EMA keeps beside 16-bit targets (bf16 / fp16 compute: the slot holds the
+  // rounded value, the master the exact one), by the target's parameter name behind `prefix`
+  // (the target's path in the model, "target."); empty when every target is in the master
+  // dtype and so its own master. Handles to the masters themselves: a checkpoint saves them
+  // instead of the rounded slots (model_master_state), and a resume writes the saved values
+  // into them and into the slots (load_checkpoint), so that the next update starts from the
+  // exact values, as an uninterrupted run would.
+  std::map<std::string, Tensor> masters(const std::string& prefix) const;
  private:
   Tensor ctl_;  // the optimizer's step control: skipped steps skip the EMA too
   std::vector<std::pair<Tensor, Tensor>> pairs_;  // (target master, source master)
   std::vector<Tensor*> target_slots_;
   std::vector<Tensor> target_master_;
+  std::vector<std::string> names_;
 };
 
 }  // namespace loom

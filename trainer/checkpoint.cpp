@@ -21,13 +21,16 @@ namespace loom {
 
 using json = nlohmann::json;
 
-std::map<std::string, Tensor> model_master_state(Module& model, const Optimizer& opt) {
+std::map<std::string, Tensor> model_master_state(Module& model, const Optimizer& opt,
+                                                 const std::map<std::string, Tensor>& held) {
   std::map<std::string, Tensor> sd;
   for (auto& [name, slot] : model.named_parameters()) {
     Tensor m;
     try {
       m = opt.master(name);
     } catch (const std::exception&) {
+      auto h = held.find(name);
+      if (h != held.end()) m = h->second;
     }
     sd[name] = m.defined() ? m : *slot;
   }
@@ -92,7 +95,8 @@ static void remove_stale_dirs(const std::string& out_dir) {
 // step_N holding trainer.json counts as a checkpoint (checkpoint_dirs), so a kill at any
 // moment leaves the previous checkpoint as the latest. trainer.json records how many bytes
 // of metrics.jsonl belong to the steps before it (the resume truncates to that).
-void save_checkpoint(const RunContext& ctx, Module& model, const Optimizer& opt, const TrainerState& st) {
+void save_checkpoint(const RunContext& ctx, Module& model, const Optimizer& opt, const TrainerState& st,
+                     const std::map<std::string, Tensor>& held) {
   // ZeRO-1: the moments are gathered from every rank (a collective every rank joins)
   const std::map<std::string, Tensor> opt_state = opt.state_dict();
   if (ctx.rank != 0) return;  // data parallel: every rank holds the same weights; rank 0 writes them
@@ -101,7 +105,7 @@ void save_checkpoint(const RunContext& ctx, Module& model, const Optimizer& opt,
   std::string final_dir = ctx.out_dir + "/" + name, tmp = final_dir + ".tmp";
   remove_stale_dirs(ctx.out_dir);
   mkdirs(tmp);
-  save_safetensors(tmp + "/model.safetensors", model_master_state(model, opt));
+  save_safetensors(tmp + "/model.safetensors", model_master_state(model, opt, held));
   save_safetensors(tmp + "/optimizer.safetensors", opt_state);
   std::string metrics = ctx.out_dir + "/metrics.jsonl";
   struct stat ms;
@@ -176,10 +180,12 @@ std::string resolve_checkpoint(const std::string& given, const std::string& what
   return path + "/" + dirs.back();
 }
 
-TrainerState load_checkpoint(const std::string& dir, Module& model, Optimizer& opt) {
+TrainerState load_checkpoint(const std::string& dir, Module& model, Optimizer& opt,
+                             const std::map<std::string, Tensor>& held) {
   TrainerState st = read_checkpoint_state(dir);
   opt.load_state_dict(load_safetensors(dir + "/optimizer.safetensors").tensors, dir + "/optimizer.safetensors");
-  // parameters the optimizer does not own (frozen, EMA target) come from the model file
+  // parameters the optimizer does not own (frozen, EMA target) come from the model file, and
+  // a master held beside a 16-bit slot (the EMA target's) takes the exact value
   auto sd = load_safetensors(dir + "/model.safetensors").tensors;
   for (auto& [name, slot] : model.named_parameters()) {
     auto it = sd.find(name);
@@ -190,7 +196,15 @@ TrainerState load_checkpoint(const std::string& dir, Module& model, Optimizer& o
     } catch (const std::exception&) {
       owned = false;
     }
-    if (!owned) slot->copy_(it->second);
+    if (owned) continue;
+    slot->copy_(it->second);
+    auto h = held.find(name);
+    if (h != held.end()) {
+      Tensor master = h->second;  // a handle: the copy lands in the holder's tensor
+      LOOM_CHECK(master.shape() == it->second.shape(), "%s/model.safetensors: '%s' is %s, its master %s", dir.c_str(),
+                 name.c_str(), it->second.desc().c_str(), master.desc().c_str());
+      master.copy_(it->second);
+    }
   }
   return st;
 }

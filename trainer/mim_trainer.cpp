@@ -215,7 +215,7 @@ int train_mim(const RunContext& ctx) {
   TrainerState st;
   std::map<std::string, double> baselines;
   if (!ck.empty()) {
-    st = load_checkpoint(ck, m, opt);
+    st = load_checkpoint(ck, m, opt, ema.masters("target."));
     start = st.step;
     baselines = st.extra;
     std::printf("resumed from %s at step %lld\n", ck.c_str(), (long long)start);
@@ -399,7 +399,7 @@ int train_mim(const RunContext& ctx) {
     if (save_now) {
       st.step = s + 1;
       st.extra = baselines;
-      save_checkpoint(ctx, m, opt, st);
+      save_checkpoint(ctx, m, opt, st, ema.masters("target."));
     }
     if (eval_now || save_now) slog.restart_timing();
     if (stop) {

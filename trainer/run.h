@@ -92,10 +92,15 @@ struct TrainerState {
   int64_t step = 0;
   std::map<std::string, double> extra;  // e.g. consecutive NaN skips, best eval
 };
-void save_checkpoint(const RunContext& ctx, Module& model, const Optimizer& opt, const TrainerState& st);
+// `held`: masters kept outside the optimizer for parameters it does not own (EMA::masters: the
+// EMA target's exact values beside its 16-bit slots), saved instead of those slots and, on
+// load, written into them as well as into the slots.
+void save_checkpoint(const RunContext& ctx, Module& model, const Optimizer& opt, const TrainerState& st,
+                     const std::map<std::string, Tensor>& held = {});
 // "latest" -> newest complete checkpoint in out_dir ("" when none); a path is used as given.
 std::string find_checkpoint(const RunContext& ctx, const std::string& resume);
-TrainerState load_checkpoint(const std::string& dir, Module& model, Optimizer& opt);
+TrainerState load_checkpoint(const std::string& dir, Module& model, Optimizer& opt,
+                             const std::map<std::string, Tensor>& held = {});
 // the model weights of a checkpoint folder (for chat / init from a checkpoint)
 std::map<std::string, Tensor> load_checkpoint_model(const std::string& dir);
 std::string checkpoint_config_text(const std::string& dir);
@@ -130,8 +135,10 @@ Tensor setup_loss_scaling(Optimizer& opt, const RunContext& ctx);
 double now_ms();
 // mkdir -p; throws when path is not a directory afterwards
 void mkdirs(const std::string& path);
-// master weights for saving: opt.master(name) for trained parameters, the slot otherwise
-std::map<std::string, Tensor> model_master_state(Module& model, const Optimizer& opt);
+// master weights for saving: opt.master(name) for trained parameters, held[name] for those
+// with a master of their own (save_checkpoint), the slot otherwise
+std::map<std::string, Tensor> model_master_state(Module& model, const Optimizer& opt,
+                                                 const std::map<std::string, Tensor>& held = {});
 // parameters whose name starts with one of the comma-separated prefixes are frozen
 void freeze_prefixes(Module& m, const std::string& prefixes);
 // parameters the optimizer does not own (frozen, the EMA target) converted to the compute

@@ -263,6 +263,77 @@ TEST_CASE("CUDA EMA of the f32 masters into f32 and bf16 targets", "[cuda][optim
   }
 }
 
+// A resumed run's EMA target: the exact masters a bf16 target keeps (EMA::masters) go to the
+// checkpoint and back (as save_checkpoint / load_checkpoint move them: into the masters and,
+// rounded, into the slots), and the next update gives the same bits as the run that went on.
+// Before, the checkpoint held the rounded slots and the masters stayed at their starting
+// values, so the first update after a resume blended the initial target back in.
+TEST_CASE("CUDA EMA masters of a bf16 target survive a checkpoint round trip", "[cuda][optim]") {
+  need_gpu();
+  const char* names[] = {"lin.weight", "lin.bias", "gain", "frozen.weight", "frozen.bias"};
+  auto run = [&](Net& enc, Net& target, Optimizer& og, EMA& ema, Rng& rng, int steps) {
+    for (int step = 0; step < steps; step++) {
+      for (const char* n : names) {
+        Tensor* s = slot_of(enc, n);
+        vector<double> g(size_t(s->numel()));
+        for (auto& e : g) e = rng.normal();
+        s->grad().copy_(Tensor::from_vector(g, s->shape()));
+      }
+      og.step(1e-2);
+      ema.update(0.9);
+    }
+    (void)target;
+  };
+  Net enc(51), target(52);
+  enc.to_device(DType::F32, Device::CUDA);
+  target.to_device(DType::BF16, Device::CUDA);
+  target.requires_grad_(false);
+  enc.frozen.requires_grad_(true);
+  Optimizer og(groups_of(enc), OptimConfig{}, DType::BF16, Device::CUDA);
+  EMA ema(target, og, "");
+  Rng rng(7);
+  run(enc, target, og, ema, rng, 3);
+  std::map<std::string, Tensor> saved;  // what the checkpoint holds: f32 masters, on the host
+  for (auto& [name, m] : ema.masters("target.")) {
+    CHECK(m.dtype() == DType::F32);
+    saved[name] = m.to(Device::CPU);
+  }
+  REQUIRE(saved.size() == 5);
+  for (const char* n : names)  // the masters are not the rounded slots (3 updates of 0.1)
+    CHECK(saved.at(std::string("target.") + n).to_vector<double>() != slot_of(target, n)->to_vector<double>());
+  auto opt_state = og.state_dict();
+  std::map<std::string, Tensor> opt_saved;
+  for (auto& [k, v] : opt_state) opt_saved[k] = v.to(Device::CPU);
+
+  // the run that goes on
+  Rng rng_on = rng;
+  run(enc, target, og, ema, rng_on, 2);
+  // the resumed one: new modules from other seeds, the saved state written into them
+  Net enc2(61), target2(62);
+  enc2.to_device(DType::F32, Device::CUDA);
+  target2.to_device(DType::BF16, Device::CUDA);
+  target2.requires_grad_(false);
+  enc2.frozen.requires_grad_(true);
+  Optimizer og2(groups_of(enc2), OptimConfig{}, DType::BF16, Device::CUDA);
+  EMA ema2(target2, og2, "");
+  og2.load_state_dict(opt_saved, "ckpt/optimizer.safetensors");
+  auto held = ema2.masters("target.");
+  for (const char* n : names) {
+    const std::string key = std::string("target.") + n;
+    slot_of(target2, n)->copy_(saved.at(key));  // load_checkpoint: the slot, rounded
+    Tensor master = held.at(key);
+    master.copy_(saved.at(key));                // and the held master, exact
+  }
+  Rng rng_resumed = rng;
+  run(enc2, target2, og2, ema2, rng_resumed, 2);
+  for (const char* n : names) {
+    INFO(n);
+    CHECK(slot_of(target2, n)->to_vector<double>() == slot_of(target, n)->to_vector<double>());
+    const std::string key = std::string("target.") + n;
+    CHECK(ema2.masters("target.").at(key).to_vector<double>() == ema.masters("target.").at(key).to_vector<double>());
+  }
+}
+
 // The multi-tensor kernel directly: more tensors than one launch takes (96), tensors of
 // several 4096-element slices beside one-element ones, bf16 copies poisoned beforehand, and a
 // skipped step (ctl[1] == 0) that must leave every target and copy as it was.
