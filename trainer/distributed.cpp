@@ -273,6 +273,13 @@ static void narrow_to_rank_gpu(const EnvMap& env, const DistEnv& d) {
 #else
   LOOM_CHECK(nccl::available(), "%s: %s", d.describe().c_str(), nccl::version().c_str());
   int have = probe_gpu_count();
+  if (have == 1 && d.local_world > 1) {
+    // the launcher gave each rank its own GPU (srun --gpus-per-task=1, --gpu-bind=single, or
+    // CUDA_VISIBLE_DEVICES set per rank): the one visible GPU is this rank's. (Two ranks that
+    // both see one shared GPU are refused by NCCL's init: "Duplicate GPU detected".)
+    std::printf("rank %d: one GPU visible to this process: this rank's (bound by the launcher)\n", d.rank);
+    return;
+  }
   LOOM_CHECK(d.local_rank < have, "rank %d: LOCAL_RANK %d needs GPU %d, but this machine shows %d usable GPU%s "
              "(LOCAL_WORLD_SIZE %d)", d.rank, d.local_rank, d.local_rank, have, have == 1 ? "" : "s", d.local_world);
   std::string vis = env.count("CUDA_VISIBLE_DEVICES") ? env.at("CUDA_VISIBLE_DEVICES") : "";
