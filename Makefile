@@ -37,7 +37,7 @@ else
 endif
 
 DEPS := cmake g++ make pkg-config libeigen3-dev catch2 nlohmann-json3-dev libpcre2-dev \
-        libutf8proc-dev libstb-dev zlib1g-dev libomp-dev dataset-fashion-mnist \
+        libutf8proc-dev libstb-dev zlib1g-dev dataset-fashion-mnist \
         libjpeg62-turbo-dev clang libclang-rt-dev
 
 .PHONY: all build test bench bench-e2e bench-ab deps clean fuzz

@@ -33,9 +33,9 @@
 namespace loom::cpu {
 namespace {
 
-// Spins of a thread that waits before it sleeps (workers) or yields (the caller): about a
-// millisecond with the pause instruction, as long as libgomp's GOMP_SPINCOUNT of 20000, which
-// measured best for these steps on 2 cores (2026-11-23).
+// Spins (each a pause instruction) of a thread that waits, before it sleeps (workers) or
+// yields (the caller): the count libgomp was set to for these steps, GOMP_SPINCOUNT = 20000,
+// the best of 1000 / 5000 / 20000 / 100000 on 2 cores (2026-11-23).
 constexpr int kSpins = 20000;
 constexpr uint64_t kNothing = 0xffffffffu;  // a chunk index past every loop's chunks
 
