@@ -204,6 +204,7 @@ TEST_CASE("eval on a finished VLM run reproduces its end-of-training accuracy ta
   // the run folder is only read
   CHECK(slurp(run + "/config.cfg") == config_before);
   CHECK(call(eval_command, {run, "--train.device=cpu", "--eval.samples=2"}) == 0);
+  CHECK_THROWS_WITH(run_eval(run, {"--train.device=cpu", "--eval.samples=0"}), Contains("eval.samples = 0"));
 }
 
 TEST_CASE("export writes an HF folder that the importer reads back bit for bit", "[export]") {

@@ -61,6 +61,25 @@ static std::string tmpdir(const char* name) {
   return d;
 }
 
+// eval.samples = 0: no evaluation at all (it printed a validation loss of 0 and 0% of the
+// answers, as if the model had learned nothing)
+TEST_CASE("eval.samples = 0 trains without an evaluation", "[trainer]") {
+  std::string a = tmpdir("noeval");
+  auto args = tiny(a);
+  args.push_back("--eval.samples=0");
+  REQUIRE(run_train(args) == 0);
+  std::ifstream f(a + "/metrics.jsonl");
+  int train_lines = 0, eval_lines = 0;
+  for (std::string line; std::getline(f, line);) {
+    const std::string kind = nlohmann::json::parse(line).value("kind", "");
+    train_lines += kind == "train";
+    eval_lines += kind == "eval";
+  }
+  CHECK(train_lines == 6);
+  CHECK(eval_lines == 0);
+  std::system(("rm -rf " + a).c_str());
+}
+
 TEST_CASE("a resumed run continues with bit-identical losses (CPU)", "[trainer]") {
   std::string a = tmpdir("a"), b = tmpdir("b");
   auto args_a = tiny(a);

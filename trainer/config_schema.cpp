@@ -113,7 +113,7 @@ const std::vector<ConfigKey>& config_schema() {
       {"train", "dist_timeout", F, "600", "data parallel: a rank that finishes no step in this many seconds (a hung collective) stops every rank", nullptr},
       {"train", "stop_at", I, "0", "stop after this step as if interrupted, checkpoint kept (0 = run to train.steps)", nullptr},
       // ---------------------------------------------------------------- eval
-      {"eval", "samples", I, "200", "evaluation samples", nullptr},
+      {"eval", "samples", I, "200", "VLM evaluation samples (validation loss and generated answers; 0 = no evaluation)", nullptr},
       {"eval", "max_new_tokens", I, "8", "greedy decoding length for VQA answers", nullptr},
       {"eval", "probe", S, "knn", "MIM representation probe", "linear|knn"},
       {"eval", "knn_k", I, "20", "neighbours of the kNN probe", nullptr},

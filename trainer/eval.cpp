@@ -128,6 +128,7 @@ EvalReport run_eval(const std::string& path, const std::vector<std::string>& ove
   VLMData d = build_vlm_data(ctx, probe.image_tokens());
   LOOM_CHECK(!d.val.empty(), "eval: %s: data.dataset = %s has no held-out questions", ck.c_str(),
              cfg.get_str("data.dataset").c_str());
+  LOOM_CHECK(cfg.get_int("eval.samples") > 0, "eval: %s: eval.samples = 0 asks for no evaluation", ck.c_str());
   VLMConfig vc = vlm_config_from(cfg, d.tok->vocab_size(), d.image_token);
   VLM m(vc, Init{DType::F32, ctx.device, &init_rng});
   m.load_state_dict(load_checkpoint_model(ck), weights);

@@ -431,7 +431,8 @@ static int train_vlm(const RunContext& ctx) {
     profile_step_end();
     bool last = s + 1 == steps;
     bool stop = cfg.get_int64("train.stop_at") > 0 && s + 1 >= cfg.get_int64("train.stop_at") && !last;
-    bool eval_now = ((eval_every > 0 && (s + 1) % eval_every == 0) || last) && !d.val.empty() && ctx.rank == 0;
+    bool eval_now = ((eval_every > 0 && (s + 1) % eval_every == 0) || last) && !d.val.empty() && ctx.rank == 0 &&
+                    cfg.get_int("eval.samples") > 0;
     bool save_now = (save_every > 0 && (s + 1) % save_every == 0) || last || stop;
     slog.flush(eval_now || save_now || stop);
     if (eval_now) {
