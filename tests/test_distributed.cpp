@@ -219,6 +219,94 @@ TEST_CASE("rendezvous: a rank without progress stops the run", "[distributed]") 
   rv1.reset();
 }
 
+static std::vector<tcp::Comm> tcp_ranks(int world);
+
+// Rank 2 busy alone for 2.5 s (an evaluation, a slow setup) with a stall limit of 0.8 s on every
+// rank and no heartbeat anywhere: its keep-alives, relayed by rank 0 to rank 1, keep every
+// watchdog quiet. Once it is no longer busy, the silence stops the run as before.
+TEST_CASE("rendezvous: a rank busy alone keeps every watchdog waiting", "[distributed]") {
+  const int port = free_master_port(), world = 3;
+  std::unique_ptr<Rendezvous> rv[3];
+  std::thread ranks[2];
+  for (int r = 1; r < world; r++)
+    ranks[r - 1] = std::thread([&, r] { rv[r] = std::make_unique<Rendezvous>(env_of(r, world, port), "", 10); });
+  rv[0] = std::make_unique<Rendezvous>(env_of(0, world, port), "id", 10);
+  for (auto& t : ranks) t.join();
+  std::atomic<int> n{0};
+  std::mutex mu;
+  std::string msg1;
+  rv[2]->set_busy(true);
+  rv[2]->set_busy(true);  // nested: two scopes
+  for (int r = 0; r < world; r++)
+    rv[r]->start_monitor(
+        [&, r](const std::string& m) {
+          std::lock_guard<std::mutex> l(mu);
+          if (r == 1) msg1 = m;
+          n++;
+        },
+        nullptr, 0.8);
+  const double t0 = secs();
+  while (secs() - t0 < 2.5 && n == 0) usleep(20000);
+  CHECK(n == 0);
+  rv[2]->set_busy(false);
+  usleep(300000);
+  CHECK(n == 0);  // still inside one scope
+  rv[2]->set_busy(false);
+  const double t1 = secs();
+  while (n < 3 && secs() - t1 < 10) usleep(20000);
+  CHECK(n == 3);
+  CHECK(secs() - t1 < 5);
+  std::lock_guard<std::mutex> l(mu);
+  CHECK_THAT(msg1, Contains("no training step finished in 0.8 s"));
+}
+
+// The CPU collectives wait for a peer that is busy alone (rank 0 evaluating before its next
+// average) as long as its keep-alives come, then average as usual.
+TEST_CASE("CPU collectives wait for a busy rank past their timeout", "[distributed]") {
+  const int port = free_master_port();
+  std::unique_ptr<Rendezvous> rv1;
+  std::thread t([&] { rv1 = std::make_unique<Rendezvous>(env_of(1, 2, port), "", 10); });
+  Rendezvous rv0(env_of(0, 2, port), "id", 10);
+  t.join();
+  std::atomic<int> faults{0};
+  rv0.start_monitor([&](const std::string&) { faults++; }, nullptr, 0);
+  rv1->start_monitor([&](const std::string&) { faults++; }, nullptr, 0);
+  std::vector<tcp::Comm> c = tcp_ranks(2);
+  for (auto& comm : c) comm.set_timeout(0.8);
+  c[1].set_alive(rv1->alive());
+  std::vector<float> a = {1, 2, 3}, b = {3, 4, 5};
+  std::string err;
+  std::thread waiting([&] {
+    try {
+      c[1].all_reduce_avg(b.data(), b.size(), DType::F32);  // waits for rank 0
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
+  });
+  rv0.set_busy(true);
+  usleep(2500000);  // three timeouts long
+  rv0.set_busy(false);
+  c[0].all_reduce_avg(a.data(), a.size(), DType::F32);
+  waiting.join();
+  INFO(err);
+  CHECK(err.empty());
+  CHECK(a == std::vector<float>({2, 3, 4}));
+  CHECK(b == a);
+  CHECK(faults == 0);
+  // without the keep-alive the same wait is an error after the timeout
+  std::thread silent([&] {
+    try {
+      c[1].all_reduce_avg(b.data(), b.size(), DType::F32);
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
+  });
+  silent.join();
+  CHECK_THAT(err, Contains("rank 1 lost rank 0"));
+  rv0.goodbye();
+  rv1->goodbye();
+}
+
 TEST_CASE("rendezvous: NCCL's asynchronous error stops every rank", "[distributed]") {
   const int port = free_master_port();
   std::unique_ptr<Rendezvous> rv1;

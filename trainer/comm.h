@@ -5,6 +5,7 @@
 //   loom::tcp   the CPU: the same average over TCP, through rank 0 (trainer/comm_tcp.cpp), in
 //               every build; what PyTorch's gloo backend is to its NCCL one.
 #pragma once
+#include <atomic>
 #include <cstddef>
 #include <string>
 #include <vector>
@@ -72,6 +73,10 @@ class Comm {
   // How long an average waits for a peer (train.dist_timeout; the join uses the timeout given
   // to listen / connect).
   void set_timeout(double seconds) { timeout_ms_ = seconds * 1e3; }
+  // A clock (net::now_ms) of the last sign of life of the run (Rendezvous::alive()): a wait for
+  // a peer lasts until timeout_s after it, so that a rank busy alone (rank 0's evaluation, a
+  // slow setup) is not taken for a lost one.
+  void set_alive(const std::atomic<double>* last_alive_ms) { alive_ = last_alive_ms; }
 
  private:
   template <class T>
@@ -79,6 +84,7 @@ class Comm {
 
   int rank_ = 0, world_ = 1, listen_fd_ = -1, port_ = 0;
   double timeout_ms_ = 0;
+  const std::atomic<double>* alive_ = nullptr;
   std::vector<int> fds_;     // rank 0: fds_[r] for r >= 1; others: fds_[0] is rank 0
   std::vector<double> sum_;  // rank 0: one chunk's running sums
   std::vector<char> peer_;   // rank 0: one peer's chunk

@@ -105,14 +105,15 @@ void Comm::all_gather_parts(void* buf, const std::vector<size_t>& bounds) {
   const double deadline = net::now_ms() + timeout_ms_;
   if (rank_ != 0) {  // send this rank's part, get the whole back
     auto [mine, n] = part(rank_);
-    LOOM_CHECK(net::write_all(fds_[0], mine, n) && net::read_all(fds_[0], p + bounds.front(), all, deadline),
+    LOOM_CHECK(net::write_all(fds_[0], mine, n) &&
+                   net::read_all(fds_[0], p + bounds.front(), all, deadline, alive_, timeout_ms_),
                "data parallel (CPU): rank %d lost rank 0 during a gather (it stopped, or sent nothing for %.0f s)",
                rank_, timeout_ms_ / 1e3);
     return;
   }
   for (int r = 1; r < world_; r++) {
     auto [theirs, n] = part(r);
-    LOOM_CHECK(net::read_all(fds_[size_t(r)], theirs, n, deadline),
+    LOOM_CHECK(net::read_all(fds_[size_t(r)], theirs, n, deadline, alive_, timeout_ms_),
                "data parallel (CPU): rank 0 lost rank %d during a gather (it stopped, or sent nothing for %.0f s)", r,
                timeout_ms_ / 1e3);
   }
@@ -129,7 +130,7 @@ void Comm::average(T* buf, size_t count) {
     T* p = buf + at;
     const double deadline = net::now_ms() + timeout_ms_;
     if (rank_ != 0) {  // send the chunk, get the mean back
-      LOOM_CHECK(net::write_all(fds_[0], p, bytes) && net::read_all(fds_[0], p, bytes, deadline),
+      LOOM_CHECK(net::write_all(fds_[0], p, bytes) && net::read_all(fds_[0], p, bytes, deadline, alive_, timeout_ms_),
                  "data parallel (CPU): rank %d lost rank 0 during an average (it stopped, or sent nothing for %.0f "
                  "s)", rank_, timeout_ms_ / 1e3);
       continue;
@@ -138,7 +139,7 @@ void Comm::average(T* buf, size_t count) {
     peer_.resize(bytes);
     const T* peer = reinterpret_cast<const T*>(peer_.data());
     for (int r = 1; r < world_; r++) {
-      LOOM_CHECK(net::read_all(fds_[size_t(r)], peer_.data(), bytes, deadline),
+      LOOM_CHECK(net::read_all(fds_[size_t(r)], peer_.data(), bytes, deadline, alive_, timeout_ms_),
                  "data parallel (CPU): rank 0 lost rank %d during an average (it stopped, or sent nothing for %.0f s)",
                  r, timeout_ms_ / 1e3);
       for (size_t i = 0; i < n; i++) sum_[i] += double(peer[i]);

@@ -110,7 +110,7 @@ const std::vector<ConfigKey>& config_schema() {
       {"train", "zero_stage", I, "0", "data parallel: 1 = ZeRO stage 1, each rank keeps the optimizer moments of 1/N of the parameters and updates that part of the weights, which are then gathered (memory: 8 bytes a parameter x (1 - 1/N) less); 0 = every rank updates every weight", nullptr},
       {"train", "dist_infonce", S, "local", "data parallel, contrastive MIM: the InfoNCE's negatives from the rank's own batch (local, as the reference's DistributedDataParallel) or from every rank's (global: the pooled features all-gathered with their gradient, so N ranks x B train as one process x N*B)", "local|global"},
       {"train", "dist_join_timeout", F, "60", "data parallel: seconds for every rank to reach rank 0 (MASTER_ADDR:MASTER_PORT+1)", nullptr},
-      {"train", "dist_timeout", F, "600", "data parallel: a rank that finishes no step in this many seconds (a hung collective) stops every rank", nullptr},
+      {"train", "dist_timeout", F, "600", "data parallel: a rank that finishes no step in this many seconds (a hung collective) stops every rank; the setup before the first step and rank 0's evaluations and checkpoints do not count", nullptr},
       {"train", "stop_at", I, "0", "stop after this step as if interrupted, checkpoint kept (0 = run to train.steps)", nullptr},
       // ---------------------------------------------------------------- eval
       {"eval", "samples", I, "200", "VLM evaluation samples (validation loss and generated answers; 0 = no evaluation)", nullptr},

@@ -51,6 +51,7 @@ DataParallel::DataParallel(const DistEnv& env, const Config& cfg, Device device)
         std::_Exit(3);
       },
       [this] { return comm_ ? nccl::async_error(comm_) : std::string(); }, stall_s);
+  rv_->set_busy(true);  // the setup, until the first step's heartbeat: data, model, rank 0's baselines
   if (!cpu) {
     LOOM_CHECK(rv_->payload().rfind("loom-tcp ", 0) != 0, "%s trains on CUDA, but rank 0 trains on the CPU: is "
                "train.device the same on every rank?", env.describe().c_str());
@@ -60,6 +61,7 @@ DataParallel::DataParallel(const DistEnv& env, const Config& cfg, Device device)
   if (env.rank == 0) tcp_.accept_ranks();
   else tcp_ = tcp::Comm::connect(env.master_addr, rv_->payload(), env.rank, env.world, join_s);
   tcp_.set_timeout(stall_s);  // a peer silent that long: the watchdog stops the run too
+  tcp_.set_alive(rv_->alive());  // unless it is busy alone and says so (Rendezvous::set_busy)
   if (bucket_mb_ <= 0) return;  // one average after the backward, on the training thread
   worker_ = std::thread([this] {
     std::unique_lock<std::mutex> l(mu_);

@@ -323,7 +323,7 @@ DistEnv select_rank_device(const EnvMap& env, const std::string& out_dir, bool c
 // ------------------------------------------------------------------ TCP rendezvous
 // Frames: 4-byte big-endian length of (type + body), 1 type byte, body.
 //   'H' hello (rank world host), 'I' rank 0's payload, 'E' error (join refused),
-//   'A' abort (text), 'B' goodbye.
+//   'A' abort (text), 'B' goodbye, 'K' keep-alive (a busy rank: Rendezvous::set_busy).
 namespace {
 
 bool read_frame(int fd, char& type, std::string& body, double deadline_ms) {
@@ -518,7 +518,16 @@ void Rendezvous::fault(const std::string& why) {
 }
 
 void Rendezvous::monitor_loop(double stall_timeout_s) {
+  double last_keep_alive = 0;
   while (!stop_ && !faulted_) {
+    if (busy_.load() > 0) {  // alive, and the peers hear so four times a second
+      heartbeat();
+      if (now_ms_() - last_keep_alive >= 250) {
+        last_keep_alive = now_ms_();
+        for (size_t r = 0; r < fds_.size(); r++)
+          if (fds_[r] >= 0 && !done_[r]) send_frame(fds_[r], 'K', "");
+      }
+    }
     std::vector<pollfd> pfs;
     std::vector<int> who;
     for (size_t r = 0; r < fds_.size(); r++)
@@ -537,6 +546,13 @@ void Rendezvous::monitor_loop(double stall_timeout_s) {
       if (stop_) return;
       if (ok && type == 'B') {
         done_[size_t(r)] = true;
+        continue;
+      }
+      if (ok && type == 'K') {  // a busy rank is alive; rank 0 passes it on to the others
+        heartbeat();
+        if (env_.rank == 0)
+          for (size_t q = 1; q < fds_.size(); q++)
+            if (q != size_t(r) && fds_[q] >= 0 && !done_[q]) send_frame(fds_[q], 'K', "");
         continue;
       }
       std::string peer = env_.rank == 0 ? strformat("rank %d (host %s)", r, hosts_[size_t(r)].c_str()) : "rank 0";

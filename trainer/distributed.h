@@ -127,6 +127,13 @@ class Rendezvous {
   void start_monitor(std::function<void(const std::string&)> on_fault, std::function<std::string()> poll,
                      double stall_timeout_s);
   void heartbeat() { last_beat_ms_.store(now_ms_()); }
+  // This rank is busy alone for a while (rank 0's evaluation or checkpoint, the setup before the
+  // first step; calls nest): while busy, its monitor counts it as alive and says so to the
+  // peers about every 250 ms ('K' frames, relayed by rank 0 to every rank), whose watchdogs and CPU
+  // collectives then wait for it (alive()) instead of stopping the run.
+  void set_busy(bool on) { busy_ += on ? 1 : -1; }
+  // The steady-clock time (net::now_ms) of the last heartbeat, this rank's or a busy peer's.
+  const std::atomic<double>* alive() const { return &last_beat_ms_; }
   // A clean end: tell the peers, stop watching.
   void goodbye();
   // Tell the peers this rank is failing (message relayed by rank 0 to every rank).
@@ -147,6 +154,7 @@ class Rendezvous {
   std::thread monitor_;
   std::atomic<bool> stop_{false}, faulted_{false};
   std::atomic<double> last_beat_ms_{0};
+  std::atomic<int> busy_{0};
   std::function<void(const std::string&)> on_fault_;
   std::function<std::string()> poll_;
 };
@@ -186,7 +194,28 @@ class DataParallel {
   // master weights' parts then gathered after every update (CUDA: one ncclBroadcast per rank in
   // a group, on the compute stream; CPU: over TCP). Before the first step and any resume.
   void shard_optimizer(Optimizer& opt);
-  void heartbeat() { rv_->heartbeat(); }
+  // After every step. The first one also ends the setup's busy time (the constructor starts
+  // it: loading the data, building the model, rank 0's baselines may take long on one rank).
+  void heartbeat() {
+    if (in_setup_) {
+      in_setup_ = false;
+      rv_->set_busy(false);
+    }
+    rv_->heartbeat();
+  }
+  // While one lives, this rank is busy alone (Rendezvous::set_busy): rank 0 around its
+  // evaluation and checkpoint writing. A null dp (one process) does nothing.
+  struct Busy {
+    explicit Busy(DataParallel* dp) : dp_(dp) {
+      if (dp_) dp_->rv_->set_busy(true);
+    }
+    ~Busy() {
+      if (dp_) dp_->rv_->set_busy(false);
+    }
+    Busy(const Busy&) = delete;
+    Busy& operator=(const Busy&) = delete;
+    DataParallel* dp_;
+  };
   void finish();                          // clean end (before the process exits)
   void fail(const std::string& why);      // this rank is failing: tell the others
   std::string backend() const;            // one log line
@@ -222,6 +251,7 @@ class DataParallel {
   bool working_ = false, stopping_ = false;
   std::exception_ptr error_;
   bool finished_ = false;
+  bool in_setup_ = true;  // until the first heartbeat
 };
 
 // Set up this process as a rank (when the environment says it is one): with `cuda`, checks the

@@ -393,10 +393,12 @@ int train_mim(const RunContext& ctx) {
     bool save_now = (save_every > 0 && (s + 1) % save_every == 0) || last || stop;
     slog.flush(eval_now || save_now || stop);
     if (eval_now) {
+      DataParallel::Busy busy(ctx.dp);  // rank 0 alone: the other ranks wait in the next step
       EvalReport e = evaluate_mim(m.encoder, data, ctx, baselines, s + 1);
       log.event("eval", e.metrics, e.text);
     }
     if (save_now) {
+      DataParallel::Busy busy(ctx.rank == 0 ? ctx.dp : nullptr);  // rank 0 writes the files alone
       st.step = s + 1;
       st.extra = baselines;
       save_checkpoint(ctx, m, opt, st, ema.masters("target."));

@@ -36,14 +36,16 @@ bool write_all(int fd, const void* data, size_t n) {
   return true;
 }
 
-bool read_all(int fd, void* data, size_t n, double deadline_ms) {
+bool read_all(int fd, void* data, size_t n, double deadline_ms, const std::atomic<double>* alive, double grace_ms) {
   char* p = static_cast<char*>(data);
   while (n) {
+    if (alive) deadline_ms = std::max(deadline_ms, alive->load() + grace_ms);
     int wait = int(std::max(0.0, deadline_ms - now_ms()));
     pollfd pf{fd, POLLIN, 0};
     int k = ::poll(&pf, 1, std::min(wait, 1000));
     if (k < 0 && errno == EINTR) continue;
     if (k == 0) {
+      if (alive) deadline_ms = std::max(deadline_ms, alive->load() + grace_ms);
       if (now_ms() >= deadline_ms) return false;
       continue;
     }

@@ -4,6 +4,7 @@
 // Every wait has a deadline in milliseconds of the steady clock (now_ms()), so that a peer that
 // stops answering is an error after a known time, never a hang.
 #pragma once
+#include <atomic>
 #include <cstddef>
 #include <string>
 
@@ -13,8 +14,11 @@ double now_ms();  // steady clock, milliseconds
 
 // Sends all n bytes (no SIGPIPE when the peer is gone); false when the connection failed.
 bool write_all(int fd, const void* p, size_t n);
-// Reads exactly n bytes before deadline_ms; false on end of stream, error or timeout.
-bool read_all(int fd, void* p, size_t n, double deadline_ms);
+// Reads exactly n bytes before deadline_ms; false on end of stream, error or timeout. With
+// `alive`, the deadline moves to *alive + grace_ms when that is later (a peer known to be busy
+// elsewhere: data parallel's keep-alive, trainer/distributed.h).
+bool read_all(int fd, void* p, size_t n, double deadline_ms, const std::atomic<double>* alive = nullptr,
+              double grace_ms = 0);
 
 // A listening socket on `port` of every interface (IPv6 accepting IPv4 too where the machine
 // has IPv6); port 0 takes a free one. Returns the socket and sets *bound to its port; throws

@@ -436,11 +436,13 @@ static int train_vlm(const RunContext& ctx) {
     bool save_now = (save_every > 0 && (s + 1) % save_every == 0) || last || stop;
     slog.flush(eval_now || save_now || stop);
     if (eval_now) {
+      DataParallel::Busy busy(ctx.dp);  // rank 0 alone: the other ranks wait in the next step
       EvalReport e = evaluate_vlm(m, d, ctx, last ? cfg.get_int("eval.samples") : std::min(100, cfg.get_int("eval.samples")),
                                   s + 1);
       log.event("eval", e.metrics, e.text);
     }
     if (save_now) {
+      DataParallel::Busy busy(ctx.rank == 0 ? ctx.dp : nullptr);  // rank 0 writes the files alone
       st.step = s + 1;
       st.extra["nan_skipped"] = double(guard.skipped());
       save_checkpoint(ctx, m, opt, st);
