@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <functional>
 #include <map>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -224,6 +225,17 @@ TEST_CASE("CUDA backward lands in the flat gradient buffers", "[cuda][optim]") {
   }
 }
 
+// The parameters an EMA test moves, and a fresh standard-normal gradient for each of them.
+const char* const kEmaNames[] = {"lin.weight", "lin.bias", "gain", "frozen.weight", "frozen.bias"};
+static void random_grads(Net& enc, Rng& rng) {
+  for (const char* n : kEmaNames) {
+    Tensor* s = slot_of(enc, n);
+    vector<double> g(size_t(s->numel()));
+    for (auto& e : g) e = rng.normal();
+    s->grad().copy_(Tensor::from_vector(g, s->shape()));
+  }
+}
+
 TEST_CASE("CUDA EMA of the f32 masters into f32 and bf16 targets", "[cuda][optim]") {
   need_gpu();
   for (DType compute : {DType::F32, DType::BF16}) {
@@ -237,22 +249,16 @@ TEST_CASE("CUDA EMA of the f32 masters into f32 and bf16 targets", "[cuda][optim
     Optimizer og(groups_of(enc), OptimConfig{}, compute, Device::CUDA);
     EMA ema(target, og, "");  // same names on both sides
     // the reference: f64 from the target's starting values
-    const char* names[] = {"lin.weight", "lin.bias", "gain", "frozen.weight", "frozen.bias"};
     std::map<std::string, vector<double>> want;
-    for (const char* n : names) want[n] = slot_of(target, n)->to_vector<double>();
+    for (const char* n : kEmaNames) want[n] = slot_of(target, n)->to_vector<double>();
     Rng rng(6);
     for (int step = 0; step < 3; step++) {
       INFO("step " << step);
-      for (const char* n : names) {
-        Tensor* s = slot_of(enc, n);
-        vector<double> g(size_t(s->numel()));
-        for (auto& e : g) e = rng.normal();
-        s->grad().copy_(Tensor::from_vector(g, s->shape()));
-      }
+      random_grads(enc, rng);
       og.step(1e-2);
       const double decay = 0.99 - 0.1 * step;
       ema.update(decay);
-      for (const char* n : names) {
+      for (const char* n : kEmaNames) {
         auto src = og.master(n).to_vector<double>();
         auto& w = want[n];
         for (size_t i = 0; i < w.size(); i++) w[i] = decay * w[i] + (1 - decay) * src[i];
@@ -270,67 +276,59 @@ TEST_CASE("CUDA EMA of the f32 masters into f32 and bf16 targets", "[cuda][optim
 // values, so the first update after a resume blended the initial target back in.
 TEST_CASE("CUDA EMA masters of a bf16 target survive a checkpoint round trip", "[cuda][optim]") {
   need_gpu();
-  const char* names[] = {"lin.weight", "lin.bias", "gain", "frozen.weight", "frozen.bias"};
-  auto run = [&](Net& enc, Net& target, Optimizer& og, EMA& ema, Rng& rng, int steps) {
-    for (int step = 0; step < steps; step++) {
-      for (const char* n : names) {
-        Tensor* s = slot_of(enc, n);
-        vector<double> g(size_t(s->numel()));
-        for (auto& e : g) e = rng.normal();
-        s->grad().copy_(Tensor::from_vector(g, s->shape()));
-      }
-      og.step(1e-2);
-      ema.update(0.9);
+  // an encoder trained in bf16 compute and its bf16 EMA target, from two seeds
+  struct Run {
+    Net enc, target;
+    std::unique_ptr<Optimizer> og;
+    std::unique_ptr<EMA> ema;
+    Run(uint64_t enc_seed, uint64_t target_seed) : enc(enc_seed), target(target_seed) {
+      enc.to_device(DType::F32, Device::CUDA);
+      target.to_device(DType::BF16, Device::CUDA);
+      target.requires_grad_(false);
+      enc.frozen.requires_grad_(true);
+      og = std::make_unique<Optimizer>(groups_of(enc), OptimConfig{}, DType::BF16, Device::CUDA);
+      ema = std::make_unique<EMA>(target, *og, "");
     }
-    (void)target;
+    void steps(Rng& rng, int n) {
+      for (int i = 0; i < n; i++) {
+        random_grads(enc, rng);
+        og->step(1e-2);
+        ema->update(0.9);
+      }
+    }
   };
-  Net enc(51), target(52);
-  enc.to_device(DType::F32, Device::CUDA);
-  target.to_device(DType::BF16, Device::CUDA);
-  target.requires_grad_(false);
-  enc.frozen.requires_grad_(true);
-  Optimizer og(groups_of(enc), OptimConfig{}, DType::BF16, Device::CUDA);
-  EMA ema(target, og, "");
+  Run a(51, 52);
   Rng rng(7);
-  run(enc, target, og, ema, rng, 3);
+  a.steps(rng, 3);
   std::map<std::string, Tensor> saved;  // what the checkpoint holds: f32 masters, on the host
-  for (auto& [name, m] : ema.masters("target.")) {
+  for (auto& [name, m] : a.ema->masters("target.")) {
     CHECK(m.dtype() == DType::F32);
     saved[name] = m.to(Device::CPU);
   }
   REQUIRE(saved.size() == 5);
-  for (const char* n : names)  // the masters are not the rounded slots (3 updates of 0.1)
-    CHECK(saved.at(std::string("target.") + n).to_vector<double>() != slot_of(target, n)->to_vector<double>());
-  auto opt_state = og.state_dict();
+  for (const char* n : kEmaNames)  // the masters are not the rounded slots (3 updates of 0.1)
+    CHECK(saved.at(std::string("target.") + n).to_vector<double>() != slot_of(a.target, n)->to_vector<double>());
   std::map<std::string, Tensor> opt_saved;
-  for (auto& [k, v] : opt_state) opt_saved[k] = v.to(Device::CPU);
+  for (auto& [k, v] : a.og->state_dict()) opt_saved[k] = v.to(Device::CPU);
 
-  // the run that goes on
-  Rng rng_on = rng;
-  run(enc, target, og, ema, rng_on, 2);
-  // the resumed one: new modules from other seeds, the saved state written into them
-  Net enc2(61), target2(62);
-  enc2.to_device(DType::F32, Device::CUDA);
-  target2.to_device(DType::BF16, Device::CUDA);
-  target2.requires_grad_(false);
-  enc2.frozen.requires_grad_(true);
-  Optimizer og2(groups_of(enc2), OptimConfig{}, DType::BF16, Device::CUDA);
-  EMA ema2(target2, og2, "");
-  og2.load_state_dict(opt_saved, "ckpt/optimizer.safetensors");
-  auto held = ema2.masters("target.");
-  for (const char* n : names) {
+  Rng rng_on = rng;  // the run that goes on
+  a.steps(rng_on, 2);
+  Run b(61, 62);  // the resumed one: other seeds, then the saved state written into it
+  b.og->load_state_dict(opt_saved, "ckpt/optimizer.safetensors");
+  auto held = b.ema->masters("target.");
+  for (const char* n : kEmaNames) {
     const std::string key = std::string("target.") + n;
-    slot_of(target2, n)->copy_(saved.at(key));  // load_checkpoint: the slot, rounded
+    slot_of(b.target, n)->copy_(saved.at(key));  // load_checkpoint: the slot, rounded
     Tensor master = held.at(key);
-    master.copy_(saved.at(key));                // and the held master, exact
+    master.copy_(saved.at(key));  // and the held master, exact
   }
   Rng rng_resumed = rng;
-  run(enc2, target2, og2, ema2, rng_resumed, 2);
-  for (const char* n : names) {
+  b.steps(rng_resumed, 2);
+  for (const char* n : kEmaNames) {
     INFO(n);
-    CHECK(slot_of(target2, n)->to_vector<double>() == slot_of(target, n)->to_vector<double>());
     const std::string key = std::string("target.") + n;
-    CHECK(ema2.masters("target.").at(key).to_vector<double>() == ema.masters("target.").at(key).to_vector<double>());
+    CHECK(slot_of(b.target, n)->to_vector<double>() == slot_of(a.target, n)->to_vector<double>());
+    CHECK(b.ema->masters("target.").at(key).to_vector<double>() == a.ema->masters("target.").at(key).to_vector<double>());
   }
 }
 
