@@ -16,6 +16,7 @@
 #   env     ranks started by hand with torchrun's variables (no launcher) give the same losses
 #   config  a rank started with another train.lr stops every rank at the rendezvous, naming the key
 #   resume  a rank that finds no checkpoint where rank 0 resumes stops both before the first step
+#   init    a rank that loads other init weights (model.lm_init) stops both before the first step
 #   logs    the launcher started the ranks and rank 1 says how it averages
 #   fault   kill -9 of rank 1: rank 0 and the launcher stop within 30 s with an error naming
 #           the lost rank; the run resumes from its last checkpoint on 2 processes and on 1
@@ -199,6 +200,26 @@ if [ $rc_a -ne 0 ] && [ $rc_b -ne 0 ] && [ $rc_a -ne 124 ] && [ $rc_b -ne 124 ] 
   note "a rank without the checkpoint: both stop before training: ok"
 else
   fail "a rank without the checkpoint: exits $rc_a / $rc_b, rank 1 says '$msg'"
+fi
+
+# ---- a rank whose init file differs (model.lm_init is a path, which the config comparison
+# leaves out: node-local copies) would train from other weights: both stop before the first step
+P=$((20000 + RANDOM % 20000))
+for k in 0 1; do
+  extra=()
+  [ $k -eq 1 ] && extra=(--model.lm_init="$W/vlm_1")
+  RANK=$k LOCAL_RANK=$k WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$P OMP_NUM_THREADS=1 \
+    timeout 60 "$TRAIN" "${VLM[@]}" --train.batch_size=2 "${extra[@]}" --train.out_dir="$W/vlm_init_$k" \
+    > "$W/vlm_init_$k.log" 2>&1 &
+done
+wait -n; rc_a=$?
+wait -n; rc_b=$?
+msg=$(grep -h "the weights the run starts from differs" "$W"/vlm_init_1.log | head -1)
+if [ $rc_a -ne 0 ] && [ $rc_b -ne 0 ] && [ $rc_a -ne 124 ] && [ $rc_b -ne 124 ] && [ -n "$msg" ] &&
+   grep -q "the weights the run starts from differs" "$W/vlm_init_0.log"; then
+  note "a rank with other init weights: both stop before training: ok"
+else
+  fail "a rank with other init weights: exits $rc_a / $rc_b, rank 1 says '$msg'"
 fi
 
 # ---- logs

@@ -37,6 +37,19 @@ std::map<std::string, Tensor> model_master_state(Module& model, const Optimizer&
   return sd;
 }
 
+double weights_fingerprint(Module& model, const Optimizer& opt, const std::map<std::string, Tensor>& held) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the names and bytes
+  auto add = [&h](const uint8_t* p, size_t n) {
+    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 1099511628211ull;
+  };
+  for (auto& [name, t] : model_master_state(model, opt, held)) {
+    const Tensor c = t.to(Device::CPU).contiguous();
+    add(reinterpret_cast<const uint8_t*>(name.data()), name.size());
+    add(static_cast<const uint8_t*>(c.raw()), size_t(c.numel()) * dtype_size(c.dtype()));
+  }
+  return double(h >> 11);  // exact in a double
+}
+
 static std::vector<std::string> checkpoint_dirs(const std::string& out_dir) {
   std::vector<std::string> v;
   DIR* d = opendir(out_dir.c_str());

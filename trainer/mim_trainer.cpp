@@ -224,6 +224,10 @@ int train_mim(const RunContext& ctx) {
     ctx.dp->check_same("the step the run starts from", double(start),
                        "every rank must see the same checkpoint (train.out_dir on a file system all machines share, "
                        "or train.resume naming the same folder everywhere)");
+  if (ctx.dp)  // init files named by path (node-local copies) could differ: compare what was loaded
+    ctx.dp->check_same("the weights the run starts from", weights_fingerprint(m, opt, ema.masters("target.")),
+                       "every rank must load the same files (model.init, model.lm_init, model.vision_init: paths, which "
+                       "the config comparison leaves out) or checkpoint");
   if (ck.empty() && !cfg.get_bool("train.dry_run") && test.n > 0 && ctx.rank == 0) {
     // the two baselines the trained encoder must beat: raw pixels, and this random encoder
     int d = train.c * train.h * train.w;

@@ -135,6 +135,9 @@ Tensor setup_loss_scaling(Optimizer& opt, const RunContext& ctx);
 double now_ms();
 // mkdir -p; throws when path is not a directory afterwards
 void mkdirs(const std::string& path);
+// A hash of every master weight's bytes (model_master_state, in name order) as a double (53
+// bits): the ranks of a data-parallel run compare it before the first step (check_same).
+double weights_fingerprint(Module& model, const Optimizer& opt, const std::map<std::string, Tensor>& held = {});
 // master weights for saving: opt.master(name) for trained parameters, held[name] for those
 // with a master of their own (save_checkpoint), the slot otherwise
 std::map<std::string, Tensor> model_master_state(Module& model, const Optimizer& opt,

@@ -187,6 +187,10 @@ static int train_vlm(const RunContext& ctx) {
     ctx.dp->check_same("the step the run starts from", double(start),
                        "every rank must see the same checkpoint (train.out_dir on a file system all machines share, "
                        "or train.resume naming the same folder everywhere)");
+  if (ctx.dp)  // init files named by path (node-local copies) could differ: compare what was loaded
+    ctx.dp->check_same("the weights the run starts from", weights_fingerprint(m, opt),
+                       "every rank must load the same files (model.init, model.lm_init, model.vision_init: paths, which "
+                       "the config comparison leaves out) or checkpoint");
   // batch of micro-step s: rows [s*bs, (s+1)*bs) of the epoch's shuffled row order. Data
   // parallel: the micro-step's global batch is rows [s*G, (s+1)*G), G = bs x world, and this
   // rank takes its part [rank*bs, (rank+1)*bs) (the same permutation on every rank).
