@@ -161,66 +161,46 @@ else
   fail "mim, 2 ranks from environment variables: a rank failed ($(grep -h '^error' "$W"/mim_env_*.log | head -1))"
 fi
 
+# mismatch NAME WHAT TEXT: two ranks from environment variables, rank 0 with the arguments in R0
+# and rank 1 with those in R1; both must stop before training (an error exit, not the time limit)
+# and both logs must say TEXT
+mismatch() {
+  local name=$1 what=$2 text=$3 P=$((20000 + RANDOM % 20000)) k rc_a rc_b msg
+  local -a args
+  for k in 0 1; do
+    if [ $k -eq 0 ]; then args=("${R0[@]}"); else args=("${R1[@]}"); fi
+    RANK=$k LOCAL_RANK=$k WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$P OMP_NUM_THREADS=1 \
+      timeout 60 "$TRAIN" "${args[@]}" > "$W/${name}_$k.log" 2>&1 &
+  done
+  wait -n; rc_a=$?
+  wait -n; rc_b=$?
+  msg=$(grep -h -- "$text" "$W/${name}_1.log" | head -1)
+  if [ $rc_a -ne 0 ] && [ $rc_b -ne 0 ] && [ $rc_a -ne 124 ] && [ $rc_b -ne 124 ] && [ -n "$msg" ] &&
+     grep -q -- "$text" "$W/${name}_0.log"; then
+    note "$what: both stop before training, naming it: ok"
+  else
+    fail "$what: exits $rc_a / $rc_b, rank 1 says '$msg'"
+  fi
+}
+
 # ---- a rank started with other overrides (a torchrun node given another learning rate) is
 # refused at the rendezvous, with the key named, instead of training another model silently
-P=$((20000 + RANDOM % 20000))
-for k in 0 1; do
-  extra=()
-  [ $k -eq 1 ] && extra=(--train.lr=0.123)
-  RANK=$k LOCAL_RANK=$k WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$P OMP_NUM_THREADS=1 \
-    timeout 60 "$TRAIN" "${MIM[@]}" --train.batch_size=16 "${extra[@]}" --train.out_dir="$W/mim_cfg" \
-    > "$W/mim_cfg_$k.log" 2>&1 &
-done
-wait -n; rc_a=$?
-wait -n; rc_b=$?
-msg=$(grep -h "another config than rank 0" "$W"/mim_cfg_0.log | head -1)
-if [ $rc_a -ne 0 ] && [ $rc_b -ne 0 ] && [ $rc_a -ne 124 ] && [ $rc_b -ne 124 ] && echo "$msg" | grep -q "train.lr = 0.123" &&
-   grep -q "train.lr = 0.123" "$W/mim_cfg_1.log"; then
-  note "a rank with another train.lr: both stop at the rendezvous, naming it: ok"
-else
-  fail "a rank with another train.lr: exits $rc_a / $rc_b, rank 0 says '$msg'"
-fi
+R0=("${MIM[@]}" --train.batch_size=16 --train.out_dir="$W/mim_cfg")
+R1=("${R0[@]}" --train.lr=0.123)
+mismatch mim_cfg "a rank with another train.lr" "train.lr = 0.123"
 
 # ---- a rank that does not see the checkpoint (node-local out_dirs) would start from step 0 beside
-# rank 0's resumed weights: both stop before the first step instead
-P=$((20000 + RANDOM % 20000))
+# rank 0's resumed weights
 cp -r "$W/mim_2" "$W/mim_seen"
-for k in 0 1; do
-  dir=$W/mim_seen
-  [ $k -eq 1 ] && dir=$W/mim_unseen
-  RANK=$k LOCAL_RANK=$k WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$P OMP_NUM_THREADS=1 \
-    timeout 60 "$TRAIN" "${MIM[@]}" --train.batch_size=16 --train.steps=12 --train.resume=latest --train.out_dir="$dir" \
-    > "$W/mim_resume_$k.log" 2>&1 &
-done
-wait -n; rc_a=$?
-wait -n; rc_b=$?
-msg=$(grep -h "the step the run starts from differs" "$W"/mim_resume_1.log | head -1)
-if [ $rc_a -ne 0 ] && [ $rc_b -ne 0 ] && [ $rc_a -ne 124 ] && [ $rc_b -ne 124 ] && [ -n "$msg" ] &&
-   grep -q "the step the run starts from differs" "$W/mim_resume_0.log"; then
-  note "a rank without the checkpoint: both stop before training: ok"
-else
-  fail "a rank without the checkpoint: exits $rc_a / $rc_b, rank 1 says '$msg'"
-fi
+R0=("${MIM[@]}" --train.batch_size=16 --train.steps=12 --train.resume=latest --train.out_dir="$W/mim_seen")
+R1=("${MIM[@]}" --train.batch_size=16 --train.steps=12 --train.resume=latest --train.out_dir="$W/mim_unseen")
+mismatch mim_resume "a rank without the checkpoint" "the step the run starts from differs"
 
 # ---- a rank whose init file differs (model.lm_init is a path, which the config comparison
-# leaves out: node-local copies) would train from other weights: both stop before the first step
-P=$((20000 + RANDOM % 20000))
-for k in 0 1; do
-  extra=()
-  [ $k -eq 1 ] && extra=(--model.lm_init="$W/vlm_1")
-  RANK=$k LOCAL_RANK=$k WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$P OMP_NUM_THREADS=1 \
-    timeout 60 "$TRAIN" "${VLM[@]}" --train.batch_size=2 "${extra[@]}" --train.out_dir="$W/vlm_init_$k" \
-    > "$W/vlm_init_$k.log" 2>&1 &
-done
-wait -n; rc_a=$?
-wait -n; rc_b=$?
-msg=$(grep -h "the weights the run starts from differs" "$W"/vlm_init_1.log | head -1)
-if [ $rc_a -ne 0 ] && [ $rc_b -ne 0 ] && [ $rc_a -ne 124 ] && [ $rc_b -ne 124 ] && [ -n "$msg" ] &&
-   grep -q "the weights the run starts from differs" "$W/vlm_init_0.log"; then
-  note "a rank with other init weights: both stop before training: ok"
-else
-  fail "a rank with other init weights: exits $rc_a / $rc_b, rank 1 says '$msg'"
-fi
+# leaves out: node-local copies) would train from other weights
+R0=("${VLM[@]}" --train.batch_size=2 --train.out_dir="$W/vlm_init_0")
+R1=("${VLM[@]}" --train.batch_size=2 --model.lm_init="$W/vlm_1" --train.out_dir="$W/vlm_init_1")
+mismatch vlm_init "a rank with other init weights" "the weights the run starts from differs"
 
 # ---- logs
 if [ -f "$W/vlm_2/rank_1.log" ] && grep -q "^data parallel: rank 1 of 2.*$BACKEND" "$W/vlm_2/rank_1.log" &&

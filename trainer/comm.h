@@ -7,6 +7,7 @@
 #pragma once
 #include <atomic>
 #include <cstddef>
+#include <exception>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,20 @@ std::string unique_id();               // ncclGetUniqueId: 128 opaque bytes (ran
 void* init(const std::string& id, int world, int rank);  // ncclCommInitRank
 void group_start();
 void group_end();
+// ncclGroupStart / ncclGroupEnd around a scope: the group ends when the scope does, also when a
+// call inside it throws (an open group would hold every later NCCL call of the thread)
+struct Group {
+  Group() { group_start(); }
+  ~Group() noexcept(false) {
+    if (std::uncaught_exceptions() > 0) {
+      try { group_end(); } catch (...) {}  // the first error is the one to report
+    } else {
+      group_end();
+    }
+  }
+  Group(const Group&) = delete;
+  Group& operator=(const Group&) = delete;
+};
 // In place on `stream` (the compute stream): sum / world of every rank's buffer.
 void all_reduce_avg(void* comm, void* buf, size_t count, DType dt, Stream stream);
 // On `stream`: recv [world x count] = every rank's send [count], in rank order.

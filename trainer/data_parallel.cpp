@@ -50,7 +50,11 @@ DataParallel::DataParallel(const DistEnv& env, const Config& cfg, Device device)
         }
         std::_Exit(3);
       },
-      [this] { return comm_ ? nccl::async_error(comm_) : std::string(); }, stall_s);
+      [this] {
+        void* c = comm_;
+        return c ? nccl::async_error(c) : std::string();
+      },
+      stall_s);
   rv_->set_busy(true);  // the setup, until the first step's heartbeat: data, model, rank 0's baselines
   if (!cpu) {
     LOOM_CHECK(rv_->payload().rfind("loom-tcp ", 0) != 0, "%s trains on CUDA, but rank 0 trains on the CPU: is "
@@ -166,10 +170,9 @@ void DataParallel::reduce(Optimizer& opt, Tensor& loss) {
     if (loss.defined()) tcp_.all_reduce_avg(loss.raw(), 1, loss.dtype());
     return;
   }
-  nccl::group_start();
+  nccl::Group group;
   for (Tensor& g : opt.grad_buffers()) nccl::all_reduce_avg(comm_, g.raw(), size_t(g.numel()), g.dtype(), cuda::default_stream());
   if (loss.defined()) nccl::all_reduce_avg(comm_, loss.raw(), 1, loss.dtype(), cuda::default_stream());
-  nccl::group_end();
 }
 
 void DataParallel::all_reduce_avg(Tensor& t) {
@@ -235,12 +238,11 @@ void DataParallel::shard_optimizer(Optimizer& opt) {
       return;
     }
     char* p = static_cast<char*>(flat.raw());
-    nccl::group_start();
+    nccl::Group group;
     for (int r = 0; r < env_.world; r++) {
       const int64_t n = bounds[size_t(r) + 1] - bounds[size_t(r)];
       if (n > 0) nccl::broadcast(comm_, p + size_t(bounds[size_t(r)]) * es, size_t(n), flat.dtype(), r, cuda::default_stream());
     }
-    nccl::group_end();
   });
   std::printf("data parallel: ZeRO stage 1 (train.zero_stage = 1): this rank holds the optimizer moments of %.2fM of "
               "%.2fM parameters and updates those; the master weights gathered after every update\n",

@@ -227,7 +227,8 @@ class DataParallel {
   DistEnv env_;
   Device device_;
   std::unique_ptr<Rendezvous> rv_;
-  void* comm_ = nullptr;  // NCCL's communicator (CUDA)
+  // NCCL's communicator (CUDA): written once by the constructor, read by the monitor thread too
+  std::atomic<void*> comm_{nullptr};
   tcp::Comm tcp_;         // the CPU's
   // gradient buckets (train.dist_bucket_mb > 0)
   double bucket_mb_ = 0;
