@@ -157,6 +157,18 @@ void DataParallel::reduce(Optimizer& opt, Tensor& loss) {
     const bool learned = buckets_->learned();
     buckets_->finish();
     join();
+    if (!learned) {
+      // the launch order the first backward taught: the same on every rank, or the index order
+      // on all (grad_buckets.h); every rank sees the same list and decides alike
+      const std::vector<double> all =
+          all_gather_rows(Tensor::from_vector(std::vector<double>{buckets_->order_fingerprint()}, {1}, device_))
+              .to_vector<double>();
+      if (std::any_of(all.begin(), all.end(), [&](double v) { return v != all[0]; })) {
+        buckets_->use_index_order();
+        std::printf("data parallel: the ranks' first backwards completed the gradient buckets in different orders: "
+                    "the buckets launch in index order\n");
+      }
+    }
     if (!learned_logged_ && learned) {  // the first backward that could launch early
       learned_logged_ = true;
       std::printf("data parallel: %zu gradient buckets, %d of them averaged while the backward ran\n",

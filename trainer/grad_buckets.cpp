@@ -2,6 +2,7 @@
 #include "trainer/grad_buckets.h"
 
 #include <algorithm>
+#include <cstdint>
 
 namespace loom {
 
@@ -37,6 +38,22 @@ GradBuckets::GradBuckets(std::vector<Tensor> buffers, const std::vector<std::vec
   }
   left_.assign(buckets_.size(), 0);
   sent_.assign(buckets_.size(), false);
+  ready_.assign(buckets_.size(), false);
+  use_index_order();
+}
+
+void GradBuckets::use_index_order() {
+  order_.resize(buckets_.size());
+  for (size_t k = 0; k < order_.size(); k++) order_[k] = int(k);
+}
+
+double GradBuckets::order_fingerprint() const {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the indices
+  for (int k : order_) {
+    h ^= uint64_t(uint32_t(k));
+    h *= 1099511628211ull;
+  }
+  return double(h >> 12);  // 52 bits: a double holds them exactly
 }
 
 GradBuckets::~GradBuckets() {
@@ -47,6 +64,9 @@ void GradBuckets::begin() {
   LOOM_CHECK(!active_, "GradBuckets::begin: the previous backward was not finished");
   std::fill(left_.begin(), left_.end(), 0);
   std::fill(sent_.begin(), sent_.end(), false);
+  std::fill(ready_.begin(), ready_.end(), false);
+  next_ = 0;
+  node_ = 0;
   for (auto& ps : params_)
     for (Param& p : ps) {
       p.count = 0;
@@ -82,7 +102,10 @@ void GradBuckets::leaf_written(const Tensor& leaf) {
   Param* p = find_param(leaf);
   if (!p) return;
   p->count++;
-  if (!learned_) return;
+  if (!learned_) {
+    p->last_node = node_;
+    return;
+  }
   LOOM_CHECK(p->count <= p->expected,
              "data parallel: a parameter (gradient buffer %d, elements %lld..%lld) was written %lld times in this "
              "backward, %lld in the first: the step's graph changed between steps, and its gradient bucket may "
@@ -93,16 +116,19 @@ void GradBuckets::leaf_written(const Tensor& leaf) {
 }
 
 void GradBuckets::node_done() {
-  if (!active_ || done_now_.empty()) return;
+  if (!active_) return;
+  node_++;
+  if (done_now_.empty()) return;
   // the node that made these parameters complete has run (its kernels are enqueued before
   // anything launched here on the stream's order; on the CPU they have finished)
-  for (int k : done_now_) {
-    if (--left_[size_t(k)] == 0) {
-      launch_bucket(k);
-      early_++;
-    }
-  }
+  for (int k : done_now_)
+    if (--left_[size_t(k)] == 0) ready_[size_t(k)] = true;
   done_now_.clear();
+  // in the agreed order only: the next bucket goes once it and all before it are complete
+  while (next_ < order_.size() && ready_[size_t(order_[next_])]) {
+    launch_bucket(order_[next_++]);
+    early_++;
+  }
 }
 
 void GradBuckets::launch_bucket(int k) {
@@ -116,12 +142,26 @@ void GradBuckets::finish() {
   active_ = false;
   done_now_.clear();
   if (!learned_) {
+    // every bucket at the end, in index order (the same on every rank); the order of later
+    // backwards: by the node of each bucket's last write (a bucket none of whose parameters
+    // was written goes last), ties in index order
+    std::vector<int64_t> done_at(buckets_.size(), -1);
     for (auto& ps : params_)
-      for (Param& p : ps) p.expected = p.count;
+      for (Param& p : ps) {
+        p.expected = p.count;
+        int64_t& d = done_at[size_t(p.bucket)];
+        if (p.count > 0) d = std::max(d, p.last_node);
+      }
+    for (int64_t& d : done_at)
+      if (d < 0) d = INT64_MAX;
+    for (size_t k = 0; k < buckets_.size(); k++) launch_bucket(int(k));
+    std::stable_sort(order_.begin(), order_.end(),
+                     [&](int a, int b) { return done_at[size_t(a)] < done_at[size_t(b)]; });
     learned_ = true;
+    return;
   }
-  for (size_t k = 0; k < buckets_.size(); k++)
-    if (!sent_[k]) launch_bucket(int(k));
+  for (; next_ < order_.size(); next_++)
+    if (!sent_[size_t(order_[next_])]) launch_bucket(order_[next_]);
 }
 
 }  // namespace loom
