@@ -140,12 +140,17 @@ run cmim_1 "${MIM[@]}" --model.contrastive=true --train.batch_size=32 --train.ou
 
 # ---- torchrun's way: two processes started with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
 # no launcher of ours give the launcher's losses (on the CPU bit for bit: each rank with the
-# threads the launcher gives it, the summation orders are the same)
+# threads the launcher gives it, the summation orders are the same). Rank 1 names its device or
+# dtype as `auto`, which resolves to rank 0's: the ranks compare resolved values, so that passes
 P=$((20000 + RANDOM % 20000))
 threads=${OMP_NUM_THREADS:-$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))}
+if [ "$DEVICE" = cuda ]; then same=(--train.device=auto); else same=(--train.dtype=f32); fi
 for k in 0 1; do
+  extra=()
+  [ $k -eq 1 ] && extra=("${same[@]}")
   RANK=$k LOCAL_RANK=$k WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$P OMP_NUM_THREADS=$threads \
-    timeout 300 "$TRAIN" "${MIM[@]}" --train.batch_size=16 --train.out_dir="$W/mim_env" > "$W/mim_env_$k.log" 2>&1 &
+    timeout 300 "$TRAIN" "${MIM[@]}" --train.batch_size=16 "${extra[@]}" --train.out_dir="$W/mim_env" \
+    > "$W/mim_env_$k.log" 2>&1 &
 done
 if wait -n && wait -n; then
   if [ "$DEVICE" = cpu ]; then

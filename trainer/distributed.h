@@ -103,7 +103,8 @@ Tensor gather_over_ranks(const Tensor& x, int rank, int world,
 // What every rank of a run must agree on: "section.key=value" lines of every key except those
 // that may differ between machines (paths of files and folders, data.workers). Ranks started with
 // other values (a torchrun node given other overrides) would train different models, or the
-// same one differently, without an error: their averages only need equal sizes.
+// same one differently, without an error: their averages only need equal sizes. The trainer
+// passes a config with train.device and train.dtype resolved (`auto` -> cuda, bf16, ...).
 std::string config_fingerprint(const Config& cfg);
 // "" when equal, else the keys that differ, "train.lr = 0.001 (rank 0: 0.0003), ..."
 std::string config_difference(const std::string& rank0, const std::string& other);

@@ -525,7 +525,13 @@ int train_command(int argc, char** argv) {
   LOOM_CHECK(!cfg.get_bool("train.dry_run"), "train.dry_run is a one-process check: run it without several ranks");
   de = select_rank_device(env, cfg.get_str("train.out_dir"), !cpu);
   RunContext ctx = open_run(cfg, de.rank, de.world);
-  DataParallel dp(de, cfg, ctx.device);
+  // the ranks compare resolved values: `auto` on one rank and what it resolves to on another
+  // are the same run
+  Config resolved = cfg;
+  resolved.set("train.device", device_name(ctx.device), "resolved");
+  resolved.set("train.dtype", ctx.compute == DType::BF16 ? "bf16" : ctx.compute == DType::F16 ? "fp16" : "f32",
+               "resolved");
+  DataParallel dp(de, resolved, ctx.device);
   ctx.dp = &dp;
   std::printf("%s\n", dp.backend().c_str());
   int rc;
