@@ -1,34 +1,18 @@
 // vec_test_util.h: the host-vector helpers of the attention and loss tests
-// (test_cuda_kernels_b.cpp, test_cuda_losses.cpp): a device array that uploads from and
-// downloads to std::vector, normal random data, device-type copies and the values a 16-bit
-// device sees, the tolerances of a type, and the exit with code 4 (ctest: skipped) when no GPU
-// is present.
+// (test_cuda_kernels_b.cpp, test_cuda_losses.cpp), on top of cuda_kernel_test_util.h (need_gpu,
+// tol_of, the namespaces): a device array of T that uploads from and downloads to
+// std::vector<T> (DBuf speaks float), normal random data, device-type copies and the values a
+// 16-bit device sees.
 #pragma once
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <limits>
 #include <random>
 #include <type_traits>
 #include <vector>
 
-#include "kernels/kernels.h"
-#include "tests/tolerances.h"
-
-using loom::bf16;
-using loom::f16;
-namespace tol = loom::tol;
-namespace cu = loom::cuda;
-
+#include "tests/cuda/cuda_kernel_test_util.h"
 
 namespace {
-
-void need_gpu() {
-  if (!cu::available()) {
-    std::fprintf(stderr, "no CUDA device: skipping\n");
-    std::exit(4);
-  }
-}
 
 // A device array that uploads from / downloads to host vectors.
 template <class T>
@@ -84,12 +68,8 @@ std::vector<float> inf_to_big(std::vector<float> v) {
   return v;
 }
 
-template <class T> tol::Tol out_tol() {
-  return std::is_same<T, float>::value ? tol::kCudaF32 : std::is_same<T, f16>::value ? tol::kCudaF16 : tol::kCudaBF16;
-}
-template <class T> tol::Tol gemm_tol() {
-  return std::is_same<T, float>::value ? tol::kCudaF32Gemm : std::is_same<T, f16>::value ? tol::kCudaF16 : tol::kCudaBF16;
-}
+template <class T> tol::Tol out_tol() { return tol_of<T>(); }
+template <class T> tol::Tol gemm_tol() { return tol_of<T>(true); }
 template <class T> const char* tname() {
   return std::is_same<T, float>::value ? "f32" : std::is_same<T, f16>::value ? "f16" : "bf16";
 }
