@@ -3,6 +3,11 @@
 // tests/cpu_kernel_test_util.h).
 #include <catch2/catch.hpp>
 
+#include <cmath>
+#include <limits>
+#include <random>
+
+#include "kernels/cpu/vec_exp.h"
 #include "kernels/kernels.h"
 #include "tests/tolerances.h"
 
@@ -21,6 +26,37 @@ vector<double> activation_inputs(int64_t n) {
   return x;
 }
 }  // namespace
+
+// exp_f32 (vec_exp.h), the exp of the f32 kernels: within 1 ulp of the exact value at fresh random
+// points over the whole range of normal results and at the ends of that range, 0 below it, +inf
+// above it, NaN through.
+TEST_CASE("exp_f32 within 1 ulp of exp, NaN kept, ends of the range", "[activations]") {
+  const uint64_t seed = std::random_device{}();
+  INFO("seed " << seed);
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> wide(-87.33f, 88.72f), narrow(-1.f, 1.f);
+  double worst = 0;
+  float worst_at = 0;
+  auto check = [&](float x) {
+    const double e = std::exp(double(x));
+    const double ulp = std::ldexp(1.0, std::ilogb(e) - 23);  // the spacing of floats at e
+    const double err = std::fabs(double(cpu::exp_f32(x)) - e) / ulp;
+    if (err > worst) worst = err, worst_at = x;
+  };
+  for (int i = 0; i < 200000; i++) check(wide(rng));
+  for (int i = 0; i < 20000; i++) check(narrow(rng));  // r near 0, n in -2..1
+  for (float x : {0.f, -0.f, 1.f, -1.f, 0.34657359f, -0.34657359f, 88.3762626f, 88.72f, -87.33f, -86.9f})
+    check(x);
+  INFO("worst " << worst << " ulp at x = " << worst_at);
+  CHECK(worst <= 1.0);
+  CHECK(cpu::exp_f32(0.f) == 1.f);
+  CHECK(cpu::exp_f32(-88.f) == 0.f);  // under FLT_MIN: 0 (std::exp: a denormal)
+  CHECK(cpu::exp_f32(-std::numeric_limits<float>::infinity()) == 0.f);
+  CHECK(std::isinf(cpu::exp_f32(88.73f)));
+  CHECK(std::isinf(cpu::exp_f32(std::numeric_limits<float>::infinity())));
+  CHECK(std::isnan(cpu::exp_f32(std::numeric_limits<float>::quiet_NaN())));
+  CHECK(cpu::exp_acc(0.5) == std::exp(0.5));  // double: the C library's
+}
 
 TEST_CASE("gelu / silu forward against naive formulas", "[activations]") {
   for (int64_t n : {1, 7, 1001, 40000}) {

@@ -17,6 +17,7 @@
 #include <cstdint>
 
 #include "kernels/cpu/parallel.h"
+#include "kernels/cpu/vec_exp.h"
 #include "kernels/kernels.h"
 
 namespace loom::cpu {
@@ -24,7 +25,7 @@ namespace {
 
 constexpr int64_t kParallelMin = 32768;
 
-template <class A> inline A sigmoid(A x) { return A(1) / (A(1) + std::exp(-x)); }
+template <class A> inline A sigmoid(A x) { return A(1) / (A(1) + exp_acc(-x)); }  // vec_exp.h
 
 template <class A> struct Gelu {
   static constexpr A kSqrt2OverPi = A(0.7978845608028654);  // sqrt(2 / pi)
@@ -121,12 +122,9 @@ template <class T> void softmax_forward(T* out, const T* inp, int64_t N, int C, 
     T* y = out + n * C;
     A row_max = -INFINITY;
     for (int c = 0; c < C; c++) row_max = std::fmax(row_max, A(x[c]));
+    for (int c = 0; c < C; c++) y[c] = T(exp_acc(A(x[c]) - row_max));  // no sum here: this loop vectorizes
     A sum = 0;
-    for (int c = 0; c < C; c++) {
-      const A e = std::exp(A(x[c]) - row_max);
-      y[c] = T(e);
-      sum += e;
-    }
+    for (int c = 0; c < C; c++) sum += A(y[c]);
     const A inv_sum = A(1) / sum;
     for (int c = 0; c < C; c++) y[c] = T(A(y[c]) * inv_sum);
   }, N * C > kParallelMin);

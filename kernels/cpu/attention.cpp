@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "kernels/cpu/parallel.h"
+#include "kernels/cpu/vec_exp.h"
 #include "kernels/kernels.h"
 
 namespace loom::cpu {
@@ -153,8 +154,9 @@ void attention_forward(T* out, acc_t<T>* lse, const T* q, const T* k, const T* v
           }
           A m = p[0];  // subtract the row max: exp never overflows
           for (int j = 1; j < n_t; j++) m = std::max(m, p[j]);
+          for (int j = 0; j < n_t; j++) p[j] = exp_acc(p[j] - m);  // vectorizes (vec_exp.h); the sum apart
           A l = 0;
-          for (int j = 0; j < n_t; j++) l += (p[j] = std::exp(p[j] - m));
+          for (int j = 0; j < n_t; j++) l += p[j];
           for (int j = 0; j < n_t; j++) p[j] /= l;               // p_tj
           for (int j = n_t; j < n; j++) p[j] = A(0);             // masked keys
           lse[(int64_t(cu_q[i]) + t) * H + h] = m + std::log(l);
@@ -229,7 +231,7 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T*
             const int n_t = visible_keys(t0 + r, Lq, Lk, causal);
             const A lse_t = lse[row * H + h], delta_t = delta[row * H + h];
             for (int j = 0; j < n; j++) {
-              const A p = j < n_t ? std::exp(A(scale) * P(r, j) - lse_t) : A(0);
+              const A p = j < n_t ? exp_acc(A(scale) * P(r, j) - lse_t) : A(0);
               P(r, j) = p;
               dS(r, j) = p * (dS(r, j) - delta_t);  // ds_tj = p_tj (dp_tj - delta_t)
             }

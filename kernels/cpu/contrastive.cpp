@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "kernels/cpu/parallel.h"
+#include "kernels/cpu/vec_exp.h"
 #include "kernels/kernels.h"
 
 namespace loom::cpu {
@@ -98,10 +99,10 @@ void patch_disc_loss(acc_t<T>* loss, T* dpred, const T* pred, const T* target, i
       A m = L(i, 0);
       for (int j = 1; j < M; j++) m = std::max(m, L(i, j));
       A sum = 0;
-      for (int j = 0; j < M; j++) sum += std::exp(L(i, j) - m);
+      for (int j = 0; j < M; j++) sum += exp_acc(L(i, j) - m);
       const A lse = m + std::log(sum);
       loss_b += lse - L(i, i);
-      for (int j = 0; j < M; j++) L(i, j) = (std::exp(L(i, j) - lse) - A(i == j)) * inv_BM;
+      for (int j = 0; j < M; j++) L(i, j) = (exp_acc(L(i, j) - lse) - A(i == j)) * inv_BM;
     }
     sample_loss[b] = loss_b;
 
@@ -165,7 +166,7 @@ void infonce_loss(acc_t<T>* loss, T* da, T* db, const T* a, const T* b, int B, i
   const A g = A(1) / (A(2) * A(B));
   for (int i = 0; i < B; i++)
     for (int j = 0; j < B; j++)
-      L(i, j) = (std::exp(L(i, j) - row_lse[i]) + std::exp(L(i, j) - col_lse[j]) - A(2) * A(i == j)) * g;
+      L(i, j) = (exp_acc(L(i, j) - row_lse[i]) + exp_acc(L(i, j) - col_lse[j]) - A(2) * A(i == j)) * g;
 
   gemm(da, workspace, b, B, D, B, false, false, double(inv_tau), 0.0, 1, 0, 0, 0, s);  // da = dL b / tau
   gemm(db, workspace, a, B, D, B, true, false, double(inv_tau), 0.0, 1, 0, 0, 0, s);   // db = dL^T a / tau

@@ -30,6 +30,7 @@
 #include <type_traits>
 
 #include "kernels/cpu/parallel.h"
+#include "kernels/cpu/vec_exp.h"
 #include "kernels/kernels.h"
 
 namespace loom::cpu {
@@ -55,7 +56,7 @@ acc_t<T> row_logsumexp(const T* x, int V) {
   A m = A(x[0]);
   for (int j = 1; j < V; j++) m = std::max(m, A(x[j]));
   A sum = 0;
-  for (int j = 0; j < V; j++) sum += std::exp(A(x[j]) - m);
+  for (int j = 0; j < V; j++) sum += exp_acc(A(x[j]) - m);
   return m + std::log(sum);
 }
 
@@ -63,7 +64,7 @@ acc_t<T> row_logsumexp(const T* x, int V) {
 template <class T>
 void row_softmax_grad(T* dx, const T* x, acc_t<T> lse, int32_t y, acc_t<T> g, int V) {
   using A = acc_t<T>;
-  for (int j = 0; j < V; j++) dx[j] = T(g * (std::exp(A(x[j]) - lse) - A(j == y)));
+  for (int j = 0; j < V; j++) dx[j] = T(g * (exp_acc(A(x[j]) - lse) - A(j == y)));
 }
 
 }  // namespace
