@@ -325,3 +325,31 @@ TEST_CASE("tokenizer spm: post-processors add their tokens only when asked", "[t
   refuse_on_encode(R"({"type":"BertProcessing","sep":["</s>"],"cls":["<s>",1]})", "post_processor.sep", "[token, id]");
   refuse_on_encode(R"({"single":[]})", "post_processor.type", "missing");
 }
+
+// HF's own encodings with add_special_tokens=True and False (tests/fixtures/tokenizer_post,
+// written by tools/make_post_goldens.py): each post-processor that released tokenizer.json
+// files carry (Llama 3's Sequence of ByteLevel and a template, Llama 2's BOS, BOS + EOS, BERT,
+// RoBERTa, ByteLevel alone), serialized by HF and put on one of the fixture tokenizers, then
+// encoded by HF. loom reads the same JSON and must give the same ids, id for id.
+TEST_CASE("tokenizer post-processors: HF's ids with and without the special tokens", "[tokenizer]") {
+  const json g = json::parse(read_file("tests/fixtures/tokenizer_post/golden.json"));
+  const auto& probes = g.at("strings");
+  REQUIRE(g.at("cases").size() >= 6);
+  for (const auto& c : g.at("cases")) {
+    const std::string name = c.at("name");
+    INFO("case " << name << " on " << c.at("fixture").get<std::string>());
+    json doc = json::parse(read_file("tests/fixtures/" + c.at("fixture").get<std::string>() + "/tokenizer.json"));
+    doc["post_processor"] = c.at("post_processor");
+    const Tokenizer t = Tokenizer::from_json(doc.dump(), name + ".json");
+    REQUIRE(c.at("with").size() == probes.size());
+    for (size_t i = 0; i < probes.size(); i++) {
+      const std::string text = probes[i];
+      INFO("probe " << i << ": " << text);
+      const Ids with = c.at("with")[i], without = c.at("without")[i];
+      const Ids got_with = t.encode(text, true), got_without = t.encode(text, false);
+      INFO("with: HF " << show(with) << "| loom " << show(got_with));
+      CHECK(got_with == with);
+      CHECK(got_without == without);
+    }
+  }
+}
