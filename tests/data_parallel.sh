@@ -65,7 +65,11 @@ run() {  # run NAME ARGS...: ./train with a time limit, its log in $W/NAME.log
   timeout 300 "$TRAIN" "$@" > "$W/$name.log" 2>&1 || { fail "$name: exit $?"; tail -5 "$W/$name.log"; return 1; }
 }
 
-MIM=(vit_mim.cfg "${DEV[@]}" --train.steps=8 --train.warmup_steps=2 --train.log_every=1 --train.eval_every=0
+# Fashion-MNIST: the copy tools/gpu-prep.sh bundles into .deps where there is one (a machine
+# without the Debian package), else the package's (the trainer's default)
+MIMDATA=()
+[ -d .deps/fashion-mnist ] && MIMDATA=(--data.path=.deps/fashion-mnist)
+MIM=(vit_mim.cfg "${DEV[@]}" "${MIMDATA[@]}" --train.steps=8 --train.warmup_steps=2 --train.log_every=1 --train.eval_every=0
      --data.train_samples=512 --data.val_samples=64 --eval.samples=64)
 VLM=(vlm_sft.cfg "${DEV[@]}" --train.steps=8 --train.warmup_steps=2 --train.log_every=1 --train.eval_every=0
      --data.train_samples=200 --data.val_samples=8 --eval.samples=4)
