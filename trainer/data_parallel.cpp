@@ -159,11 +159,8 @@ void DataParallel::reduce(Optimizer& opt, Tensor& loss) {
     join();
     if (!learned) {
       // the launch order the first backward taught: the same on every rank, or the index order
-      // on all (grad_buckets.h); every rank sees the same list and decides alike
-      const std::vector<double> all =
-          all_gather_rows(Tensor::from_vector(std::vector<double>{buckets_->order_fingerprint()}, {1}, device_))
-              .to_vector<double>();
-      if (std::any_of(all.begin(), all.end(), [&](double v) { return v != all[0]; })) {
+      // on all (grad_buckets.h)
+      if (!same_on_all_ranks(buckets_->order_fingerprint())) {
         buckets_->use_index_order();
         std::printf("data parallel: the ranks' first backwards completed the gradient buckets in different orders: "
                     "the buckets launch in index order\n");
@@ -223,17 +220,22 @@ Tensor DataParallel::all_gather_rows(const Tensor& x) {
   });
 }
 
-void DataParallel::check_same(const std::string& what, double value, const std::string& hint) {
+bool DataParallel::same_on_all_ranks(double value, std::string* values) {
   // every rank's value, copied (a mean would round: NCCL's average of 3 equal values need not be
   // the value), so that every rank sees the same list and decides alike
   const std::vector<double> all =
       all_gather_rows(Tensor::from_vector(std::vector<double>{value}, {1}, device_)).to_vector<double>();
-  std::string values;
   bool same = true;
   for (size_t r = 0; r < all.size(); r++) {
     same = same && all[r] == all[0];
-    values += strformat("%srank %zu: %g", r ? ", " : "", r, all[r]);
+    if (values) *values += strformat("%srank %zu: %g", r ? ", " : "", r, all[r]);
   }
+  return same;
+}
+
+void DataParallel::check_same(const std::string& what, double value, const std::string& hint) {
+  std::string values;
+  const bool same = same_on_all_ranks(value, &values);
   LOOM_CHECK(same, "data parallel: %s differs between the ranks (%s): %s", what.c_str(), values.c_str(), hint.c_str());
 }
 

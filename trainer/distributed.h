@@ -191,6 +191,9 @@ class DataParallel {
   // rank: every rank's value is gathered (f64) and compared. Waits for the device: for
   // start-up checks (the step a resumed run starts from).
   void check_same(const std::string& what, double value, const std::string& hint);
+  // The same comparison without stopping: true on every rank when all values are equal (a
+  // collective; `values` gets "rank 0: v, rank 1: v, ...").
+  bool same_on_all_ranks(double value, std::string* values = nullptr);
   // train.zero_stage = 1: shards `opt` over the ranks (Optimizer::shard, ZeRO stage 1), its
   // master weights' parts then gathered after every update (CUDA: one ncclBroadcast per rank in
   // a group, on the compute stream; CPU: over TCP). Before the first step and any resume.
