@@ -37,7 +37,6 @@ GradBuckets::GradBuckets(std::vector<Tensor> buffers, const std::vector<std::vec
     }
   }
   left_.assign(buckets_.size(), 0);
-  sent_.assign(buckets_.size(), false);
   ready_.assign(buckets_.size(), false);
   use_index_order();
 }
@@ -63,7 +62,6 @@ GradBuckets::~GradBuckets() {
 void GradBuckets::begin() {
   LOOM_CHECK(!active_, "GradBuckets::begin: the previous backward was not finished");
   std::fill(left_.begin(), left_.end(), 0);
-  std::fill(sent_.begin(), sent_.end(), false);
   std::fill(ready_.begin(), ready_.end(), false);
   next_ = 0;
   node_ = 0;
@@ -132,7 +130,6 @@ void GradBuckets::node_done() {
 }
 
 void GradBuckets::launch_bucket(int k) {
-  sent_[size_t(k)] = true;
   launch_(buffers_[size_t(buckets_[size_t(k)].buffer)], buckets_[size_t(k)]);
 }
 
@@ -160,8 +157,8 @@ void GradBuckets::finish() {
     learned_ = true;
     return;
   }
-  for (; next_ < order_.size(); next_++)
-    if (!sent_[size_t(order_[next_])]) launch_bucket(order_[next_]);
+  // in order: the buckets before next_ are on their way, none after it
+  for (; next_ < order_.size(); next_++) launch_bucket(order_[next_]);
 }
 
 }  // namespace loom

@@ -79,7 +79,6 @@ class GradBuckets : public BackwardObserver {
   std::vector<std::vector<Param>> params_;  // per buffer, by offset
   std::vector<Bucket> buckets_;
   std::vector<int> left_;                   // per bucket: parameters not yet complete
-  std::vector<bool> sent_;
   std::vector<bool> ready_;                 // complete in this backward, maybe not launched yet
   std::vector<int> order_;                  // the launch order (learned in the first backward)
   size_t next_ = 0;                         // order_[next_] is the next bucket to launch
