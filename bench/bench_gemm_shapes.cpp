@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <map>
 #include <random>
@@ -115,6 +116,23 @@ int main() {
       {"vlm_joined", "lm.qkv", lm, 576, 960, 30, false, true, false},
       {"vlm_joined", "lm.gate_up", lm, 576, 3072, 30, false, true, false},
   };
+  // mim_contrastive: the MIM shapes at twice the rows (both views in one batch, nn/mim.cpp);
+  // LOOM_BENCH_GEMM_WORKLOADS (a comma list, e.g. "mim_contrastive") keeps only those workloads
+  const size_t n_mim = size_t(std::count_if(shapes.begin(), shapes.end(), [](const Shape& sh) {
+    return std::string(sh.workload) == "mim";
+  }));
+  for (size_t i = 0; i < n_mim; i++) {
+    Shape sh = shapes[i];
+    sh.workload = "mim_contrastive";
+    sh.M *= 2;
+    shapes.push_back(sh);
+  }
+  if (const char* only = std::getenv("LOOM_BENCH_GEMM_WORKLOADS")) {
+    const std::string list = "," + std::string(only) + ",";
+    shapes.erase(std::remove_if(shapes.begin(), shapes.end(), [&](const Shape& sh) {
+                   return list.find("," + std::string(sh.workload) + ",") == std::string::npos;
+                 }), shapes.end());
+  }
   std::map<std::string, double> sum_ms, sum_flop;
   for (const Shape& sh : shapes) {
     const size_t in = size_t(sh.M) * sh.I, out = size_t(sh.M) * sh.O, w = size_t(sh.I) * sh.O;

@@ -16,46 +16,26 @@
  *   l2norm      r = 1 / max(||x||, eps), out = x r (saves rnorm[N] = r)
  *               dinp = r (dout - out (dout . out)) when ||x|| > eps, else dout r
  *   argmax_rows out[N] = first index of the row maximum (a NaN counts as largest)
- * Embedding backward without float atomics: the (id, n) pairs are radix-sorted by id (a
- *   stable sort keeps n ascending within an id), and one warp per run of equal ids sums the
- *   dout rows of that run in order and adds the sum to dtable[id]. Same result every run.
- *   A run longer than 64 rows (a VLM batch repeats its image placeholder id thousands of times)
- *   is first summed in pieces of at most 64 sorted positions, one block per piece, then its
- *   warp adds the pieces in order: v1 (one warp walking the whole run, and finding its end by a
- *   linear scan) took 14.5 ms on a SPEC VLM batch (16k tokens, ~3.2k image placeholders,
- *   H100); v2_chunked_runs finds run ends by binary search and spreads long runs over blocks.
+ * Embedding backward: embedding_backward.cu (sorted runs, deterministic).
  *   scatter_rows with accumulate: one thread per (b, c) walks k in order: no races even when
  *   an index repeats; without (distinct indices) one thread per element (scatter_rows_set).
- *   A small table (V <= 1024, N <= 24576: a ViT's positions looked up by its kept patches) takes
- *   v3 instead: a block per table row lists that row's positions in order and adds their rows.
- * Napkin bytes: all of these move each element once (embedding backward: dout once, the
- *   sort 16 B per token).
+ * Napkin bytes: all of these move each element once.
  * Launch shape: rows (gather, scatter without accumulation, zero rows, the embedding lookup,
  *   the pixel shuffle) a warp per row, its lanes moving 16-, 8-, 4- or 2-byte words (the widest
  *   the row's bytes and the pointers allow); a block per patch row for patchify; grid-stride,
- *   one thread per element or column for the rest; warp per row for l2norm/argmax; warp per id
- *   run for the sorted embedding backward (v4: a thread per 16-byte column group of a run).
- * Versions: embedding backward v2_chunked_runs (above), v3 for small tables, v4 (wide) for
- *   rows of whole 16-byte words: v2's summing passes issued chains of 2-byte loads, one lane
- *   per column; v4 gives each thread 16 / sizeof(T) columns, loads eight rows' words before
- *   adding them, and reads a short run's row indices once per warp (shuffled to the lanes).
- *   It adds the same rows in the same order as v2, so the bits equal v2's (the test checks
- *   this); LOOM_EMB_BWD=2 keeps v2 for an A/B. The reference's VLM step (H200, 2026-12-02,
- *   3 rounds in one call): 47.79 -> 47.61 ms median, the same losses and peak; patchify forward
- *   v2 through shared memory (one block per patch row: the p image rows of every channel are
+ *   one thread per element or column for the rest; warp per row for l2norm/argmax.
+ * Versions: patchify forward v2 through shared memory (one block per patch row: the p image rows of every channel are
  *   contiguous runs in, the row's patches one contiguous run out; 148 -> 103 us for 128 images
  *   of 224 px, H100), v3 with 3 channels and patch 16 known at compile time and 16-byte words
  *   both ways; the row ops v2 (move_rows, 2026-11-28). A trace of the contrastive MIM step
  *   (H200, 256 images) had v1's row ops at 0.3-1 TB/s: 6 gathers 568 us, 3 scatters 189,
- *   2 patchify 394, the position embedding's backward 189; with v2 / v3 (and one patchify for
+ *   2 patchify 394, the position embedding's backward 189 (embedding_backward.cu's v3); with v2 / v3 (and one patchify for
  *   both encoders, nn/mim.cpp) 165, -, 67 and 36 us; bench_mim 23.70 -> 22.78 ms, contrastive
  *   43.95 -> 42.69 (with memory.cu's v3, same call). The VLM's pixel shuffle (2 x 72 us) and
  *   image-token scatter are the same row kernel.
  * Test: tests/cuda/test_cuda_indexing.cpp [indexing]:
  *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_indexing.cpp
  */
-#include <cub/device/device_radix_sort.cuh>
-
 #include <algorithm>
 #include <cstdlib>
 
@@ -143,265 +123,6 @@ void launch_move_rows(void* dst, const void* src, Map map, int64_t rows, int64_t
     launch_kernel(move_rows<uint16_t, Map, SCATTER>, grid, 256, 0, s, static_cast<uint16_t*>(dst),
                   static_cast<const uint16_t*>(src), map, rows, int(row_bytes / 2));
   LAUNCH_CHECK();
-}
-
-__global__ void embedding_keys(int32_t* __restrict__ keys, int32_t* __restrict__ vals, const int32_t* __restrict__ ids,
-                               int64_t N, int V) {
-  pdl_entry();
-  GRID_STRIDE(n, N) {
-    int id = ids[n];
-    keys[n] = (id >= 0 && id < V) ? id : V;  // out-of-range ids sort last and are skipped
-    vals[n] = int32_t(n);
-  }
-}
-
-// Sorted keys: the first position with key >= k / > k (binary search; the runs of one id can
-// be thousands long, e.g. the image placeholder id of a VLM batch).
-__device__ __forceinline__ int64_t lower_pos(const int32_t* keys, int64_t N, int k) {
-  int64_t lo = 0, hi = N;
-  while (lo < hi) {
-    int64_t mid = (lo + hi) >> 1;
-    if (keys[mid] < k) lo = mid + 1;
-    else hi = mid;
-  }
-  return lo;
-}
-__device__ __forceinline__ int64_t upper_pos(const int32_t* keys, int64_t N, int k) { return lower_pos(keys, N, k + 1); }
-
-constexpr int kEmbChunk = 64;  // runs longer than this are summed in chunk pieces first
-
-// Long runs, phase 1: block per chunk of kEmbChunk sorted positions; the pieces of long runs in
-// it (at most two: the run holding the chunk's first position, slot 0, and a long run starting
-// inside it, slot 1) are summed row by row in order into partial[chunk][slot][C] (fp32).
-// The piece of a long run that chunk [c0, c1) sums into slot `slot` of its partials: [p0, p1)
-// (false: nothing, the slot's run is short, outside the table, or slot 0's own).
-__device__ __forceinline__ bool emb_chunk_piece(const int32_t* keys, int64_t N, int V, int64_t c0, int64_t c1, int slot,
-                                                int64_t& p0, int64_t& p1) {
-  if (slot == 0) {
-    p0 = c0;
-  } else {  // the last run starting inside the chunk
-    p0 = max(c0, lower_pos(keys, N, keys[c1 - 1]));
-    if (p0 == c0) return false;  // that is slot 0's run
-  }
-  const int key = keys[p0];
-  if (key >= V) return false;
-  const int64_t rs = lower_pos(keys, N, key), re = upper_pos(keys, N, key);
-  if (re - rs <= kEmbChunk) return false;  // short: phase 2 sums it directly
-  p1 = min(c1, re);
-  return true;
-}
-
-template <class DT>
-__global__ void embedding_bwd_chunks(float* __restrict__ partial, const DT* __restrict__ dout,
-                                     const int32_t* __restrict__ keys, const int32_t* __restrict__ rows, int64_t N,
-                                     int C, int V) {
-  pdl_entry();
-  const int64_t c0 = int64_t(blockIdx.x) * kEmbChunk, c1 = min(N, c0 + kEmbChunk);
-  for (int slot = 0; slot < 2; slot++) {
-    int64_t p0, p1;
-    if (!emb_chunk_piece(keys, N, V, c0, c1, slot, p0, p1)) continue;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {
-      float acc = 0.f;
-      for (int64_t j = p0; j < p1; j++) acc += to_float(dout[int64_t(rows[j]) * C + c]);
-      partial[(int64_t(blockIdx.x) * 2 + slot) * C + c] = acc;
-    }
-  }
-}
-
-// Phase 2: one warp per sorted position; only the first position of each run works. A short
-// run sums its rows in order; a long one adds its chunk pieces in order. Same result every run.
-template <class DT>
-__global__ void embedding_bwd_runs(DT* __restrict__ dtable, const DT* __restrict__ dout, const float* __restrict__ partial,
-                                   const int32_t* __restrict__ keys, const int32_t* __restrict__ rows, int64_t N,
-                                   int C, int V) {
-  pdl_entry();
-  int64_t i = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5;
-  int lane = threadIdx.x & 31;
-  if (i >= N) return;
-  int key = keys[i];
-  if (key >= V || (i > 0 && keys[i - 1] == key)) return;
-  int64_t end = upper_pos(keys, N, key);
-  const bool long_run = end - i > kEmbChunk;
-  for (int c0 = 0; c0 < C; c0 += 32) {
-    int c = c0 + lane;
-    if (c >= C) break;
-    float acc = 0.f;
-    if (!long_run) {
-      for (int64_t j = i; j < end; j++) acc += to_float(dout[int64_t(rows[j]) * C + c]);
-    } else {
-      int64_t first = i / kEmbChunk, last = (end - 1) / kEmbChunk;
-      acc += partial[(first * 2 + (i % kEmbChunk == 0 ? 0 : 1)) * C + c];
-      for (int64_t ch = first + 1; ch <= last; ch++) acc += partial[(ch * 2) * C + c];
-    }
-    DT* d = dtable + int64_t(key) * C + c;
-    *d = from_float<DT>(to_float(*d) + acc);
-  }
-}
-
-// v4 (wide): the same two phases, the same sums in the same order (so v2's bits), with each
-// thread holding VEC = 16 / sizeof(T) adjacent columns, 16-byte loads, and U rows' loads issued
-// before their adds. v2's lanes each walked one 2-byte column down a run, one dependent load
-// after another (a 576-wide row is 18 such walks per warp); here a 576-wide row is 72 vectors,
-// 3 per lane, each walk U rows at a time. Needs C % VEC == 0 and 16-byte aligned dout / dtable.
-constexpr int kEmbU = 8;
-
-// v4 phase 1: as embedding_bwd_chunks; a thread per VEC columns.
-template <class DT>
-__global__ void embedding_bwd_chunks_wide(float* __restrict__ partial, const DT* __restrict__ dout,
-                                          const int32_t* __restrict__ keys, const int32_t* __restrict__ rows,
-                                          int64_t N, int C, int V) {
-  pdl_entry();
-  constexpr int VEC = 16 / int(sizeof(DT));
-  const int nv = C / VEC;
-  const int64_t c0 = int64_t(blockIdx.x) * kEmbChunk, c1 = min(N, c0 + kEmbChunk);
-  for (int slot = 0; slot < 2; slot++) {
-    int64_t p0, p1;
-    if (!emb_chunk_piece(keys, N, V, c0, c1, slot, p0, p1)) continue;
-    for (int vi = threadIdx.x; vi < nv; vi += blockDim.x) {
-      float acc[VEC];
-#pragma unroll
-      for (int e = 0; e < VEC; e++) acc[e] = 0.f;
-      for (int64_t j0 = p0; j0 < p1; j0 += kEmbU) {
-        uint4 w[kEmbU];
-#pragma unroll
-        for (int u = 0; u < kEmbU; u++)
-          if (j0 + u < p1) w[u] = __ldg(reinterpret_cast<const uint4*>(dout + int64_t(rows[j0 + u]) * C) + vi);
-#pragma unroll
-        for (int u = 0; u < kEmbU; u++)
-          if (j0 + u < p1) {
-            const DT* x = reinterpret_cast<const DT*>(&w[u]);
-#pragma unroll
-            for (int e = 0; e < VEC; e++) acc[e] += to_float(x[e]);
-          }
-      }
-      float4* out = reinterpret_cast<float4*>(partial + (int64_t(blockIdx.x) * 2 + slot) * C + int64_t(vi) * VEC);
-#pragma unroll
-      for (int e = 0; e < VEC; e += 4) out[e / 4] = make_float4(acc[e], acc[e + 1], acc[e + 2], acc[e + 3]);
-    }
-  }
-}
-
-// v4 phase 2: as embedding_bwd_runs; a short run's row indices are loaded by the lanes at once
-// (lane l: positions i + l and i + 32 + l) and handed round with shuffles.
-template <class DT>
-__global__ void embedding_bwd_runs_wide(DT* __restrict__ dtable, const DT* __restrict__ dout,
-                                        const float* __restrict__ partial, const int32_t* __restrict__ keys,
-                                        const int32_t* __restrict__ rows, int64_t N, int C, int V) {
-  pdl_entry();
-  constexpr int VEC = 16 / int(sizeof(DT));
-  const int64_t i = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5;
-  const int lane = threadIdx.x & 31;
-  if (i >= N) return;
-  const int key = keys[i];
-  if (key >= V || (i > 0 && keys[i - 1] == key)) return;  // the whole warp leaves together
-  const int64_t end = upper_pos(keys, N, key);
-  const bool long_run = end - i > kEmbChunk;
-  const int len = int(min(end - i, int64_t(kEmbChunk)));
-  int r_lo = 0, r_hi = 0;
-  if (!long_run) {
-    if (lane < len) r_lo = rows[i + lane];
-    if (32 + lane < len) r_hi = rows[i + 32 + lane];
-  }
-  const int nv = C / VEC;
-  for (int v0 = 0; v0 < nv; v0 += 32) {
-    const int vi = v0 + lane;
-    const bool on = vi < nv;
-    float acc[VEC];
-#pragma unroll
-    for (int e = 0; e < VEC; e++) acc[e] = 0.f;
-    if (!long_run) {
-      for (int j0 = 0; j0 < len; j0 += kEmbU) {
-        uint4 w[kEmbU];
-#pragma unroll
-        for (int u = 0; u < kEmbU; u++) {
-          const int j = j0 + u;  // uniform across the warp
-          const int r = __shfl_sync(0xffffffffu, j < 32 ? r_lo : r_hi, j & 31);
-          if (on && j < len) w[u] = __ldg(reinterpret_cast<const uint4*>(dout + int64_t(r) * C) + vi);
-        }
-#pragma unroll
-        for (int u = 0; u < kEmbU; u++)
-          if (on && j0 + u < len) {
-            const DT* x = reinterpret_cast<const DT*>(&w[u]);
-#pragma unroll
-            for (int e = 0; e < VEC; e++) acc[e] += to_float(x[e]);
-          }
-      }
-    } else if (on) {
-      const int64_t first = i / kEmbChunk, last = (end - 1) / kEmbChunk;
-      auto add_piece = [&](int64_t piece) {
-        const float4* p = reinterpret_cast<const float4*>(partial + piece * C + int64_t(vi) * VEC);
-#pragma unroll
-        for (int e = 0; e < VEC; e += 4) {
-          const float4 f = p[e / 4];
-          acc[e] += f.x;
-          acc[e + 1] += f.y;
-          acc[e + 2] += f.z;
-          acc[e + 3] += f.w;
-        }
-      };
-      add_piece(first * 2 + (i % kEmbChunk == 0 ? 0 : 1));
-      for (int64_t ch = first + 1; ch <= last; ch++) add_piece(ch * 2);
-    }
-    if (on) {
-      uint4* d = reinterpret_cast<uint4*>(dtable + int64_t(key) * C) + vi;
-      uint4 w = *d;
-      DT* t = reinterpret_cast<DT*>(&w);
-#pragma unroll
-      for (int e = 0; e < VEC; e++) t[e] = from_float<DT>(to_float(t[e]) + acc[e]);
-      *d = w;
-    }
-  }
-}
-
-// embedding backward v3, small tables (V <= 1024, N <= 24576 ids: a ViT's positions looked up
-// by the kept patches' indices): block (v, 256 columns) copies the ids into shared memory, lists
-// the positions n with ids[n] == v in increasing n (ballots, a tile of 256 at a time, the list
-// written over the ids already read) and adds their dout rows in that order, 8 loads in flight.
-// No sort: v2's sort, chunk and run passes took 0.20 ms for the contrastive MIM's [12544, 768]
-// into 196 rows (H200, 2026-11-28). A row's sum is v2's for runs of up to 64 ids (v2 adds longer
-// runs in pieces of 64, so those may differ in the last bits); deterministic either way.
-constexpr int kEmbSmallV = 1024, kEmbSmallN = 24576;
-template <class DT>
-__global__ void embedding_bwd_small(DT* __restrict__ dtable, const DT* __restrict__ dout,
-                                    const int32_t* __restrict__ ids, int N, int C) {
-  pdl_entry();
-  extern __shared__ int32_t emb_ids[];  // [N]: the ids, then the list of positions
-  __shared__ int wcount[8];
-  const int v = blockIdx.x, c = blockIdx.y * 256 + threadIdx.x;
-  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-  for (int i = threadIdx.x; i < N; i += 256) emb_ids[i] = ids[i];
-  __syncthreads();
-  int total = 0;  // positions listed so far (the same in every thread)
-  for (int t0 = 0; t0 < N; t0 += 256) {
-    const int n = t0 + threadIdx.x;
-    const bool hit = n < N && emb_ids[n] == v;
-    const unsigned m = __ballot_sync(0xffffffffu, hit);
-    if (lane == 0) wcount[w] = __popc(m);
-    __syncthreads();  // every id of this tile is read before the list overwrites any
-    int before = 0, tile = 0;
-#pragma unroll
-    for (int k = 0; k < 8; k++) {
-      const int x = wcount[k];
-      before += k < w ? x : 0;
-      tile += x;
-    }
-    if (hit) emb_ids[total + before + __popc(m & ((1u << lane) - 1))] = n;  // total + before <= n
-    total += tile;
-    __syncthreads();  // wcount is rewritten by the next tile
-  }
-  if (c >= C) return;
-  float acc = 0.f;
-  int j = 0;
-  for (; j + 8 <= total; j += 8) {
-    float x[8];
-#pragma unroll
-    for (int k = 0; k < 8; k++) x[k] = to_float(dout[int64_t(emb_ids[j + k]) * C + c]);
-#pragma unroll
-    for (int k = 0; k < 8; k++) acc += x[k];
-  }
-  for (; j < total; j++) acc += to_float(dout[int64_t(emb_ids[j]) * C + c]);
-  DT* d = dtable + int64_t(v) * C + c;
-  *d = from_float<DT>(to_float(*d) + acc);
 }
 
 template <class DT>
@@ -597,64 +318,6 @@ void embedding_forward(T* out, const int32_t* ids, const T* table, int64_t N, in
 }
 
 template <class T>
-void embedding_backward(T* dtable, const T* dout, const int32_t* ids, int64_t N, int C, int V, Stream s) {
-  if (N <= 0 || C <= 0) return;
-  if (N > INT32_MAX) throw std::runtime_error("embedding_backward: N must fit in int32");
-  if (V <= kEmbSmallV && N <= kEmbSmallN) {
-    const size_t smem = sizeof(int32_t) * size_t(N);
-    static bool attr = [] {  // up to 96 KB of ids (one attribute per instance: set once each)
-      CUDA_CHECK(cudaFuncSetAttribute(embedding_bwd_small<dev_t<T>>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      int(sizeof(int32_t) * kEmbSmallN)));
-      return true;
-    }();
-    (void)attr;
-    launch_kernel(embedding_bwd_small<dev_t<T>>, dim3(unsigned(V), unsigned(ceil_div(C, 256))), 256, smem, s,
-                  dptr(dtable), dptr(dout), ids, int(N), C);
-    LAUNCH_CHECK();
-    return;
-  }
-  int bits = 1;
-  while ((int64_t(1) << bits) <= V) bits++;  // keys are in [0, V]
-  size_t temp_bytes = 0;
-  CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, (const int32_t*)nullptr, (int32_t*)nullptr,
-                                             (const int32_t*)nullptr, (int32_t*)nullptr, int(N), 0, bits, s));
-  size_t arrays = sizeof(int32_t) * size_t(N) * 4;
-  const int64_t chunks = (N + kEmbChunk - 1) / kEmbChunk;
-  size_t partial_bytes = sizeof(float) * size_t(chunks) * 2 * size_t(C);
-  arrays = (arrays + 255) / 256 * 256;
-  char* ws = static_cast<char*>(device_malloc(arrays + partial_bytes + temp_bytes));
-  float* partial = reinterpret_cast<float*>(ws + arrays);
-  int32_t* keys_in = reinterpret_cast<int32_t*>(ws);
-  int32_t* keys_out = keys_in + N;
-  int32_t* vals_in = keys_out + N;
-  int32_t* vals_out = vals_in + N;
-  launch_kernel(embedding_keys, grid_for(N), 256, 0, s, keys_in, vals_in, ids, N, V);
-  LAUNCH_CHECK();
-  CUDA_CHECK(cub::DeviceRadixSort::SortPairs(ws + arrays + partial_bytes, temp_bytes, keys_in, keys_out, vals_in,
-                                             vals_out, int(N), 0, bits, s));
-  constexpr int VEC = 16 / int(sizeof(T));
-  const char* e = std::getenv("LOOM_EMB_BWD");  // =2: v2's 2-byte columns (read at every call: A/B, tests)
-  if (!(e && e[0] == '2') && C % VEC == 0 && aligned(dout, 16) && aligned(dtable, 16)) {
-    // v4: a thread per 16 bytes of columns; phase 1's blocks as wide as the row's vectors
-    const int threads = int(std::min<int64_t>(256, (C / VEC + 31) / 32 * 32));
-    launch_kernel(embedding_bwd_chunks_wide<dev_t<T>>, unsigned(chunks), threads, 0, s, partial, dptr(dout), keys_out,
-                  vals_out, N, C, V);
-    LAUNCH_CHECK();
-    launch_kernel(embedding_bwd_runs_wide<dev_t<T>>, ceil_div(N * 32, 256), 256, 0, s, dptr(dtable), dptr(dout),
-                  partial, keys_out, vals_out, N, C, V);
-    LAUNCH_CHECK();
-  } else {
-    launch_kernel(embedding_bwd_chunks<dev_t<T>>, unsigned(chunks), 256, 0, s, partial, dptr(dout), keys_out, vals_out,
-                  N, C, V);
-    LAUNCH_CHECK();
-    launch_kernel(embedding_bwd_runs<dev_t<T>>, ceil_div(N * 32, 256), 256, 0, s, dptr(dtable), dptr(dout), partial,
-                  keys_out, vals_out, N, C, V);
-    LAUNCH_CHECK();
-  }
-  device_free(ws);  // stream-ordered reuse
-}
-
-template <class T>
 void gather_rows(T* out, const T* inp, const int32_t* idx, int B, int N, int K, int C, Stream s) {
   if (int64_t(B) * K * C <= 0) return;
   launch_move_rows<false>(out, inp, GatherMap{idx, K, N}, int64_t(B) * K, int64_t(C) * sizeof(T), s);
@@ -758,7 +421,6 @@ template <class T> void argmax_rows(int32_t* out, const T* inp, int64_t N, int C
 
 #define LOOM_INDEXING(T)                                                                          \
   template void embedding_forward<T>(T*, const int32_t*, const T*, int64_t, int, int, Stream);   \
-  template void embedding_backward<T>(T*, const T*, const int32_t*, int64_t, int, int, Stream);  \
   template void gather_rows<T>(T*, const T*, const int32_t*, int, int, int, int, Stream);        \
   template void scatter_rows<T>(T*, const int32_t*, const T*, int, int, int, int, bool, Stream); \
   template void zero_rows<T>(T*, const int32_t*, int, int, int, int, Stream);                    \

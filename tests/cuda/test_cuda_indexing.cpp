@@ -1,6 +1,6 @@
-// test_cuda_indexing.cpp: kernels/cuda/indexing.cu (embedding, rows, patchify, pixel shuffle, mean
-// pool, l2norm, argmax) against the loom::cpu reference, f32 and bf16
-// (tests/cuda/cuda_kernel_test_util.h). Skipped without a GPU.
+// test_cuda_indexing.cpp: kernels/cuda/indexing.cu and embedding_backward.cu (embedding, rows,
+// patchify, pixel shuffle, mean pool, l2norm, argmax) against the loom::cpu reference, f32 and
+// bf16 (tests/cuda/cuda_kernel_test_util.h). Skipped without a GPU.
 //   bash tools/gpu-kernels.sh tests/cuda/test_cuda_indexing.cpp
 #include <catch2/catch.hpp>
 
