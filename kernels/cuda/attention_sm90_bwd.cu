@@ -68,80 +68,24 @@
  *   sequences keep the mma.sync single pass, whose 64-key blocks waste less on them.
  *
  * Versions (H100 SXM, bf16, fwd+bwd ms on the SPEC shapes B8 H12 T1024 D64 full | B8 H16 T2048
- * D128 causal | B4 H9 T2048 D64 causal; forward the warp-specialized kernel; same call each):
- *   mma.sync single pass (attention_bwd_single.cu)            0.491 | 2.053 | 0.382
- *   1. this kernel, dQ by per-thread red.global.add.v2.f32     0.372 | 1.529 | 0.305
- *   2. dQ through shared memory and TMA reductions             0.358 | 1.375 | 0.295
- *   3. hd 64 with 3 Q / dO buffers instead of 2                0.357 | -     | 0.294
- *   4. hd 64 causal: each consumer its own dQ (OWN, above)     -     | -     | 0.279-0.286
- *   5. dQ's product issued before dV's and dK's, in one stage (2026-11-25; fwd+bwd ms, three
- *      rounds, same call, before | after): B8 H12 T1024 hd 64 0.355-0.361 | 0.351-0.356, B8 H16
- *      T2048 hd 128 causal 1.356-1.366 | 1.331-1.345, B4 H9 T2048 hd 64 causal 0.265 | 0.258-0.261,
- *      B8 H12 T1024 hd 128 0.526-0.529 | 0.512-0.514, B2 H32 T4096 hd 64 causal 1.458-1.462 |
- *      1.420, B4 H9 T2048 hd 64 0.483-0.493 | 0.476-0.482; B128 H12 T196 and B16 H9 T512 causal
- *      unchanged. Where the time goes (ncu, B8 H12 T1024 hd 64, same day, before this change):
- *      prep 15.7 us, this kernel 243, finish 12.7; cuDNN's three launches 20.0, 171 and 16.3.
- *   6. hd 64, shared dQ: the next tile's S^T, dP^T issued under the same fence as dQ, dV, dK
- *      (PIPE; same day, same call, fwd+bwd ms against 5): B8 H12 T1024 0.3525-0.355 | 0.342-0.345,
- *      B4 H9 T2048 0.475-0.478 | 0.457-0.467, B128 H12 T196 0.571-0.573 | 0.544-0.550. With OWN
- *      (causal) it lost 1-2% (B4 H9 T2048 0.258-0.260 | 0.261-0.264, B2 H32 T4096 1.41-1.43 |
- *      1.45, B16 H9 T512 0.150 | 0.153-0.154) and is not used there; hd 128 has no registers
- *      for it. ptxas spills 8 bytes in the hd 64 instance (two words reloaded per tile).
- *   7. Three changes, 2026-11-25, fwd+bwd ms, H100, three rounds in one call, version 6 | +a |
- *      +a+b | +a+b+c. (a) the elementwise step's masked and unmasked scores in two loops (one
- *      loop with the test inside compiled to a compare and a select for every score: 98 of 580
- *      instructions per tile); (b) OWN with turns at every hd 64 shape (it was causal only, without
- *      turns); (c) dQ reduced per warp instead of per warpgroup (the warpgroup barrier before the
- *      dQ stores held 8% of the consumers' stall samples, ncu: the four warps' dQ products finish
- *      at different times):
- *        B8 H12 T1024 hd 64             0.339-0.347 | 0.336-0.346 | 0.327-0.330 | 0.325-0.329
- *        B4 H9 T2048 hd 64              0.457-0.462 | 0.452-0.454 | 0.425-0.437 | 0.422-0.425
- *        B128 H12 T196 hd 64            0.546-0.550 | 0.547-0.548 | 0.552-0.556 | 0.551-0.558
- *        B4 H9 T2048 hd 64 causal       0.259-0.260 | 0.251-0.259 | 0.252-0.257 | 0.251-0.254
- *        B2 H32 T4096 hd 64 causal      1.423-1.433 | 1.403-1.410 | 1.402-1.410 | 1.387-1.397
- *        B16 H9 T512 hd 64 causal       0.149-0.151 | 0.146-0.148 | 0.146-0.149 | 0.146-0.148
- *        B8 H16 T2048 hd 128 causal     1.340-1.355 | 1.275-1.287 | 1.274-1.307 | 1.243-1.245
- *        B8 H12 T1024 hd 128            0.496-0.500 | 0.498-0.499 | 0.496-0.499 | 0.485-0.489
- *      (a) and (b) were measured in one call, (c) against them in another; the version 6 column
- *      joins both calls' ranges, the +a+b column likewise. For the causal hd 64 rows the +a column
- *      already ran the turns (the same code as +a+b there); hd 128 has no OWN, no turns. With
- *      (b) ncu puts the L2 at 76% of its throughput (49.6% before; the doubled dQ reductions):
- *      the next limit. ptxas spilled 4 bytes (12 reloaded) in the hd 64 instance, 4 (8) at hd 128,
- *      until the bounds of a dense batch came from the key tile's sequence index (no loads;
- *      attention_sm90_ws.cu, item 8): no spills in either instance since.
- *   cuDNN's fused attention (attention_cudnn.cu), same call    0.275 | 1.177 | 0.261
- *   PyTorch SDPA CUDNN_ATTENTION, same call                    0.546 | 1.449 | 0.671
- *   (eb61a21, 2026-11-24, make bench). Not done: the next tile's S^T / dP^T in flight during
- *   this tile's elementwise work. Written for hd 64 (a second set of S^T / dP^T accumulators,
- *   the tile loop unrolled by two so that the sets take turns), it did not compile to that:
- *   ptxas reported "wgmma.mma_async instructions are serialized due to insufficient register
- *   resources" at 232 registers per consumer thread and spilled 370-650 bytes, so it was not
- *   run. It would need fewer live accumulators (e.g. dV in shared memory) or 3 warpgroups'
- *   worth of registers for 2. (Version 6 overlaps only the dQ store and the dV / dK wait with
- *   the next S^T / dP^T, with one set of accumulators; before it, every arrangement with a
- *   wgmma.fence of its own for the next S^T, or with S^T / dP^T in flight across the loop's
- *   back edge, made ptxas serialize every wgmma: "non wgmma instructions reading (defining)
- *   accumulator registers of a wgmma between start and end of the pipeline stage".)
- *   Query tiles of 128 at hd 64 (FlashAttention-3's hd 64 tile; S^T, dP^T as m64n128 products,
- *   dQ as two m64 products per consumer, 2 buffers): correct, but it spilled 156 bytes at 232
- *   registers and was slower, fwd+bwd B8 H12 T1024 0.395 against 0.362 ms, B4 H9 T2048 full
- *   0.537 against 0.488, B128 H12 T196 0.643 against 0.586 (H100, same call): not kept.
- *   delta = rowsum(dO * O) computed by the producer warpgroup (two threads per row, 16-byte
- *   global loads beside the tile's TMA copies) and prep reduced to a memset of dq_acc: correct
- *   (ctest, fixtures), but the producer's loads (one pair in flight per thread: at 40 registers a
- *   second pair spilled) made it the bottleneck: fwd+bwd B8 H12 T1024 0.358 -> 0.390 ms, B8 H16
- *   T2048 hd 128 causal 1.371 -> 1.696, B55 H12 T196 0.260 -> 0.279, bench_vlm_sft 69.2 / 69.5 ->
- *   70.5 / 70.3 ms (H100, same call, 2026-11-24): not kept, for a saving of at most the
- *   reads of O and dO in prep (~7 of its 16 us at B8 H12 T1024).
- *
- *   Tried and dropped (2026-11-28, H100, one binary with a switch): a consumer issuing no products
- *   (empty commit groups, no dQ store) for a query tile where the mask keeps none of its 64 keys'
- *   scores (10.5% of the consumer tiles of SPEC's packed VLM batch lie wholly above the
- *   diagonal, 2.4% past the sequence's end). The same results, but ptxas put a warpgroup.arrive
- *   at each of the 16 branches around the wgmmas, and it ran slower, fwd+bwd ms with | without,
- *   two rounds: packed VLM batch 0.2938 / 0.2940 | 0.2887 / 0.2898, B4 H9 T2048 causal 0.2984 /
- *   0.3292 | 0.2895 / 0.2874, B32 H9 T256 causal 0.1137 / 0.1120 | 0.1140 / 0.1134; the
- *   fixed-batch VLM step 54.81 / 54.92 | 54.78 / 54.99 ms.
+ * D128 causal | B4 H9 T2048 D64 causal, the forward the warp-specialized kernel; each version
+ * against the one before in one call; the full tables, the other shapes and the forms tried and
+ * not kept (the next tile's S^T / dP^T in flight during this tile's elementwise work, query tiles
+ * of 128 at hd 64, delta in the producer, no products for a consumer tile above the diagonal):
+ * docs/kernels/attention.md, "The warp-specialized backward's versions"):
+ *   mma.sync single pass (attention_bwd_single.cu)               0.491 | 2.053 | 0.382
+ *   1. this kernel, dQ by per-thread red.global.add.v2.f32        0.372 | 1.529 | 0.305
+ *   2. dQ through shared memory and TMA reductions                0.358 | 1.375 | 0.295
+ *   3. hd 64 with 3 Q / dO buffers instead of 2                   0.357 | -     | 0.294
+ *   4. hd 64 causal: each consumer its own dQ (OWN, above)        -     | -     | 0.279-0.286
+ *   5. dQ's product issued before dV's and dK's, in one stage     0.351-0.356 | 1.331-1.345 | 0.258-0.261
+ *   6. hd 64: the next tile's S^T, dP^T under the same fence as
+ *      dQ, dV, dK (PIPE; shared dQ only: with OWN it lost 1-2%)   0.342-0.345 | -     | -
+ *   7. masked and unmasked scores in two loops, OWN with turns at
+ *      every hd 64 shape, dQ reduced per warp                     0.325-0.329 | 1.243-1.245 | 0.251-0.254
+ *   cuDNN's fused attention (attention_cudnn.cu), eb61a21's call  0.275 | 1.177 | 0.261
+ *   No spills in either instance (hd 64, hd 128) since the bounds of a dense batch come from the
+ *   key tile's sequence index (attention_sm90_ws.cu, item 8).
  *
  * Joined rows (hd 64; attention_backward_qkv through attn::bwd_qkv_joined, attention_bwd_single.cu):
  *   with rope.stride set, dK and dV go into the rows of a joined q|k|v gradient (row stride
