@@ -100,7 +100,11 @@ void time_candidates(const Shape& sh, bf16* dW, const bf16* dy, const bf16* x, i
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes));
   auto res = std::vector<cublasLtMatmulHeuristicResult_t>(size_t(n_algos));
   int count = 0;
-  cublasLtMatmulAlgoGetHeuristic(cu::cublaslt_handle(), op, la, lb, lc, lc, pref, n_algos, res.data(), &count);
+  if (cublasLtMatmulAlgoGetHeuristic(cu::cublaslt_handle(), op, la, lb, lc, lc, pref, n_algos, res.data(), &count) !=
+      CUBLAS_STATUS_SUCCESS) {
+    std::printf("{\"kernel\":\"gemm_candidate\",\"layer\":\"%s\",\"error\":\"no heuristic result\"}\n", sh.layer);
+    count = 0;
+  }
   const float one = 1.f;
   const double flop = 2.0 * double(M) * N * K;
   for (int i = 0; i < count; i++) {

@@ -44,10 +44,6 @@ namespace loom::cuda {
 
 namespace {
 
-inline int grid_for(int64_t n, int threads = 256) {
-  return int(std::min<int64_t>(std::max<int64_t>(1, (n + threads - 1) / threads), 16384));
-}
-
 __global__ void embedding_keys(int32_t* __restrict__ keys, int32_t* __restrict__ vals, const int32_t* __restrict__ ids,
                                int64_t N, int V) {
   pdl_entry();
@@ -341,7 +337,7 @@ void embedding_backward(T* dtable, const T* dout, const int32_t* ids, int64_t N,
   int32_t* keys_out = keys_in + N;
   int32_t* vals_in = keys_out + N;
   int32_t* vals_out = vals_in + N;
-  launch_kernel(embedding_keys, grid_for(N), 256, 0, s, keys_in, vals_in, ids, N, V);
+  launch_kernel(embedding_keys, std::min(ceil_div(N, 256), 16384), 256, 0, s, keys_in, vals_in, ids, N, V);
   LAUNCH_CHECK();
   CUDA_CHECK(cub::DeviceRadixSort::SortPairs(ws + arrays + partial_bytes, temp_bytes, keys_in, keys_out, vals_in,
                                              vals_out, int(N), 0, bits, s));
