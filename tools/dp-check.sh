@@ -60,7 +60,7 @@ for what in "$@"; do
       cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DLOOM_CUDA=ON -DLOOM_CUDA_ARCH=90 \
         > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
       grep -i "nccl" "$OUT/configure.log" | tee -a "$OUT/summary.txt"
-      cmake --build build -j "$(nproc)" --target train ${BUILD_TESTS:+test_distributed} > "$OUT/build.log" 2>&1 \
+      cmake --build build -j "$(nproc)" --target train ${BUILD_TESTS:+test_distributed test_data_parallel} > "$OUT/build.log" 2>&1 \
         || { grep -E "error" "$OUT/build.log" | head -40; exit 1; }
       note "build ok" ;;
     equal|bf16)
