@@ -79,8 +79,9 @@ struct Shape {
 };
 
 // LOOM_BENCH_GEMM_ALGOS=n: for every weight-gradient product (dW += dout^T x, bf16, fp32
-// accumulation, beta 1) up to n of cuBLASLt's heuristic candidates, each timed alone, the first
-// being the one matmul.cu runs (its plan asks for one). Row-major C[M, N] = op(A) op(B) is
+// accumulation, beta 1) up to n of cuBLASLt's heuristic candidates, each timed alone. Rank 0 is
+// the heuristic's first choice, which matmul.cu takes for a shape unless the shape's bucket
+// already holds an algorithm (its "dw" line is what it runs). Row-major C[M, N] = op(A) op(B) is
 // cuBLASLt's column-major C^T = op(B)^T op(A)^T, laid out as matmul.cu lays it out.
 void time_candidates(const Shape& sh, bf16* dW, const bf16* dy, const bf16* x, int n_algos) {
   const int M = sh.O, N = sh.I, K = int(sh.M);  // dW [O, I] = dy^T [O, rows] x [rows, I]

@@ -210,7 +210,6 @@ TEST_CASE("rendezvous: a rank without progress stops the run", "[distributed]") 
   rv1.reset();
 }
 
-
 // Rank 2 busy alone for 2.5 s (an evaluation, a slow setup) with a stall limit of 0.8 s on every
 // rank and no heartbeat anywhere: its keep-alives, relayed by rank 0 to rank 1, keep every
 // watchdog quiet. Once it is no longer busy, the silence stops the run as before.

@@ -9,8 +9,6 @@
 #include <fstream>
 #include <functional>
 
-#include "data/images.h"
-#include "data/shapes.h"
 #include "nn/hf.h"
 #include "trainer/distributed.h"
 #include "trainer/eval.h"
