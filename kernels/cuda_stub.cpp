@@ -30,6 +30,9 @@ Stream default_stream() { no_cuda(); }
 Stream main_stream() { no_cuda(); }
 Stream side_stream() { no_cuda(); }
 void side_scope_begin() { no_cuda(); }
+void side_branch_fork(void*) { no_cuda(); }
+void side_branch_end(void*) { no_cuda(); }
+void side_branch_join(void*) { no_cuda(); }
 void side_scope_end() { no_cuda(); }
 bool side_scope_active() { return false; }
 size_t bytes_in_use() { no_cuda(); }

@@ -99,6 +99,14 @@ Stream side_stream();
 void side_scope_begin();
 void side_scope_end();
 bool side_scope_active();
+// A side branch within one step (runtime.cu's header): fork records `fork` on the main stream,
+// makes the side stream wait for it and opens a side scope; end records `join` on the side
+// stream and closes the scope; join makes the main stream wait for `join` and hands the memory
+// the branch freed to the main stream's pool. Keep every tensor the branch reads alive until
+// the join.
+void side_branch_fork(void* fork);
+void side_branch_end(void* join);
+void side_branch_join(void* join);
 size_t bytes_in_use();                  // allocator statistics for logs
 size_t peak_bytes_in_use();
 void reset_peak_bytes();

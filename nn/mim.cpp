@@ -3,6 +3,8 @@
 
 #include <cmath>
 
+#include "kernels/kernels.h"
+
 namespace loom {
 
 int MIMConfig::keep_count() const {
@@ -45,27 +47,62 @@ LatentMIM::LatentMIM(const MIMConfig& c, const Init& init)
   child("pred_out", pred_out);
 }
 
+LatentMIM::~LatentMIM() {
+  if (!side_fork_) return;  // (a CPU-only build has no events)
+  cuda::event_destroy(side_fork_);
+  cuda::event_destroy(side_join_);
+}
+
 Tensor LatentMIM::view_loss(const MIMView& v, Tensor* z_out) const {
   int B = int(v.keep.size(0)), N = cfg.vit.num_patches();
   // the images are cut into patches once, for both encoders (and let go before the loss)
   Tensor patches = encoder.patches(v.images);
-  Tensor z = encoder.forward_patches(patches, v.keep);  // [B, K, D]
-  Tensor t;
-  {
+  // the predictor's offsets; made here, on the main stream, before a side branch can ask for them
+  SeqInfo rows = SeqInfo::dense(B, N, patches.device());
+  auto target_forward = [&] {
     NoGradGuard ng;
-    t = target.forward_patches(patches, Tensor(), v.masked);  // [B, N-K, D]: its last block on those tokens alone
+    return target.forward_patches(patches, Tensor(), v.masked);  // [B, N-K, D]: its last block on those tokens alone
+  };
+  // The target's forward needs nothing of this step's encoder or predictor: on CUDA it runs on
+  // the side stream (target_side_stream), beside them, and the main stream waits for it before
+  // the loss (a side branch: runtime.cu); `patches`, which the side stream reads, lives until
+  // that wait. With --train.profile the target stays on the main stream, so that its ops' times
+  // are their own.
+  const bool side = target_side_stream && patches.device() == Device::CUDA && !cuda::side_scope_active() &&
+                    !profile_enabled();
+  Tensor t;
+  if (side) {
+    if (!side_fork_) {
+      side_fork_ = cuda::event_create();
+      side_join_ = cuda::event_create();
+    }
+    cuda::side_branch_fork(side_fork_);
+    try {
+      t = target_forward();
+    } catch (...) {
+      cuda::side_branch_end(side_join_);
+      throw;
+    }
+    cuda::side_branch_end(side_join_);
   }
-  patches = Tensor();
+  Tensor z = encoder.forward_patches(patches, v.keep);  // [B, K, D]
+  if (!side) {
+    t = target_forward();
+    patches = Tensor();
+  }
   profile_phase("EMA target forward (no grad)");  // records no op: its own row in the profile
   // sync-free unmask: scatter the visible tokens into a full sequence of mask tokens
   Tensor full = expand(mask_token, {B, N, cfg.pred_dim});
   full = scatter_rows(full, v.keep, pred_in.forward(z));
   Tensor x = add(full, pred_pos);
-  SeqInfo rows = SeqInfo::dense(B, N, x.device());
   // (masked: a permutation's tail, distinct per sample); the last block, the norm and pred_out
   // run on the masked tokens alone
   Tensor p = pred_out.forward(vit_stack(pred_blocks, pred_norm, x, rows, checkpoint_blocks, v.masked));
   if (z_out) *z_out = z;
+  if (side) {
+    cuda::side_branch_join(side_join_);
+    patches = Tensor();
+  }
   // bf16 goes in as it is: the kernel's two products run on bf16 tensor cores with fp32
   // accumulation and its softmax and loss are fp32 (the reference's autocast bmm rounds the
   // normalized rows to bf16 as well). f16 goes up to f32: its gradient here is ~1/(B M) small,

@@ -30,6 +30,9 @@ MIMView make_view(const Tensor& images, const MIMConfig& c, Rng& rng, Device dev
 class LatentMIM : public Module {
  public:
   LatentMIM(const MIMConfig& c, const Init& init);
+  ~LatentMIM() override;
+  LatentMIM(const LatentMIM&) = delete;
+  LatentMIM& operator=(const LatentMIM&) = delete;
   // loss of one view; z [B, K, D] (the encoder's output) is returned for pooling
   Tensor view_loss(const MIMView& v, Tensor* z_out) const;
   // mean of the views' losses (+ contrastive_weight * InfoNCE of two views when contrastive);
@@ -43,6 +46,9 @@ class LatentMIM : public Module {
   std::vector<std::unique_ptr<ViTBlock>> pred_blocks;
   bool checkpoint_blocks = false;  // gradient checkpointing of the predictor blocks
   bool batch_views = true;         // views of one shape as one batch (false: one pass per view)
+  // CUDA: the target's forward on the side stream beside the encoder's and predictor's
+  // (kernels.h side scope; the same kernels, so the same values)
+  bool target_side_stream = false;
   // Data parallel with train.dist_infonce = global: each view's pooled features [B, D] become
   // every rank's [ranks x B, D] (DataParallel::all_gather_rows) before the InfoNCE. Unset: the
   // InfoNCE's negatives are this process's batch.
@@ -52,6 +58,8 @@ class LatentMIM : public Module {
 
  private:
   Module pred_blocks_;
+  mutable void* side_fork_ = nullptr;  // events of the side branch (created at its first use)
+  mutable void* side_join_ = nullptr;
 };
 
 }  // namespace loom

@@ -196,6 +196,7 @@ int train_mim(const RunContext& ctx) {
   for (auto& b : m.encoder.blocks) b->keep_gelu = keep_gelu != "false";
   for (auto& b : m.pred_blocks) b->keep_gelu = keep_gelu == "true";
   m.target.requires_grad_(false);
+  m.target_side_stream = cfg.get_bool("train.target_side_stream");  // CUDA only (nn/mim.h)
   if (ctx.dp && cfg.get_str("train.dist_infonce") == "global") {
     DataParallel* dp = ctx.dp;
     m.gather_pooled = [dp](const Tensor& x) { return dp->all_gather_rows(x); };

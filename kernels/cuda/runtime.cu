@@ -12,9 +12,9 @@
  *   that several share it; else the request rounded up to 2 MiB), split into blocks kept in
  *   address order. A request takes the smallest free block that holds it (best fit over every
  *   segment) and splits off the rest when at least 1 MiB is left; a freed block merges with
- *   free neighbours of its segment. So a batch whose shapes change from step to step (a packed
- *   VLM batch: sequence, image and token counts) reuses the same bytes in new cuts instead of
- *   adding a block per new size to the cache.
+ *   free neighbours of its segment. So a batch whose shapes change from step
+ *   to step (a packed VLM batch: sequence, image and token counts) reuses the same bytes in new
+ *   cuts instead of adding a block per new size to the cache.
  *   device_free() never calls cudaFree: a steady-state training step does no cudaMalloc and
  *   no cudaFree (both synchronize the device). Reuse is stream-ordered: every loom kernel runs
  *   on default_stream(), so a block freed after a launch and handed out again is only touched
@@ -49,7 +49,19 @@
  *   caller makes the side stream wait (an event) for the default stream's work enqueued before
  *   the scope, so a side block the default stream read (the features it consumed) is free on
  *   the GPU too. The cuBLASLt workspace is one per stream; cuDNN's attention plans keep state of
- *   their own, so attention in a side scope runs our kernels (attention.cu).
+ *   their own, so attention in a side scope runs our kernels (attention.cu). Inside a captured
+ *   step the side scope takes a pool of its own again (graph side: the graph's addresses).
+ *
+ * Side branch (side_branch_fork / side_branch_end / side_branch_join): a side scope that the
+ *   main stream joins before it reads the result, within one step (the MIM target's forward
+ *   beside the encoder's and predictor's, nn/mim.cpp). Its pool (branch, or graph branch while
+ *   capturing) shares the main pool's memory both ways: where the branch finds no free block of
+ *   its own it takes a whole free segment of the main pool (freed on the host before the fork,
+ *   so its last main-stream use is ordered before the side stream's wait for the fork event),
+ *   and at the join, once the main stream waits for the branch's end, the branch's whole free
+ *   segments and small blocks go back to the main pool. What the two streams hold at once (the
+ *   target's working set beside the encoder's) still adds to the reserved bytes: +0.98 GB on
+ *   the contrastive MIM step (bench/RESULTS.md 2026-12-05, "target beside the encoder").
  *
  * Test: tests/cuda/test_cuda_runtime.cpp; on a CUDA machine:
  *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_runtime.cpp
@@ -134,8 +146,13 @@ struct BySize {  // best fit: smallest size first, then lowest address
 // The pools: blocks handed out from one are returned to it and never served from another.
 // Ordinary: the default stream's. Graph: while graph_pool_begin() is on (a captured step's
 // addresses). Side: the side scope's (side_scope_begin(): work on side_stream()).
-enum Pool : uint8_t { kOrdinary = 0, kGraph = 1, kSide = 2, kPools = 3 };
-thread_local bool t_side = false;  // this thread is in a side scope
+// Graph side: the side scope's while a step is captured (the graph's addresses, as kGraph's).
+// Branch, graph branch: a side branch's (side_branch_fork .. side_branch_join, e.g. nn/mim.cpp's
+// target forward), kept apart from other side work, whose blocks may still be in flight at the
+// branch's join.
+enum Pool : uint8_t { kOrdinary, kGraph, kSide, kGraphSide, kBranch, kGraphBranch, kPools };
+thread_local bool t_side = false;    // this thread is in a side scope
+thread_local bool t_branch = false;  // ... opened by side_branch_fork (it borrows the main pool's free memory)
 
 struct Allocator {
   std::mutex mu;
@@ -147,7 +164,69 @@ struct Allocator {
   bool pool_mode = false;  // graph_pool_begin() .. graph_pool_end()
   size_t in_use = 0, peak = 0, cached = 0, peak_reserved = 0;
 
-  uint8_t current_pool() const { return t_side ? kSide : pool_mode ? kGraph : kOrdinary; }
+  uint8_t current_pool() const {
+    if (t_branch) return pool_mode ? kGraphBranch : kBranch;
+    if (t_side) return pool_mode ? kGraphSide : kSide;
+    return pool_mode ? kGraph : kOrdinary;
+  }
+  uint8_t main_pool() const { return pool_mode ? kGraph : kOrdinary; }
+
+  // A side branch (side_branch_fork) borrows the main pool's free memory: a whole free segment
+  // (the best fitting) of the main pool becomes the branch's. Safe because the side stream waits
+  // for the fork event, recorded after every main-stream use of memory freed so far. (Whole
+  // segments: a segment stays one pool's, so free blocks merge as before; borrowing any free
+  // block measured ~0.2 GB more reserved on the contrastive MIM step, the cuts of both pools
+  // then sharing segments without merging.)
+  Block* borrow_segment(size_t sz) {  // caller holds mu
+    auto& from = free_blocks[main_pool()];
+    Block key;
+    key.size = sz;
+    for (auto it = from.lower_bound(&key); it != from.end(); ++it) {
+      Block* b = *it;
+      if (b->prev || b->next) continue;  // part of a segment in use
+      from.erase(it);
+      b->pool = current_pool();
+      return b;
+    }
+    return nullptr;
+  }
+
+  // b (free, in no free set) goes into its pool's free set, merged with free neighbours of that pool
+  void insert_free(Block* b) {  // caller holds mu
+    auto& pool = free_blocks[b->pool];
+    if (b->next && b->next->free && b->next->pool == b->pool) {  // absorb the free block after it
+      pool.erase(b->next);
+      absorb_next(b);
+    }
+    if (b->prev && b->prev->free && b->prev->pool == b->pool) {  // and be absorbed by the one before it
+      b = b->prev;
+      pool.erase(b);
+      absorb_next(b);
+    }
+    pool.insert(b);
+  }
+
+  // side_branch_join: the main stream has waited for the branch, so what the branch freed is
+  // free for main-stream work too: its whole free segments and its small blocks go to the main
+  // pool (a free block in a segment still in use stays the branch's until a later join).
+  void return_branch_memory(uint8_t side, uint8_t to) {  // caller holds mu
+    auto& sb = free_blocks[side];
+    for (auto it = sb.begin(); it != sb.end();) {
+      Block* b = *it;
+      if (b->prev || b->next) {
+        ++it;
+        continue;
+      }
+      it = sb.erase(it);
+      b->pool = to;
+      free_blocks[to].insert(b);
+    }
+    for (auto& kv : free_lists[side]) {
+      auto& dst = free_lists[to][kv.first];
+      dst.insert(dst.end(), kv.second.begin(), kv.second.end());
+      kv.second.clear();
+    }
+  }
 
   // a takes over the block after it in its segment (out of every free set already)
   static void absorb_next(Block* a) {
@@ -206,13 +285,16 @@ struct Allocator {
 
   void* alloc_small(size_t sz, size_t asked) {  // caller holds mu
     const uint8_t pool = current_pool();
-    auto& lists = free_lists[pool];
     void* p = nullptr;
-    auto it = lists.find(sz);
-    if (it != lists.end() && !it->second.empty()) {
+    auto take = [&](uint8_t from) {
+      auto it = free_lists[from].find(sz);
+      if (it == free_lists[from].end() || it->second.empty()) return false;
       p = it->second.back();
       it->second.pop_back();
       cached -= sz;
+      return true;
+    };
+    if (take(pool) || (t_branch && take(main_pool()))) {
     } else {
       p = cuda_malloc_or_throw(sz, asked);
     }
@@ -232,6 +314,8 @@ struct Allocator {
     if (it != pool.end()) {
       b = *it;
       pool.erase(it);
+      cached -= b->size;
+    } else if (t_branch && (b = borrow_segment(sz))) {
       cached -= b->size;
     } else {
       size_t seg = sz < kSharedSegment / 2 ? kSharedSegment : round_up(sz, kSegmentRound);
@@ -284,18 +368,8 @@ struct Allocator {
       live_large.erase(lit);
       in_use -= b->size;
       cached += b->size;
-      auto& pool = free_blocks[b->pool];
       b->free = true;
-      if (b->next && b->next->free) {  // absorb the free block after it
-        pool.erase(b->next);
-        absorb_next(b);
-      }
-      if (b->prev && b->prev->free) {  // and be absorbed by the free block before it
-        b = b->prev;
-        pool.erase(b);
-        absorb_next(b);
-      }
-      pool.insert(b);
+      insert_free(b);
       return;
     }
     auto it = live.find(p);
@@ -462,6 +536,25 @@ void side_scope_end() {
   t_side = false;
 }
 bool side_scope_active() { return t_side; }
+
+void side_branch_fork(void* fork) {
+  if (t_side) throw std::logic_error("side_branch_fork: already in a side scope");
+  event_record(fork, main_stream());
+  stream_wait_event(side_stream(), fork);
+  t_side = t_branch = true;
+}
+void side_branch_end(void* join) {
+  if (!t_branch) throw std::logic_error("side_branch_end: not in a side branch");
+  event_record(join, side_stream());
+  t_side = t_branch = false;
+}
+void side_branch_join(void* join) {
+  if (t_side) throw std::logic_error("side_branch_join: inside a side scope");
+  stream_wait_event(main_stream(), join);
+  std::lock_guard<std::mutex> lock(allocator().mu);
+  Allocator& a = allocator();
+  a.return_branch_memory(a.pool_mode ? kGraphBranch : kBranch, a.main_pool());
+}
 
 void memcpy_h2d(void* dst, const void* src, size_t bytes, Stream s) {
   if (bytes) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s));

@@ -177,3 +177,50 @@ TEST_CASE("runtime: a side scope runs on its own stream and allocates from its o
   C2.reset();
   cu::side_scope_end();
 }
+
+TEST_CASE("runtime: a side branch borrows the main pool's free blocks and returns them at the join", "[runtime]") {
+  need_gpu();
+  const size_t MiB = size_t(1) << 20, big = 37 * MiB + 512;  // a size no other test leaves free
+  void* fork = cu::event_create(), *join = cu::event_create();
+  REQUIRE_THROWS(cu::side_branch_end(join));  // no branch open
+  void* m1 = cu::device_malloc(big);         // a segment of its own
+  cu::device_free(m1);                       // now a free block of the main pool
+  cu::side_branch_fork(fork);
+  CHECK(cu::side_scope_active());
+  CHECK(cu::default_stream() == cu::side_stream());
+  REQUIRE_THROWS(cu::side_branch_fork(fork));
+  REQUIRE_THROWS(cu::side_branch_join(join));  // joined from the main stream's side only
+  void* b1 = cu::device_malloc(big);
+  CHECK(b1 == m1);  // borrowed
+  cu::device_free(b1);
+  void* b2 = cu::device_malloc(big);
+  CHECK(b2 == m1);  // freed in the branch: the branch's own again
+  // work of the branch the main stream reads after the join: a GEMM on the side stream into a
+  // block of the branch (inputs fresh, output poisoned)
+  const int M = 160, N = 224, K = 320;
+  auto hA = rnd(size_t(M) * K, 111), hB = rnd(size_t(K) * N, 112);
+  std::vector<float> ref(size_t(M) * N);
+  cpu::gemm(ref.data(), hA.data(), hB.data(), M, N, K, false, true, 1.0, 0.0, 1, 0, 0, 0, nullptr);
+  auto A = std::make_unique<DBuf<float>>(hA), B = std::make_unique<DBuf<float>>(hB);
+  auto C = std::make_unique<DBuf<float>>(size_t(M) * N);
+  cu::gemm(C->p, A->p, B->p, M, N, K, false, true, 1.0, 0.0, 1, 0, 0, 0, S());
+  A.reset();
+  B.reset();
+  cu::device_free(b2);
+  cu::side_branch_end(join);
+  CHECK_FALSE(cu::side_scope_active());
+  CHECK(cu::default_stream() == cu::main_stream());
+  // before the join the branch's free memory is not the main stream's ...
+  void* m2 = cu::device_malloc(big);
+  CHECK(m2 != m1);
+  cu::side_branch_join(join);
+  // ... after it, it is
+  void* m3 = cu::device_malloc(big);
+  CHECK(m3 == m1);
+  CHECK_CLOSE(C->get(), ref, tol_of<float>(true), "gemm of the side branch, read after the join");
+  C.reset();  // freed on the main side: an ordinary free
+  cu::device_free(m2);
+  cu::device_free(m3);
+  cu::event_destroy(fork);
+  cu::event_destroy(join);
+}
