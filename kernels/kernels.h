@@ -92,14 +92,14 @@ Stream default_stream();                // the stream loom's ops run on: main_st
 Stream main_stream();
 // A second compute stream for work beside the step (a frozen vision tower's forward for the
 // next batch). Between side_scope_begin() and side_scope_end() this thread's ops run on it and
-// allocate from a pool of their own (runtime.cu's header): make side_stream() wait for an event
+// allocate from a pool of their own (allocator.cu's header): make side_stream() wait for an event
 // recorded on main_stream() before the scope's work, and main_stream() for one recorded on
 // side_stream() after it, before it reads what the scope made.
 Stream side_stream();
 void side_scope_begin();
 void side_scope_end();
 bool side_scope_active();
-// A side branch within one step (runtime.cu's header): fork records `fork` on the main stream,
+// A side branch within one step (allocator.cu's header): fork records `fork` on the main stream,
 // makes the side stream wait for it and opens a side scope; end records `join` on the side
 // stream and closes the scope; join makes the main stream wait for `join` and hands the memory
 // the branch freed to the main stream's pool. Keep every tensor the branch reads alive until

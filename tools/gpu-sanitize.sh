@@ -9,7 +9,7 @@
 # $OUT/sanitize-summary.txt (one line per test binary and tool: rc and compute-sanitizer's
 # "ERROR SUMMARY"), also printed at the end.
 # Limits and choices:
-# - The caching allocator (kernels/cuda/runtime.cu) hands out pieces of larger cudaMalloc
+# - The caching allocator (kernels/cuda/allocator.cu) hands out pieces of larger cudaMalloc
 #   blocks, so memcheck sees an overrun only when it leaves its block. It also keeps its
 #   blocks until the process exits (as PyTorch's does), and so do the cuBLASLt and cuDNN
 #   workspaces and plan caches: memcheck's leak report would list every one of them, so it

@@ -300,7 +300,7 @@ void attention_forward(T* out, acc_t<T>* lse, const T* q, const T* k, const T* v
     return;
   }
   auto ours = [&] { forward_loom(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H, KV, hd, causal, scale, s); };
-  // a side scope (runtime.cu) runs ours: cuDNN's plans keep per-plan state and one workspace
+  // a side scope (allocator.cu) runs ours: cuDNN's plans keep per-plan state and one workspace
   if (!side_scope_active() && cudnn_attention_forward(out, lse, q, k, v, cu_q, cu_k, nseq, max_seqlen, Nq, Nk, H,
                                                       KV, hd, causal, scale, s, ours))
     return;

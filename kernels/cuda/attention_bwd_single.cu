@@ -38,17 +38,9 @@
  *   block on the hd 128 shape (343 GFLOP), into an L2-resident dq_acc; zeroing and converting
  *   dq_acc moves 0.34 GB more. The atomics cost ~0.3 ms of the 1.7 ms backward at hd 128.
  * Versions: fwd+bwd 0.494 | 2.124 | 0.398 ms on the SPEC shapes (H200; two passes: 0.573 |
- *   2.632 | 0.552; PyTorch FLASH_ATTENTION 0.512 | 2.243 | 0.516). Lost, fwd+bwd ms:
- *   hd 64 with 8 warps x 16 keys 0.522-0.532 | 0.428 (kept 0.512-0.515 | 0.421-0.423);
- *   hd 128 with query tiles of 32: 2.45 (4 warps), 2.52 (8 warps) against 2.20;
- *   blocks pair-major 0.530 | 2.255 | 0.487 (the long causal blocks of the last heads run
- *   alone at the end); key-tile-major over all pairs 0.550 | 2.366 | 0.429 (every head's dq_acc
- *   in flight at once: the atomics miss in L2); red.v4 after a lane shuffle 2.26 against 2.22;
- *   a wgmma single pass at hd 64 0.571 | 0.514 (1 warpgroup) against 0.496 | 0.401 (every
- *   product waited for before its result is used, loads by the consumers themselves; the
- *   warp-specialized attention_sm90_bwd.cu, with a TMA producer and TMA dQ reductions, is
- *   faster from 128 tokens); delta, zeroing and conversion as 6 launches
- *   instead of 3: 0.514 | 2.150 | 0.418. History: docs/kernels/attention.md.
+ *   2.632 | 0.552; PyTorch FLASH_ATTENTION 0.512 | 2.243 | 0.516). The tilings, block orders
+ *   and forms measured and not kept (among them a wgmma single pass, slower than this one; the
+ *   warp-specialized attention_sm90_bwd.cu is faster from 128 tokens): docs/kernels/attention.md.
  * Test: tests/cuda/test_cuda_kernels_b.cpp ("attention forward/backward bf16 ...", single-pass runs);
  *   tests/cuda/test_cuda_attention_one_tile.cpp (attn_bwd_one_tile bit for bit the one-block-a-pair form).
  */

@@ -45,54 +45,32 @@
  * OWN (hd 64): each consumer computes dQ over its own 64 keys for all HD columns and adds it
  *   itself, so there is no meeting between the consumers, for twice the reduction traffic, and
  *   they take turns on the tensor cores as in the forward (one's batch of products beside the
- *   other's dQ store and elementwise work). Without the turns (before 2026-11-25) it was used for
- *   causal hd 64 only, H100, same call, fwd+bwd ms shared / own: B4 H9 T2048 causal 0.292 /
- *   0.279-0.286, B16 H9 T512 causal 0.149 / 0.150, bench_vlm_sft 69.4 / 69.6 -> 69.0 / 69.0 ms;
- *   bidirectional B8 H12 T1024 0.356-0.359 / 0.366-0.372, B4 H9 T2048 0.483 / 0.492 (the doubled
- *   reductions cost more than the drift gained). With the turns it is faster at every hd 64 shape
- *   measured but the 196-token one (version 7).
+ *   other's dQ store and elementwise work); faster at every hd 64 shape measured but the
+ *   196-token one (version 7; the shared-dQ numbers: docs/kernels/attention.md).
  *
  * Block order: a batch of unequal sequences (not dense) takes its blocks from the order that
  *   attn_bwd_prep's last block builds (BwdOrder, attention_tiles.cuh): the (sequence, key tile)
  *   items by descending rounds, the kv heads of an item side by side, so that the longest blocks
- *   start in the first wave. block_tile's chunked order (dense batches, LOOM_ATTN_BWD_ORDER=0)
- *   started a chunk's long blocks only when the chunk came, and on the PyTorch reference's packed
- *   VLM batch (44 segments, the longest 1051) the last chunk's long blocks ran alone at the end.
- *   Measured (timing build, bench_attention, the VLM step; H200, 2026-12-01): the
- *   multiprocessors busy 73.8% -> 92.1% of the kernel's span on that batch, fwd+bwd 0.2463 ->
- *   0.2252 ms, its VLM step 48.4 -> 47.5 ms; docs/kernels/attention.md ("The backward's blocks
- *   longest first") has the numbers. The order costs one dependent load per block.
+ *   start in the first wave (block_tile's chunked order, kept for dense batches and
+ *   LOOM_ATTN_BWD_ORDER=0, left a packed batch's last chunk of long blocks alone at the end:
+ *   docs/kernels/attention.md, "The backward's blocks longest first"). One dependent load a block.
  *
  * When it runs: bf16, hd 64 / 128 on sm_90a, not deterministic, when the longest sequence has
  *   at least 128 tokens (512 for causal hd 64): bwd_ws_min_seqlen below has the sweep; shorter
  *   sequences keep the mma.sync single pass, whose 64-key blocks waste less on them.
  *
- * Versions (H100 SXM, bf16, fwd+bwd ms on the SPEC shapes B8 H12 T1024 D64 full | B8 H16 T2048
- * D128 causal | B4 H9 T2048 D64 causal, the forward the warp-specialized kernel; each version
- * against the one before in one call; the full tables, the other shapes and the forms tried and
- * not kept (the next tile's S^T / dP^T in flight during this tile's elementwise work, query tiles
- * of 128 at hd 64, delta in the producer, no products for a consumer tile above the diagonal):
- * docs/kernels/attention.md, "The warp-specialized backward's versions"):
- *   mma.sync single pass (attention_bwd_single.cu)               0.491 | 2.053 | 0.382
- *   1. this kernel, dQ by per-thread red.global.add.v2.f32        0.372 | 1.529 | 0.305
- *   2. dQ through shared memory and TMA reductions                0.358 | 1.375 | 0.295
- *   3. hd 64 with 3 Q / dO buffers instead of 2                   0.357 | -     | 0.294
- *   4. hd 64 causal: each consumer its own dQ (OWN, above)        -     | -     | 0.279-0.286
- *   5. dQ's product issued before dV's and dK's, in one stage     0.351-0.356 | 1.331-1.345 | 0.258-0.261
- *   6. hd 64: the next tile's S^T, dP^T under the same fence as
- *      dQ, dV, dK (PIPE; shared dQ only: with OWN it lost 1-2%)   0.342-0.345 | -     | -
- *   7. masked and unmasked scores in two loops, OWN with turns at
- *      every hd 64 shape, dQ reduced per warp                     0.325-0.329 | 1.243-1.245 | 0.251-0.254
- *   cuDNN's fused attention (attention_cudnn.cu), eb61a21's call  0.275 | 1.177 | 0.261
- *   No spills in either instance (hd 64, hd 128) since the bounds of a dense batch come from the
- *   key tile's sequence index (attention_sm90_ws.cu, item 8).
+ * Versions: 1 dQ by per-thread red.global.add, 2 dQ through shared memory and TMA reductions,
+ *   3 three Q / dO buffers at hd 64, 4 OWN, 5 dQ's product first in one stage, 6 PIPE, 7 masked
+ *   and unmasked scores in two loops, OWN with turns, dQ reduced per warp. Fwd+bwd ms on the SPEC
+ *   shapes (H100, B8 H12 T1024 D64 | B8 H16 T2048 D128 causal | B4 H9 T2048 D64 causal): the
+ *   single pass 0.491 | 2.053 | 0.382, version 7 0.325-0.329 | 1.243-1.245 | 0.251-0.254, cuDNN
+ *   0.275 | 1.177 | 0.261. Every version's table and the forms not kept: docs/kernels/attention.md,
+ *   "The warp-specialized backward's versions". No spills in either instance (hd 64, hd 128).
  *
- * Joined rows (hd 64; attention_backward_qkv through attn::bwd_qkv_joined, attention_bwd_single.cu):
- *   with rope.stride set, dK and dV go into the rows of a joined q|k|v gradient (row stride
- *   rope.stride) instead of rows KV hd apart. ROPE (the LM's RoPE, rope.pos set): dK rotated by -angle
- *   in its store (the pairs (i, i + 32) sit in one thread: columns 8n + 2t and 8(n + 4) + 2t),
- *   each value rounded to bf16 before the rotation as rope_qkv_join reads the dK stored without
- *   it: the same values (docs/kernels/attention.md, "The joined q|k|v gradient").
+ * Joined rows (hd 64; attention_backward_qkv through attn::bwd_qkv_joined): with rope.stride
+ *   set, dK and dV go into the rows of a joined q|k|v gradient; ROPE (rope.pos set): dK rotated
+ *   by -angle in its store (the pairs (i, i + 32) sit in one thread), each value rounded to bf16
+ *   first, as rope_qkv_join reads it: the same values (docs/kernels/attention.md).
  *
  * Test: tests/cuda/test_cuda_kernels_b.cpp ("attention ...": the default sections run it on
  *   the cases of 128 tokens and more, LOOM_ATTN_BWD_WS_MIN=0 on every bf16 hd 64 / 128 case;
@@ -105,29 +83,10 @@
 
 #include "kernels/cuda/rope.cuh"
 #include "kernels/cuda/wgmma.cuh"
+#include "kernels/cuda/attention_sm90_bwd_timing.cuh"
 
 namespace loom::cuda::attn {
 namespace {
-
-#ifdef LOOM_ATTN_BWD_TIMING
-// A timing build (-DLOOM_ATTN_BWD_TIMING): the kernel sums clock64 cycles of a block's phases
-// (consumer 0's first thread; the producer's first thread for its own) and launch_bwd prints the
-// means after each launch (it synchronizes): [0] blocks with work, [1] rounds (query tiles x
-// heads), [2] rounds with a mask (consumer 0), [3] entry -> K, V in shared memory, [4] -> the
-// first Q / dO tile, [5] the round loop, [6] the end (dQ reductions read, dK / dV stored),
-// [7] waits on a full stage inside the loop, [8] waits for the turn, [9] the producer's waits on
-// an empty stage, [10] its partial (cp.async) tiles, [11] its lse / delta loads, [12] the
-// blocks' spans in ns (globaltimer), [13] the first start, [14] the last end (ns).
-__device__ unsigned long long g_bwd_timing[15];
-#define ATTNB_T(...) __VA_ARGS__
-__device__ __forceinline__ unsigned long long gtimer() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-#else
-#define ATTNB_T(...)
-#endif
 
 template <int HD, int STAGES>
 struct BwdSmem {
@@ -554,29 +513,12 @@ void launch_bwd(bf* dk, bf* dv, float* dq_acc, const bf* dout, const bf* q, cons
   // chunks of (kv head, sequence) pairs whose Q, dO (bf16) and dq_acc (fp32) rows share L2
   const int n_kt = ceil_div(max_seqlen, BC), pairs = KV * nseq;
   const int chunk = chunk_pairs(pairs, double(H / KV) * std::max(max_seqlen, 1) * HD * 8.0);
-#ifdef LOOM_ATTN_BWD_TIMING
-  unsigned long long z[15] = {};
-  z[13] = ~0ull;
-  CUDA_CHECK(cudaMemcpyToSymbolAsync(g_bwd_timing, z, sizeof z, 0, cudaMemcpyHostToDevice, s));
-#endif
+  bwd_timing_reset(s);
   launch_kernel(attn_bwd_sm90_ws<HD, STAGES, ROPE>, pairs * n_kt, 384, smem, s, dk, dv, dq_acc, dout, q, k, v, lse,
                 delta, tq, tdo, tk, tv, tdq, cu_q, cu_k, dense_seqlen(cu_q, cu_k, nseq, max_seqlen, Nq, Nk), nseq, H,
                 KV, n_kt, chunk, causal, scale, scale * kLog2e, rope, order);
   LAUNCH_CHECK();
-#ifdef LOOM_ATTN_BWD_TIMING
-  unsigned long long t[15];
-  CUDA_CHECK(cudaMemcpyFromSymbolAsync(t, g_bwd_timing, sizeof t, 0, cudaMemcpyDeviceToHost, s));
-  CUDA_CHECK(cudaStreamSynchronize(s));
-  const double b = t[0] ? double(t[0]) : 1.0, r = t[1] ? double(t[1]) : 1.0;
-  std::fprintf(stderr,
-               "attn_bwd timing: hd %d, %d launched / %llu working blocks, %llu rounds (%.1f a block, %.0f%% masked); "
-               "cycles a block: to K/V %.0f, to the first tile %.0f, loop %.0f (%.0f a round; full waits %.0f, turn "
-               "waits %.0f), end %.0f; producer a block: empty waits %.0f, partial tiles %.0f, lse/delta %.0f; "
-               "span %.1f us, blocks' spans %.1f us each, SM fill %.1f%%\n",
-               HD, pairs * n_kt, t[0], t[1], r / b, 100.0 * t[2] / r, t[3] / b, t[4] / b, t[5] / b, t[5] / r,
-               t[7] / b, t[8] / b, t[6] / b, t[9] / b, t[10] / b, t[11] / b, (t[14] - t[13]) / 1e3, t[12] / b / 1e3,
-               100.0 * t[12] / (double(sm_count()) * double(t[14] - t[13])));
-#endif
+  bwd_timing_report(HD, pairs * n_kt, s);
 }
 
 }  // namespace

@@ -355,7 +355,7 @@ void cross_entropy_backward(T* dlogits, const acc_t<T>* dloss, const T* logits, 
   launch_kernel(ce_backward_rows<dev_t<T>>, unsigned(N), kRowThreads, 0, s, dptr(dlogits), dloss, dptr(logits), lse,
                 targets, count, V);
   LAUNCH_CHECK();
-  device_free(count);  // stream-ordered reuse (see runtime.cu)
+  device_free(count);  // stream-ordered reuse (see allocator.cu)
 }
 
 template <class T>

@@ -454,7 +454,7 @@ template <class T> void sum_all(acc_t<T>* out, const T* in, int64_t n, Stream s)
   LAUNCH_CHECK();
   launch_kernel(sum_final, 1, 1024, 0, s, out, partial, g);
   LAUNCH_CHECK();
-  device_free(partial);  // stream-ordered reuse (runtime.cu)
+  device_free(partial);  // stream-ordered reuse (allocator.cu)
 }
 
 // ---------------------------------------------------------------- instantiations

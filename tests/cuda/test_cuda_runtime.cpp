@@ -1,5 +1,5 @@
-// test_cuda_runtime.cpp: kernels/cuda/runtime.cu (the caching allocator, streams, events) against
-// the loom::cpu reference, f32 and bf16 (tests/cuda/cuda_kernel_test_util.h). Skipped without a
+// test_cuda_runtime.cpp: kernels/cuda/allocator.cu and runtime.cu (the caching allocator, its
+// side scope and side branch, streams, events) against the loom::cpu reference, f32 and bf16 (tests/cuda/cuda_kernel_test_util.h). Skipped without a
 // GPU.
 //   bash tools/gpu-kernels.sh tests/cuda/test_cuda_runtime.cpp
 #include <catch2/catch.hpp>
@@ -63,7 +63,7 @@ TEST_CASE("runtime: caching allocator reuses blocks and counts bytes", "[runtime
   cu::pinned_free(pin);
 }
 
-// Large blocks are cut from segments and merged again when freed (runtime.cu's header): the
+// Large blocks are cut from segments and merged again when freed (allocator.cu's header): the
 // pieces of one 20 MiB segment are adjacent, a freed run of neighbours serves a larger request
 // from the same bytes, and a run of varying sizes does not grow the cache past its peak need.
 TEST_CASE("runtime: large blocks split from segments and coalesce", "[runtime]") {
