@@ -66,10 +66,11 @@ Tensor LatentMIM::view_loss(const MIMView& v, Tensor* z_out) const {
   // The target's forward needs nothing of this step's encoder or predictor: on CUDA it runs on
   // the side stream (target_side_stream), beside them, and the main stream waits for it before
   // the loss (a side branch: allocator.cu); `patches`, which the side stream reads, lives until
-  // that wait. With --train.profile the target stays on the main stream, so that its ops' times
-  // are their own.
+  // that wait. On the side stream attention runs loom's kernels (cuDNN's plans keep state of
+  // their own), so with train.attention = cudnn the target stays on the main stream; with
+  // --train.profile too, so that its ops' times are their own.
   const bool side = target_side_stream && patches.device() == Device::CUDA && !cuda::side_scope_active() &&
-                    !profile_enabled();
+                    !profile_enabled() && cuda::attention_backend() != cuda::AttentionBackend::Cudnn;
   Tensor t;
   if (side) {
     if (!side_fork_) {
