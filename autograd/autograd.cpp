@@ -45,7 +45,9 @@ double host_ms() {
 }
 std::string category_of(const std::string& op) {
   if (op == "attention") return "attention";
-  if (op == "linear" || op == "matmul") return "linear (MLP, projections)";
+  // the joined nodes: one q|k|v product and the attention (and RoPE) as one op (ops_joined.cpp)
+  if (op == "qkv_attention" || op == "qkv_rope_attention") return "attention with its q|k|v product";
+  if (op == "linear" || op == "matmul" || op == "qkv_rope") return "linear (MLP, projections)";
   if (op == "layernorm" || op == "rmsnorm" || op == "l2_normalize") return "norms";
   if (op == "gelu" || op == "silu" || op == "swiglu" || op == "softmax") return "activations";
   if (op.find("cross_entropy") != std::string::npos || op == "patch_disc_loss" || op == "infonce_loss") return "loss";
