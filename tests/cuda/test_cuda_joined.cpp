@@ -5,28 +5,16 @@
 // every gradient, in f32 and bf16. Exits with code 4 (skipped) when no GPU is present.
 #include <catch2/catch.hpp>
 
-#include <cstdio>
-#include <cstdlib>
 #include <functional>
 #include <string>
 #include <vector>
 
 #include "autograd/ops.h"
+#include "tests/cuda/cuda_kernel_test_util.h"
 #include "tests/tolerances.h"
 
 using namespace loom;
 using std::vector;
-
-namespace {
-
-void need_gpu() {
-  if (!cuda::available()) {
-    std::fprintf(stderr, "no CUDA device: skipping\n");
-    std::exit(4);
-  }
-}
-
-}  // namespace
 
 // Weights of rows[i] rows each, one after another in b: windows of b whose gradients are windows
 // of gb (the layout of the optimizer's flat buffers: the joined products), or, not joined, clones
