@@ -46,8 +46,8 @@ class LatentMIM : public Module {
   std::vector<std::unique_ptr<ViTBlock>> pred_blocks;
   bool checkpoint_blocks = false;  // gradient checkpointing of the predictor blocks
   bool batch_views = true;         // views of one shape as one batch (false: one pass per view)
-  // CUDA: the target's forward on the side stream beside the encoder's and predictor's
-  // (kernels.h side scope; the same kernels, so the same values)
+  // CUDA: the target's forward on the side stream beside the encoder's and predictor's (a side
+  // branch, kernels.h; the same kernels where attention runs loom's, so the same values)
   bool target_side_stream = false;
   // Data parallel with train.dist_infonce = global: each view's pooled features [B, D] become
   // every rank's [ranks x B, D] (DataParallel::all_gather_rows) before the InfoNCE. Unset: the
