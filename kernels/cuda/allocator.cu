@@ -162,21 +162,6 @@ struct Allocator {
     return nullptr;
   }
 
-  // b (free, in no free set) goes into its pool's free set, merged with free neighbours of that pool
-  void insert_free(Block* b) {  // caller holds mu
-    auto& pool = free_blocks[b->pool];
-    if (b->next && b->next->free && b->next->pool == b->pool) {  // absorb the free block after it
-      pool.erase(b->next);
-      absorb_next(b);
-    }
-    if (b->prev && b->prev->free && b->prev->pool == b->pool) {  // and be absorbed by the one before it
-      b = b->prev;
-      pool.erase(b);
-      absorb_next(b);
-    }
-    pool.insert(b);
-  }
-
   // side_branch_join: the main stream has waited for the branch, so what the branch freed is
   // free for main-stream work too: its whole free segments and its small blocks go to the main
   // pool (a free block in a segment still in use stays the branch's until a later join).
@@ -339,8 +324,18 @@ struct Allocator {
       live_large.erase(lit);
       in_use -= b->size;
       cached += b->size;
+      auto& pool = free_blocks[b->pool];
       b->free = true;
-      insert_free(b);
+      if (b->next && b->next->free) {  // absorb the free block after it
+        pool.erase(b->next);
+        absorb_next(b);
+      }
+      if (b->prev && b->prev->free) {  // and be absorbed by the free block before it
+        b = b->prev;
+        pool.erase(b);
+        absorb_next(b);
+      }
+      pool.insert(b);
       return;
     }
     auto it = live.find(p);
