@@ -3,15 +3,20 @@
 //   train tokenize --tokenizer tokenizer.json < text.txt        -> [12,7,301,...]
 //   train tokenize --tokenizer tokenizer.json --decode < ids.json -> the text
 //   train tokenize --tokenizer tokenizer.json --add-special-tokens < text.txt -> [1,12,7,...]
+//   train tokenize --tokenizer tokenizer.json --pair "second text" --max-length 16 < text.txt
+//     -> {"ids":[...],"type_ids":[...],"attention_mask":[...]}
 //
 // Encode reads all of stdin as UTF-8 text (no special treatment of a trailing newline: it
-// is part of the text) and prints the ids as one JSON array and a newline. --decode reads a
-// JSON array of ids and prints the text exactly, without adding a newline.
+// is part of the text) and prints the ids as one JSON array and a newline. --full (implied by
+// --pair and --max-length) runs Tokenizer::encode_full instead, with the file's truncation and
+// padding, and prints the encoding as one JSON object. --decode reads a JSON array of ids and
+// prints the text exactly, without adding a newline.
 #include <nlohmann/json.hpp>
 
 #include <cstring>
 #include <iostream>
 #include <iterator>
+#include <optional>
 #include <string>
 
 #include "data/tokenizer.h"
@@ -21,16 +26,25 @@ namespace loom {
 namespace {
 const char* kUsage =
     "usage: train tokenize --tokenizer PATH [--decode] [--skip-special] [--add-special-tokens]\n"
+    "                      [--full] [--pair TEXT] [--max-length N]\n"
     "  encode (default): stdin text -> JSON array of ids on stdout\n"
     "  --add-special-tokens: with encode, the post-processor's tokens too (e.g. BOS),\n"
     "                    as HF's encode(text) adds them by default\n"
+    "  --full:           the whole pipeline (the file's truncation and padding, the\n"
+    "                    post-processor's pair template): a JSON object of ids, type_ids\n"
+    "                    and attention_mask\n"
+    "  --pair TEXT:      TEXT as the second sequence of a pair (implies --full)\n"
+    "  --max-length N:   truncate to N ids, longest sequence first, instead of the\n"
+    "                    file's truncation (implies --full)\n"
     "  --decode:         stdin JSON array of ids -> text on stdout\n"
     "  --skip-special:   with --decode, leave special tokens out\n";
 }
 
 int tokenize_command(int argc, char** argv) {
   std::string path;
-  bool decode = false, skip_special = false, add_special = false;
+  bool decode = false, skip_special = false, add_special = false, full = false;
+  std::optional<std::string> pair;
+  std::optional<size_t> max_length;
   // argv holds the options; a leading "tokenize" (the subcommand's own name) is skipped
   for (int i = argc > 0 && std::strcmp(argv[0], "tokenize") == 0 ? 1 : 0; i < argc; i++) {
     std::string a = argv[i];
@@ -44,6 +58,19 @@ int tokenize_command(int argc, char** argv) {
       skip_special = true;
     } else if (a == "--add-special-tokens") {
       add_special = true;
+    } else if (a == "--full") {
+      full = true;
+    } else if (a == "--pair" && i + 1 < argc) {
+      pair = argv[++i];
+      full = true;
+    } else if (a == "--max-length" && i + 1 < argc) {
+      const std::string v = argv[++i];
+      if (v.empty() || v.size() > 9 || v.find_first_not_of("0123456789") != std::string::npos) {
+        std::cerr << "tokenize: --max-length takes a count of ids (0 to 999999999), got \"" << v << "\"\n";
+        return 2;
+      }
+      max_length = size_t(std::stoul(v));
+      full = true;
     } else if (a == "--help" || a == "-h") {
       std::cout << kUsage;
       return 0;
@@ -59,6 +86,23 @@ int tokenize_command(int argc, char** argv) {
   try {
     Tokenizer tok = Tokenizer::from_file(path);
     std::string input((std::istreambuf_iterator<char>(std::cin)), std::istreambuf_iterator<char>());
+    if (!decode && full) {
+      if (max_length) {
+        Tokenizer::Truncation t;
+        t.max_length = *max_length;
+        tok = tok.with_truncation(t);
+      }
+      Tokenizer::Encoding e;
+      try {
+        e = tok.encode_full(input, pair ? &*pair : nullptr, add_special);
+      } catch (const std::invalid_argument& err) {
+        std::cerr << "tokenize: stdin" << (pair ? " and --pair" : "") << ": " << err.what() << "\n";
+        return 1;
+      }
+      std::cout << nlohmann::json{{"ids", e.ids}, {"type_ids", e.type_ids}, {"attention_mask", e.attention_mask}}.dump()
+                << "\n";
+      return 0;
+    }
     if (!decode) {
       std::vector<int32_t> ids;
       try {

@@ -28,14 +28,21 @@
 //      add_special_tokens=True): the ids its single-sequence template puts before and after
 //      the text (TemplateProcessing, BertProcessing, RobertaProcessing, ByteLevel, Sequence;
 //      e.g. Llama's BOS). Without the request, as the chat pipeline encodes, none are added.
-// Not applied: truncation, padding and the post-processor's pair template. All three are kept
-// and written back by save().
+// encode() stops there, as transformers' tokenizers do unless asked for more. encode_full()
+// runs what HF tokenizers' own Tokenizer.encode(text, pair) runs after step 4
+// (data/tokenizer_post.cpp):
+//   truncation (the file's "truncation", or with_truncation) of one sequence or of a pair,
+//   the post-processor with its pair template and type ids, then padding (the file's
+//   "padding", or with_padding), and returns ids, type ids and the attention mask.
+// Truncation's overflowing windows (HF's `overflowing`, what `stride` shapes) are not returned.
 //
 // A Tokenizer is immutable after construction and safe to use from several threads (the
 // per-pre-token cache is guarded by a mutex); copies share the same state.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -74,6 +81,51 @@ class Tokenizer {
   // The ids encode(text, true) puts before and after the text (empty without a post-processor).
   const std::vector<int32_t>& special_prefix() const;
   const std::vector<int32_t>& special_suffix() const;
+  // HF's truncation parameters (tokenizer.json's "truncation"). With a pair, LongestFirst
+  // shortens the longer sequence first (HF's exact split, also when both must be cut),
+  // OnlyFirst / OnlySecond cut one and fail when it is too short. With special tokens
+  // requested, max_length counts the ones the post-processor adds.
+  struct Truncation {
+    enum class Strategy { LongestFirst, OnlyFirst, OnlySecond };
+    size_t max_length = 512;
+    size_t stride = 0;  // kept and saved; it shapes only the overflowing windows, not returned
+    Strategy strategy = Strategy::LongestFirst;
+    bool left = false;  // direction "Left": the tokens are dropped from the start
+  };
+  // HF's padding parameters (tokenizer.json's "padding"): to `length` when `fixed` (strategy
+  // {"Fixed": n}), else to the longest encoding of the batch ("BatchLongest"), rounded up to a
+  // multiple of `multiple_of` (0: none); never shortens. Pads carry attention mask 0.
+  struct Padding {
+    bool fixed = false;
+    size_t length = 0;
+    bool left = false;  // direction "Left": the pads go first
+    size_t multiple_of = 0;
+    int32_t pad_id = 0, pad_type_id = 0;
+    std::string pad_token = "[PAD]";
+  };
+  struct Encoding {
+    std::vector<int32_t> ids, type_ids;  // type ids: 0 / 1 for the first / second sequence, or as the template says
+    std::vector<uint8_t> attention_mask;  // 1 for a token, 0 for padding
+  };
+  // HF tokenizers' Tokenizer.encode(text, pair, add_special_tokens): encode() of each
+  // sequence, then truncation, the post-processor (its pair template when `pair` is given) and
+  // padding. Throws std::invalid_argument for text that is not UTF-8 or a truncation the
+  // sequences cannot meet (naming the strategy and lengths), std::runtime_error naming the
+  // file and JSON path when the file's truncation, padding or post-processor cannot be applied.
+  Encoding encode_full(const std::string& text, const std::string* pair, bool add_special_tokens) const;
+  // encode_full of each text (with pairs[i] when pairs is given; the sizes must agree), then
+  // padding over the batch (BatchLongest: to the longest of them), as HF's encode_batch.
+  std::vector<Encoding> encode_batch(const std::vector<std::string>& texts, const std::vector<std::string>* pairs,
+                                     bool add_special_tokens) const;
+  // The file's truncation / padding (nullopt: none); throws naming the JSON path when malformed.
+  std::optional<Truncation> truncation() const;
+  std::optional<Padding> padding() const;
+  // Copies with other parameters (nullopt: none), written by save() in HF's form. As HF's
+  // enable_truncation, a stride greater than max_length less the tokens the single template
+  // adds is refused (std::invalid_argument), and so is a padding length over 2^20.
+  Tokenizer with_truncation(const std::optional<Truncation>& t) const;
+  Tokenizer with_padding(const std::optional<Padding>& p) const;
+
   // Ids outside the vocabulary throw std::out_of_range naming the id.
   std::string decode(const std::vector<int32_t>& ids, bool skip_special = false) const;
 

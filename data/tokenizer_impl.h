@@ -5,6 +5,7 @@
 
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -60,6 +61,29 @@ struct DecodeStep {
 inline constexpr const char* kGpt2Pattern =
     "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
 
+// One step of the post-processor (tokenizer_post.cpp), HF's PostProcessor::process_encodings:
+// it maps the list of parts (at first one per sequence, each with its type ids) to another
+// list; the parts are joined at the end. A Sequence of processors is flattened into its steps;
+// ByteLevel changes no id and adds no step.
+struct PostPart {
+  std::vector<int32_t> ids, type_ids;
+};
+struct PostPiece {            // one entry of a template
+  int seq = -1;               // 0: sequence A, 1: sequence B, -1: the special token's ids
+  std::vector<int32_t> ids;   // a special token's ids
+  int32_t type_id = 0;
+};
+struct PostStep {
+  enum Kind { Bert, Roberta, Template } kind = Template;
+  std::string path;                      // its JSON path, for errors
+  int32_t cls = 0, sep = 0;              // Bert, Roberta
+  std::vector<PostPiece> single, pair;   // Template
+  std::string pair_error;                // Template: why its pair template cannot be applied
+  size_t added(bool is_pair) const;      // HF's added_tokens(is_pair)
+  // throws std::runtime_error (prefixed with `origin`) where HF cannot go on either
+  std::vector<PostPart> apply(std::vector<PostPart> parts, bool add_special, const std::string& origin) const;
+};
+
 struct AddedToken {
   int32_t id;
   std::string content;
@@ -114,6 +138,19 @@ std::string replace_all(const std::string& s, const text::Regex& re, const std::
 // prepend_scheme asks for (`first`: the piece starts the original text).
 std::string metaspace_rewrite(const PreStep& st, const std::string& piece, bool first);
 
+// tokenizer_io.cpp: a token id (a JSON integer in [0, 2^24)) and an object's "type" string,
+// or an error naming the path.
+int32_t token_id(const json& v, const std::string& origin, const std::string& path);
+std::string type_of(const json& j, const std::string& origin, const std::string& path);
+
+// tokenizer_post.cpp: the post-processor's steps from its JSON (a Sequence flattened; throws
+// naming the path), and the file's truncation and padding (throw naming the path).
+void parse_post(const json& j, const std::string& origin, const std::string& path, std::vector<PostStep>& out);
+Tokenizer::Truncation parse_truncation(const json& j, const std::string& origin);
+Tokenizer::Padding parse_padding(const json& j, const std::string& origin);
+json truncation_json(const Tokenizer::Truncation& t);  // HF's serialized form
+json padding_json(const Tokenizer::Padding& p);
+
 [[noreturn]] inline void fail(const std::string& origin, const std::string& path, const std::string& msg) {
   throw std::runtime_error("tokenizer " + origin + ": " + path + ": " + msg);
 }
@@ -142,10 +179,15 @@ struct Tokenizer::Impl {
   std::vector<PreStep> pre;
   bool has_decoder = true;  // else HF's no-decoder fallback: join the tokens with ' '
   std::vector<DecodeStep> decoders;
-  // the post-processor (tokenizer_io.cpp, parse_post): ids put around the text by
-  // encode(text, true), or why it cannot be applied
+  // the post-processor (tokenizer_post.cpp): its steps, the ids they put around one text
+  // (encode(text, true)), or why it cannot be applied (then no steps: nothing half-applied)
+  std::vector<PostStep> post;
   std::vector<int32_t> post_prefix, post_suffix;
   std::string post_error;
+  // truncation and padding (tokenizer_post.cpp), or why the file's cannot be applied
+  std::optional<Tokenizer::Truncation> truncation;
+  std::optional<Tokenizer::Padding> padding;
+  std::string truncation_error, padding_error;
   // kept verbatim for save()
   json normalizer_json, pre_json, post_json, decoder_json, truncation_json, padding_json;
   // per pre-token cache (HF keeps one too); bounded so a long run cannot grow it forever.
@@ -160,6 +202,12 @@ struct Tokenizer::Impl {
   // `first`: s starts at offset 0 of the original text (Metaspace's prepend_scheme "first")
   void pre_tokenize(const std::string& s, bool first, std::vector<std::string>& out) const;
   std::string run_decoders(std::vector<std::string> tokens) const;  // tokenizer_spm.cpp
+  // the post-processor over these parts (HF's PostProcessor::process before the join)
+  std::vector<PostPart> run_post(std::vector<PostPart> parts, bool add_special) const;
+  size_t post_added(bool is_pair) const;
+  // after the id tables are built: the steps' ids checked against them, post_prefix and
+  // post_suffix found (or post_error set and the steps dropped)
+  void finish_post();
   void bpe(const std::string& word, std::vector<int32_t>& out) const;
   void bpe_uncached(const std::string& word, std::vector<int32_t>& out) const;
 };

@@ -16,12 +16,7 @@ namespace loom {
 using ojson = nlohmann::ordered_json;  // keeps HF's key order (and the vocab in id order) on save
 
 // ------------------------------------------------------------------ loading
-namespace {
-
-bool opt_bool(const json& j, const char* key, bool dflt) {
-  auto it = j.find(key);
-  return it == j.end() || it->is_null() ? dflt : it->get<bool>();
-}
+namespace tokenizer_detail {
 
 // A token id: a JSON integer in [0, kMaxTokenId]. get<int32_t>() would take a float too and
 // convert it with undefined behaviour when it does not fit (the tokenizer fuzz target found
@@ -44,6 +39,15 @@ std::string type_of(const json& j, const std::string& origin, const std::string&
   auto it = j.find("type");
   if (!j.is_object() || it == j.end() || !it->is_string()) fail(origin, path + ".type", "missing");
   return it->get<std::string>();
+}
+
+}  // namespace tokenizer_detail
+
+namespace {
+
+bool opt_bool(const json& j, const char* key, bool dflt) {
+  auto it = j.find(key);
+  return it == j.end() || it->is_null() ? dflt : it->get<bool>();
 }
 
 // {"String": s} (matched literally) or {"Regex": r}, as Split and Replace take it.
@@ -197,74 +201,6 @@ void parse_decoder(const json& j, const std::string& origin, const std::string& 
   out.push_back(std::move(d));
 }
 
-// The post-processor of one sequence as the ids it puts before and after the encoded text
-// (every HF type does no more than that for one sequence). A Sequence applies its processors
-// in turn, each wrapping what the one before produced. Throws naming the JSON path.
-//   TemplateProcessing  its `single` template: special tokens around sequence "A" (the ids from
-//                       `special_tokens`; type ids are dropped: loom has no token types)
-//   BertProcessing, RobertaProcessing   cls A sep (Roberta's offset options change no id)
-//   ByteLevel           nothing (it trims offsets only)
-void parse_post(const json& j, const std::string& origin, const std::string& path,
-                std::vector<int32_t>& prefix, std::vector<int32_t>& suffix) {
-  if (j.is_null()) return;
-  const std::string t = type_of(j, origin, path);
-  if (t == "ByteLevel") return;
-  if (t == "Sequence") {
-    auto it = j.find("processors");
-    if (it == j.end() || !it->is_array()) fail(origin, path + ".processors", "expected an array");
-    for (size_t i = 0; i < it->size(); i++)
-      parse_post((*it)[i], origin, path + ".processors[" + std::to_string(i) + "]", prefix, suffix);
-    return;
-  }
-  if (t == "BertProcessing" || t == "RobertaProcessing") {
-    auto token = [&](const char* key) {  // ["[CLS]", 101]
-      auto it = j.find(key);
-      if (it == j.end() || !it->is_array() || it->size() != 2 || !(*it)[0].is_string())
-        fail(origin, path + "." + key, "expected [token, id]");
-      return token_id((*it)[1], origin, path + "." + key + "[1]");
-    };
-    prefix.insert(prefix.begin(), token("cls"));
-    suffix.push_back(token("sep"));
-    return;
-  }
-  if (t != "TemplateProcessing")
-    fail(origin, path + ".type", "unsupported post-processor \"" + t +
-         "\" (TemplateProcessing, BertProcessing, RobertaProcessing, ByteLevel, Sequence)");
-  auto single = j.find("single");
-  if (single == j.end() || !single->is_array()) fail(origin, path + ".single", "expected an array");
-  auto specials = j.find("special_tokens");
-  std::vector<int32_t> before, after;
-  int sequences = 0;
-  for (size_t i = 0; i < single->size(); i++) {
-    const json& item = (*single)[i];
-    const std::string p = path + ".single[" + std::to_string(i) + "]";
-    if (!item.is_object() || item.size() != 1 || !(item.contains("Sequence") || item.contains("SpecialToken")))
-      fail(origin, p, "expected {\"SpecialToken\": ...} or {\"Sequence\": ...}");
-    const bool seq = item.contains("Sequence");
-    const json& body = item.begin().value();
-    const std::string p2 = p + (seq ? ".Sequence.id" : ".SpecialToken.id");
-    if (!body.is_object() || !body.contains("id") || !body["id"].is_string()) fail(origin, p2, "expected a string");
-    const std::string name = body["id"].get<std::string>();
-    if (seq) {
-      if (name != "A") fail(origin, p2, "the single template takes sequence \"A\" only, got \"" + name + "\"");
-      sequences++;
-      continue;
-    }
-    if (specials == j.end() || !specials->is_object() || !specials->contains(name))
-      fail(origin, p2, "\"" + name + "\" is not in " + path + ".special_tokens");
-    const json& entry = (*specials)[name];
-    const std::string p3 = path + ".special_tokens[\"" + name + "\"].ids";
-    if (!entry.is_object() || !entry.contains("ids") || !entry["ids"].is_array() || entry["ids"].empty())
-      fail(origin, p3, "expected a non-empty array of ids");
-    for (size_t k = 0; k < entry["ids"].size(); k++)
-      (sequences ? after : before).push_back(token_id(entry["ids"][k], origin, p3 + "[" + std::to_string(k) + "]"));
-  }
-  if (sequences != 1)
-    fail(origin, path + ".single", "expected sequence \"A\" once, found it " + std::to_string(sequences) + " times");
-  prefix.insert(prefix.begin(), before.begin(), before.end());
-  suffix.insert(suffix.end(), after.begin(), after.end());
-}
-
 std::shared_ptr<Tokenizer::Impl> build(const json& doc, const std::string& origin) {
   auto im = std::make_shared<Tokenizer::Impl>();
   im->origin = origin;
@@ -350,12 +286,23 @@ std::shared_ptr<Tokenizer::Impl> build(const json& doc, const std::string& origi
   parse_pre(im->pre_json, origin, "pre_tokenizer", im->pre);
   im->has_decoder = !im->decoder_json.is_null();
   if (im->has_decoder) parse_decoder(im->decoder_json, origin, "decoder", im->decoders);
-  // A post-processor loom cannot apply is not a loading error (encode without special tokens,
-  // what the chat pipeline does, never needs it): it is reported when encode asks for it.
+  // A post-processor, truncation or padding loom cannot apply is not a loading error (encode
+  // without special tokens, what the chat pipeline does, never needs them): it is reported
+  // when an encode asks for it.
   try {
-    parse_post(im->post_json, origin, "post_processor", im->post_prefix, im->post_suffix);
+    parse_post(im->post_json, origin, "post_processor", im->post);
   } catch (const std::runtime_error& e) {
     im->post_error = e.what();
+  }
+  try {
+    if (!im->truncation_json.is_null()) im->truncation = parse_truncation(im->truncation_json, origin);
+  } catch (const std::runtime_error& e) {
+    im->truncation_error = e.what();
+  }
+  try {
+    if (!im->padding_json.is_null()) im->padding = parse_padding(im->padding_json, origin);
+  } catch (const std::runtime_error& e) {
+    im->padding_error = e.what();
   }
 
   im->id_to_tok.resize(size_t(max_id + 1));
@@ -370,13 +317,7 @@ std::shared_ptr<Tokenizer::Impl> build(const json& doc, const std::string& origi
     if (a.special || !a.normalized) im->raw_trie.insert(a.content, int(i));
     else im->norm_trie.insert(im->normalize(a.content), int(i));
   }
-  std::vector<int32_t> post = im->post_prefix;  // every id the post-processor adds
-  post.insert(post.end(), im->post_suffix.begin(), im->post_suffix.end());
-  for (int32_t id : post)
-    if (im->post_error.empty() && size_t(id) >= im->id_to_tok.size())
-      im->post_error = "tokenizer " + origin + ": post_processor: id " + std::to_string(id) +
-                       " is past the vocabulary (" + std::to_string(im->id_to_tok.size()) + " ids)";
-  if (!im->post_error.empty()) im->post_prefix.clear(), im->post_suffix.clear();  // nothing half-applied
+  im->finish_post();
   return im;
 }
 

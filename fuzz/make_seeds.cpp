@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
 #define STB_IMAGE_WRITE_IMPLEMENTATION
 #include <stb_image_write.h>
 
@@ -161,6 +162,16 @@ int main(int argc, char** argv) {
   Tokenizer small = Tokenizer::train({"a small corpus for a small tokenizer", "What colour is it? red 12"}, 290,
                                      {"<|endoftext|>", "<image>"});
   put(out + "/tokenizer", "small", small.to_json() + texts);
+  // the steps after the model: truncation, BERT's post-processor, padding, and a pair
+  Tokenizer::Truncation tr;
+  tr.max_length = 9;
+  Tokenizer::Padding pd;
+  pd.multiple_of = 8;
+  nlohmann::json doc = nlohmann::json::parse(small.with_truncation(tr).with_padding(pd).to_json());
+  doc["post_processor"] = {{"type", "BertProcessing"},
+                           {"sep", {"<image>", small.token_id("<image>")}},
+                           {"cls", {"<|endoftext|>", small.token_id("<|endoftext|>")}}};
+  put(out + "/tokenizer", "pipeline", doc.dump() + texts + std::string(1, '\0') + "How many circles? 3");
 
   // image
   ::mkdir((out + "/image").c_str(), 0755);

@@ -120,6 +120,25 @@ int tokenizer(const uint8_t* data, size_t size) {
   } catch (const std::invalid_argument&) {  // not valid UTF-8: refused, as documented
   } catch (const std::exception&) {
   }
+  // The whole pipeline (truncation, the pair template, padding; a second NUL starts the pair):
+  // whatever it refuses, it returns three vectors of one length, ids of the vocabulary and a
+  // mask of 0 / 1, and one sequence without truncation or padding is encode()'s ids.
+  const size_t z = text.find('\0');
+  const std::string first = text.substr(0, z), second = z == std::string::npos ? "" : text.substr(z + 1);
+  for (bool special : {false, true}) {
+    try {
+      Tokenizer::Encoding e = tok->encode_full(first, z == std::string::npos ? nullptr : &second, special);
+      if (e.type_ids.size() != e.ids.size() || e.attention_mask.size() != e.ids.size())
+        broken("encode_full returned ids, type ids and mask of different lengths");
+      for (int32_t id : e.ids)
+        if (id < 0 || id >= tok->vocab_size()) broken("encode_full produced id " + std::to_string(id) + " outside the vocabulary");
+      for (uint8_t m : e.attention_mask)
+        if (m > 1) broken("encode_full's attention mask holds " + std::to_string(m));
+      if (z == std::string::npos && !tok->truncation() && !tok->padding() && e.ids != tok->encode(first, special))
+        broken("encode_full of one sequence without truncation or padding is not encode()");
+    } catch (const std::exception&) {  // refused: not UTF-8, a truncation the lengths cannot meet, a malformed section
+    }
+  }
   return 0;
 }
 

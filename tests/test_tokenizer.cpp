@@ -460,5 +460,26 @@ TEST_CASE("tokenize command: encode to a JSON array and decode back", "[tokenize
   with_bos.insert(with_bos.end(), ids.begin(), ids.end());
   CHECK(json::parse(out6).get<std::vector<int32_t>>() == with_bos);
   CHECK(json::parse(run_cmd({"tokenize", "--tokenizer", path}, text).second).get<std::vector<int32_t>>() == ids);
+  // --full, --pair, --max-length: Tokenizer::encode_full's encoding as one object
+  auto [rc7, out7] = run_cmd({"tokenize", "--tokenizer", path, "--full", "--add-special-tokens"}, text);
+  REQUIRE(rc7 == 0);
+  json e7 = json::parse(out7);
+  CHECK(e7["ids"].get<std::vector<int32_t>>() == with_bos);
+  CHECK(e7["type_ids"].get<std::vector<int32_t>>() == std::vector<int32_t>(with_bos.size(), 0));
+  CHECK(e7["attention_mask"].get<std::vector<int>>() == std::vector<int>(with_bos.size(), 1));
+  // 5 + 5 digits (one id each) to 4: two of each, type ids 0 then 1
+  const Tokenizer plain = Tokenizer::from_file(tj);
+  std::vector<int32_t> a = plain.encode("67"), b = plain.encode("12"), pair_ids = a;
+  pair_ids.insert(pair_ids.end(), b.begin(), b.end());
+  auto [rc8, out8] = run_cmd({"tokenize", "--tokenizer", tj, "--pair", "12345", "--max-length", "4"}, "67890");
+  REQUIRE(rc8 == 0);
+  CHECK(json::parse(out8)["ids"].get<std::vector<int32_t>>() == pair_ids);
+  CHECK(json::parse(out8)["type_ids"].get<std::vector<int32_t>>() == std::vector<int32_t>{0, 0, 1, 1});
+  CHECK(run_cmd({"tokenize", "--tokenizer", tj, "--max-length", "x"}, "").first == 2);
+  CHECK(run_cmd({"tokenize", "--tokenizer", tj, "--max-length", "-1"}, "").first == 2);
+  // this file's template has no pair template: refused, naming it
+  auto [rc9, err9] = run_cmd({"tokenize", "--tokenizer", path, "--pair", "x", "--add-special-tokens"}, "y");
+  CHECK(rc9 == 1);
+  CHECK(err9.find("post_processor.pair") != std::string::npos);
   std::remove(path.c_str());
 }

@@ -273,6 +273,12 @@ TEST_CASE("tokenizer spm: post-processors add their tokens only when asked", "[t
     return pre;
   };
 
+  auto refuse_later = [&](const Tokenizer& t, const std::string& key, const std::string& what) {
+    CHECK(t.encode(text) == plain);
+    CHECK_THROWS_WITH(t.encode(text, true), Catch::Contains("post.json") && Catch::Contains(key) && Catch::Contains(what));
+    CHECK(t.special_prefix().empty());
+  };
+
   Tokenizer llama2 = with_post(templ(bos + "," + seq_a));
   CHECK(llama2.encode(text) == plain);  // not asked: nothing added (loom's default)
   CHECK(llama2.encode(text, true) == around({1}, {}));
@@ -284,10 +290,16 @@ TEST_CASE("tokenizer spm: post-processors add their tokens only when asked", "[t
   Tokenizer llama3 = with_post(R"({"type":"Sequence","processors":[{"type":"ByteLevel","add_prefix_space":true,)"
                                R"("trim_offsets":false,"use_regex":true},)" + templ(bos + "," + seq_a + "," + eos) + "]}");
   CHECK(llama3.encode(text, true) == around({1}, {2}));
-  // a Sequence applies its processors in turn, each wrapping the one before's output
-  Tokenizer nested = with_post(R"({"type":"Sequence","processors":[)" + templ(bos + "," + seq_a + "," + eos) + "," +
-                               templ(eos + "," + seq_a + "," + bos) + "]}");
-  CHECK(nested.encode(text, true) == around({2, 1}, {2, 1}));
+  // A Sequence hands its processors' list of parts on: BertProcessing keeps one part per
+  // sequence, so a template after it wraps [CLS] A [SEP] ...
+  Tokenizer bert_then = with_post(R"({"type":"Sequence","processors":[{"type":"BertProcessing","sep":["</s>",2],)"
+                                  R"("cls":["<s>",1]},)" + templ(seq_a + "," + eos) + "]}");
+  CHECK(bert_then.encode(text, true) == around({1}, {2, 2}));
+  // ... but a template makes one part per piece, so a template after a template sees three
+  // parts, which HF cannot process either (its TemplateProcessing takes one or two)
+  refuse_later(with_post(R"({"type":"Sequence","processors":[)" + templ(bos + "," + seq_a + "," + eos) + "," +
+                         templ(eos + "," + seq_a + "," + bos) + "]}"),
+               "post_processor.processors[1]", "given 3 parts");
   CHECK(with_post(R"({"type":"BertProcessing","sep":["</s>",2],"cls":["<s>",1]})").encode(text, true) == around({1}, {2}));
   CHECK(with_post(R"({"type":"RobertaProcessing","sep":["</s>",2],"cls":["<s>",1],"trim_offsets":true,)"
                   R"("add_prefix_space":true})").encode(text, true) == around({1}, {2}));
@@ -303,10 +315,7 @@ TEST_CASE("tokenizer spm: post-processors add their tokens only when asked", "[t
   // What loom cannot apply still loads (encoding without the tokens never needs it); asking for
   // the tokens names the file and the JSON path.
   auto refuse_on_encode = [&](const std::string& post, const std::string& key, const std::string& what) {
-    Tokenizer t = with_post(post);
-    CHECK(t.encode(text) == plain);
-    CHECK_THROWS_WITH(t.encode(text, true), Catch::Contains("post.json") && Catch::Contains(key) && Catch::Contains(what));
-    CHECK(t.special_prefix().empty());
+    refuse_later(with_post(post), key, what);
   };
   refuse_on_encode(R"({"type":"Sequence","processors":[{"type":"ByteLevel"},{"type":"Fancy"}]})",
                    "post_processor.processors[1].type", "unsupported post-processor \"Fancy\"");

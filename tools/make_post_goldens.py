@@ -5,7 +5,10 @@ tokenizers (tests/fixtures/tokenizer_bpe1000_s0: byte-level; tokenizer_spm_llama
 kind), built with HF tokenizers' own classes and serialized by HF.
   python3 tools/make_post_goldens.py OUT_DIR      (needs the tokenizers package; run from the repo)
 writes OUT_DIR/tokenizer_post/golden.json: for each case its base fixture, the post_processor
-JSON as HF writes it, and the probes' ids with and without the special tokens."""
+JSON as HF writes it, and the probes' ids with and without the special tokens; and
+OUT_DIR/tokenizer_post/pipeline.json: the same cases' pairs, then pairs and batches under
+truncation and padding settings (each with the tokenizer.json sections HF writes for them):
+ids, type ids and attention masks, or the error HF raised."""
 import json
 import os
 import sys
@@ -49,7 +52,58 @@ def main():
     import tokenizers
     json.dump({"tokenizers": tokenizers.__version__, "strings": PROBES, "cases": res},
               open(os.path.join(out, "golden.json"), "w"), ensure_ascii=False, indent=0)
+    json.dump({"tokenizers": tokenizers.__version__, "strings": PROBES, "runs": pipeline(base)},
+              open(os.path.join(out, "pipeline.json"), "w"), ensure_ascii=False, indent=0)
     print("wrote", out, "tokenizers", tokenizers.__version__)
+
+
+def encoding(e):
+    return {"ids": e.ids, "type_ids": e.type_ids, "attention_mask": e.attention_mask}
+
+
+def pipeline(base):
+    """Pairs through every case's post-processor, then truncation and padding settings on two of
+    them. Each run: the fixture, its sections as HF writes them, and per pair (probe i, probe
+    len-1-i) or per batch the encodings or the error's text."""
+    runs = []
+    pairs = [(PROBES[i], PROBES[len(PROBES) - 1 - i]) for i in range(len(PROBES))]
+
+    def run(name, fixture, tok, batch=False):
+        sections = json.loads(tok.to_str())
+        item = {"name": name, "fixture": fixture,
+                "post_processor": sections["post_processor"], "truncation": sections["truncation"],
+                "padding": sections["padding"], "results": []}
+        for special in (False, True):
+            try:
+                if batch:
+                    got = [encoding(e) for e in tok.encode_batch(pairs, add_special_tokens=special)]
+                else:
+                    got = [encoding(tok.encode(a, b, add_special_tokens=special)) for a, b in pairs]
+                item["results"].append({"add_special_tokens": special, "encodings": got})
+            except Exception as err:  # HF refuses: loom must refuse too
+                item["results"].append({"add_special_tokens": special, "error": str(err)})
+        runs.append(item)
+
+    for name, fixture, proc in cases(base["tokenizer_bpe1000_s0"], base["tokenizer_spm_llama2"]):
+        tok = Tokenizer.from_str(base[fixture].to_str())
+        tok.post_processor = proc
+        run(name + " pairs", fixture, tok)
+        if name not in ("bert", "llama3_like"):
+            continue
+        for strategy in ("longest_first", "only_first", "only_second"):
+            for direction in ("right", "left"):
+                for max_length in (4, 8, 20):  # not under the 3 ids BERT adds to a pair: HF's max_length - added would wrap
+                    t = Tokenizer.from_str(tok.to_str())
+                    t.enable_truncation(max_length, stride=0, strategy=strategy, direction=direction)
+                    run(f"{name} truncation {strategy} {direction} {max_length}", fixture, t)
+        for length, multiple, direction in ((None, None, "right"), (None, 8, "left"), (40, None, "right"),
+                                            (4, 16, "left")):
+            t = Tokenizer.from_str(tok.to_str())
+            t.enable_truncation(24)
+            t.enable_padding(direction=direction, pad_id=3, pad_type_id=5, pad_token="<0x41>", length=length,
+                             pad_to_multiple_of=multiple)
+            run(f"{name} padding {length} {multiple} {direction}", fixture, t, batch=True)
+    return runs
 
 
 if __name__ == "__main__":
