@@ -4,7 +4,8 @@
 # CUDA build, every test (CPU and GPU), the fixture checks on CUDA, the kernel benchmark beside
 # the PyTorch reference, and short training runs. Each part is time-boxed; logs go to
 # $OUT/work and come back as $OUT/gpu-ci.tgz plus the bench table.
-#   bash tools/gpu-ci.sh [parts...]     parts: build test check bench vlm mim graphs (default: all)
+#   bash tools/gpu-ci.sh [parts...]     parts: build test check bench vlm mim graphs (default: all),
+#                                       and e2e, goldens on request
 set -uo pipefail
 OUT=${OUT:-out}
 W=$OUT/work
@@ -56,6 +57,17 @@ for p in $parts; do
         log "graphs $name: $(python3 tools/dp_compare.py "$W/graphs_${name}_true/metrics.jsonl" \
           "$W/graphs_${name}_false/metrics.jsonl" --tol 0) $(grep -E '^CUDA graphs' "$W/graphs_${name}_true.log")"
       done ;;
+    goldens)  # HF tokenizers' own encodings (tools/make_post_goldens.py; the GPU machines have HF
+              # tokenizers): $OUT/tokenizer_post/*.json, to be copied into tests/fixtures/tokenizer_post;
+              # test_tokenizer_post then runs against the new pipeline.json here
+      python3 tools/make_post_goldens.py "$OUT" > "$W/goldens.log" 2>&1
+      rc=$?
+      if [ $rc -eq 0 ] && [ -x build/test_tokenizer_post ]; then
+        cp "$OUT/tokenizer_post/pipeline.json" tests/fixtures/tokenizer_post/ &&
+          ./build/test_tokenizer_post "[post]" 2>&1 | tail -60 >> "$W/goldens.log"
+        rc=${PIPESTATUS[0]}
+      fi
+      log "goldens rc=$rc: $(tail -2 "$W/goldens.log" | tr '\n' ' ')" ;;
     mim)
       timeout ${MIM_SECONDS:-200} ./build/train vit_mim.cfg --data.path=.deps/fashion-mnist ${MIM_ARGS:-} --train.out_dir="$W/vit_mim" > "$W/vit_mim.log" 2>&1
       log "vit_mim rc=$?: $(grep -E 'eval at step' "$W/vit_mim.log" | tail -1)" ;;
