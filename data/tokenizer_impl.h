@@ -1,5 +1,6 @@
 // tokenizer_impl.h: the state behind a Tokenizer, shared by tokenizer.cpp (encode, decode),
-// tokenizer_spm.cpp (normalizers, Metaspace, decoders) and tokenizer_io.cpp (load, save). Internal to data/tokenizer*.cpp.
+// tokenizer_spm.cpp (normalizers, Metaspace, decoders), tokenizer_io.cpp (load, save) and
+// tokenizer_post.cpp (truncation, post-processor, padding). Internal to data/tokenizer*.cpp.
 #pragma once
 #include <nlohmann/json.hpp>
 
