@@ -43,13 +43,15 @@ static void check_tcp_average(int world, size_t n, uint32_t seed) {
   }
 }
 
-TEST_CASE("CPU collectives: every rank gets the same mean, summed in rank order, over several chunks", "[distributed]") {
+TEST_CASE("CPU collectives: every rank gets the same mean, summed in rank order, over several windows", "[distributed]") {
   const uint32_t seed = std::random_device{}();
   INFO("seed " << seed);
   const size_t per_chunk_f32 = tcp::Comm::kChunkBytes / 4;
   check_tcp_average<float>(3, per_chunk_f32 * 2 + 12345, seed);  // two whole chunks and a part
   check_tcp_average<double>(2, per_chunk_f32 / 2 + 7, seed + 1);  // one f64 chunk and a part
   check_tcp_average<float>(4, 1, seed + 2);                       // the loss: one value
+  check_tcp_average<float>(5, 3, seed + 3);                       // fewer elements than ranks: empty parts
+  check_tcp_average<double>(6, per_chunk_f32 / 2 + 1001, seed + 4);  // six parts of unequal sizes, two windows
 }
 
 TEST_CASE("CPU collectives: a gather puts every rank's part in rank order, the same bits on every rank", "[distributed]") {

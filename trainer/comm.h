@@ -2,8 +2,9 @@
 //   loom::nccl  GPUs: the few NCCL calls (trainer/comm_nccl.cpp). In a build without NCCL
 //               (CPU-only, or nccl.h not found) available() is false and every other call throws
 //               saying so.
-//   loom::tcp   the CPU: the same average over TCP, through rank 0 (trainer/comm_tcp.cpp), in
-//               every build; what PyTorch's gloo backend is to its NCCL one.
+//   loom::tcp   the CPU: the same average over TCP between every pair of ranks
+//               (trainer/comm_tcp.cpp), in every build; what PyTorch's gloo backend is to its
+//               NCCL one.
 #pragma once
 #include <atomic>
 #include <cstddef>
@@ -51,12 +52,19 @@ void destroy(void* comm);
 
 namespace loom::tcp {
 
-// Data parallel on the CPU: every rank holds one connection to rank 0. An average is computed
-// in chunks of kChunkBytes: each rank sends its chunk, rank 0 sums the ranks' values in rank
-// order in double precision, divides by the world size, rounds once to the buffer's dtype and
-// sends the result back to every rank. So every rank gets the same bits (the weights stay
-// identical without a broadcast) and the sum does not depend on timing. Rank 0 moves
-// 2 x (world - 1) x the buffer: plenty for a few processes on one machine, not a ring.
+// Data parallel on the CPU: every pair of ranks holds one connection (rank 0's to the others
+// made first, when they join; through them the ranks learn each other's addresses and connect
+// the rest). An average runs in windows of kChunkBytes, each cut into `world` parts; part q
+// belongs to rank q:
+//   1. every rank sends part q of its buffer to rank q and receives every rank's values of its
+//      own part (all transfers in flight together: net::exchange);
+//   2. it sums them in rank order in double precision, divides by the world size and rounds
+//      once to the buffer's dtype;
+//   3. it sends that part to every rank and receives theirs.
+// So every rank gets the same bits (the weights stay identical without a broadcast), the same
+// bits as a sum over the ranks in rank order would give, and the sum does not depend on
+// timing. Each rank sends and receives 2 x (world - 1) / world x the buffer, as in a ring; a
+// window needs (world - 1) / world x kChunkBytes of receive space. Gathers go through rank 0.
 class Comm {
  public:
   static constexpr size_t kChunkBytes = size_t(1) << 22;
@@ -66,7 +74,8 @@ class Comm {
   std::string payload() const;
   // Rank 0: accept the other ranks (after the rendezvous has sent them the payload).
   void accept_ranks();
-  // Ranks > 0: connect to rank 0 at `host` with rank 0's payload.
+  // Ranks > 0: connect to rank 0 at `host` with rank 0's payload. accept_ranks() and connect()
+  // return when every pair of ranks is connected (all ranks call one of them).
   static Comm connect(const std::string& host, const std::string& payload, int rank, int world, double timeout_s);
 
   Comm() = default;
@@ -97,12 +106,15 @@ class Comm {
   template <class T>
   void average(T* buf, size_t count);
 
+  // every rank: accept the higher ranks' connections on listen_fd_, connect to the lower ones
+  // (rank 0's already made) at the addresses in `table` ("port host" per rank; rank 0's unused)
+  void connect_pairs(const std::vector<std::string>& table, double deadline_ms);
+
   int rank_ = 0, world_ = 1, listen_fd_ = -1, port_ = 0;
   double timeout_ms_ = 0;
   const std::atomic<double>* alive_ = nullptr;
-  std::vector<int> fds_;     // rank 0: fds_[r] for r >= 1; others: fds_[0] is rank 0
-  std::vector<double> sum_;  // rank 0: one chunk's running sums
-  std::vector<char> peer_;   // rank 0: one peer's chunk
+  std::vector<int> fds_;     // fds_[q]: the connection to rank q (fds_[rank_] = -1)
+  std::vector<char> parts_;  // an average's window: every rank's values of this rank's part
 };
 
 }  // namespace loom::tcp

@@ -280,8 +280,8 @@ std::string DataParallel::backend() const {
                                  "(train.dist_bucket_mb)", bucket_mb_)
                      : std::string("after the backward (train.dist_bucket_mb = 0)");
   if (device_ == Device::CPU)
-    return strformat("data parallel: %s; CPU, gradients averaged over TCP through rank 0 (sums in rank order, in "
-                     "double precision) %s", env_.describe().c_str(), when.c_str());
+    return strformat("data parallel: %s; CPU, gradients averaged over TCP, each rank summing its part of them (in "
+                     "rank order, in double precision) %s", env_.describe().c_str(), when.c_str());
   return strformat("data parallel: %s; NCCL %s, gradients averaged %s", env_.describe().c_str(),
                    nccl::version().c_str(), when.c_str());
 }

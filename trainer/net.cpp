@@ -165,4 +165,52 @@ std::string host_name() {
   return h;
 }
 
+std::string peer_address(int fd) {
+  sockaddr_storage a{};
+  socklen_t len = sizeof a;
+  if (getpeername(fd, (sockaddr*)&a, &len) != 0) return "";
+  char h[NI_MAXHOST] = {0};
+  if (getnameinfo((sockaddr*)&a, len, h, sizeof h, nullptr, 0, NI_NUMERICHOST) != 0) return "";
+  std::string s = h;
+  if (s.rfind("::ffff:", 0) == 0 && s.find('.') != std::string::npos) s = s.substr(7);  // an IPv4 peer
+  return s;
+}
+
+int exchange(std::vector<Transfer>& ts, double deadline_ms, const std::atomic<double>* alive, double grace_ms) {
+  std::vector<pollfd> pf;
+  std::vector<size_t> at;  // pf[j] is ts[at[j]]
+  while (true) {
+    pf.clear();
+    at.clear();
+    for (size_t i = 0; i < ts.size(); i++) {
+      short ev = short((ts[i].send_n ? POLLOUT : 0) | (ts[i].recv_n ? POLLIN : 0));
+      if (ev) pf.push_back({ts[i].fd, ev, 0}), at.push_back(i);
+    }
+    if (pf.empty()) return -1;
+    if (alive) deadline_ms = std::max(deadline_ms, alive->load() + grace_ms);
+    const double left = deadline_ms - now_ms();
+    if (left <= 0) return int(at[0]);  // the first transfer still waiting
+    int k = ::poll(pf.data(), nfds_t(pf.size()), int(std::min(left, 1000.0)) + 1);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) continue;  // this second's wait; the deadline is checked above
+    for (size_t j = 0; j < pf.size(); j++) {
+      Transfer& t = ts[at[j]];
+      const short re = pf[j].revents;
+      if (!re) continue;
+      bool moved = false;
+      if (t.recv_n && (re & (POLLIN | POLLHUP | POLLERR))) {
+        ssize_t r = ::recv(t.fd, t.recv, t.recv_n, MSG_DONTWAIT);
+        if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) return int(at[j]);
+        if (r > 0) t.recv += r, t.recv_n -= size_t(r), moved = true;
+      }
+      if (t.send_n && (re & (POLLOUT | POLLHUP | POLLERR))) {
+        ssize_t w = ::send(t.fd, t.send, t.send_n, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (w == 0 || (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) return int(at[j]);
+        if (w > 0) t.send += w, t.send_n -= size_t(w), moved = true;
+      }
+      if (!moved && (re & (POLLERR | POLLNVAL))) return int(at[j]);
+    }
+  }
+}
+
 }  // namespace loom::net

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstddef>
 #include <string>
+#include <vector>
 
 namespace loom::net {
 
@@ -32,5 +33,23 @@ int accept_until(int listen_fd, double deadline_ms);
 int connect_until(const std::string& host, int port, double deadline_ms, std::string* why);
 
 std::string host_name();
+// The numeric address of a connected socket's peer ("10.1.2.3", "::1"; an IPv4 peer of an IPv6
+// socket in its IPv4 form); "" when the socket has none.
+std::string peer_address(int fd);
+
+// Several sockets at once: on each, `send_n` bytes from `send` are written and `recv_n` bytes
+// into `recv` are read, all in flight together (poll), so that peers sending to each other
+// cannot block one another. Returns -1 when every transfer is complete, or the index of one
+// whose peer failed, closed, or left its transfer unfinished at deadline_ms (moved by `alive`
+// as in read_all).
+struct Transfer {
+  int fd;
+  const char* send;
+  size_t send_n;
+  char* recv;
+  size_t recv_n;
+};
+int exchange(std::vector<Transfer>& transfers, double deadline_ms, const std::atomic<double>* alive = nullptr,
+             double grace_ms = 0);
 
 }  // namespace loom::net
