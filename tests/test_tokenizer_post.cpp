@@ -9,10 +9,8 @@
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
-#include <fstream>
-#include <sstream>
-
 #include "data/tokenizer.h"
+#include "tests/source_text.h"
 
 using loom::Tokenizer;
 using json = nlohmann::json;
@@ -22,12 +20,12 @@ using Strategy = Tokenizer::Truncation::Strategy;
 
 namespace {
 
+using loom::test::read_all;
+
 json fixture() {
-  std::ifstream f("tests/fixtures/tokenizer_bpe1000_s0/tokenizer.json", std::ios::binary);
-  REQUIRE(f.good());
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return json::parse(ss.str());
+  const std::string text = read_all("tests/fixtures/tokenizer_bpe1000_s0/tokenizer.json");
+  REQUIRE(!text.empty());
+  return json::parse(text);
 }
 
 // The fixture with these sections replaced (JSON text; "" leaves one as it is).
@@ -388,14 +386,12 @@ TEST_CASE("tokenizer truncation and padding: JSON in and out, setters, malformed
 // Where HF raised an error, loom must refuse too. The file is made on a machine with HF
 // tokenizers; until it is in the fixtures this case says so and checks nothing.
 TEST_CASE("tokenizer pipeline: HF's encodings of pairs, truncation and padding", "[tokenizer][post]") {
-  std::ifstream f("tests/fixtures/tokenizer_post/pipeline.json", std::ios::binary);
-  if (!f.good()) {
+  const std::string text = read_all("tests/fixtures/tokenizer_post/pipeline.json");
+  if (text.empty()) {
     WARN("tests/fixtures/tokenizer_post/pipeline.json is not made yet (tools/make_post_goldens.py)");
     return;
   }
-  std::stringstream ss;
-  ss << f.rdbuf();
-  const json g = json::parse(ss.str());
+  const json g = json::parse(text);
   const auto& probes = g.at("strings");
   const size_t n = probes.size();
   std::vector<std::string> firsts, seconds;
@@ -403,10 +399,7 @@ TEST_CASE("tokenizer pipeline: HF's encodings of pairs, truncation and padding",
   REQUIRE(g.at("runs").size() >= 6);
   for (const auto& r : g.at("runs")) {
     INFO("run " << r.at("name").get<std::string>());
-    std::ifstream tf("tests/fixtures/" + r.at("fixture").get<std::string>() + "/tokenizer.json", std::ios::binary);
-    std::stringstream ts;
-    ts << tf.rdbuf();
-    json doc = json::parse(ts.str());
+    json doc = json::parse(read_all("tests/fixtures/" + r.at("fixture").get<std::string>() + "/tokenizer.json"));
     for (const char* k : {"post_processor", "truncation", "padding"}) doc[k] = r.at(k);
     const Tokenizer t = Tokenizer::from_json(doc.dump(), "pipeline.json");
     const bool batch = !r.at("padding").is_null();

@@ -33,10 +33,10 @@ namespace {
 
 bool is_loopback(const std::string& a) { return a.empty() || a.rfind("127.", 0) == 0 || a == "::1"; }
 
-void send_text(int fd, const std::string& t) {
+void send_text(int fd, const std::string& t, int to) {
   const uint32_t n = uint32_t(t.size());
   LOOM_CHECK(net::write_all(fd, &n, sizeof n) && net::write_all(fd, t.data(), t.size()),
-             "data parallel (CPU): lost a rank while sending the ranks' addresses");
+             "data parallel (CPU): rank 0 lost rank %d while sending it the ranks' addresses", to);
 }
 
 }  // namespace
@@ -64,7 +64,7 @@ void Comm::accept_ranks() {
   listen_fd_ = -1;
   std::string text;
   for (const std::string& row : table) text += row + "\n";
-  for (int r = 1; r < world_; r++) send_text(fds_[size_t(r)], text);
+  for (int r = 1; r < world_; r++) send_text(fds_[size_t(r)], text, r);
 }
 
 Comm Comm::connect(const std::string& host, const std::string& payload, int rank, int world, double timeout_s) {
