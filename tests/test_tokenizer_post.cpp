@@ -384,7 +384,7 @@ TEST_CASE("tokenizer truncation and padding: JSON in and out, setters, malformed
 // golden.json with pairs, then truncation (every strategy and direction) and padding settings
 // on BERT's and Llama 3's; the sections as HF writes them, so that loom also reads HF's form.
 // Where HF raised an error, loom must refuse too. The file is made on a machine with HF
-// tokenizers; until it is in the fixtures this case says so and checks nothing.
+// tokenizers (tests/fixtures/README.md); without it this case says so and checks nothing.
 TEST_CASE("tokenizer pipeline: HF's encodings of pairs, truncation and padding", "[tokenizer][post]") {
   const std::string text = read_all("tests/fixtures/tokenizer_post/pipeline.json");
   if (text.empty()) {
