@@ -2,7 +2,9 @@
 #include "autograd/autograd.h"
 
 #include <chrono>
+#include <cstdlib>
 #include <map>
+#include <unordered_set>
 
 #include "tensor/dispatch.h"
 
@@ -136,6 +138,99 @@ std::string profile_report() {
 ProfileRange::ProfileRange(const char* name) { cuda::range_push(name); }
 ProfileRange::~ProfileRange() { cuda::range_pop(); }
 
+// ------------------------------------------------------------------ weight gradients beside
+namespace {
+struct WeightGrads {
+  bool on = false;
+  int pending = 0;                     // branches since the last join
+  void* fork = nullptr;                // events, reused: a wait takes the latest record
+  void* join = nullptr;
+  std::vector<Tensor> keep;            // what the pending branches read, released at the join
+  std::unordered_set<const void*> written;  // gradient storages the pending branches write
+  bool in_branch = false;
+};
+thread_local WeightGrads g_wg;
+// Branches between joins. Each join makes the main stream wait for every branch so far; a
+// larger count lets the side stream trail further behind, and holds what the branches read
+// (their output gradients and inputs) that much longer. LOOM_WGRAD_JOIN overrides it
+// (measurement).
+int join_every() {
+  static const int n = [] {
+    const char* e = std::getenv("LOOM_WGRAD_JOIN");
+    return e && std::atoi(e) > 0 ? std::atoi(e) : 2;
+  }();
+  return n;
+}
+const void* storage_key(const Tensor& t) { return t.defined() ? t.impl()->storage.get() : nullptr; }
+}  // namespace
+
+void set_side_weight_grads(bool on) {
+  if (!on) weight_grads_join();
+  g_wg.on = on;
+}
+bool side_weight_grads() { return g_wg.on; }
+
+void weight_grads(const std::vector<Tensor>& keep, const std::function<void()>& fn) {
+  const Tensor* cuda_input = nullptr;
+  for (auto& t : keep)
+    if (t.defined() && t.device() == Device::CUDA) cuda_input = &t;
+  if (!g_wg.on || !cuda_input || g_wg.in_branch || g_profile || cuda::side_scope_active()) {
+    fn();
+    return;
+  }
+  if (g_wg.pending >= join_every()) weight_grads_join();
+  if (!g_wg.fork) {
+    g_wg.fork = cuda::event_create();
+    g_wg.join = cuda::event_create();
+  }
+  cuda::side_branch_fork(g_wg.fork);
+  g_wg.in_branch = true;
+  try {
+    fn();
+  } catch (...) {
+    g_wg.in_branch = false;
+    cuda::side_branch_end(g_wg.join);
+    g_wg.pending++;
+    throw;
+  }
+  g_wg.in_branch = false;
+  cuda::side_branch_end(g_wg.join);
+  g_wg.pending++;
+  for (auto& t : keep)
+    if (t.defined()) g_wg.keep.push_back(t);
+}
+
+Tensor weight_grad_buffer(const Tensor& x) {
+  Tensor b;
+  {
+    const bool was = g_wg.in_branch;
+    g_wg.in_branch = true;  // no join for this buffer: the branch writes it
+    try {
+      b = grad_buffer(x);
+    } catch (...) {
+      g_wg.in_branch = was;
+      throw;
+    }
+    g_wg.in_branch = was;
+  }
+  if (b.defined() && g_wg.on) g_wg.written.insert(storage_key(b));
+  return b;
+}
+
+void weight_grads_join() {
+  if (g_wg.pending == 0) return;
+  cuda::side_branch_join(g_wg.join);
+  g_wg.pending = 0;
+  g_wg.keep.clear();  // on the host after the wait is enqueued: later main-stream reuse waits too
+  g_wg.written.clear();
+}
+
+// the main stream is about to write x's gradient: join first when a pending branch writes it
+static void join_if_branch_writes(const Tensor& x) {
+  if (g_wg.pending == 0 || g_wg.in_branch || !x.grad().defined()) return;
+  if (g_wg.written.count(storage_key(x.grad()))) weight_grads_join();
+}
+
 bool grad_enabled() { return g_grad_enabled; }
 NoGradGuard::NoGradGuard() : prev(g_grad_enabled) { g_grad_enabled = false; }
 NoGradGuard::~NoGradGuard() { g_grad_enabled = prev; }
@@ -198,6 +293,7 @@ void accumulate_grad(const Tensor& x, const Tensor& g, bool fresh) {
   if (!x.defined() || !x.requires_grad() || !g.defined()) return;
   LOOM_CHECK(g.shape() == x.shape(), "gradient %s for tensor %s", g.desc().c_str(), x.desc().c_str());
   if (g_observer && x.impl()->tape_id < 0) g_observer->leaf_written(x);
+  if (x.impl()->tape_id < 0) join_if_branch_writes(x);
   Tensor cur = x.grad();
   Tensor gg = g.dtype() == x.dtype() ? g : g.to(x.dtype());
   if (!cur.defined()) {
@@ -233,6 +329,7 @@ void accumulate_grad(const Tensor& x, const Tensor& g, bool fresh) {
 Tensor grad_buffer(const Tensor& x, bool* is_new) {
   if (is_new) *is_new = false;
   if (!x.defined() || !x.requires_grad()) return Tensor();
+  join_if_branch_writes(x);
   if (!x.grad().defined() && is_new) {
     x.impl()->grad = Tensor::empty(x.shape(), x.dtype(), x.device()).impl();
     *is_new = true;
@@ -300,7 +397,10 @@ void backward(const Tensor& root, const Tensor& seed) {
     if (any) {
       n.backward();
       if (g_profile) cut(category_of(n.name), 1);
-      if (g_observer) g_observer->node_done();
+      if (g_observer) {
+        weight_grads_join();  // the buckets' events are recorded on the main stream
+        g_observer->node_done();
+      }
     }
     n.backward = nullptr;  // frees what the node saved
     for (auto& o : n.outputs) {
@@ -309,6 +409,7 @@ void backward(const Tensor& root, const Tensor& seed) {
     }
   }
   g_tape.clear();
+  weight_grads_join();  // every gradient complete on the main stream when backward() returns
 }
 
 }  // namespace loom

@@ -71,6 +71,24 @@ void replace_grad(const Tensor& x, const Tensor& g);
 // must then write (`=`) every element instead of adding (one pass over memory less).
 Tensor grad_buffer(const Tensor& x, bool* is_new = nullptr);
 
+// ---- weight gradients beside the backward (train.side_weight_grads)
+// A layer's backward computes its input's gradient, which the next node waits for, and its
+// weights' gradients, which only the optimizer reads. While this is on (CUDA, outside a side
+// scope, not profiling), weight_grads(keep, fn) runs fn, the products that add into weight
+// gradient buffers, as a side branch (kernels.h: side_branch_fork .. side_branch_end) on the
+// side stream, beside the main stream's next nodes; the main stream joins the branches every
+// few nodes (weight_grads_join: it waits for them, and what they read, `keep`, is released
+// only then) and at the end of backward(). fn must read only what its closure holds in `keep`
+// and write only buffers taken with weight_grad_buffer(). Off (the default), on the CPU and
+// everywhere else, fn runs in place: the same kernels in the same order, so the same bits.
+void set_side_weight_grads(bool on);
+bool side_weight_grads();
+void weight_grads(const std::vector<Tensor>& keep, const std::function<void()>& fn);
+// grad_buffer for a weight whose gradient a weight_grads() branch writes. A plain grad_buffer()
+// or accumulate_grad() of such a leaf (the main stream writing it) joins the branches first.
+Tensor weight_grad_buffer(const Tensor& x);
+void weight_grads_join();  // the main stream waits for every branch so far (no-op when none)
+
 // ---- watching the backward (data parallel's gradient buckets, trainer/grad_buckets.h)
 // While set (on this thread), leaf_written(x) is called whenever a backward closure is about
 // to write or add to the gradient of leaf x (grad_buffer, accumulate_grad), and node_done()

@@ -32,14 +32,17 @@ Tensor stacked_view(const std::vector<Tensor>& ts) {
 
 // dW_p += d[:, cols_p]^T x for the parts of a joined product d [N, sum of widths]: one GEMM
 // into the stacked gradient buffers when they lie side by side, else one per part (its columns
-// copied out first). x [N, C] contiguous.
-static void joined_weight_grads(const Tensor& d, const Tensor& xc, const std::vector<Tensor>& weights) {
+// copied out first). x [N, C] contiguous. dws: the parts' gradient buffers (weight_grad_buffer;
+// undefined: none wanted). Run inside weight_grads() by the callers.
+static std::vector<Tensor> weight_grad_buffers(const std::vector<Tensor>& weights) {
   std::vector<Tensor> dws;
+  for (auto& w : weights) dws.push_back(weight_grad_buffer(w));
+  return dws;
+}
+static void joined_weight_grads(const Tensor& d, const Tensor& xc, const std::vector<Tensor>& weights,
+                                const std::vector<Tensor>& dws) {
   bool all = true;
-  for (auto& w : weights) {
-    dws.push_back(grad_buffer(w));
-    all = all && dws.back().defined();
-  }
+  for (auto& dw : dws) all = all && dw.defined();
   const int64_t N = d.size(0);
   const int C = int(xc.size(-1));
   Tensor joined = all ? stacked_view(dws) : Tensor();
@@ -97,26 +100,39 @@ Tensor mlp_swiglu_joined(const Tensor& x, const Tensor& w_gate, const Tensor& w_
       Tensor go = grad_of(out).contiguous();
       accumulate_grad(residual, go);  // passed on (aliased)
       if (!mlp_grad) return;
-      Tensor dwd = grad_buffer(w_down);
+      Tensor dwd = weight_grad_buffer(w_down);
+      std::vector<Tensor> dwgu = weight_grad_buffers({w_gate, w_up});
       LOOM_CHECK(!dwd.defined() || w_down.is_contiguous(), "mlp_swiglu: gradient of a strided weight");
       Tensor dx = x.requires_grad() ? Tensor::empty(x.shape(), x.dtype(), x.device()) : Tensor();
       Tensor dgu = Tensor::empty({N, 2 * I}, go.dtype(), go.device());
+      // dh = go Wd and the SwiGLU's gradient (and h again, for Wd's gradient, unless the
+      // forward's is kept) in one call: gemm_sm90.cu's epilogue on Hopper, else the product
+      // into a scratch dh and one pass
+      Tensor h = !dwd.defined() ? Tensor() : kept.defined() ? kept : Tensor::empty({N, I}, go.dtype(), go.device());
       dispatch_float(go, [&](auto dev, auto zero) {
         using T = decltype(zero);
-        // dh = go Wd and the SwiGLU's gradient (and h again, for Wd's gradient, unless the
-        // forward's is kept) in one call: gemm_sm90.cu's epilogue on Hopper, else the product
-        // into a scratch dh and one pass
-        Tensor h = !dwd.defined() ? Tensor() : kept.defined() ? kept : Tensor::empty({N, I}, go.dtype(), go.device());
         KERNEL(dev, linear_swiglu_backward)(dgu.data<T>(), kept.defined() ? (T*)nullptr : ptr<T>(h), go.data<T>(),
                                             wdc.data<T>(), gu.data<T>(), N, C2, I, stream_for(dev));
-        if (dwd.defined())
-          KERNEL(dev, linear_backward)((T*)nullptr, dwd.data<T>(), (T*)nullptr, go.data<T>(), h.data<T>(), wdc.data<T>(),
-                                       N, I, C2, stream_for(dev));
-        if (dx.defined())
+      });
+      // the three weights' gradients (beside the next work under train.side_weight_grads)
+      bool any_dw = dwd.defined();
+      for (auto& dw : dwgu) any_dw = any_dw || dw.defined();
+      if (any_dw)
+        weight_grads({go, h, dgu, xc}, [&] {
+          if (dwd.defined())
+            dispatch_float(go, [&](auto dev, auto zero) {
+              using T = decltype(zero);
+              KERNEL(dev, linear_backward)((T*)nullptr, dwd.data<T>(), (T*)nullptr, go.data<T>(), h.data<T>(),
+                                           wdc.data<T>(), N, I, C2, stream_for(dev));
+            });
+          joined_weight_grads(dgu, xc, {w_gate, w_up}, dwgu);
+        });
+      if (dx.defined())
+        dispatch_float(go, [&](auto dev, auto zero) {
+          using T = decltype(zero);
           KERNEL(dev, gemm)(dx.data<T>(), dgu.data<T>(), wgu.data<T>(), int(N), C, 2 * I, false, false, 1.0, 0.0, 1, 0, 0,
                             0, stream_for(dev));
-      });
-      joined_weight_grads(dgu, xc, {w_gate, w_up});
+        });
       if (dx.defined()) accumulate_grad(x, dx, true);
     });
   return out;
@@ -153,6 +169,9 @@ static std::vector<Tensor> qkv_rope_rows(const Tensor& xc, const Tensor& w, cons
 // and the three weight gradients (joined_weight_grads)
 static void qkv_product_backward(const Tensor& x, const Tensor& xc, const Tensor& w, const Tensor& dqkv,
                                  const std::vector<Tensor>& weights) {
+  // the weights' gradients beside the next work under train.side_weight_grads
+  std::vector<Tensor> dws = weight_grad_buffers(weights);
+  weight_grads({dqkv, xc}, [&] { joined_weight_grads(dqkv, xc, weights, dws); });
   if (x.requires_grad()) {
     Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
     dispatch_float(dqkv, [&](auto dev, auto zero) {
@@ -162,7 +181,6 @@ static void qkv_product_backward(const Tensor& x, const Tensor& xc, const Tensor
     });
     accumulate_grad(x, dx, true);
   }
-  joined_weight_grads(dqkv, xc, weights);
 }
 
 std::vector<Tensor> qkv_rope(const Tensor& x, const Tensor& wq, const Tensor& wk, const Tensor& wv, const Tensor& pos,
@@ -274,7 +292,7 @@ Tensor qkv_attention(const Tensor& x, const Tensor& weight, const Tensor& bias, 
       Tensor ws = attention_workspace(q);
       Tensor dqkv = Tensor::empty({N, 3 * D}, xc.dtype(), xc.device());
       Tensor dx = x.requires_grad() ? Tensor::empty(x.shape(), x.dtype(), x.device()) : Tensor();
-      Tensor dw = grad_buffer(weight), db = grad_buffer(bias);
+      Tensor dw = weight_grad_buffer(weight), db = weight_grad_buffer(bias);
       dispatch_float(g, [&](auto dev, auto zero) {
         using T = decltype(zero);
         using A = acc_t<T>;
@@ -282,9 +300,23 @@ Tensor qkv_attention(const Tensor& x, const Tensor& weight, const Tensor& bias, 
                                             out.data<T>(), lse.data<A>(), ws.data<A>(), seq.cu_q.data<int32_t>(),
                                             (const int32_t*)nullptr, seq.nseq, seq.max_seqlen, N, heads, heads,
                                             int(hd), /*causal=*/false, scale, 0.0, stream_for(dev));
-        KERNEL(dev, linear_backward)(ptr<T>(dx), ptr<T>(dw), ptr<T>(db), dqkv.data<T>(), xc.data<T>(),
-                                     weight.data<T>(), N, C, int(3 * D), stream_for(dev));
       });
+      // the weight's and bias's gradients (beside the next work under train.side_weight_grads),
+      // then dx = dqkv W
+      if (dw.defined() || db.defined())
+        weight_grads({dqkv, xc}, [&] {
+          dispatch_float(g, [&](auto dev, auto zero) {
+            using T = decltype(zero);
+            KERNEL(dev, linear_backward)((T*)nullptr, ptr<T>(dw), ptr<T>(db), dqkv.data<T>(), xc.data<T>(),
+                                         weight.data<T>(), N, C, int(3 * D), stream_for(dev));
+          });
+        });
+      if (dx.defined())
+        dispatch_float(g, [&](auto dev, auto zero) {
+          using T = decltype(zero);
+          KERNEL(dev, linear_backward)(dx.data<T>(), (T*)nullptr, (T*)nullptr, dqkv.data<T>(), xc.data<T>(),
+                                       weight.data<T>(), N, C, int(3 * D), stream_for(dev));
+        });
       if (dx.defined()) accumulate_grad(x, dx, true);
     });
   return reshape(out, {N, D});

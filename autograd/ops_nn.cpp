@@ -29,13 +29,24 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const T
       Tensor g = grad_of(out).contiguous();
       accumulate_grad(residual, g);  // the residual's gradient is out's, passed on (aliased)
       Tensor dx = x.requires_grad() ? Tensor::empty(x.shape(), x.dtype(), x.device()) : Tensor();
-      Tensor dw = grad_buffer(weight), db = grad_buffer(bias);
+      Tensor dw = weight_grad_buffer(weight), db = weight_grad_buffer(bias);
       LOOM_CHECK(!dw.defined() || weight.is_contiguous(), "linear: gradient of a strided weight");
-      dispatch_float(g, [&](auto dev, auto zero) {
-        using T = decltype(zero);
-        KERNEL(dev, linear_backward)(ptr<T>(dx), ptr<T>(dw), ptr<T>(db), g.data<T>(), xc.data<T>(), wc.data<T>(),
-                                     N, I, O, stream_for(dev));
-      });
+      // dW += g^T x and db += colsum(g) (beside the next nodes under train.side_weight_grads),
+      // then dx = g W on the main stream
+      if (dw.defined() || db.defined())
+        weight_grads({g, xc}, [&] {
+          dispatch_float(g, [&](auto dev, auto zero) {
+            using T = decltype(zero);
+            KERNEL(dev, linear_backward)((T*)nullptr, ptr<T>(dw), ptr<T>(db), g.data<T>(), xc.data<T>(), wc.data<T>(),
+                                         N, I, O, stream_for(dev));
+          });
+        });
+      if (dx.defined())
+        dispatch_float(g, [&](auto dev, auto zero) {
+          using T = decltype(zero);
+          KERNEL(dev, linear_backward)(dx.data<T>(), (T*)nullptr, (T*)nullptr, g.data<T>(), xc.data<T>(), wc.data<T>(),
+                                       N, I, O, stream_for(dev));
+        });
       if (dx.defined()) accumulate_grad(x, dx, true);
     });
   return out;
@@ -111,44 +122,59 @@ std::vector<Tensor> linear_parts(const Tensor& x, const std::vector<LinearPart>&
   if (needs_grad)
     record("linear", outs, [x, xc, parts, wcs, outs, N, I, batched]() {
       Tensor dx = x.requires_grad() ? Tensor::empty(x.shape(), x.dtype(), x.device()) : Tensor();
-      bool dx_written = false;
+      std::vector<Tensor> gs, dws, dbs;
+      for (size_t p = 0; p < parts.size(); p++) {
+        Tensor g = grad_of(outs[p]);  // undefined: this part did not reach the loss
+        gs.push_back(g.defined() ? g.contiguous() : g);
+        dws.push_back(weight_grad_buffer(parts[p].weight));
+        dbs.push_back(weight_grad_buffer(parts[p].bias));
+        LOOM_CHECK(!dws.back().defined() || parts[p].weight.is_contiguous(), "linear: gradient of a strided weight");
+      }
+      // the weight and bias gradients (beside the next nodes under train.side_weight_grads):
       // the parts' weight gradients in one batched GEMM when their output gradients lie one
       // after another too (the attention backward writes dq, dk, dv so): dW_p += g_p^T x
-      bool dw_done = false;
-      if (batched) {
-        std::vector<Tensor> gs;
-        for (auto& o : outs) gs.push_back(grad_of(o));
-        Tensor dw = grad_buffer(parts[0].weight);
-        const int64_t O = parts[0].rows, step = N * O * int64_t(dtype_size(xc.dtype()));
-        bool spaced = dw.defined();  // (one_batch: the weight is contiguous)
-        for (size_t p = 0; p < gs.size() && spaced; p++)
-          spaced = gs[p].defined() && gs[p].is_contiguous() &&
-                   static_cast<const char*>(gs[p].raw()) == static_cast<const char*>(gs[0].raw()) + int64_t(p) * step;
-        if (spaced) {
-          dispatch_float(gs[0], [&](auto dev, auto zero) {
-            using T = decltype(zero);
-            KERNEL(dev, gemm)(dw.data<T>() + parts[0].row0 * I, gs[0].data<T>(), xc.data<T>(), int(O), I, int(N), true,
-                              false, 1.0, 1.0, int(gs.size()), N * O, 0, O * I, stream_for(dev));
-          });
-          dw_done = true;
+      std::vector<Tensor> keep = gs;
+      keep.push_back(xc);
+      weight_grads(keep, [&] {
+        bool dw_done = false;
+        if (batched) {
+          Tensor dw = dws[0];
+          const int64_t O = parts[0].rows, step = N * O * int64_t(dtype_size(xc.dtype()));
+          bool spaced = dw.defined();  // (one_batch: the weight is contiguous)
+          for (size_t p = 0; p < gs.size() && spaced; p++)
+            spaced = gs[p].defined() &&
+                     static_cast<const char*>(gs[p].raw()) == static_cast<const char*>(gs[0].raw()) + int64_t(p) * step;
+          if (spaced) {
+            dispatch_float(gs[0], [&](auto dev, auto zero) {
+              using T = decltype(zero);
+              KERNEL(dev, gemm)(dw.data<T>() + parts[0].row0 * I, gs[0].data<T>(), xc.data<T>(), int(O), I, int(N), true,
+                                false, 1.0, 1.0, int(gs.size()), N * O, 0, O * I, stream_for(dev));
+            });
+            dw_done = true;
+          }
         }
-      }
-      for (size_t p = 0; p < parts.size(); p++) {
-        Tensor g = grad_of(outs[p]);
-        if (!g.defined()) continue;  // this part did not reach the loss
-        g = g.contiguous();
+        for (size_t p = 0; p < parts.size(); p++) {
+          if (!gs[p].defined()) continue;
+          const LinearPart& lp = parts[p];
+          Tensor dw = dw_done ? Tensor() : dws[p], db = dbs[p];
+          if (!dw.defined() && !db.defined()) continue;
+          dispatch_float(gs[p], [&](auto dev, auto zero) {
+            using T = decltype(zero);
+            KERNEL(dev, linear_backward)((T*)nullptr, dw.defined() ? dw.data<T>() + lp.row0 * I : (T*)nullptr,
+                                         db.defined() ? db.data<T>() + lp.row0 : (T*)nullptr, gs[p].data<T>(),
+                                         xc.data<T>(), wcs[p].data<T>() + lp.row0 * I, N, I, lp.rows, stream_for(dev));
+          });
+        }
+      });
+      // dx = sum_p g_p W_p, the GEMMs adding (beta 1) after the first
+      bool dx_written = false;
+      for (size_t p = 0; p < parts.size() && dx.defined(); p++) {
+        if (!gs[p].defined()) continue;
         const LinearPart& lp = parts[p];
-        Tensor dw = grad_buffer(lp.weight), db = grad_buffer(lp.bias);
-        LOOM_CHECK(!dw.defined() || lp.weight.is_contiguous(), "linear: gradient of a strided weight");
-        dispatch_float(g, [&](auto dev, auto zero) {
+        dispatch_float(gs[p], [&](auto dev, auto zero) {
           using T = decltype(zero);
-          const T* wp = wcs[p].data<T>() + lp.row0 * I;
-          if (dx.defined())
-            KERNEL(dev, gemm)(dx.data<T>(), g.data<T>(), wp, int(N), I, lp.rows, false, false, 1.0,
-                              dx_written ? 1.0 : 0.0, 1, 0, 0, 0, stream_for(dev));
-          KERNEL(dev, linear_backward)((T*)nullptr, dw.defined() && !dw_done ? dw.data<T>() + lp.row0 * I : (T*)nullptr,
-                                       db.defined() ? db.data<T>() + lp.row0 : (T*)nullptr, g.data<T>(), xc.data<T>(),
-                                       wp, N, I, lp.rows, stream_for(dev));
+          KERNEL(dev, gemm)(dx.data<T>(), gs[p].data<T>(), wcs[p].data<T>() + lp.row0 * I, int(N), I, lp.rows, false,
+                            false, 1.0, dx_written ? 1.0 : 0.0, 1, 0, 0, 0, stream_for(dev));
         });
         dx_written = true;
       }
@@ -214,31 +240,47 @@ Tensor mlp_gelu(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tenso
       Tensor g = grad_of(out).contiguous();
       accumulate_grad(residual, g);  // passed on (aliased)
       if (!pre.defined()) return;    // only the residual wanted a gradient
-      Tensor dw1 = grad_buffer(w1), db1 = grad_buffer(b1), dw2 = grad_buffer(w2), db2 = grad_buffer(b2);
+      Tensor dw1 = weight_grad_buffer(w1), db2 = weight_grad_buffer(b2), dw2 = weight_grad_buffer(w2);
+      Tensor db1 = grad_buffer(b1);  // the DGELU product's column sums, on the main stream
       LOOM_CHECK((!dw1.defined() || w1.is_contiguous()) && (!dw2.defined() || w2.is_contiguous()),
                  "mlp_gelu: gradient of a strided weight");
       Tensor dpre = Tensor::empty({N, H}, g.dtype(), g.device());
       Tensor dx = x.requires_grad() ? Tensor::empty(x.shape(), x.dtype(), x.device()) : Tensor();
+      // fc2's weight and bias gradients (beside the next work under train.side_weight_grads);
+      // its weight needs the activation: kept, or recomputed from pre
+      if (dw2.defined() || db2.defined())
+        weight_grads({g, pre, kept}, [&] {
+          dispatch_float(g, [&](auto dev, auto zero) {
+            using T = decltype(zero);
+            Tensor h = kept;
+            if (dw2.defined() && !h.defined()) {
+              h = Tensor::empty({N, H}, g.dtype(), g.device());
+              KERNEL(dev, gelu_forward)(h.data<T>(), pre.data<T>(), N * H, stream_for(dev));
+            }
+            KERNEL(dev, linear_backward)((T*)nullptr, ptr<T>(dw2), ptr<T>(db2), g.data<T>(), ptr<T>(h), w2c.data<T>(),
+                                         N, H, C2, stream_for(dev));
+          });
+        });
+      // dpre = (g W2) * gelu'(pre), db1 += colsum(dpre); then fc1's dW1 (beside) and dx
       dispatch_float(g, [&](auto dev, auto zero) {
         using T = decltype(zero);
-        if (dw2.defined()) {  // fc2's weight needs the activation: kept, or recomputed from pre
-          Tensor h = kept;
-          if (!h.defined()) {
-            h = Tensor::empty({N, H}, g.dtype(), g.device());
-            KERNEL(dev, gelu_forward)(h.data<T>(), pre.data<T>(), N * H, stream_for(dev));
-          }
-          KERNEL(dev, linear_backward)((T*)nullptr, dw2.data<T>(), ptr<T>(db2), g.data<T>(), h.data<T>(), w2c.data<T>(),
-                                       N, H, C2, stream_for(dev));
-        } else if (db2.defined()) {
-          KERNEL(dev, linear_backward)((T*)nullptr, (T*)nullptr, db2.data<T>(), g.data<T>(), (const T*)nullptr,
-                                       (const T*)nullptr, N, H, C2, stream_for(dev));
-        }
-        // dpre = (g W2) * gelu'(pre), db1 += colsum(dpre); then fc1's dx and dW1
         KERNEL(dev, linear_dgelu_backward)(dpre.data<T>(), ptr<T>(db1), g.data<T>(), w2c.data<T>(), pre.data<T>(), N, H,
                                            C2, stream_for(dev));
-        KERNEL(dev, linear_backward)(ptr<T>(dx), ptr<T>(dw1), (T*)nullptr, dpre.data<T>(), xc.data<T>(), w1c.data<T>(),
-                                     N, C, H, stream_for(dev));
       });
+      if (dw1.defined())
+        weight_grads({dpre, xc}, [&] {
+          dispatch_float(g, [&](auto dev, auto zero) {
+            using T = decltype(zero);
+            KERNEL(dev, linear_backward)((T*)nullptr, dw1.data<T>(), (T*)nullptr, dpre.data<T>(), xc.data<T>(),
+                                         w1c.data<T>(), N, C, H, stream_for(dev));
+          });
+        });
+      if (dx.defined())
+        dispatch_float(g, [&](auto dev, auto zero) {
+          using T = decltype(zero);
+          KERNEL(dev, linear_backward)(dx.data<T>(), (T*)nullptr, (T*)nullptr, dpre.data<T>(), xc.data<T>(),
+                                       w1c.data<T>(), N, C, H, stream_for(dev));
+        });
       if (dx.defined()) accumulate_grad(x, dx, true);
     });
   return out;
@@ -282,48 +324,53 @@ Tensor mlp_swiglu(const Tensor& x, const Tensor& w_gate, const Tensor& w_up, con
       Tensor go = grad_of(out).contiguous();
       accumulate_grad(residual, go);  // passed on (aliased)
       if (!mlp_grad) return;
-      Tensor dwg = grad_buffer(w_gate), dwu = grad_buffer(w_up), dwd = grad_buffer(w_down);
+      Tensor dwg = weight_grad_buffer(w_gate), dwu = weight_grad_buffer(w_up), dwd = weight_grad_buffer(w_down);
       LOOM_CHECK((!dwg.defined() || w_gate.is_contiguous()) && (!dwu.defined() || w_up.is_contiguous()) &&
                      (!dwd.defined() || w_down.is_contiguous()),
                  "mlp_swiglu: gradient of a strided weight");
       Tensor dx = x.requires_grad() ? Tensor::empty(x.shape(), x.dtype(), x.device()) : Tensor();
       Tensor dh = Tensor::empty({N, I}, go.dtype(), go.device());
+      Tensor dg = Tensor::empty({N, I}, go.dtype(), go.device()), du = Tensor::empty({N, I}, go.dtype(), go.device());
+      // down's weight needs the product: the forward's (keep_product), or recomputed from gate and
+      // up in the same pass as the SwiGLU's gradient (swiglu_backward_product)
+      Tensor h = dwd.defined() && !kept.defined() ? Tensor::empty({N, I}, go.dtype(), go.device()) : kept;
       dispatch_float(go, [&](auto dev, auto zero) {
         using T = decltype(zero);
-        // dh = go W_down; (dgate, dup) = swiglu'(dh). Down's weight needs the product too: it is
-        // recomputed from gate and up in the same pass (swiglu_backward_product)
+        // dh = go W_down; (dgate, dup) = swiglu'(dh)
         KERNEL(dev, linear_backward)(dh.data<T>(), (T*)nullptr, (T*)nullptr, go.data<T>(), (const T*)nullptr,
                                      wdc.data<T>(), N, I, C2, stream_for(dev));
-        Tensor dg = Tensor::empty({N, I}, go.dtype(), go.device()), du = Tensor::empty({N, I}, go.dtype(), go.device());
-        if (dwd.defined() && kept.defined()) {  // the forward's product (keep_product)
-          KERNEL(dev, swiglu_backward)(dg.data<T>(), du.data<T>(), dh.data<T>(), g.data<T>(), u.data<T>(), N * I,
-                                       stream_for(dev));
-          KERNEL(dev, linear_backward)((T*)nullptr, dwd.data<T>(), (T*)nullptr, go.data<T>(), kept.data<T>(),
-                                       wdc.data<T>(), N, I, C2, stream_for(dev));
-        } else if (dwd.defined()) {
-          Tensor h = Tensor::empty({N, I}, go.dtype(), go.device());
+        if (dwd.defined() && !kept.defined())
           KERNEL(dev, swiglu_backward_product)(dg.data<T>(), du.data<T>(), h.data<T>(), dh.data<T>(), g.data<T>(),
                                                u.data<T>(), N * I, stream_for(dev));
-          KERNEL(dev, linear_backward)((T*)nullptr, dwd.data<T>(), (T*)nullptr, go.data<T>(), h.data<T>(), wdc.data<T>(),
-                                       N, I, C2, stream_for(dev));
-        } else {
+        else
           KERNEL(dev, swiglu_backward)(dg.data<T>(), du.data<T>(), dh.data<T>(), g.data<T>(), u.data<T>(), N * I,
                                        stream_for(dev));
-        }
-        // dx = dgate W_gate + dup W_up (the second GEMM adds, beta 1); dW += d^T x
-        if (dx.defined()) {
+      });
+      // dW += d^T x for the three weights (beside the next work under train.side_weight_grads)
+      if (dwd.defined() || dwg.defined() || dwu.defined())
+        weight_grads({go, h, dg, du, xc}, [&] {
+          dispatch_float(go, [&](auto dev, auto zero) {
+            using T = decltype(zero);
+            if (dwd.defined())
+              KERNEL(dev, linear_backward)((T*)nullptr, dwd.data<T>(), (T*)nullptr, go.data<T>(), h.data<T>(),
+                                           wdc.data<T>(), N, I, C2, stream_for(dev));
+            if (dwg.defined())
+              KERNEL(dev, linear_backward)((T*)nullptr, dwg.data<T>(), (T*)nullptr, dg.data<T>(), xc.data<T>(),
+                                           wgc.data<T>(), N, C, I, stream_for(dev));
+            if (dwu.defined())
+              KERNEL(dev, linear_backward)((T*)nullptr, dwu.data<T>(), (T*)nullptr, du.data<T>(), xc.data<T>(),
+                                           wuc.data<T>(), N, C, I, stream_for(dev));
+          });
+        });
+      // dx = dgate W_gate + dup W_up (the second GEMM adds, beta 1)
+      if (dx.defined())
+        dispatch_float(go, [&](auto dev, auto zero) {
+          using T = decltype(zero);
           KERNEL(dev, gemm)(dx.data<T>(), dg.data<T>(), wgc.data<T>(), int(N), C, I, false, false, 1.0, 0.0, 1, 0, 0, 0,
                             stream_for(dev));
           KERNEL(dev, gemm)(dx.data<T>(), du.data<T>(), wuc.data<T>(), int(N), C, I, false, false, 1.0, 1.0, 1, 0, 0, 0,
                             stream_for(dev));
-        }
-        if (dwg.defined())
-          KERNEL(dev, linear_backward)((T*)nullptr, dwg.data<T>(), (T*)nullptr, dg.data<T>(), xc.data<T>(), wgc.data<T>(),
-                                       N, C, I, stream_for(dev));
-        if (dwu.defined())
-          KERNEL(dev, linear_backward)((T*)nullptr, dwu.data<T>(), (T*)nullptr, du.data<T>(), xc.data<T>(), wuc.data<T>(),
-                                       N, C, I, stream_for(dev));
-      });
+        });
       if (dx.defined()) accumulate_grad(x, dx, true);
     });
   return out;

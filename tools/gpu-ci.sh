@@ -5,7 +5,7 @@
 # the PyTorch reference, and short training runs. Each part is time-boxed; logs go to
 # $OUT/work and come back as $OUT/gpu-ci.tgz plus the bench table.
 #   bash tools/gpu-ci.sh [parts...]     parts: build test check bench vlm mim graphs (default: all),
-#                                       and e2e, goldens on request
+#                                       and e2e, goldens, sidewg on request
 set -uo pipefail
 OUT=${OUT:-out}
 W=$OUT/work
@@ -56,6 +56,23 @@ for p in $parts; do
         done
         log "graphs $name: $(python3 tools/dp_compare.py "$W/graphs_${name}_true/metrics.jsonl" \
           "$W/graphs_${name}_false/metrics.jsonl" --tol 0) $(grep -E '^CUDA graphs' "$W/graphs_${name}_true.log")"
+      done ;;
+    sidewg)  # train.side_weight_grads: the first 20 losses with the weight gradients on the side
+             # stream (graphs on and off) against one stream, LOOM_DETERMINISTIC=1, tolerance 0
+      for spec in "mim|configs/bench_mim.cfg|--train.steps=20" \
+                  "mim_contrastive|configs/bench_mim.cfg|--train.steps=20 --model.contrastive=true" \
+                  "vlm_sft|vlm_sft.cfg|--train.steps=20 --train.eval_every=0" \
+                  "bench_vlm_repeat|configs/bench_vlm_sft.cfg|--train.steps=20 --data.repeat_batch=true"; do
+        IFS='|' read -r name cfg args <<< "$spec"
+        for v in "off|false|true" "on|true|true" "on_eager|true|false"; do
+          IFS='|' read -r tag sw g <<< "$v"
+          # shellcheck disable=SC2086
+          LOOM_DETERMINISTIC=1 timeout 200 ./build/train $cfg $args --train.log_every=1 --train.cuda_graph=$g \
+            --train.side_weight_grads=$sw --train.out_dir="$W/sidewg_${name}_$tag" > "$W/sidewg_${name}_$tag.log" 2>&1
+        done
+        log "side_weight_grads $name: on $(python3 tools/dp_compare.py "$W/sidewg_${name}_off/metrics.jsonl" \
+          "$W/sidewg_${name}_on/metrics.jsonl" --tol 0); eager $(python3 tools/dp_compare.py \
+          "$W/sidewg_${name}_off/metrics.jsonl" "$W/sidewg_${name}_on_eager/metrics.jsonl" --tol 0)"
       done ;;
     goldens)  # HF tokenizers' own encodings (tools/make_post_goldens.py; the GPU machines have HF
               # tokenizers): $OUT/tokenizer_post/*.json, to be copied into tests/fixtures/tokenizer_post;

@@ -362,6 +362,7 @@ int train_mim(const RunContext& ctx) {
   Prefetcher<StagedBatch> loader(make, start, steps, ctx.loader_threads, 4);
   int64_t eval_every = cfg.get_int64("train.eval_every"), save_every = cfg.get_int64("train.save_every");
   profile_enable(cfg.get_bool("train.profile"));
+  set_side_weight_grads(cfg.get_bool("train.side_weight_grads"));
   for (int64_t s = start; s < steps; s++) {
     double w0 = now_ms();
     StagedBatch b = loader.next();

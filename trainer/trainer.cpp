@@ -358,6 +358,7 @@ static int train_vlm(const RunContext& ctx) {
     return optimizer_step(loss);
   };
   profile_enable(cfg.get_bool("train.profile"));
+  set_side_weight_grads(cfg.get_bool("train.side_weight_grads"));
   for (int64_t s = start; s < steps; s++) {
     double wait = 0, flops = 0;
     int64_t tokens = 0;

@@ -5,7 +5,9 @@
 // every gradient, in f32 and bf16. Exits with code 4 (skipped) when no GPU is present.
 #include <catch2/catch.hpp>
 
+#include <cmath>
 #include <functional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -198,6 +200,69 @@ TEST_CASE("qkv_attention against linear_split and attention", "[optim][attention
       CHECK(one.val.to(Device::CPU).to_vector<double>() == two.val.to(Device::CPU).to_vector<double>());
       compare(one, two, tol::kCudaBF16);
     }
+  }
+}
+
+// train.side_weight_grads (autograd.h weight_grads): every weight-gradient product of the ops
+// that have one (linear, linear_split, mlp_gelu with the activation kept and recomputed,
+// mlp_swiglu joined and apart, qkv_attention, qkv_rope_attention) on the side stream beside the
+// main stream's input gradients must give the same bits as one stream, and every gradient must be
+// complete when backward() returns. The output projection's weight is also read by a matmul, whose
+// backward adds into its gradient on the main stream after a branch wrote it (the join before a
+// main-stream write).
+// Deterministic attention, so that the two runs can be the same bits; fresh inputs every run.
+TEST_CASE("weight gradients beside the backward: the same bits as one stream", "[optim][attention]") {
+  need_gpu();
+  const int C = 128, H = 2, hd = 64, I = 96, L = 49, B = 5, N = B * L;
+  Rng rng(uint64_t(std::random_device{}()));
+  auto in = [&](const Shape& sh, double std) { return Tensor::randn(sh, rng, std, DType::F64).to(DType::BF16); };
+  Tensor x = in({N, C}, 0.5), wqkv = in({3 * C, C}, 0.08), bqkv = in({3 * C}, 0.1), wo = in({C, C}, 0.08),
+         bo = in({C}, 0.1), w1 = in({4 * C, C}, 0.08), b1 = in({4 * C}, 0.1), w2 = in({C, 4 * C}, 0.05),
+         b2 = in({C}, 0.1), lm = in({3 * C + 3 * I, C}, 0.08), wd = in({C, I}, 0.08), wd2 = in({C, I}, 0.08),
+         ws = in({2 * C, C}, 0.08), r = in({N, C}, 0.5);
+  std::vector<int32_t> pv(static_cast<size_t>(N));
+  for (int i = 0; i < N; i++) pv[size_t(i)] = i % L;
+  const Tensor pos = Tensor::from_vector(pv, {N}).to(Device::CUDA);
+  const bool was_det = cuda::deterministic_attention();
+  cuda::set_deterministic_attention(true);
+  auto run = [&](bool side) {
+    set_side_weight_grads(side);
+    auto mv = [](const Tensor& t) { return t.to(Device::CUDA).clone().requires_grad_(); };
+    std::vector<Tensor> p = {mv(x), mv(wqkv), mv(bqkv), mv(wo), mv(bo), mv(w1), mv(b1), mv(w2), mv(b2), mv(wd), mv(wd2), mv(ws)};
+    // the Llama weights as windows of one buffer (q | k | v, gate | up: the joined products), and
+    // a second gate | up apart (clones: mlp_swiglu's separate products)
+    Tensor lmb = lm.to(Device::CUDA).clone(), glm = Tensor::zeros_like(lmb);
+    std::vector<Tensor> lw = weight_windows(lmb, glm, {C, C, C, I, I}, true);
+    std::vector<Tensor> lw2 = weight_windows(lm.to(Device::CUDA).clone(), glm, {C, C, C, I, I}, false);
+    SeqInfo seq = SeqInfo::dense(B, L, Device::CUDA);
+    const double scale = 1.0 / std::sqrt(double(hd));
+    // wo through a matmul first: its backward runs last and adds into wo's gradient on the main
+    // stream after the linear's branch wrote it
+    Tensor x0 = add(p[0], matmul(p[0], p[3], false, true));
+    Tensor a = qkv_attention(x0, p[1], p[2], seq, H, scale);
+    Tensor y = linear(a, p[3], p[4], x0);
+    Tensor z = mlp_gelu(y, p[5], p[6], p[7], p[8], y, /*keep_activation=*/false);
+    z = mlp_gelu(z, p[5], p[6], p[7], p[8], z, /*keep_activation=*/true);  // the same weights again
+    Tensor u = qkv_rope_attention(z, lw[0], lw[1], lw[2], pos, seq, H, H, hd, 1e4, scale);
+    u = mlp_swiglu(u, lw[3], lw[4], p[9], u);
+    u = mlp_swiglu(u, lw2[3], lw2[4], p[10], u);
+    std::vector<Tensor> sp = linear_split(u, p[11], Tensor(), 2);
+    Tensor v = add(sp[0], sp[1]);
+    backward(sum(mul(v, r.to(Device::CUDA))));
+    std::vector<Tensor> g;
+    for (auto& t : p) g.push_back(t.grad().to(Device::CPU));  // each copy waits for the main stream only
+    g.push_back(glm.to(Device::CPU));
+    for (int i : {3, 4}) g.push_back(lw2[size_t(i)].grad().to(Device::CPU));
+    set_side_weight_grads(false);
+    return g;
+  };
+  const char* names[] = {"dx", "dWqkv", "dbqkv", "dWo", "dbo", "dW1", "db1", "dW2", "db2", "dWdown", "dWdown2",
+                         "dWsplit", "d(q|k|v|gate|up)", "dWgate2", "dWup2"};
+  std::vector<Tensor> one = run(false), two = run(true);
+  cuda::set_deterministic_attention(was_det);
+  for (size_t i = 0; i < one.size(); i++) {
+    INFO(names[i]);
+    CHECK(one[i].to_vector<double>() == two[i].to_vector<double>());
   }
 }
 
