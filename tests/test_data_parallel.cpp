@@ -3,7 +3,9 @@
 // (gather_over_ranks for a global InfoNCE, ZeRO-1's sharded optimizer). The launchers and the
 // rendezvous: test_distributed.cpp; whole CPU runs of several processes: tests/data_parallel.sh.
 #include <catch2/catch.hpp>
+#include <unistd.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -13,6 +15,7 @@
 #include "autograd/ops.h"
 #include "optim/optimizer.h"
 #include "trainer/distributed.h"
+#include "trainer/net.h"
 #include "tests/comm_test_util.h"
 
 using namespace loom;
@@ -262,6 +265,44 @@ TEST_CASE("CPU collectives: a peer that is gone or silent is an error naming it"
     double t0 = secs();
     CHECK_THROWS_WITH(c[0].all_reduce_avg(x.data(), x.size(), DType::F64), Contains("rank 0 lost rank 1"));
     CHECK(secs() - t0 < 3);
+  }
+  SECTION("connections that are not ranks are closed while the ranks join; too few ranks is an error") {
+    tcp::Comm c0 = tcp::Comm::listen(3, 10);
+    const std::string payload = c0.payload();
+    const int port = std::atoi(payload.c_str() + payload.find(' ') + 1);
+    // before the ranks: a stranger that sends rank 7 of 3, one that claims rank 1 with port 0,
+    // and one that connects and says nothing (closed after its read fails when it hangs up)
+    std::vector<int> strangers;
+    for (auto hello : {std::pair<int32_t, int32_t>{7, 5000}, {1, 0}, {-1, -1}}) {
+      std::string why;
+      int fd = net::connect_until("127.0.0.1", port, secs() * 1e3 + 5000, &why);
+      REQUIRE(fd >= 0);
+      if (hello.first >= 0) {
+        int32_t w[2] = {hello.first, hello.second};
+        REQUIRE(net::write_all(fd, w, sizeof w));
+      } else {
+        close(fd);
+        fd = -1;
+      }
+      strangers.push_back(fd);
+    }
+    std::vector<tcp::Comm> c(3);
+    std::vector<std::thread> t;
+    for (int r = 1; r < 3; r++)
+      t.emplace_back([&, r] { c[size_t(r)] = tcp::Comm::connect("127.0.0.1", payload, r, 3, 10); });
+    c0.accept_ranks();
+    for (auto& th : t) th.join();
+    c[0] = std::move(c0);
+    std::vector<std::thread> avg;
+    std::vector<std::vector<float>> v = {{1.f}, {2.f}, {6.f}};
+    for (int r = 0; r < 3; r++) avg.emplace_back([&, r] { c[size_t(r)].all_reduce_avg(v[size_t(r)].data(), 1, DType::F32); });
+    for (auto& th : avg) th.join();
+    for (int r = 0; r < 3; r++) CHECK(v[size_t(r)][0] == 3.f);
+    for (int fd : strangers)
+      if (fd >= 0) close(fd);
+
+    tcp::Comm lone = tcp::Comm::listen(2, 0.3);  // rank 1 never comes
+    CHECK_THROWS_WITH(lone.accept_ranks(), Contains("only 1 of 2 ranks connected to rank 0's port"));
   }
   SECTION("a dtype it cannot average, and a rank 0 that is not on the CPU") {
     std::vector<tcp::Comm> c = tcp_ranks(2);

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstddef>
 #include <exception>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -109,6 +110,14 @@ class Comm {
   // every rank: accept the higher ranks' connections on listen_fd_, connect to the lower ones
   // (rank 0's already made) at the addresses in `table` ("port host" per rank; rank 0's unused)
   void connect_pairs(const std::vector<std::string>& table, double deadline_ms);
+  // Accepts connections on listen_fd_ until ranks first .. world_ - 1 all have one, then closes
+  // it. Each connection first sends its rank and then `extra` int32 words; one whose rank lies
+  // outside that range, is taken already, or whose words `ok` refuses is not one of ours and is
+  // closed; joined(rank, fd, words) is called for each one taken. When the deadline passes
+  // first, the error is late(how many were taken).
+  void accept_from(int first, int extra, double deadline_ms, const std::function<bool(const int32_t* words)>& ok,
+                   const std::function<void(int rank, int fd, const int32_t* words)>& joined,
+                   const std::function<std::string(int joined)>& late);
 
   int rank_ = 0, world_ = 1, listen_fd_ = -1, port_ = 0;
   double timeout_ms_ = 0;

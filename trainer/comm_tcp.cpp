@@ -41,27 +41,44 @@ void send_text(int fd, const std::string& t, int to) {
 
 }  // namespace
 
+void Comm::accept_from(int first, int extra, double deadline_ms, const std::function<bool(const int32_t*)>& ok,
+                       const std::function<void(int, int, const int32_t*)>& joined,
+                       const std::function<std::string(int)>& late) {
+  int32_t words[4] = {-1, 0, 0, 0};  // {rank, extra words...}
+  LOOM_CHECK(extra >= 0 && extra < 4, "tcp::Comm::accept_from: %d extra words", extra);
+  const size_t bytes = sizeof(int32_t) * size_t(1 + extra);
+  for (int n = 0; n < world_ - first;) {
+    int fd = net::accept_until(listen_fd_, deadline_ms);
+    LOOM_CHECK(fd >= 0, "%s", late(n).c_str());
+    words[0] = -1;
+    if (!net::read_all(fd, words, bytes, deadline_ms) || words[0] < first || words[0] >= world_ ||
+        fds_[size_t(words[0])] >= 0 || !ok(words + 1)) {
+      close(fd);  // not one of ours
+      continue;
+    }
+    fds_[size_t(words[0])] = fd;
+    joined(words[0], fd, words + 1);
+    n++;
+  }
+  close(listen_fd_);
+  listen_fd_ = -1;
+}
+
 void Comm::accept_ranks() {
   LOOM_CHECK(rank_ == 0 && listen_fd_ >= 0, "tcp::Comm::accept_ranks: rank 0's, once");
   const double deadline = net::now_ms() + timeout_ms_;
   std::vector<std::string> table(size_t(world_), "0 ");
-  for (int joined = 1; joined < world_;) {
-    int fd = net::accept_until(listen_fd_, deadline);
-    LOOM_CHECK(fd >= 0, "data parallel (CPU): only %d of %d ranks connected to rank 0's port %d within %.0f s", joined,
-               world_, port_, timeout_ms_ / 1e3);
-    int32_t hello[2] = {-1, 0};  // {rank, its port}
-    if (!net::read_all(fd, hello, sizeof hello, deadline) || hello[0] <= 0 || hello[0] >= world_ ||
-        fds_[size_t(hello[0])] >= 0 || hello[1] <= 0 || hello[1] > 65535) {
-      close(fd);  // not one of ours
-      continue;
-    }
-    const std::string from = net::peer_address(fd);
-    fds_[size_t(hello[0])] = fd;
-    table[size_t(hello[0])] = std::to_string(hello[1]) + " " + (is_loopback(from) ? "" : from);
-    joined++;
-  }
-  close(listen_fd_);
-  listen_fd_ = -1;
+  // each rank's hello: {rank, the port it listens on}
+  accept_from(
+      1, 1, deadline, [](const int32_t* port) { return port[0] > 0 && port[0] <= 65535; },
+      [&](int r, int fd, const int32_t* port) {
+        const std::string from = net::peer_address(fd);
+        table[size_t(r)] = std::to_string(port[0]) + " " + (is_loopback(from) ? "" : from);
+      },
+      [&](int n) {
+        return strformat("data parallel (CPU): only %d of %d ranks connected to rank 0's port %d within %.0f s", n + 1,
+                         world_, port_, timeout_ms_ / 1e3);
+      });
   std::string text;
   for (const std::string& row : table) text += row + "\n";
   for (int r = 1; r < world_; r++) send_text(fds_[size_t(r)], text, r);
@@ -120,20 +137,12 @@ void Comm::connect_pairs(const std::vector<std::string>& table, double deadline_
     LOOM_CHECK(net::write_all(fd, &r, sizeof r), "data parallel (CPU): rank %d: lost rank %d while joining", rank_, q);
     fds_[size_t(q)] = fd;
   }
-  for (int joined = rank_ + 1; joined < world_;) {
-    int fd = net::accept_until(listen_fd_, deadline_ms);
-    LOOM_CHECK(fd >= 0, "data parallel (CPU): rank %d: only %d of the %d ranks above it connected within %.0f s", rank_,
-               joined - rank_ - 1, world_ - rank_ - 1, timeout_ms_ / 1e3);
-    int32_t q = -1;
-    if (!net::read_all(fd, &q, sizeof q, deadline_ms) || q <= rank_ || q >= world_ || fds_[size_t(q)] >= 0) {
-      close(fd);  // not one of ours
-      continue;
-    }
-    fds_[size_t(q)] = fd;
-    joined++;
-  }
-  close(listen_fd_);
-  listen_fd_ = -1;
+  accept_from(
+      rank_ + 1, 0, deadline_ms, [](const int32_t*) { return true; }, [](int, int, const int32_t*) {},
+      [&](int n) {
+        return strformat("data parallel (CPU): rank %d: only %d of the %d ranks above it connected within %.0f s",
+                         rank_, n, world_ - rank_ - 1, timeout_ms_ / 1e3);
+      });
 }
 
 Comm::Comm(Comm&& o) noexcept { *this = std::move(o); }
