@@ -4,7 +4,7 @@
 //   train tokenize --tokenizer tokenizer.json --decode < ids.json -> the text
 //   train tokenize --tokenizer tokenizer.json --add-special-tokens < text.txt -> [1,12,7,...]
 //   train tokenize --tokenizer tokenizer.json --pair "second text" --max-length 16 < text.txt
-//     -> {"ids":[...],"type_ids":[...],"attention_mask":[...]}
+//     -> {"ids":[...],"type_ids":[...],"attention_mask":[...],"special_tokens_mask":[...]}
 //
 // Encode reads all of stdin as UTF-8 text (no special treatment of a trailing newline: it
 // is part of the text) and prints the ids as one JSON array and a newline. --full (implied by
@@ -31,8 +31,8 @@ const char* kUsage =
     "  --add-special-tokens: with encode, the post-processor's tokens too (e.g. BOS),\n"
     "                    as HF's encode(text) adds them by default\n"
     "  --full:           the whole pipeline (the file's truncation and padding, the\n"
-    "                    post-processor's pair template): a JSON object of ids, type_ids\n"
-    "                    and attention_mask\n"
+    "                    post-processor's pair template): a JSON object of ids, type_ids,\n"
+    "                    attention_mask and special_tokens_mask\n"
     "  --pair TEXT:      TEXT as the second sequence of a pair (implies --full)\n"
     "  --max-length N:   truncate to N ids, longest sequence first, instead of the\n"
     "                    file's truncation (implies --full)\n"
@@ -99,7 +99,8 @@ int tokenize_command(int argc, char** argv) {
         std::cerr << "tokenize: stdin" << (pair ? " and --pair" : "") << ": " << err.what() << "\n";
         return 1;
       }
-      std::cout << nlohmann::json{{"ids", e.ids}, {"type_ids", e.type_ids}, {"attention_mask", e.attention_mask}}.dump()
+      std::cout << nlohmann::json{{"ids", e.ids}, {"type_ids", e.type_ids}, {"attention_mask", e.attention_mask},
+                                   {"special_tokens_mask", e.special_tokens_mask}}.dump()
                 << "\n";
       return 0;
     }

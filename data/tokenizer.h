@@ -33,7 +33,8 @@
 // (data/tokenizer_post.cpp):
 //   truncation (the file's "truncation", or with_truncation) of one sequence or of a pair,
 //   the post-processor with its pair template and type ids, then padding (the file's
-//   "padding", or with_padding), and returns ids, type ids and the attention mask.
+//   "padding", or with_padding), and returns ids, type ids, the attention mask and the
+//   special-tokens mask.
 // Truncation's overflowing windows (HF's `overflowing`, what `stride` shapes) are not returned.
 //
 // A Tokenizer is immutable after construction and safe to use from several threads (the
@@ -106,6 +107,7 @@ class Tokenizer {
   struct Encoding {
     std::vector<int32_t> ids, type_ids;  // type ids: 0 / 1 for the first / second sequence, or as the template says
     std::vector<uint8_t> attention_mask;  // 1 for a token, 0 for padding
+    std::vector<uint8_t> special_tokens_mask;  // 1 for a token the post-processor added and for padding
   };
   // HF tokenizers' Tokenizer.encode(text, pair, add_special_tokens): encode() of each
   // sequence, then truncation, the post-processor (its pair template when `pair` is given) and

@@ -68,6 +68,7 @@ inline constexpr const char* kGpt2Pattern =
 // ByteLevel changes no id and adds no step.
 struct PostPart {
   std::vector<int32_t> ids, type_ids;
+  std::vector<uint8_t> special;  // 1: a token a post-processor added (Encoding::special_tokens_mask)
 };
 struct PostPiece {            // one entry of a template
   int seq = -1;               // 0: sequence A, 1: sequence B, -1: the special token's ids

@@ -163,6 +163,7 @@ void pad(std::vector<Tokenizer::Encoding>& encs, const Tokenizer::Padding& p) {
     e.ids.insert(at(e.ids), n, p.pad_id);
     e.type_ids.insert(at(e.type_ids), n, p.pad_type_id);
     e.attention_mask.insert(at(e.attention_mask), n, uint8_t(0));
+    e.special_tokens_mask.insert(at(e.special_tokens_mask), n, uint8_t(1));
   }
 }
 
@@ -219,11 +220,13 @@ size_t PostStep::added(bool is_pair) const {
 
 std::vector<PostPart> PostStep::apply(std::vector<PostPart> parts, bool add_special, const std::string& origin) const {
   auto tokens = [](std::initializer_list<int32_t> ids, int32_t type_id) {
-    return PostPart{std::vector<int32_t>(ids), std::vector<int32_t>(ids.size(), type_id)};
+    return PostPart{std::vector<int32_t>(ids), std::vector<int32_t>(ids.size(), type_id),
+                    std::vector<uint8_t>(ids.size(), uint8_t(1))};
   };
   auto join = [](PostPart a, const PostPart& b) {
     a.ids.insert(a.ids.end(), b.ids.begin(), b.ids.end());
     a.type_ids.insert(a.type_ids.end(), b.type_ids.begin(), b.type_ids.end());
+    a.special.insert(a.special.end(), b.special.begin(), b.special.end());
     return a;
   };
   switch (kind) {
@@ -251,7 +254,8 @@ std::vector<PostPart> PostStep::apply(std::vector<PostPart> parts, bool add_spec
           p.type_ids.assign(p.ids.size(), piece.type_id);
           out.push_back(std::move(p));
         } else if (add_special) {
-          out.push_back(PostPart{piece.ids, std::vector<int32_t>(piece.ids.size(), piece.type_id)});
+          out.push_back(PostPart{piece.ids, std::vector<int32_t>(piece.ids.size(), piece.type_id),
+                                 std::vector<uint8_t>(piece.ids.size(), uint8_t(1))});
         }
       }
       return out;
@@ -263,7 +267,10 @@ std::vector<PostPart> PostStep::apply(std::vector<PostPart> parts, bool add_spec
 }  // namespace tokenizer_detail
 
 std::vector<PostPart> Tokenizer::Impl::run_post(std::vector<PostPart> parts, bool add_special) const {
-  for (size_t i = 0; i < parts.size(); i++) parts[i].type_ids.assign(parts[i].ids.size(), int32_t(i));
+  for (size_t i = 0; i < parts.size(); i++) {
+    parts[i].type_ids.assign(parts[i].ids.size(), int32_t(i));
+    parts[i].special.assign(parts[i].ids.size(), uint8_t(0));
+  }
   for (const PostStep& st : post) parts = st.apply(std::move(parts), add_special, origin);
   return parts;
 }
@@ -292,7 +299,7 @@ void Tokenizer::Impl::finish_post() {
   }
   if (post_error.empty()) {  // the ids around one sequence: run the steps on a marker
     try {
-      std::vector<PostPart> parts = run_post({PostPart{{-1}, {0}}}, true);
+      std::vector<PostPart> parts = run_post({PostPart{{-1}, {0}, {0}}}, true);
       std::vector<int32_t> all;
       for (const PostPart& p : parts) all.insert(all.end(), p.ids.begin(), p.ids.end());
       if (std::count(all.begin(), all.end(), -1) != 1)
@@ -399,6 +406,7 @@ Tokenizer::Encoding Tokenizer::encode_full(const std::string& text, const std::s
   for (const PostPart& p : parts) {
     out[0].ids.insert(out[0].ids.end(), p.ids.begin(), p.ids.end());
     out[0].type_ids.insert(out[0].type_ids.end(), p.type_ids.begin(), p.type_ids.end());
+    out[0].special_tokens_mask.insert(out[0].special_tokens_mask.end(), p.special.begin(), p.special.end());
   }
   out[0].attention_mask.assign(out[0].ids.size(), 1);
   if (im.padding) pad(out, *im.padding);

@@ -121,15 +121,20 @@ int tokenizer(const uint8_t* data, size_t size) {
   } catch (const std::exception&) {
   }
   // The whole pipeline (truncation, the pair template, padding; a second NUL starts the pair):
-  // whatever it refuses, it returns three vectors of one length, ids of the vocabulary and a
-  // mask of 0 / 1, and one sequence without truncation or padding is encode()'s ids.
+  // whatever it refuses, it returns four vectors of one length, ids of the vocabulary and masks
+  // of 0 / 1 (without special tokens, only padding is special), and one sequence without
+  // truncation or padding is encode()'s ids.
   const size_t z = text.find('\0');
   const std::string first = text.substr(0, z), second = z == std::string::npos ? "" : text.substr(z + 1);
   for (bool special : {false, true}) {
     try {
       Tokenizer::Encoding e = tok->encode_full(first, z == std::string::npos ? nullptr : &second, special);
-      if (e.type_ids.size() != e.ids.size() || e.attention_mask.size() != e.ids.size())
-        broken("encode_full returned ids, type ids and mask of different lengths");
+      if (e.type_ids.size() != e.ids.size() || e.attention_mask.size() != e.ids.size() ||
+          e.special_tokens_mask.size() != e.ids.size())
+        broken("encode_full returned ids, type ids and masks of different lengths");
+      for (size_t i = 0; i < e.ids.size(); i++)
+        if (e.special_tokens_mask[i] > 1 || (!special && e.attention_mask[i] == 1 && e.special_tokens_mask[i] != 0))
+          broken("encode_full's special-tokens mask marks a text token, or holds more than 1");
       for (int32_t id : e.ids)
         if (id < 0 || id >= tok->vocab_size()) broken("encode_full produced id " + std::to_string(id) + " outside the vocabulary");
       for (uint8_t m : e.attention_mask)

@@ -467,6 +467,7 @@ TEST_CASE("tokenize command: encode to a JSON array and decode back", "[tokenize
   CHECK(e7["ids"].get<std::vector<int32_t>>() == with_bos);
   CHECK(e7["type_ids"].get<std::vector<int32_t>>() == std::vector<int32_t>(with_bos.size(), 0));
   CHECK(e7["attention_mask"].get<std::vector<int>>() == std::vector<int>(with_bos.size(), 1));
+  CHECK(e7["special_tokens_mask"].get<std::vector<int>>().size() == with_bos.size());
   // 5 + 5 digits (one id each) to 4: two of each, type ids 0 then 1
   const Tokenizer plain = Tokenizer::from_file(tj);
   std::vector<int32_t> a = plain.encode("67"), b = plain.encode("12"), pair_ids = a;

@@ -279,6 +279,10 @@ TEST_CASE("tokenizer padding: fixed, the batch's longest, multiples, left", "[to
   CHECK(batch[2].ids == cat({{1}, head(i9, 6), {2}}));
   CHECK(batch[1].attention_mask == mask({{5, 1}, {3, 0}}));
   CHECK(batch[1].type_ids == cat({fill(5, 0), fill(3, 7)}));
+  // the special-tokens mask: the template's [CLS] and [SEP] and the padding, not the text
+  CHECK(batch[1].special_tokens_mask == mask({{1, 1}, {3, 0}, {4, 1}}));
+  CHECK(batch[2].special_tokens_mask == mask({{1, 1}, {6, 0}, {1, 1}}));
+  CHECK(t.encode_full(s3, nullptr, false).special_tokens_mask == mask({{3, 0}}));  // no template tokens, no padding
   std::vector<std::string> pairs = {s3, s3, s3};
   batch = t.encode_batch(texts, &pairs, true);
   // max_length 8 less the pair template's 3: 5 ids for the two sequences, halves when both are cut
@@ -428,6 +432,8 @@ TEST_CASE("tokenizer pipeline: HF's encodings of pairs, truncation and padding",
         CHECK(got[i].ids == want.at("ids").get<Ids>());
         CHECK(got[i].type_ids == want.at("type_ids").get<Ids>());
         CHECK(got[i].attention_mask == want.at("attention_mask").get<std::vector<uint8_t>>());
+        if (want.contains("special_tokens_mask"))
+          CHECK(got[i].special_tokens_mask == want.at("special_tokens_mask").get<std::vector<uint8_t>>());
       }
     }
   }

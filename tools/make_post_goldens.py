@@ -58,7 +58,8 @@ def main():
 
 
 def encoding(e):
-    return {"ids": e.ids, "type_ids": e.type_ids, "attention_mask": e.attention_mask}
+    return {"ids": e.ids, "type_ids": e.type_ids, "attention_mask": e.attention_mask,
+            "special_tokens_mask": e.special_tokens_mask}
 
 
 def pipeline(base):
