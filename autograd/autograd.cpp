@@ -152,12 +152,14 @@ struct WeightGrads {
 thread_local WeightGrads g_wg;
 // Branches between joins. Each join makes the main stream wait for every branch so far; a
 // larger count lets the side stream trail further behind, and holds what the branches read
-// (their output gradients and inputs) that much longer. LOOM_WGRAD_JOIN overrides it
+// (their output gradients and inputs) that much longer. 8 (a MIM block's backward has 4
+// branches, a Llama block's 3): the contrastive MIM step 0.26-0.73 ms faster than one stream
+// where every 2 gave 0.14 (H200, 2026-12-06, bench/RESULTS.md). LOOM_WGRAD_JOIN overrides it
 // (measurement).
 int join_every() {
   static const int n = [] {
     const char* e = std::getenv("LOOM_WGRAD_JOIN");
-    return e && std::atoi(e) > 0 ? std::atoi(e) : 2;
+    return e && std::atoi(e) > 0 ? std::atoi(e) : 8;
   }();
   return n;
 }
