@@ -147,6 +147,7 @@ struct WeightGrads {
   void* join = nullptr;
   std::vector<Tensor> keep;            // what the pending branches read, released at the join
   std::unordered_set<const void*> written;  // gradient storages the pending branches write
+  std::vector<const void*> staged;     // ... taken by weight_grad_buffer in the running node
   bool in_branch = false;
 };
 thread_local WeightGrads g_wg;
@@ -181,6 +182,8 @@ void weight_grads(const std::vector<Tensor>& keep, const std::function<void()>& 
     return;
   }
   if (g_wg.pending >= join_every()) weight_grads_join();
+  // after that join: the buffers the node's branches write stay marked until the next one
+  g_wg.written.insert(g_wg.staged.begin(), g_wg.staged.end());
   if (!g_wg.fork) {
     g_wg.fork = cuda::event_create();
     g_wg.join = cuda::event_create();
@@ -215,19 +218,22 @@ Tensor weight_grad_buffer(const Tensor& x) {
     }
     g_wg.in_branch = was;
   }
-  if (b.defined() && g_wg.on) g_wg.written.insert(storage_key(b));
+  if (b.defined() && g_wg.on && b.device() == Device::CUDA) g_wg.staged.push_back(storage_key(b));
   return b;
 }
 
 void weight_grads_join() {
-  if (g_wg.pending == 0) return;
-  cuda::side_branch_join(g_wg.join);
+  if (g_wg.pending > 0) cuda::side_branch_join(g_wg.join);
   g_wg.pending = 0;
   g_wg.keep.clear();  // on the host after the wait is enqueued: later main-stream reuse waits too
   g_wg.written.clear();
 }
 
-// the main stream is about to write x's gradient: join first when a pending branch writes it
+// the main stream is about to write x's gradient: join first when a pending branch writes it.
+// Keyed by the gradient's storage. The optimizer's flat buffers hold a group's gradients in one
+// storage (trainer/params.cpp: the 1-D group has the linears' biases and the norms' gains), so
+// every norm's backward joins too: safe, and two joins a transformer block. Byte ranges instead
+// would let the branches run further (not measured).
 static void join_if_branch_writes(const Tensor& x) {
   if (g_wg.pending == 0 || g_wg.in_branch || !x.grad().defined()) return;
   if (g_wg.written.count(storage_key(x.grad()))) weight_grads_join();
@@ -397,6 +403,7 @@ void backward(const Tensor& root, const Tensor& seed) {
     bool any = false;
     for (auto& o : n.outputs) any |= bool(o->grad);
     if (any) {
+      g_wg.staged.clear();
       n.backward();
       if (g_profile) cut(category_of(n.name), 1);
       if (g_observer) {
@@ -412,6 +419,7 @@ void backward(const Tensor& root, const Tensor& seed) {
   }
   g_tape.clear();
   weight_grads_join();  // every gradient complete on the main stream when backward() returns
+  g_wg.staged.clear();
 }
 
 }  // namespace loom
