@@ -153,10 +153,11 @@ struct WeightGrads {
 thread_local WeightGrads g_wg;
 // Branches between joins. Each join makes the main stream wait for every branch so far; a
 // larger count lets the side stream trail further behind, and holds what the branches read
-// (their output gradients and inputs) that much longer. 8 (a MIM block's backward has 4
-// branches, a Llama block's 3): the contrastive MIM step 0.26-0.73 ms faster than one stream
-// where every 2 gave 0.14 (H200, 2026-12-06, bench/RESULTS.md). LOOM_WGRAD_JOIN overrides it
-// (measurement).
+// (their output gradients and inputs) that much longer. In a ViT block the norms' backward
+// joins first (join_if_branch_writes below: a ViT block has 4 branches and two norms), so the
+// count matters for the Llama blocks (3 branches, norms without a shared buffer): the VLM step
+// on the reference's batch 0.19 ms faster than one stream with 2, 0.05 with 8, both within its
+// noise (H200, 2026-12-06, bench/RESULTS.md). LOOM_WGRAD_JOIN overrides it (measurement).
 int join_every() {
   static const int n = [] {
     const char* e = std::getenv("LOOM_WGRAD_JOIN");
