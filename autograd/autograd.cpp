@@ -153,9 +153,9 @@ struct WeightGrads {
 thread_local WeightGrads g_wg;
 // Branches between joins. Each join makes the main stream wait for every branch so far; a
 // larger count lets the side stream trail further behind, and holds what the branches read
-// (their output gradients and inputs) that much longer. In a ViT block the norms' backward
-// joins first (join_if_branch_writes below: a ViT block has 4 branches and two norms), so the
-// count matters for the Llama blocks (3 branches, norms without a shared buffer): the VLM step
+// (their output gradients and inputs) that much longer. In a ViT block the norms' and the MLP's
+// main-stream bias writes join first (join_if_branch_writes below), so the count matters for
+// the Llama blocks (3 branches; their products have no biases, so the norms do not join): the VLM step
 // on the reference's batch 0.19 ms faster than one stream with 2, 0.05 with 8, both within its
 // noise (H200, 2026-12-06, bench/RESULTS.md). LOOM_WGRAD_JOIN overrides it (measurement).
 int join_every() {
@@ -233,8 +233,9 @@ void weight_grads_join() {
 // the main stream is about to write x's gradient: join first when a pending branch writes it.
 // Keyed by the gradient's storage. The optimizer's flat buffers hold a group's gradients in one
 // storage (trainer/params.cpp: the 1-D group has the linears' biases and the norms' gains), so
-// every norm's backward joins too: safe, and two joins a transformer block. Byte ranges instead
-// would let the branches run further (not measured).
+// every norm's backward joins too, and a ViT MLP's (its DGELU product adds fc1's bias gradient
+// on the main stream): safe, and three joins a ViT block. Byte ranges instead would let the
+// branches run further (not built: fewer joins is the direction in which a mistake races).
 static void join_if_branch_writes(const Tensor& x) {
   if (g_wg.pending == 0 || g_wg.in_branch || !x.grad().defined()) return;
   if (g_wg.written.count(storage_key(x.grad()))) weight_grads_join();

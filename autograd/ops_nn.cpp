@@ -135,37 +135,40 @@ std::vector<Tensor> linear_parts(const Tensor& x, const std::vector<LinearPart>&
       // after another too (the attention backward writes dq, dk, dv so): dW_p += g_p^T x
       std::vector<Tensor> keep = gs;
       keep.push_back(xc);
-      weight_grads(keep, [&] {
-        bool dw_done = false;
-        if (batched) {
-          Tensor dw = dws[0];
-          const int64_t O = parts[0].rows, step = N * O * int64_t(dtype_size(xc.dtype()));
-          bool spaced = dw.defined();  // (one_batch: the weight is contiguous)
-          for (size_t p = 0; p < gs.size() && spaced; p++)
-            spaced = gs[p].defined() &&
-                     static_cast<const char*>(gs[p].raw()) == static_cast<const char*>(gs[0].raw()) + int64_t(p) * step;
-          if (spaced) {
-            dispatch_float(gs[0], [&](auto dev, auto zero) {
-              using T = decltype(zero);
-              KERNEL(dev, gemm)(dw.data<T>() + parts[0].row0 * I, gs[0].data<T>(), xc.data<T>(), int(O), I, int(N), true,
-                                false, 1.0, 1.0, int(gs.size()), N * O, 0, O * I, stream_for(dev));
-            });
-            dw_done = true;
+      bool any_dw = false;
+      for (size_t p = 0; p < parts.size(); p++) any_dw = any_dw || dws[p].defined() || dbs[p].defined();
+      if (any_dw)
+        weight_grads(keep, [&] {
+          bool dw_done = false;
+          if (batched) {
+            Tensor dw = dws[0];
+            const int64_t O = parts[0].rows, step = N * O * int64_t(dtype_size(xc.dtype()));
+            bool spaced = dw.defined();  // (one_batch: the weight is contiguous)
+            for (size_t p = 0; p < gs.size() && spaced; p++)
+              spaced = gs[p].defined() &&
+                       static_cast<const char*>(gs[p].raw()) == static_cast<const char*>(gs[0].raw()) + int64_t(p) * step;
+            if (spaced) {
+              dispatch_float(gs[0], [&](auto dev, auto zero) {
+                using T = decltype(zero);
+                KERNEL(dev, gemm)(dw.data<T>() + parts[0].row0 * I, gs[0].data<T>(), xc.data<T>(), int(O), I, int(N), true,
+                                  false, 1.0, 1.0, int(gs.size()), N * O, 0, O * I, stream_for(dev));
+              });
+              dw_done = true;
+            }
           }
-        }
-        for (size_t p = 0; p < parts.size(); p++) {
-          if (!gs[p].defined()) continue;
-          const LinearPart& lp = parts[p];
-          Tensor dw = dw_done ? Tensor() : dws[p], db = dbs[p];
-          if (!dw.defined() && !db.defined()) continue;
-          dispatch_float(gs[p], [&](auto dev, auto zero) {
-            using T = decltype(zero);
-            KERNEL(dev, linear_backward)((T*)nullptr, dw.defined() ? dw.data<T>() + lp.row0 * I : (T*)nullptr,
-                                         db.defined() ? db.data<T>() + lp.row0 : (T*)nullptr, gs[p].data<T>(),
-                                         xc.data<T>(), wcs[p].data<T>() + lp.row0 * I, N, I, lp.rows, stream_for(dev));
-          });
-        }
-      });
+          for (size_t p = 0; p < parts.size(); p++) {
+            if (!gs[p].defined()) continue;
+            const LinearPart& lp = parts[p];
+            Tensor dw = dw_done ? Tensor() : dws[p], db = dbs[p];
+            if (!dw.defined() && !db.defined()) continue;
+            dispatch_float(gs[p], [&](auto dev, auto zero) {
+              using T = decltype(zero);
+              KERNEL(dev, linear_backward)((T*)nullptr, dw.defined() ? dw.data<T>() + lp.row0 * I : (T*)nullptr,
+                                           db.defined() ? db.data<T>() + lp.row0 : (T*)nullptr, gs[p].data<T>(),
+                                           xc.data<T>(), wcs[p].data<T>() + lp.row0 * I, N, I, lp.rows, stream_for(dev));
+            });
+          }
+        });
       // dx = sum_p g_p W_p, the GEMMs adding (beta 1) after the first
       bool dx_written = false;
       for (size_t p = 0; p < parts.size() && dx.defined(); p++) {
