@@ -191,33 +191,32 @@ void weight_grads(const std::vector<Tensor>& keep, const std::function<void()>& 
   }
   cuda::side_branch_fork(g_wg.fork);
   g_wg.in_branch = true;
-  try {
-    fn();
-  } catch (...) {
+  auto end = [] {
     g_wg.in_branch = false;
     cuda::side_branch_end(g_wg.join);
     g_wg.pending++;
+  };
+  try {
+    fn();
+  } catch (...) {
+    end();
     throw;
   }
-  g_wg.in_branch = false;
-  cuda::side_branch_end(g_wg.join);
-  g_wg.pending++;
+  end();
   for (auto& t : keep)
     if (t.defined()) g_wg.keep.push_back(t);
 }
 
 Tensor weight_grad_buffer(const Tensor& x) {
+  struct NoJoin {  // grad_buffer joins for nothing: a branch, not the main stream, writes it
+    bool was = g_wg.in_branch;
+    NoJoin() { g_wg.in_branch = true; }
+    ~NoJoin() { g_wg.in_branch = was; }
+  };
   Tensor b;
   {
-    const bool was = g_wg.in_branch;
-    g_wg.in_branch = true;  // no join for this buffer: the branch writes it
-    try {
-      b = grad_buffer(x);
-    } catch (...) {
-      g_wg.in_branch = was;
-      throw;
-    }
-    g_wg.in_branch = was;
+    NoJoin guard;
+    b = grad_buffer(x);
   }
   if (b.defined() && g_wg.on && b.device() == Device::CUDA) g_wg.staged.push_back(storage_key(b));
   return b;
