@@ -175,10 +175,9 @@ void set_side_weight_grads(bool on) {
 bool side_weight_grads() { return g_wg.on; }
 
 void weight_grads(const std::vector<Tensor>& keep, const std::function<void()>& fn) {
-  const Tensor* cuda_input = nullptr;
-  for (auto& t : keep)
-    if (t.defined() && t.device() == Device::CUDA) cuda_input = &t;
-  if (!g_wg.on || !cuda_input || g_wg.in_branch || g_profile || cuda::side_scope_active()) {
+  bool on_cuda = false;
+  for (auto& t : keep) on_cuda = on_cuda || (t.defined() && t.device() == Device::CUDA);
+  if (!g_wg.on || !on_cuda || g_wg.in_branch || g_profile || cuda::side_scope_active()) {
     fn();
     return;
   }
