@@ -140,14 +140,33 @@ ProfileRange::~ProfileRange() { cuda::range_pop(); }
 
 // ------------------------------------------------------------------ weight gradients beside
 namespace {
+// The bytes a tensor view covers: its storage and [lo, hi) in bytes from the storage's start
+// (the first and one past the last element it can address; a strided view covers its gaps).
+struct ByteRange {
+  const void* storage = nullptr;
+  int64_t lo = 0, hi = 0;
+  bool overlaps(const ByteRange& o) const { return storage == o.storage && lo < o.hi && o.lo < hi; }
+};
+ByteRange byte_range(const Tensor& t) {
+  ByteRange r;
+  if (!t.defined() || t.numel() == 0) return r;
+  const TensorImpl& m = *t.impl();
+  int64_t last = m.offset;
+  for (size_t d = 0; d < m.shape.size(); d++) last += (m.shape[d] - 1) * m.strides[d];
+  const int64_t es = int64_t(dtype_size(m.dtype));
+  r.storage = m.storage.get();
+  r.lo = m.offset * es;
+  r.hi = (last + 1) * es;
+  return r;
+}
 struct WeightGrads {
   bool on = false;
   int pending = 0;                     // branches since the last join
   void* fork = nullptr;                // events, reused: a wait takes the latest record
   void* join = nullptr;
   std::vector<Tensor> keep;            // what the pending branches read, released at the join
-  std::unordered_set<const void*> written;  // gradient storages the pending branches write
-  std::vector<const void*> staged;     // ... taken by weight_grad_buffer in the running node
+  std::vector<ByteRange> written;      // gradient bytes the pending branches write
+  std::vector<ByteRange> staged;       // ... taken by weight_grad_buffer in the running node
   bool in_branch = false;
 };
 thread_local WeightGrads g_wg;
@@ -165,7 +184,6 @@ int join_every() {
   }();
   return n;
 }
-const void* storage_key(const Tensor& t) { return t.defined() ? t.impl()->storage.get() : nullptr; }
 }  // namespace
 
 void set_side_weight_grads(bool on) {
@@ -183,7 +201,7 @@ void weight_grads(const std::vector<Tensor>& keep, const std::function<void()>& 
   }
   if (g_wg.pending >= join_every()) weight_grads_join();
   // after that join: the buffers the node's branches write stay marked until the next one
-  g_wg.written.insert(g_wg.staged.begin(), g_wg.staged.end());
+  g_wg.written.insert(g_wg.written.end(), g_wg.staged.begin(), g_wg.staged.end());
   if (!g_wg.fork) {
     g_wg.fork = cuda::event_create();
     g_wg.join = cuda::event_create();
@@ -217,7 +235,7 @@ Tensor weight_grad_buffer(const Tensor& x) {
     NoJoin guard;
     b = grad_buffer(x);
   }
-  if (b.defined() && g_wg.on && b.device() == Device::CUDA) g_wg.staged.push_back(storage_key(b));
+  if (b.defined() && g_wg.on && b.device() == Device::CUDA) g_wg.staged.push_back(byte_range(b));
   return b;
 }
 
@@ -229,14 +247,19 @@ void weight_grads_join() {
 }
 
 // the main stream is about to write x's gradient: join first when a pending branch writes it.
-// Keyed by the gradient's storage. The optimizer's flat buffers hold a group's gradients in one
-// storage (trainer/params.cpp: the 1-D group has the linears' biases and the norms' gains), so
-// every norm's backward joins too, and a ViT MLP's (its DGELU product adds fc1's bias gradient
-// on the main stream): safe, and three joins a ViT block. Byte ranges instead would let the
-// branches run further (not built: fewer joins is the direction in which a mistake races).
+// Keyed by the gradient's bytes, not its storage: the optimizer's flat buffers hold a group's
+// gradients in one storage (trainer/params.cpp: the 1-D group has the linears' biases and the
+// norms' gains), and keyed by storage every norm's backward joined, and a ViT MLP's (its DGELU
+// product adds fc1's bias gradient on the main stream): three joins a ViT block. Two writers
+// of disjoint bytes of one buffer need no order.
 static void join_if_branch_writes(const Tensor& x) {
   if (g_wg.pending == 0 || g_wg.in_branch || !x.grad().defined()) return;
-  if (g_wg.written.count(storage_key(x.grad()))) weight_grads_join();
+  const ByteRange r = byte_range(x.grad());
+  for (auto& w : g_wg.written)
+    if (w.overlaps(r)) {
+      weight_grads_join();
+      return;
+    }
 }
 
 bool grad_enabled() { return g_grad_enabled; }

@@ -209,7 +209,10 @@ TEST_CASE("qkv_attention against linear_split and attention", "[optim][attention
 // main stream's input gradients must give the same bits as one stream, and every gradient must be
 // complete when backward() returns. The output projection's weight is also read by a matmul, whose
 // backward adds into its gradient on the main stream after a branch wrote it (the join before a
-// main-stream write).
+// main-stream write). The 1-D parameters' gradients are windows of one buffer, as in the
+// optimizer's flat buffers: the biases (written by branches, fc1's by the main stream's DGELU
+// product) beside two LayerNorms' gains and shifts (written by the main stream), so that the
+// main stream writes bytes of a buffer that pending branches write other bytes of.
 // Deterministic attention, so that the two runs can be the same bits; fresh inputs every run.
 TEST_CASE("weight gradients beside the backward: the same bits as one stream", "[optim][attention]") {
   need_gpu();
@@ -219,7 +222,8 @@ TEST_CASE("weight gradients beside the backward: the same bits as one stream", "
   Tensor x = in({N, C}, 0.5), wqkv = in({3 * C, C}, 0.08), bqkv = in({3 * C}, 0.1), wo = in({C, C}, 0.08),
          bo = in({C}, 0.1), w1 = in({4 * C, C}, 0.08), b1 = in({4 * C}, 0.1), w2 = in({C, 4 * C}, 0.05),
          b2 = in({C}, 0.1), lm = in({3 * C + 3 * I, C}, 0.08), wd = in({C, I}, 0.08), wd2 = in({C, I}, 0.08),
-         ws = in({2 * C, C}, 0.08), r = in({N, C}, 0.5);
+         ws = in({2 * C, C}, 0.08), r = in({N, C}, 0.5), g1 = in({C}, 0.1), s1 = in({C}, 0.1),
+         g2 = in({C}, 0.1), s2 = in({C}, 0.1);
   std::vector<int32_t> pv(static_cast<size_t>(N));
   for (int i = 0; i < N; i++) pv[size_t(i)] = i % L;
   const Tensor pos = Tensor::from_vector(pv, {N}).to(Device::CUDA);
@@ -228,7 +232,19 @@ TEST_CASE("weight gradients beside the backward: the same bits as one stream", "
   auto run = [&](bool side) {
     set_side_weight_grads(side);
     auto mv = [](const Tensor& t) { return t.to(Device::CUDA).clone().requires_grad_(); };
-    std::vector<Tensor> p = {mv(x), mv(wqkv), mv(bqkv), mv(wo), mv(bo), mv(w1), mv(b1), mv(w2), mv(b2), mv(wd), mv(wd2), mv(ws)};
+    std::vector<Tensor> p = {mv(x), mv(wqkv), mv(bqkv), mv(wo), mv(bo), mv(w1), mv(b1), mv(w2), mv(b2), mv(wd), mv(wd2), mv(ws),
+                             mv(g1), mv(s1), mv(g2), mv(s2)};
+    // one gradient buffer for the 1-D parameters, in an order that interleaves branch-written
+    // windows (biases) with main-stream-written ones (b1, the norms)
+    const int one_d[] = {2, 12, 4, 13, 6, 14, 8, 15};
+    int64_t flat_n = 0;
+    for (int i : one_d) flat_n += p[size_t(i)].numel();
+    Tensor flat = Tensor::zeros({flat_n}, DType::BF16, Device::CUDA);
+    int64_t at = 0;
+    for (int i : one_d) {
+      p[size_t(i)].set_grad(flat.narrow(0, at, p[size_t(i)].numel()));
+      at += p[size_t(i)].numel();
+    }
     // the Llama weights as windows of one buffer (q | k | v, gate | up: the joined products), and
     // a second gate | up apart (clones: mlp_swiglu's separate products)
     Tensor lmb = lm.to(Device::CUDA).clone(), glm = Tensor::zeros_like(lmb);
@@ -241,8 +257,9 @@ TEST_CASE("weight gradients beside the backward: the same bits as one stream", "
     Tensor x0 = add(p[0], matmul(p[0], p[3], false, true));
     Tensor a = qkv_attention(x0, p[1], p[2], seq, H, scale);
     Tensor y = linear(a, p[3], p[4], x0);
-    Tensor z = mlp_gelu(y, p[5], p[6], p[7], p[8], y, /*keep_activation=*/false);
-    z = mlp_gelu(z, p[5], p[6], p[7], p[8], z, /*keep_activation=*/true);  // the same weights again
+    Tensor z = mlp_gelu(layernorm(y, p[12], p[13], 1e-6), p[5], p[6], p[7], p[8], y, /*keep_activation=*/false);
+    z = mlp_gelu(layernorm(z, p[14], p[15], 1e-6), p[5], p[6], p[7], p[8], z,
+                 /*keep_activation=*/true);  // the same weights again
     Tensor u = qkv_rope_attention(z, lw[0], lw[1], lw[2], pos, seq, H, H, hd, 1e4, scale);
     u = mlp_swiglu(u, lw[3], lw[4], p[9], u);
     u = mlp_swiglu(u, lw2[3], lw2[4], p[10], u);
@@ -257,7 +274,7 @@ TEST_CASE("weight gradients beside the backward: the same bits as one stream", "
     return g;
   };
   const char* names[] = {"dx", "dWqkv", "dbqkv", "dWo", "dbo", "dW1", "db1", "dW2", "db2", "dWdown", "dWdown2",
-                         "dWsplit", "d(q|k|v|gate|up)", "dWgate2", "dWup2"};
+                         "dWsplit", "dgain1", "dshift1", "dgain2", "dshift2", "d(q|k|v|gate|up)", "dWgate2", "dWup2"};
   std::vector<Tensor> one = run(false), two = run(true);
   cuda::set_deterministic_attention(was_det);
   for (size_t i = 0; i < one.size(); i++) {
