@@ -3,8 +3,8 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <deque>
 #include <map>
-#include <unordered_set>
 
 #include "tensor/dispatch.h"
 
@@ -159,29 +159,44 @@ ByteRange byte_range(const Tensor& t) {
   r.hi = (last + 1) * es;
   return r;
 }
+// A branch the main stream has not waited for yet: its end event, what it reads (held until
+// the main stream waits for it) and the gradient bytes it writes.
+struct Branch {
+  void* done = nullptr;
+  std::vector<Tensor> keep;
+  std::vector<ByteRange> writes;
+};
 struct WeightGrads {
   bool on = false;
-  int pending = 0;                     // branches since the last join
-  void* fork = nullptr;                // events, reused: a wait takes the latest record
-  void* join = nullptr;
-  std::vector<Tensor> keep;            // what the pending branches read, released at the join
-  std::vector<ByteRange> written;      // gradient bytes the pending branches write
-  std::vector<ByteRange> staged;       // ... taken by weight_grad_buffer in the running node
+  void* fork = nullptr;                // reused: a wait takes the latest record
+  void* last = nullptr;                // the latest branch's end event
+  std::deque<Branch> open;             // not waited for by the main stream, oldest first
+  std::vector<void*> spare;            // end events no open branch uses
+  int since_join = 0;                  // branches since the last join (the memory they freed
+                                       // is still the side pool's)
+  std::vector<ByteRange> staged;       // taken by weight_grad_buffer in the running node
   bool in_branch = false;
 };
 thread_local WeightGrads g_wg;
-// Branches between joins. Each join makes the main stream wait for every branch so far; a
-// larger count lets the side stream trail further behind, and holds what the branches read
-// (their output gradients and inputs) that much longer. In a ViT block the norms' and the MLP's
-// main-stream bias writes join first (join_if_branch_writes below), so the count matters for
-// the Llama blocks (3 branches; their products have no biases, so the norms do not join): the VLM step
-// on the reference's batch 0.19 ms faster than one stream with 2, 0.05 with 8, both within its
-// noise (H200, 2026-12-06, bench/RESULTS.md). LOOM_WGRAD_JOIN overrides it (measurement).
+// Two bounds on how far the side stream may trail. Every `join_every` branches the main stream
+// joins: it waits for them all and takes over the memory they freed (side_branch_join). And
+// with more than `lag` branches open it waits for the older ones (an event each, no memory
+// handed over) and releases what they read: a branch holds its output gradient and input,
+// which one stream would have freed after the node, so the lag is what bounds the memory the
+// branches add to the step's peak. Keyed by bytes (join_if_branch_writes below) a ViT block
+// joins only by these counts. Measured (H100, 2026-12-07, bench/RESULTS.md): join_every 8 with
+// no lag, the contrastive MIM step 0.46 ms faster than one stream and its peak 470 MB higher;
+// 32 no faster than 8. LOOM_WGRAD_JOIN and LOOM_WGRAD_LAG override them (measurement).
+int env_count(const char* name, int dflt) {
+  const char* e = std::getenv(name);
+  return e && std::atoi(e) > 0 ? std::atoi(e) : dflt;
+}
 int join_every() {
-  static const int n = [] {
-    const char* e = std::getenv("LOOM_WGRAD_JOIN");
-    return e && std::atoi(e) > 0 ? std::atoi(e) : 8;
-  }();
+  static const int n = env_count("LOOM_WGRAD_JOIN", 8);
+  return n;
+}
+int join_lag() {
+  static const int n = env_count("LOOM_WGRAD_LAG", 2);
   return n;
 }
 }  // namespace
@@ -192,6 +207,18 @@ void set_side_weight_grads(bool on) {
 }
 bool side_weight_grads() { return g_wg.on; }
 
+// the main stream waits for the open branches older than the newest `newest`, and drops what
+// they read (released on the host after the wait is enqueued: later main-stream reuse waits too)
+static void wait_open_branches(size_t newest) {
+  if (g_wg.open.size() <= newest) return;
+  const size_t n = g_wg.open.size() - newest;
+  cuda::stream_wait_event(cuda::main_stream(), g_wg.open[n - 1].done);
+  for (size_t i = 0; i < n; i++) {
+    g_wg.spare.push_back(g_wg.open.front().done);
+    g_wg.open.pop_front();
+  }
+}
+
 void weight_grads(const std::vector<Tensor>& keep, const std::function<void()>& fn) {
   bool on_cuda = false;
   for (auto& t : keep) on_cuda = on_cuda || (t.defined() && t.device() == Device::CUDA);
@@ -199,29 +226,34 @@ void weight_grads(const std::vector<Tensor>& keep, const std::function<void()>& 
     fn();
     return;
   }
-  if (g_wg.pending >= join_every()) weight_grads_join();
-  // after that join: the buffers the node's branches write stay marked until the next one
-  g_wg.written.insert(g_wg.written.end(), g_wg.staged.begin(), g_wg.staged.end());
-  if (!g_wg.fork) {
-    g_wg.fork = cuda::event_create();
-    g_wg.join = cuda::event_create();
-  }
+  if (g_wg.since_join >= join_every()) weight_grads_join();
+  wait_open_branches(size_t(join_lag()) - 1);  // room for this one
+  if (!g_wg.fork) g_wg.fork = cuda::event_create();
+  Branch br;
+  if (g_wg.spare.empty()) g_wg.spare.push_back(cuda::event_create());
+  br.done = g_wg.spare.back();
+  g_wg.spare.pop_back();
+  // every buffer the node took so far: one taken for a later branch of the node stays marked
+  br.writes = g_wg.staged;
   cuda::side_branch_fork(g_wg.fork);
   g_wg.in_branch = true;
-  auto end = [] {
+  auto end = [&br] {
     g_wg.in_branch = false;
-    cuda::side_branch_end(g_wg.join);
-    g_wg.pending++;
+    cuda::side_branch_end(br.done);
+    g_wg.last = br.done;
+    g_wg.since_join++;
   };
   try {
     fn();
   } catch (...) {
     end();
+    g_wg.open.push_back(std::move(br));
     throw;
   }
   end();
   for (auto& t : keep)
-    if (t.defined()) g_wg.keep.push_back(t);
+    if (t.defined()) br.keep.push_back(t);
+  g_wg.open.push_back(std::move(br));
 }
 
 Tensor weight_grad_buffer(const Tensor& x) {
@@ -240,10 +272,10 @@ Tensor weight_grad_buffer(const Tensor& x) {
 }
 
 void weight_grads_join() {
-  if (g_wg.pending > 0) cuda::side_branch_join(g_wg.join);
-  g_wg.pending = 0;
-  g_wg.keep.clear();  // on the host after the wait is enqueued: later main-stream reuse waits too
-  g_wg.written.clear();
+  if (g_wg.since_join > 0) cuda::side_branch_join(g_wg.last);
+  g_wg.since_join = 0;
+  for (auto& b : g_wg.open) g_wg.spare.push_back(b.done);
+  g_wg.open.clear();  // on the host after the wait is enqueued: later main-stream reuse waits too
 }
 
 // the main stream is about to write x's gradient: join first when a pending branch writes it.
@@ -253,13 +285,14 @@ void weight_grads_join() {
 // product adds fc1's bias gradient on the main stream): three joins a ViT block. Two writers
 // of disjoint bytes of one buffer need no order.
 static void join_if_branch_writes(const Tensor& x) {
-  if (g_wg.pending == 0 || g_wg.in_branch || !x.grad().defined()) return;
+  if (g_wg.open.empty() || g_wg.in_branch || !x.grad().defined()) return;
   const ByteRange r = byte_range(x.grad());
-  for (auto& w : g_wg.written)
-    if (w.overlaps(r)) {
-      weight_grads_join();
-      return;
-    }
+  for (auto& b : g_wg.open)
+    for (auto& w : b.writes)
+      if (w.overlaps(r)) {
+        weight_grads_join();
+        return;
+      }
 }
 
 bool grad_enabled() { return g_grad_enabled; }
