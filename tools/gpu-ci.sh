@@ -59,11 +59,13 @@ for p in $parts; do
       done ;;
     sidewg)  # train.side_weight_grads: the first 20 losses with the weight gradients on the side
              # stream (graphs on and off) against one stream, LOOM_DETERMINISTIC=1, tolerance 0
+             # (SIDEWG_ROWS="mim_contrastive vlm_sft": only those of the four)
       for spec in "mim|configs/bench_mim.cfg|--train.steps=20" \
                   "mim_contrastive|configs/bench_mim.cfg|--train.steps=20 --model.contrastive=true" \
                   "vlm_sft|vlm_sft.cfg|--train.steps=20 --train.eval_every=0" \
                   "bench_vlm_repeat|configs/bench_vlm_sft.cfg|--train.steps=20 --data.repeat_batch=true"; do
         IFS='|' read -r name cfg args <<< "$spec"
+        case " ${SIDEWG_ROWS:-$name} " in *" $name "*) ;; *) continue ;; esac
         for v in "off|false|true" "on|true|true" "on_eager|true|false"; do
           IFS='|' read -r tag sw g <<< "$v"
           # shellcheck disable=SC2086
