@@ -169,7 +169,6 @@ struct Branch {
 struct WeightGrads {
   bool on = false;
   void* fork = nullptr;                // reused: a wait takes the latest record
-  void* last = nullptr;                // the latest branch's end event
   std::deque<Branch> open;             // not waited for by the main stream, oldest first
   std::vector<void*> spare;            // end events no open branch uses
   int since_join = 0;                  // branches since the last join (the memory they freed
@@ -240,7 +239,6 @@ void weight_grads(const std::vector<Tensor>& keep, const std::function<void()>& 
   auto end = [&br] {
     g_wg.in_branch = false;
     cuda::side_branch_end(br.done);
-    g_wg.last = br.done;
     g_wg.since_join++;
   };
   try {
@@ -272,7 +270,7 @@ Tensor weight_grad_buffer(const Tensor& x) {
 }
 
 void weight_grads_join() {
-  if (g_wg.since_join > 0) cuda::side_branch_join(g_wg.last);
+  if (!g_wg.open.empty()) cuda::side_branch_join(g_wg.open.back().done);  // the latest branch
   g_wg.since_join = 0;
   for (auto& b : g_wg.open) g_wg.spare.push_back(b.done);
   g_wg.open.clear();  // on the host after the wait is enqueued: later main-stream reuse waits too
