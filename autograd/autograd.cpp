@@ -183,7 +183,7 @@ thread_local WeightGrads g_wg;
 // handed over) and releases what they read: a branch holds its output gradient and input,
 // which one stream would have freed after the node, so the lag is what bounds the memory the
 // branches add to the step's peak. Keyed by bytes (join_if_branch_writes below) a ViT block
-// joins only by these counts. Measured (H100, 2026-12-07, bench/RESULTS.md): join_every 8 with
+// joins only by these counts. Measured (H100, 2026-12-06 "bytes", bench/RESULTS.md): join_every 8 with
 // no lag, the contrastive MIM step 0.46 ms faster than one stream and its peak 470 MB higher;
 // 32 no faster than 8. LOOM_WGRAD_JOIN and LOOM_WGRAD_LAG override them (measurement).
 int env_count(const char* name, int dflt) {
