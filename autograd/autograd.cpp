@@ -185,7 +185,9 @@ thread_local WeightGrads g_wg;
 // branches add to the step's peak. Keyed by bytes (join_if_branch_writes below) a ViT block
 // joins only by these counts. Measured (H100, 2026-12-06 "bytes", bench/RESULTS.md): join_every 8 with
 // no lag, the contrastive MIM step 0.46 ms faster than one stream and its peak 470 MB higher;
-// 32 no faster than 8. LOOM_WGRAD_JOIN and LOOM_WGRAD_LAG override them (measurement).
+// 32 no faster than 8; with the lag of 2, 0.35 ms faster and 13 MB higher (MIM: 0.14, 28 MB);
+// a lag of 1 kept the peak and gave 0.14 ms. LOOM_WGRAD_JOIN and LOOM_WGRAD_LAG override them
+// (measurement).
 int env_count(const char* name, int dflt) {
   const char* e = std::getenv(name);
   return e && std::atoi(e) > 0 ? std::atoi(e) : dflt;

@@ -76,11 +76,14 @@ Tensor grad_buffer(const Tensor& x, bool* is_new = nullptr);
 // weights' gradients, which only the optimizer reads. While this is on (CUDA, outside a side
 // scope, not profiling), weight_grads(keep, fn) runs fn, the products that add into weight
 // gradient buffers, as a side branch (kernels.h: side_branch_fork .. side_branch_end) on the
-// side stream, beside the main stream's next nodes; the main stream joins the branches every
-// few nodes (weight_grads_join: it waits for them, and what they read, `keep`, is released
-// only then) and at the end of backward(). fn must read only what its closure holds in `keep`
-// and write only buffers taken with weight_grad_buffer(). Off (the default), on the CPU and
-// everywhere else, fn runs in place: the same kernels in the same order, so the same bits.
+// side stream, beside the main stream's next nodes. What a branch reads, `keep`, is released
+// once the main stream has waited for it: for all but the last two branches when the next one
+// starts, for all of them every 8 branches, before a main-stream write to gradient bytes a
+// branch writes, and at the end of backward() (weight_grads_join). fn must read only what its
+// closure holds in `keep` and write only buffers taken with weight_grad_buffer(). Off (until
+// set_side_weight_grads(true); the trainers follow train.side_weight_grads, on by default), on
+// the CPU and everywhere else, fn runs in place: the same kernels in the same order, so the
+// same bits.
 void set_side_weight_grads(bool on);
 bool side_weight_grads();
 void weight_grads(const std::vector<Tensor>& keep, const std::function<void()>& fn);
