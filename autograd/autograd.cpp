@@ -278,6 +278,10 @@ void weight_grads_join() {
   g_wg.open.clear();  // on the host after the wait is enqueued: later main-stream reuse waits too
 }
 
+void weight_grads_wait(Stream s) {
+  if (!g_wg.open.empty()) cuda::stream_wait_event(s, g_wg.open.back().done);  // branches run in order on one stream
+}
+
 // the main stream is about to write x's gradient: join first when a pending branch writes it.
 // Keyed by the gradient's bytes, not its storage: the optimizer's flat buffers hold a group's
 // gradients in one storage (trainer/params.cpp: the 1-D group has the linears' biases and the
@@ -462,10 +466,9 @@ void backward(const Tensor& root, const Tensor& seed) {
       g_wg.staged.clear();
       n.backward();
       if (g_profile) cut(category_of(n.name), 1);
-      if (g_observer) {
-        weight_grads_join();  // the buckets' events are recorded on the main stream
-        g_observer->node_done();
-      }
+      // a gradient bucket complete here may have its last writes in an open weight-gradient
+      // branch: its reader waits for them (weight_grads_wait), the main stream goes on
+      if (g_observer) g_observer->node_done();
     }
     n.backward = nullptr;  // frees what the node saved
     for (auto& o : n.outputs) {

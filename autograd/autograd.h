@@ -91,12 +91,19 @@ void weight_grads(const std::vector<Tensor>& keep, const std::function<void()>& 
 // or accumulate_grad() of such a leaf (the main stream writing it) joins the branches first.
 Tensor weight_grad_buffer(const Tensor& x);
 void weight_grads_join();  // the main stream waits for every branch so far (no-op when none)
+// Stream s waits for every branch so far (no-op when none), the main stream does not: for a
+// reader of weight gradients on a stream of its own while the backward goes on (data parallel's
+// bucket averages, trainer/grad_buckets.h wait_for_gradient_writes). A gradient whose last write
+// is in a branch is complete on the host (its node is done) before it is on the device.
+void weight_grads_wait(Stream s);
 
 // ---- watching the backward (data parallel's gradient buckets, trainer/grad_buckets.h)
 // While set (on this thread), leaf_written(x) is called whenever a backward closure is about
 // to write or add to the gradient of leaf x (grad_buffer, accumulate_grad), and node_done()
 // after each node's backward has run (the nested tapes of checkpoint() included). A leaf's
-// gradient is complete after the node_done() that follows its last leaf_written().
+// gradient is complete after the node_done() that follows its last leaf_written() on the host;
+// on the device its last write may still be running in a weight-gradient branch (CUDA,
+// train.side_weight_grads): a reader on another stream waits for them with weight_grads_wait.
 class BackwardObserver {
  public:
   virtual ~BackwardObserver() = default;

@@ -127,11 +127,10 @@ void DataParallel::launch(const Tensor& buffer, int64_t offset, int64_t numel) {
     cv_.notify_all();
     return;
   }
-  // the comm stream starts once the compute stream has written the bucket
+  // the comm stream starts once the compute stream and the weight-gradient branches have
+  // written the bucket
   if (next_event_ == events_.size()) events_.push_back(cuda::event_create(false));
-  void* e = events_[next_event_++];
-  cuda::event_record(e, cuda::default_stream());
-  cuda::stream_wait_event(cuda::comm_stream(), e);
+  wait_for_gradient_writes(cuda::comm_stream(), events_[next_event_++]);
   nccl::all_reduce_avg(comm_, data, size_t(numel), buffer.dtype(), cuda::comm_stream());
 }
 

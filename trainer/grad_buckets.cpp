@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/kernels.h"
+
 namespace loom {
 
 GradBuckets::GradBuckets(std::vector<Tensor> buffers, const std::vector<std::vector<int64_t>>& slices,
@@ -159,6 +161,12 @@ void GradBuckets::finish() {
   }
   // in order: the buckets before next_ are on their way, none after it
   for (; next_ < order_.size(); next_++) launch_bucket(order_[next_]);
+}
+
+void wait_for_gradient_writes(Stream s, void* event) {
+  cuda::event_record(event, cuda::default_stream());
+  cuda::stream_wait_event(s, event);
+  weight_grads_wait(s);
 }
 
 }  // namespace loom

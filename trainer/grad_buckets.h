@@ -89,4 +89,12 @@ class GradBuckets : public BackwardObserver {
   int early_ = 0;
 };
 
+// CUDA: makes stream s (the one a launched bucket's average runs on) wait for every write of
+// gradients the backward has enqueued so far: the compute stream's, through `event` (recorded
+// there), and the weight-gradient branches' on the side stream (train.side_weight_grads,
+// autograd.h weight_grads), which the compute stream itself waits for only later. A bucket is
+// complete on the host once its parameters' last nodes are done; its last writes may still be
+// running in such a branch.
+void wait_for_gradient_writes(Stream s, void* event);
+
 }  // namespace loom

@@ -2,7 +2,9 @@
 // qkv_rope and mlp_swiglu on weights that are windows of one buffer, as the optimizer's flat
 // buffers lay them out; qkv_rope_attention and qkv_attention, each one node with its attention)
 // against the separate ops, and Tensor::copy_ / contiguous of strided CUDA views. Values and
-// every gradient, in f32 and bf16. Exits with code 4 (skipped) when no GPU is present.
+// every gradient, in f32 and bf16; the weight-gradient branches beside the backward
+// (train.side_weight_grads) against one stream, and data parallel's bucket averages ordered
+// after them. Exits with code 4 (skipped) when no GPU is present.
 #include <catch2/catch.hpp>
 
 #include <cmath>
@@ -12,7 +14,10 @@
 #include <vector>
 
 #include "autograd/ops.h"
+#include "kernels/kernels.h"
+#include "optim/optimizer.h"
 #include "tests/cuda/cuda_kernel_test_util.h"
+#include "trainer/grad_buckets.h"
 #include "tests/tolerances.h"
 
 using namespace loom;
@@ -281,6 +286,77 @@ TEST_CASE("weight gradients beside the backward: the same bits as one stream", "
     INFO(names[i]);
     CHECK(one[i].to_vector<double>() == two[i].to_vector<double>());
   }
+}
+
+// Data parallel's gradient buckets with the weight-gradient branches on: a bucket is complete on
+// the host when its parameters' last nodes are done, but their last writes may still be running
+// on the side stream. Each launch here snapshots its bucket on the comm stream after
+// wait_for_gradient_writes (what DataParallel::launch does before NCCL's average), and every
+// snapshot must equal the bucket's final gradients bit for bit. The first layer's input needs no
+// gradient, so its node is one weight-gradient branch (a ~0.4 ms product) and nothing on the
+// main stream: without the wait on the branches the snapshot of w1 is taken while that product
+// runs. Nothing is allocated inside the steps (inputs and snapshots made before them), so that
+// no cudaMalloc synchronizes the device and hides a missing wait.
+TEST_CASE("gradient buckets read the weight-gradient branches' writes", "[optim][distributed]") {
+  need_gpu();
+  const int64_t N = 32768, C0 = 4096, C = 1024;
+  Rng rng(uint64_t(std::random_device{}()));
+  auto param = [&](const Shape& sh, double std) {
+    return Tensor::randn(sh, rng, std, DType::F64).to(DType::F32).to(Device::CUDA).requires_grad_();
+  };
+  Tensor w1 = param({C, C0}, 0.015), b1 = param({C}, 0.1), w2 = param({C, C}, 0.03), b2 = param({C}, 0.1);
+  std::vector<ParamGroup> groups = {{"matrices", 1.0, 0.0, {{"w1", &w1}, {"w2", &w2}}},
+                                    {"vectors", 1.0, 0.0, {{"b1", &b1}, {"b2", &b2}}}};
+  Optimizer opt(groups, OptimConfig{}, DType::BF16, Device::CUDA);
+  const Tensor x = Tensor::randn({N, C0}, rng, 1.0, DType::F64).to(DType::BF16).to(Device::CUDA);  // no gradient
+  const Tensor r = Tensor::randn({N, C}, rng, 1.0, DType::F64).to(DType::BF16).to(Device::CUDA);
+  struct Snap {
+    GradBuckets::Bucket bucket;
+    Tensor values;
+    void* event = nullptr;
+    bool taken = false;
+  };
+  std::vector<Snap> snaps;
+  auto launch = [&](const Tensor& buf, const GradBuckets::Bucket& b) {
+    for (auto& sn : snaps)
+      if (sn.bucket.buffer == b.buffer && sn.bucket.offset == b.offset) {
+        REQUIRE_FALSE(sn.taken);
+        wait_for_gradient_writes(cuda::comm_stream(), sn.event);
+        const size_t es = dtype_size(buf.dtype());
+        cuda::memcpy_d2d(sn.values.raw(), static_cast<const char*>(buf.raw()) + size_t(b.offset) * es,
+                         size_t(b.numel) * es, cuda::comm_stream());
+        sn.taken = true;
+        return;
+      }
+    FAIL("a bucket that GradBuckets did not list");
+  };
+  GradBuckets gb(opt.grad_buffers(), opt.grad_offsets(), 1 << 20, launch);  // a weight a bucket
+  for (auto& b : gb.buckets())
+    snaps.push_back({b, Tensor::empty({b.numel}, DType::BF16, Device::CUDA), cuda::event_create(false)});
+  set_side_weight_grads(true);
+  for (int step = 0; step < 4; step++) {
+    INFO("backward " << step);
+    for (auto& sn : snaps) sn.taken = false;
+    opt.zero_grad();
+    Tensor y = linear(gelu(linear(x, w1, b1)), w2, b2);
+    gb.begin();
+    backward(sum(mul(y, r)));
+    gb.finish();
+    cuda::synchronize();  // the comm stream's copies too
+    if (step > 0) CHECK(gb.launched_early() >= 1);  // launched while the backward was still going on
+    for (auto& sn : snaps) {
+      INFO("bucket at " << sn.bucket.offset << " of buffer " << sn.bucket.buffer);
+      REQUIRE(sn.taken);
+      const Tensor now = opt.grad_buffers()[size_t(sn.bucket.buffer)].narrow(0, sn.bucket.offset, sn.bucket.numel);
+      const std::vector<double> got = sn.values.to(Device::CPU).to_vector<double>(),
+                                want = now.to(Device::CPU).to_vector<double>();
+      int64_t differ = 0;  // a count, not the vectors: a failure prints one number, not 4M
+      for (size_t i = 0; i < want.size(); i++) differ += got[i] != want[i] ? 1 : 0;
+      CHECK(differ == 0);
+    }
+  }
+  set_side_weight_grads(false);
+  for (auto& sn : snaps) cuda::event_destroy(sn.event);
 }
 
 TEST_CASE("Tensor::copy_ into a window of a CUDA tensor, from every kind of source", "[cuda][tensor]") {
