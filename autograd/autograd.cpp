@@ -186,8 +186,9 @@ thread_local WeightGrads g_wg;
 // joins only by these counts. Measured (H100, 2026-12-06 "bytes", bench/RESULTS.md): join_every 8 with
 // no lag, the contrastive MIM step 0.46 ms faster than one stream and its peak 470 MB higher;
 // 32 no faster than 8; with the lag of 2, 0.35 ms faster and 13 MB higher (MIM: 0.14, 28 MB);
-// a lag of 1 kept the peak and gave 0.14 ms. LOOM_WGRAD_JOIN and LOOM_WGRAD_LAG override them
-// (measurement).
+// a lag of 1 kept the peak and gave 0.14 ms. The lag is train.side_weight_grads_lag (the
+// reference's VLM batch: 8, 0.2 ms faster and the same peak, H100, 2026-12-06).
+// LOOM_WGRAD_JOIN and LOOM_WGRAD_LAG override them (measurement).
 int env_count(const char* name, int dflt) {
   const char* e = std::getenv(name);
   return e && std::atoi(e) > 0 ? std::atoi(e) : dflt;
@@ -196,9 +197,10 @@ int join_every() {
   static const int n = env_count("LOOM_WGRAD_JOIN", 8);
   return n;
 }
+int g_lag = 2;  // set_side_weight_grads_lag (train.side_weight_grads_lag)
 int join_lag() {
-  static const int n = env_count("LOOM_WGRAD_LAG", 2);
-  return n;
+  static const int env = env_count("LOOM_WGRAD_LAG", 0);
+  return env > 0 ? env : g_lag;
 }
 }  // namespace
 
@@ -207,6 +209,10 @@ void set_side_weight_grads(bool on) {
   g_wg.on = on;
 }
 bool side_weight_grads() { return g_wg.on; }
+void set_side_weight_grads_lag(int lag) {
+  LOOM_CHECK(lag >= 1, "set_side_weight_grads_lag: %d (at least 1)", lag);
+  g_lag = lag;
+}
 
 // the main stream waits for the open branches older than the newest `newest`, and drops what
 // they read (released on the host after the wait is enqueued: later main-stream reuse waits too)

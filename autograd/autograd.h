@@ -86,6 +86,9 @@ Tensor grad_buffer(const Tensor& x, bool* is_new = nullptr);
 // same bits.
 void set_side_weight_grads(bool on);
 bool side_weight_grads();
+// The open branches the main stream lets run before it waits for the older ones (default 2;
+// train.side_weight_grads_lag): a larger lag overlaps more and holds what more branches read.
+void set_side_weight_grads_lag(int lag);
 void weight_grads(const std::vector<Tensor>& keep, const std::function<void()>& fn);
 // grad_buffer for a weight whose gradient a weight_grads() branch writes. A plain grad_buffer()
 // or accumulate_grad() of such a leaf (the main stream writing it) joins the branches first.

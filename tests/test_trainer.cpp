@@ -219,12 +219,19 @@ TEST_CASE("a failed checkpoint or metrics write stops the run; the previous chec
   ctx.out_dir = b;
   REQUIRE(find_checkpoint(ctx, "latest") == b + "/step_00000003");  // still the latest
   CHECK_FALSE(std::ifstream(b + "/step_00000004.tmp/optimizer.safetensors.tmp").good());  // no partial file
-  // 2. a fresh run whose metrics.jsonl outgrows the limit (12 KB: config.cfg and
-  // tokenizer.json fit) stops at the failed line with the file and the reason
+  // 2. a fresh run whose metrics.jsonl outgrows the limit (config.cfg's size, which grows with the
+  // schema's help texts, + 2 KB: config.cfg and tokenizer.json fit, 160 steps of metrics do not)
+  // stops at the failed line with the file and the reason
+  long config_bytes = 0;
+  {
+    std::ifstream cf(a + "/config.cfg", std::ios::ate | std::ios::binary);
+    config_bytes = long(cf.tellg());
+  }
+  REQUIRE(config_bytes > 1000);
   std::string c = tmpdir("fc");
   auto fresh = tiny(c);
-  fresh.push_back("--train.steps=80");
-  REQUIRE(run_train_limited(fresh, 12288, log) == 1);
+  fresh.push_back("--train.steps=160");
+  REQUIRE(run_train_limited(fresh, config_bytes + 2048, log) == 1);
   std::ifstream lf2(log);
   std::string text2((std::istreambuf_iterator<char>(lf2)), std::istreambuf_iterator<char>());
   CHECK_THAT(text2, Contains("metrics.jsonl: write failed: File too large"));

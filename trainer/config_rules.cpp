@@ -227,6 +227,7 @@ void validate_config(const Config& c) {
   r.float_range("train.grad_clip", 0, false, INFINITY, false);
   r.float_range("train.momentum", 0, false, 1, true);
   r.int_range("train.log_every", 1, kMaxCount);
+  r.int_range("train.side_weight_grads_lag", 1, 1 << 20);
   r.int_range("train.eval_every", 0, kMaxCount);
   r.int_range("train.save_every", 0, kMaxCount);
   r.int_range("train.keep_last", 1, 1 << 20);

@@ -363,6 +363,7 @@ int train_mim(const RunContext& ctx) {
   int64_t eval_every = cfg.get_int64("train.eval_every"), save_every = cfg.get_int64("train.save_every");
   profile_enable(cfg.get_bool("train.profile"));
   set_side_weight_grads(cfg.get_bool("train.side_weight_grads"));
+  set_side_weight_grads_lag(cfg.get_int("train.side_weight_grads_lag"));
   for (int64_t s = start; s < steps; s++) {
     double w0 = now_ms();
     StagedBatch b = loader.next();

@@ -359,6 +359,7 @@ static int train_vlm(const RunContext& ctx) {
   };
   profile_enable(cfg.get_bool("train.profile"));
   set_side_weight_grads(cfg.get_bool("train.side_weight_grads"));
+  set_side_weight_grads_lag(cfg.get_int("train.side_weight_grads_lag"));
   for (int64_t s = start; s < steps; s++) {
     double wait = 0, flops = 0;
     int64_t tokens = 0;
