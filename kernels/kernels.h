@@ -58,6 +58,16 @@ struct EmaTensor {
   int64_t n;
 };
 
+// The EMA adamw_ema_update runs in AdamW's pass: the group's elements [lo, hi) are its source;
+// target [hi - lo] in M, copy (nullable) the new target in G.
+template <class M, class G>
+struct EmaRange {
+  M* target;
+  G* copy;
+  int64_t lo, hi;
+  double decay;
+};
+
 // AdamW hyper-parameters for one parameter group; bias corrections come from `step` (1-based).
 struct AdamWHyper {
   float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.0f;

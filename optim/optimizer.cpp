@@ -44,6 +44,10 @@ struct Optimizer::Group {
   // owned part only, [lo, hi) of this rank. Unsharded: lo = 0, hi = n.
   std::vector<int64_t> bounds;
   int64_t lo = 0, hi = 0;
+  // an EMA fused into this group's AdamW pass (fuse_ema): its source is [ema_lo, ema_hi)
+  Tensor ema_target, ema_copy;
+  int64_t ema_lo = 0, ema_hi = 0;
+  double ema_decay = 0;
 
   // the flat buffer the model's slots view (what the forward reads)
   const Tensor& compute() const { return copy.defined() ? copy : master; }
@@ -209,7 +213,13 @@ void Optimizer::step() {
         h.beta2 = float(cfg_.beta2);
         h.eps = float(cfg_.eps);
         h.weight_decay = float(g->weight_decay);
-        KERNEL(dev, adamw_update)(master, copy, g->m.data<M>(), g->v.data<M>(), grad, ctl, cnt, h, stream_for(dev));
+        if (g->ema_target.defined()) {  // unsharded: lo = 0, cnt = n
+          EmaRange<M, G> e{g->ema_target.data<M>(), data_or_null<G>(g->ema_copy), g->ema_lo, g->ema_hi, g->ema_decay};
+          KERNEL(dev, adamw_ema_update)(master, copy, g->m.data<M>(), g->v.data<M>(), grad, ctl, cnt, h, e,
+                                        stream_for(dev));
+        } else {
+          KERNEL(dev, adamw_update)(master, copy, g->m.data<M>(), g->v.data<M>(), grad, ctl, cnt, h, stream_for(dev));
+        }
       } else {
         KERNEL(dev, sgd_update)(master, copy, g->buf.data<M>(), grad, ctl, cnt, float(g->lr_scale),
                                 float(cfg_.momentum), float(g->weight_decay), stream_for(dev));
@@ -228,6 +238,9 @@ void Optimizer::shard(int rank, int world, PartGather gather) {
   LOOM_CHECK(world >= 1 && rank >= 0 && rank < world && (world == 1 || gather),
              "Optimizer::shard: rank %d of %d%s", rank, world, gather ? "" : " without a gather");
   LOOM_CHECK(!sharded(), "Optimizer::shard: already sharded");
+  for (auto* g : groups_)
+    LOOM_CHECK(!g->ema_target.defined(), "Optimizer::shard: an EMA is fused into group '%s' (a sharded step updates "
+               "part of each master: fuse no EMA into it)", g->name.c_str());
   LOOM_CHECK(steps() == 0, "Optimizer::shard: after %lld steps (shard before the first step and before a resume "
              "loads the state: the moments start over)", (long long)steps());
   rank_ = rank;
@@ -363,7 +376,80 @@ std::string Optimizer::backend() const {
                                       : std::string()).c_str()) +
          (sharded() ? strformat("; ZeRO-1, rank %d of %d: moments of %lld of %lld parameters", rank_, world_,
                                 (long long)owned_parameters(), (long long)num_parameters())
-                    : std::string());
+                    : std::string()) +
+         [&] {
+           int64_t e = 0;
+           for (auto* g : groups_) e += g->ema_hi - g->ema_lo;
+           return e ? strformat("; the EMA of %lld parameters in the same pass", (long long)e) : std::string();
+         }();
+}
+
+bool Optimizer::can_fuse_ema() const { return cfg_.kind == "adamw" && !sharded(); }
+
+bool Optimizer::flat_runs(const std::vector<std::string>& names, std::vector<FlatRun>& runs, std::vector<int>& run_of,
+                          std::vector<int64_t>& offset) const {
+  runs.clear();
+  run_of.assign(names.size(), -1);
+  offset.assign(names.size(), 0);
+  std::set<std::string> seen;
+  std::vector<int64_t> covered;  // elements of each run's parameters
+  for (size_t k = 0; k < names.size(); k++) {
+    if (!seen.insert(names[k]).second) return false;
+    int gi = -1;
+    size_t pi = 0;
+    for (size_t j = 0; j < groups_.size() && gi < 0; j++)
+      for (size_t i = 0; i < groups_[j]->names.size(); i++)
+        if (groups_[j]->names[i] == names[k]) {
+          gi = int(j);
+          pi = i;
+          break;
+        }
+    if (gi < 0) return false;
+    const Group& g = *groups_[gi];
+    const int64_t a = g.offsets[pi], b = a + shape_numel(g.shapes[pi]);
+    int r = 0;
+    while (r < int(runs.size()) && runs[r].group != gi) r++;
+    if (r == int(runs.size())) {
+      runs.push_back({gi, a, b});
+      covered.push_back(0);
+    }
+    runs[r].lo = std::min(runs[r].lo, a);
+    runs[r].hi = std::max(runs[r].hi, b);
+    covered[r] += b - a;
+    run_of[k] = r;
+    offset[k] = a;  // made relative below, once each run's lo is known
+  }
+  // the flat layout has no gaps: a run whose parameters add up to its length holds no other
+  for (size_t r = 0; r < runs.size(); r++)
+    if (covered[r] != runs[r].hi - runs[r].lo) return false;
+  for (size_t k = 0; k < names.size(); k++) offset[k] -= runs[run_of[k]].lo;
+  return true;
+}
+
+void Optimizer::fuse_ema(const FlatRun& run, const Tensor& target, const Tensor& copy, double decay) {
+  LOOM_CHECK(can_fuse_ema(), "fuse_ema: the %s optimizer%s has no fused EMA", cfg_.kind.c_str(),
+             sharded() ? " (sharded)" : "");
+  LOOM_CHECK(run.group >= 0 && run.group < int(groups_.size()), "fuse_ema: no group %d", run.group);
+  Group& g = *groups_[run.group];
+  LOOM_CHECK(0 <= run.lo && run.lo < run.hi && run.hi <= g.n, "fuse_ema: run [%lld, %lld) of group '%s' (%lld elements)",
+             (long long)run.lo, (long long)run.hi, g.name.c_str(), (long long)g.n);
+  LOOM_CHECK(!g.ema_target.defined(), "fuse_ema: group '%s' already has an EMA", g.name.c_str());
+  LOOM_CHECK(target.defined() && target.dtype() == master_dtype_ && target.device() == device_ &&
+                 target.numel() == run.hi - run.lo && target.is_contiguous(),
+             "fuse_ema: the target is %s; group '%s' needs %lld contiguous %s elements on %s",
+             target.defined() ? target.desc().c_str() : "undefined", g.name.c_str(), (long long)(run.hi - run.lo),
+             dtype_name(master_dtype_), device_name(device_));
+  const bool want_copy = compute_ != master_dtype_;
+  LOOM_CHECK(copy.defined() == want_copy &&
+                 (!want_copy || (copy.dtype() == compute_ && copy.device() == device_ &&
+                                 copy.numel() == target.numel() && copy.is_contiguous())),
+             "fuse_ema: the copy is %s; with %s compute it must be %s", copy.defined() ? copy.desc().c_str() : "undefined",
+             dtype_name(compute_), want_copy ? "contiguous and of the target's size in that dtype" : "undefined");
+  g.ema_target = target;
+  g.ema_copy = copy;
+  g.ema_lo = run.lo;
+  g.ema_hi = run.hi;
+  g.ema_decay = decay;
 }
 
 std::vector<Tensor> Optimizer::grad_buffers() const {
@@ -411,7 +497,7 @@ double lr_at(int64_t step, int64_t total, int64_t warmup, double lr, double min_
 }
 
 // ------------------------------------------------------------------ EMA
-EMA::EMA(Module& target, const Optimizer& opt, const std::string& source_prefix) {
+EMA::EMA(Module& target, const Optimizer& opt, const std::string& source_prefix) : source_prefix_(source_prefix) {
   for (auto& [name, slot] : target.named_parameters()) {
     Tensor src = opt.master(source_prefix + name);
     LOOM_CHECK(slot->shape() == src.shape() && slot->device() == src.device(),
@@ -443,7 +529,56 @@ std::map<std::string, Tensor> EMA::masters(const std::string& prefix) const {
   return out;
 }
 
+bool EMA::fuse(Optimizer& opt, double decay) {
+  if (fused_ || pairs_.empty() || !opt.can_fuse_ema()) return false;
+  // one dtype for every target slot and one for every master, one device
+  const Tensor& s0 = *target_slots_[0];
+  const DType mdt = pairs_[0].second.dtype();
+  for (size_t k = 0; k < pairs_.size(); k++)
+    if (target_slots_[k]->dtype() != s0.dtype() || pairs_[k].second.dtype() != mdt ||
+        target_slots_[k]->device() != s0.device())
+      return false;
+  const bool sixteen = s0.dtype() != mdt;  // the slots are 16-bit rounded copies of the masters
+  std::vector<std::string> sources;
+  for (auto& n : names_) sources.push_back(source_prefix_ + n);
+  std::vector<Optimizer::FlatRun> runs;
+  std::vector<int> run_of;
+  std::vector<int64_t> offset;
+  if (!opt.flat_runs(sources, runs, run_of, offset)) return false;
+  // Flat targets laid out as their sources are: the values move over, then the slots (and the
+  // masters' handles, EMA::masters) become views of them.
+  std::vector<Tensor> flat_t, flat_c;
+  for (auto& r : runs) {
+    flat_t.push_back(Tensor::zeros({r.hi - r.lo}, mdt, s0.device()));
+    flat_c.push_back(sixteen ? Tensor::zeros({r.hi - r.lo}, s0.dtype(), s0.device()) : Tensor());
+  }
+  for (size_t k = 0; k < pairs_.size(); k++) {
+    Tensor& slot = *target_slots_[k];
+    const int r = run_of[k];
+    Tensor tv = flat_t[r].narrow(0, offset[k], slot.numel()).view(slot.shape());
+    tv.copy_(pairs_[k].first);
+    if (sixteen) {
+      Tensor cv = flat_c[r].narrow(0, offset[k], slot.numel()).view(slot.shape());
+      cv.copy_(slot);
+      slot = cv;
+    } else {
+      slot = tv;
+    }
+    pairs_[k].first = tv;
+    target_master_[k] = tv;
+  }
+  for (size_t r = 0; r < runs.size(); r++) opt.fuse_ema(runs[r], flat_t[r], flat_c[r], decay);
+  fused_ = true;
+  fused_decay_ = decay;
+  return true;
+}
+
 void EMA::update(double decay) {
+  if (fused_) {  // the optimizer's step did it
+    LOOM_CHECK(decay == fused_decay_, "EMA::update: decay %g, but the EMA fused into the optimizer's step uses %g",
+               decay, fused_decay_);
+    return;
+  }
   // Dispatch on the copy's dtype G (bf16 on CUDA) or on the master itself; M = acc_t<G>.
   // Targets come in runs of one dtype and device, each run one ema_update_many call: a model
   // trained in one dtype is one run (a ViT-B's 149 tensors in two launches instead of 149).

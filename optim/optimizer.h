@@ -100,6 +100,25 @@ class Optimizer {
   // group (cuda, 4 groups, fp32 master + bf16 copy)".
   std::string backend() const;
 
+  // An EMA fused into step() (EMA::fuse; AdamW, unsharded: can_fuse_ema()). A FlatRun is a
+  // range [lo, hi) of one group's flat buffers.
+  struct FlatRun {
+    int group = -1;
+    int64_t lo = 0, hi = 0;
+  };
+  bool can_fuse_ema() const;
+  // The runs the parameters `names` fill, one per group they are in, each holding those
+  // parameters and no other; run_of[k] / offset[k]: name k's run and its element offset from the
+  // run's lo. False (outputs unspecified) when a name is not trained here or is repeated, or
+  // another parameter lies inside a run.
+  bool flat_runs(const std::vector<std::string>& names, std::vector<FlatRun>& runs, std::vector<int>& run_of,
+                 std::vector<int64_t>& offset) const;
+  // From now on step() also moves target[i - lo] to decay * target + (1 - decay) * master[i] for
+  // every i of the run, right after AdamW's update of master[i], in the same pass (copy: the
+  // target in the compute dtype, when that is not the master dtype). target is the master dtype,
+  // [hi - lo]; one EMA per group.
+  void fuse_ema(const FlatRun& run, const Tensor& target, const Tensor& copy, double decay);
+
   // ... implementation-defined members (flat buffers, views, clip scale tensor)
  private:
   struct Group;
@@ -131,6 +150,15 @@ class EMA {
  public:
   EMA(Module& target, const Optimizer& opt, const std::string& source_prefix);
   void update(double decay);  // one ema_update_many call per run of targets of one dtype
+  // Moves the update into the optimizer's AdamW pass (Optimizer::fuse_ema), where it reads the
+  // source masters from registers instead of from memory: the targets are re-pointed to flat
+  // buffers laid out as the sources are in the optimizer's groups. Every later opt.step() then
+  // does the update with this decay, and update() only checks that it is given the same one
+  // (call it after step(), as without fusing). The values are those of step() then update(),
+  // bit for bit. False, with nothing changed, where it cannot be done: SGD, a sharded (ZeRO-1)
+  // optimizer, targets of mixed dtypes, or sources that are not whole runs of their groups.
+  bool fuse(Optimizer& opt, double decay);
+  bool fused() const { return fused_; }
   // The masters the EMA keeps beside 16-bit targets (bf16 / fp16 compute: the slot holds the
   // rounded value, the master the exact one), by the target's parameter name behind `prefix`
   // (the target's path in the model, "target."); empty when every target is in the master
@@ -145,6 +173,9 @@ class EMA {
   std::vector<Tensor*> target_slots_;
   std::vector<Tensor> target_master_;
   std::vector<std::string> names_;
+  std::string source_prefix_;
+  bool fused_ = false;
+  double fused_decay_ = 0;
 };
 
 }  // namespace loom

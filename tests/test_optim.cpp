@@ -471,6 +471,107 @@ TEMPLATE_TEST_CASE("default_groups and EMA of the masters", "[optim]", double, f
   CHECK_THROWS_WITH(EMA(m.target, opt, "decoder."), Catch::Contains("decoder.weight"));
 }
 
+namespace {
+// An encoder, a trained head of the same shape beside it and an EMA target (of either): in each
+// default group the encoder's parameters come first and the head's next, so either one's are
+// whole runs of the flat buffers (the head's starting past 0).
+struct MimHead : Module {
+  Linear encoder, head, target;
+  MimHead(DType dt, Rng rng)
+      : encoder(I, O, true, Init{dt, Device::CPU, &rng}), head(I, O, true, Init{dt, Device::CPU, &rng}),
+        target(I, O, true, Init{dt, Device::CPU, &rng}) {
+    child("encoder", encoder);
+    child("head", head);
+    child("target", target);
+    for (Tensor* t : {&encoder.weight, &encoder.bias, &head.weight, &head.bias, &target.weight, &target.bias})
+      t->copy_(Tensor::randn(t->shape(), rng, 0.5, dt));
+    target.requires_grad_(false);
+  }
+  Tensor loss(const Tensor& x) const { return sum(mul(encoder.forward(x), head.forward(x))); }
+};
+}  // namespace
+
+// EMA::fuse moves the update into AdamW's pass: the same values as step() then update(), bit for
+// bit, a skipped step skipping both; and no fusing (nothing changed) where the layout or the
+// optimizer does not allow it.
+TEMPLATE_TEST_CASE("EMA fused into the AdamW step: the same values as the two updates", "[optim]", double, float) {
+  using T = TestType;
+  const DType dt = dtype_of<T>();
+  const double decay = 0.8;
+  for (const char* source : {"encoder.", "head."}) {
+  INFO("the EMA of " << source);
+  MimHead a(dt, Rng(31)), b(dt, Rng(31));
+  Optimizer oa(default_groups(a, 0.05), OptimConfig{}, dt, Device::CPU);
+  Optimizer ob(default_groups(b, 0.05), OptimConfig{}, dt, Device::CPU);
+  EMA ea(a.target, oa, source), eb(b.target, ob, source);
+  REQUIRE(eb.fuse(ob, decay));
+  CHECK(eb.fused());
+  CHECK_FALSE(eb.fuse(ob, decay));  // once
+  CHECK(ob.backend().find("the EMA of " + std::to_string(O * I + O) + " parameters") != std::string::npos);
+  CHECK(oa.backend().find("EMA") == std::string::npos);
+  // the target was re-pointed to the flat buffers with its values
+  CHECK(b.target.weight.to_vector<double>() == a.target.weight.to_vector<double>());
+  CHECK_FALSE(b.target.weight.requires_grad());
+  Rng rng(5);
+  for (int step = 0; step < 4; step++) {
+    INFO("step " << step);
+    Tensor x = rand_x<T>(rng);
+    for (auto* side : {&a, &b}) backward(side->loss(x));
+    // step 2: a non-finite loss skips the step, and with it the EMA
+    Tensor bad = Tensor::from_vector(std::vector<float>{step == 2 ? NAN : 1.f}, {1}, Device::CPU);
+    oa.clip_grad_norm(0.0, bad);
+    ob.clip_grad_norm(0.0, bad);
+    const auto before = b.target.weight.to_vector<double>();
+    oa.step(3e-2);
+    ob.step(3e-2);
+    ea.update(decay);
+    eb.update(decay);
+    oa.zero_grad();
+    ob.zero_grad();
+    for (const char* n : {"weight", "bias"}) {
+      INFO(n);
+      Tensor* ta = std::string(n) == "weight" ? &a.target.weight : &a.target.bias;
+      Tensor* tb = std::string(n) == "weight" ? &b.target.weight : &b.target.bias;
+      CHECK(tb->to_vector<double>() == ta->to_vector<double>());
+      CHECK(ob.master(std::string("encoder.") + n).to_vector<double>() ==
+            oa.master(std::string("encoder.") + n).to_vector<double>());
+      CHECK(ob.master(std::string("head.") + n).to_vector<double>() ==
+            oa.master(std::string("head.") + n).to_vector<double>());
+    }
+    if (step == 2) CHECK(b.target.weight.to_vector<double>() == before);
+    else CHECK(b.target.weight.to_vector<double>() != before);
+  }
+  CHECK(eb.masters("target.").empty());  // the slots are their own masters here, as unfused
+  CHECK_THROWS_WITH(eb.update(0.5), Catch::Contains("0.5") && Catch::Contains("0.8"));
+  // fusing first makes sharding an error naming the group
+  CHECK_THROWS_WITH(ob.shard(0, 2, [](Tensor&, const std::vector<int64_t>&) {}), Catch::Contains("decay"));
+  }
+
+  // sources that are not whole runs: the head's weight between the encoder's two parameters
+  MimHead c(dt, Rng(32));
+  std::vector<ParamGroup> mixed = {{"all", 1.0, 0.0,
+                                    {{"encoder.weight", &c.encoder.weight}, {"head.weight", &c.head.weight},
+                                     {"encoder.bias", &c.encoder.bias}, {"head.bias", &c.head.bias}}}};
+  Optimizer oc(mixed, OptimConfig{}, dt, Device::CPU);
+  EMA ec(c.target, oc, "encoder.");
+  const auto impl = c.target.weight.impl();
+  CHECK_FALSE(ec.fuse(oc, decay));
+  CHECK_FALSE(ec.fused());
+  CHECK(c.target.weight.impl() == impl);  // nothing was re-pointed
+  // SGD has no fused form; a sharded optimizer updates part of each master
+  MimHead d(dt, Rng(33));
+  OptimConfig sgd;
+  sgd.kind = "sgd";
+  Optimizer od(default_groups(d, 0.0), sgd, dt, Device::CPU);
+  EMA ed(d.target, od, "encoder.");
+  CHECK_FALSE(ed.fuse(od, decay));
+  MimHead e(dt, Rng(34));
+  Optimizer oe(default_groups(e, 0.0), OptimConfig{}, dt, Device::CPU);
+  oe.shard(0, 2, [](Tensor&, const std::vector<int64_t>&) {});
+  EMA ee(e.target, oe, "encoder.");
+  CHECK_FALSE(ee.fuse(oe, decay));
+}
+
 TEST_CASE("optimizer preconditions throw with names", "[optim]") {
   Net net(DType::F32, 9);
   CHECK_THROWS_WITH(Optimizer(groups_of(net), OptimConfig{}, DType::BF16, Device::CPU), Catch::Contains("bf16"));

@@ -5,6 +5,8 @@
 #include <Eigen/Dense>
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 
 #include "data/fashion_mnist.h"
 #include "data/images.h"
@@ -208,6 +210,10 @@ int train_mim(const RunContext& ctx) {
   if (ctx.dp) ctx.dp->shard_optimizer(opt);  // train.zero_stage = 1
   cast_frozen(m, ctx.compute);
   EMA ema(m.target, opt, "encoder.");
+  // The EMA in AdamW's pass over the masters (EMA::fuse: the same values, one read of the encoder's
+  // masters instead of two); LOOM_EMA_FUSED=0 keeps its own kernels, for A/B runs.
+  const char* ema_fused = std::getenv("LOOM_EMA_FUSED");
+  if (!(ema_fused && std::string(ema_fused) == "0")) ema.fuse(opt, mc.ema);
   const Tensor loss_scale = setup_loss_scaling(opt, ctx);  // fp16 only
   std::printf("optimizer %s\n", opt.backend().c_str());
 

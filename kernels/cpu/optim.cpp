@@ -21,6 +21,8 @@
 //   master -= lr (buf + wd master)
 // EMA (the target encoder), torch's lerp with weight w = 1 - decay:
 //   target  = target + (1 - decay)(source - target)   (= decay target + (1 - decay) source)
+// AdamW with the EMA fused in (adamw_ema_update): the AdamW update, then the EMA whose source
+//   is the group's elements [lo, hi) of the new master (CUDA does both in one pass).
 // Clipping: norm_sq += sum grad^2 per flat buffer; norm = sqrt(norm_sq),
 //   scale = min(1, max_norm / (norm + 1e-6))   (torch.nn.utils.clip_grad_norm_)
 // Step control: apply = norm and loss finite; t += apply (step_control). With a loss scale S
@@ -32,6 +34,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 
 #include "kernels/cpu/parallel.h"
 #include "kernels/kernels.h"
@@ -103,6 +107,17 @@ void ema_update_many(const EmaTensor<M, G>* tensors, int count, const float* ctl
     ema_update(tensors[i].target, tensors[i].copy, tensors[i].source, ctl, tensors[i].n, decay, s);
 }
 
+// The specification of the fused form: the two updates one after the other.
+template <class M, class G>
+void adamw_ema_update(M* master, G* copy, M* m, M* v, const G* grad, const float* ctl, int64_t n, AdamWHyper h,
+                      EmaRange<M, G> e, Stream s) {
+  if (!(0 <= e.lo && e.lo <= e.hi && e.hi <= n))
+    throw std::runtime_error("adamw_ema_update: EMA range [" + std::to_string(e.lo) + ", " + std::to_string(e.hi) +
+                             ") outside the group's " + std::to_string(n) + " elements");
+  adamw_update(master, copy, m, v, grad, ctl, n, h, s);
+  ema_update(e.target, e.copy, master + e.lo, ctl, e.hi - e.lo, e.decay, s);
+}
+
 template <class G>
 void grad_norm_squared(float* out, const G* grad, int64_t n, Stream) {
   constexpr int kBlocks = 64;
@@ -141,7 +156,9 @@ void step_control(float* ctl, float* norm, const float* norm_sq, const float* lo
   template void sgd_update<M, G>(M*, G*, M*, const G*, const float*, int64_t, float, float,     \
                                  float, Stream);                                                \
   template void ema_update<M, G>(M*, G*, const M*, const float*, int64_t, double, Stream);          \
-  template void ema_update_many<M, G>(const EmaTensor<M, G>*, int, const float*, double, Stream);
+  template void ema_update_many<M, G>(const EmaTensor<M, G>*, int, const float*, double, Stream);       \
+  template void adamw_ema_update<M, G>(M*, G*, M*, M*, const G*, const float*, int64_t, AdamWHyper,      \
+                                       EmaRange<M, G>, Stream);
 LOOM_INSTANTIATE(float, float)
 LOOM_INSTANTIATE(double, double)
 #undef LOOM_INSTANTIATE

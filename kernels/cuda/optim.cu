@@ -10,7 +10,11 @@
  *          copy = G(master)                             (master, m, v updated in place, copy =)
  *   sgd    g = grad * scale;  buf = mu buf + g;  master -= lr (buf + wd master);  copy = G(master)
  *   ema    target = decay target + (1-decay) source;  copy = G(target)
- *          (ema_update_many: the same for many tensors, up to 96 per launch)
+ *          (ema_update_many: the same for many tensors, up to 96 per launch; the mix rounded as
+ *          fma(decay, target, (1-decay) source) in every kernel, ema_mix)
+ *   adamw_ema_update  adamw, and for the group's elements [lo, hi) the ema of target[i - lo]
+ *          toward the new master[i], taken from registers: the EMA's read of its source (4 of
+ *          its 14 bytes a parameter) and its launches are gone (EMA::fuse, optim/optimizer.h)
  *   grad_norm_squared  out[0] += sum(grad^2)   (two deterministic passes, no float atomics)
  *   step_control  norm = sqrt(norm_sq) / S, scale = min(1, max_norm / (norm + 1e-6)) / S,
  *                 apply = isfinite(norm) && isfinite(loss), t += apply; S is the loss scale
@@ -70,10 +74,35 @@ __device__ __forceinline__ bool adam_control(AdamConst& c, float& scale, const f
   return true;
 }
 
+// The EMA's mix, rounded the same way in every kernel that forms it (no contraction left to the
+// compiler), so that the fused form and ema_kernel / ema_many_kernel agree bit for bit.
+__device__ __forceinline__ float ema_mix(float decay, float target, float source) {
+  return __fmaf_rn(decay, target, __fmul_rn(1.f - decay, source));
+}
+
+// The EMA fused into adamw_kernel (t null: none): elements [lo, hi) of the group are its
+// source, t[i - lo] / cp[i - lo] its target and copy; vec: lo % VEC == 0 and t, cp aligned.
+template <class GT>
+struct EmaPass {
+  float* t;
+  GT* cp;
+  int64_t lo, hi;
+  float decay;
+  bool vec;
+};
+
+template <class GT>
+__device__ __forceinline__ void ema_one(const EmaPass<GT>& e, int64_t i, float p) {
+  if (i < e.lo || i >= e.hi) return;
+  const float t = ema_mix(e.decay, e.t[i - e.lo], p);
+  e.t[i - e.lo] = t;
+  if (e.cp) e.cp[i - e.lo] = from_float<GT>(t);
+}
+
 template <class GT, int VEC>
 __global__ void adamw_kernel(float* __restrict__ master, GT* __restrict__ copy, float* __restrict__ m,
                              float* __restrict__ v, const GT* __restrict__ grad, const float* __restrict__ ctl,
-                             int64_t n, AdamConst c) {
+                             int64_t n, AdamConst c, const EmaPass<GT> e) {
   pdl_entry();
   float scale;
   if (!adam_control(c, scale, ctl)) return;
@@ -92,6 +121,23 @@ __global__ void adamw_kernel(float* __restrict__ master, GT* __restrict__ copy, 
     reinterpret_cast<Pack<float, VEC>*>(m)[i] = mm;
     reinterpret_cast<Pack<float, VEC>*>(v)[i] = vv;
     if (copy) reinterpret_cast<Pack<GT, VEC>*>(copy)[i] = cp;
+    const int64_t i0 = i * VEC;  // the EMA reads the new master from registers, not memory
+    if (e.t && i0 + VEC > e.lo && i0 < e.hi) {
+      if (e.vec && i0 >= e.lo && i0 + VEC <= e.hi) {
+        Pack<float, VEC> t = reinterpret_cast<const Pack<float, VEC>*>(e.t + (i0 - e.lo))[0];
+        Pack<GT, VEC> tc;
+#pragma unroll
+        for (int k = 0; k < VEC; k++) {
+          t.v[k] = ema_mix(e.decay, t.v[k], p.v[k]);
+          tc.v[k] = from_float<GT>(t.v[k]);
+        }
+        reinterpret_cast<Pack<float, VEC>*>(e.t + (i0 - e.lo))[0] = t;
+        if (e.cp) reinterpret_cast<Pack<GT, VEC>*>(e.cp + (i0 - e.lo))[0] = tc;
+      } else {
+#pragma unroll
+        for (int k = 0; k < VEC; k++) ema_one(e, i0 + k, p.v[k]);
+      }
+    }
   }
   for (int64_t i = nv * VEC + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += stride) {
     float p = master[i], mm = m[i], vv = v[i];
@@ -100,6 +146,7 @@ __global__ void adamw_kernel(float* __restrict__ master, GT* __restrict__ copy, 
     m[i] = mm;
     v[i] = vv;
     if (copy) copy[i] = from_float<GT>(p);
+    if (e.t) ema_one(e, i, p);
   }
 }
 
@@ -131,7 +178,7 @@ __global__ void ema_kernel(float* __restrict__ target, GT* __restrict__ copy, co
   pdl_entry();
   if (ctl && ctl[1] == 0.f) return;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    float t = decay * target[i] + (1.f - decay) * source[i];
+    float t = ema_mix(decay, target[i], source[i]);
     target[i] = t;
     if (copy) copy[i] = from_float<GT>(t);
   }
@@ -169,7 +216,7 @@ __global__ void ema_many_kernel(const __grid_constant__ EmaLaunch<GT> L, const f
   const float* __restrict__ src = L.source[lo];
   GT* __restrict__ cp = L.copy[lo];
   for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-    const float v = decay * t[i] + (1.f - decay) * src[i];
+    const float v = ema_mix(decay, t[i], src[i]);
     t[i] = v;
     if (cp) cp[i] = from_float<GT>(v);
   }
@@ -236,11 +283,9 @@ int elementwise_grid(int64_t work) {
   return int(std::min<int64_t>(std::max<int64_t>(1, (work + 255) / 256), 2048));
 }
 
-}  // namespace
-
 template <class M, class G>
-void adamw_update(M* master, G* copy, M* m, M* v, const G* grad, const float* ctl, int64_t n, AdamWHyper h,
-                  Stream s) {
+void adamw_launch(M* master, G* copy, M* m, M* v, const G* grad, const float* ctl, int64_t n, AdamWHyper h,
+                  const EmaRange<M, G>* ema, Stream s) {
   static_assert(std::is_same_v<M, float>, "CUDA AdamW keeps fp32 master weights and states");
   if (n <= 0) return;
   if (!ctl && h.step < 1) throw std::runtime_error("adamw_update: step is 1-based, got " + std::to_string(h.step));
@@ -249,15 +294,41 @@ void adamw_update(M* master, G* copy, M* m, M* v, const G* grad, const float* ct
   c.inv_bc1 = ctl ? 1.f : float(1.0 / (1.0 - std::pow(double(h.beta1), double(h.step))));
   c.inv_bc2 = ctl ? 1.f : float(1.0 / (1.0 - std::pow(double(h.beta2), double(h.step))));
   constexpr int V = 4;
+  EmaPass<dev_t<G>> e{};
+  if (ema && ema->hi > ema->lo) {
+    e.t = ema->target;
+    e.cp = dptr(ema->copy);
+    e.lo = ema->lo;
+    e.hi = ema->hi;
+    e.decay = float(ema->decay);
+    e.vec = ema->lo % V == 0 && aligned(ema->target, 16) && (!ema->copy || aligned(ema->copy, V * sizeof(G)));
+  }
   bool vec = aligned(master, 16) && aligned(m, 16) && aligned(v, 16) && aligned(grad, V * sizeof(G)) &&
              (!copy || aligned(copy, V * sizeof(G)));
   if (vec)
     launch_kernel(adamw_kernel<dev_t<G>, V>, elementwise_grid(n / V), 256, 0, s, master, dptr(copy), m, v, dptr(grad),
-                  ctl, n, c);
+                  ctl, n, c, e);
   else
     launch_kernel(adamw_kernel<dev_t<G>, 1>, elementwise_grid(n), 256, 0, s, master, dptr(copy), m, v, dptr(grad), ctl,
-                  n, c);
+                  n, c, e);
   LAUNCH_CHECK();
+}
+
+}  // namespace
+
+template <class M, class G>
+void adamw_update(M* master, G* copy, M* m, M* v, const G* grad, const float* ctl, int64_t n, AdamWHyper h,
+                  Stream s) {
+  adamw_launch(master, copy, m, v, grad, ctl, n, h, static_cast<const EmaRange<M, G>*>(nullptr), s);
+}
+
+template <class M, class G>
+void adamw_ema_update(M* master, G* copy, M* m, M* v, const G* grad, const float* ctl, int64_t n, AdamWHyper h,
+                      EmaRange<M, G> e, Stream s) {
+  if (!(0 <= e.lo && e.lo <= e.hi && e.hi <= n))
+    throw std::runtime_error("adamw_ema_update: EMA range [" + std::to_string(e.lo) + ", " + std::to_string(e.hi) +
+                             ") outside the group's " + std::to_string(n) + " elements");
+  adamw_launch(master, copy, m, v, grad, ctl, n, h, &e, s);
 }
 
 template <class M, class G>
@@ -336,6 +407,8 @@ void step_control(float* ctl, float* norm, const float* norm_sq, const float* lo
                                      Stream);                                                                  \
   template void ema_update<float, G>(float*, G*, const float*, const float*, int64_t, double, Stream);                       \
   template void ema_update_many<float, G>(const EmaTensor<float, G>*, int, const float*, double, Stream);                  \
+  template void adamw_ema_update<float, G>(float*, G*, float*, float*, const G*, const float*, int64_t, AdamWHyper,        \
+                                           EmaRange<float, G>, Stream);                                                   \
   template void grad_norm_squared<G>(float*, const G*, int64_t, Stream);
 LOOM_OPTIM(float)
 LOOM_OPTIM(bf16)

@@ -332,6 +332,80 @@ TEST_CASE("CUDA EMA masters of a bf16 target survive a checkpoint round trip", "
   }
 }
 
+// Part of Net's names, as a target whose sources start past 0 (and at no multiple of 4) in
+// both of groups_of's groups: the fused kernel's element-wise path.
+struct Tail : Module {
+  Linear frozen;
+  Tensor gain;
+  explicit Tail(uint64_t seed) : Tail(Rng(seed)) {}
+  explicit Tail(Rng rng) : frozen(I, O, true, Init{DType::F64, Device::CPU, &rng}) {
+    child("frozen", frozen);
+    gain = Tensor::randn({O}, rng, 1.0, DType::F64);
+    param("gain", gain);
+    frozen.weight.copy_(Tensor::randn({O, I}, rng, 0.5, DType::F64));
+    frozen.bias.copy_(Tensor::randn({O}, rng, 0.5, DType::F64));
+  }
+};
+
+// EMA::fuse on CUDA: adamw_ema_update takes the new masters from registers; the targets, their
+// masters and the encoder's masters must be the bits of step() then update(), on the vectorized
+// path (the whole Net as the target: runs from 0, lengths no multiple of 4) and the element-wise
+// one (Tail: runs from 69077 and 67), including a skipped step.
+TEST_CASE("CUDA EMA fused into AdamW: the bits of step() then update()", "[cuda][optim]") {
+  need_gpu();
+  for (int whole = 1; whole >= 0; whole--) {
+    for (DType compute : {DType::F32, DType::BF16}) {
+      INFO((whole ? "Net" : "Tail") << " target, " << dtype_name(compute));
+      struct Side {
+        Net enc;
+        std::unique_ptr<Module> target;
+        std::unique_ptr<Optimizer> og;
+        std::unique_ptr<EMA> ema;
+      };
+      Side sides[2] = {{Net(71), nullptr, nullptr, nullptr}, {Net(71), nullptr, nullptr, nullptr}};
+      for (Side& sd : sides) {
+        sd.enc.to_device(DType::F32, Device::CUDA);
+        sd.enc.frozen.requires_grad_(true);  // every target name needs a master
+        if (whole) {
+          auto t = std::make_unique<Net>(72);
+          t->to_device(compute, Device::CUDA);
+          sd.target = std::move(t);
+        } else {
+          sd.target = std::make_unique<Tail>(73);
+          for (auto& [n, t] : sd.target->named_parameters()) *t = t->to(compute).to(Device::CUDA);
+        }
+        sd.target->requires_grad_(false);
+        sd.og = std::make_unique<Optimizer>(groups_of(sd.enc), OptimConfig{}, compute, Device::CUDA);
+        sd.ema = std::make_unique<EMA>(*sd.target, *sd.og, "");
+      }
+      REQUIRE(sides[1].ema->fuse(*sides[1].og, 0.9));
+      Rng rng(8);
+      for (int step = 0; step < 4; step++) {
+        INFO("step " << step);
+        Rng r0 = rng;
+        random_grads(sides[0].enc, r0);
+        random_grads(sides[1].enc, rng);
+        for (Side& sd : sides) {
+          Tensor loss = Tensor::from_vector(std::vector<float>{step == 1 ? NAN : 1.f}, {1}, Device::CUDA);
+          sd.og->clip_grad_norm(0.0, loss);  // step 1: non-finite, skipped with its EMA
+          sd.og->step(1e-2);
+          sd.ema->update(0.9);
+        }
+        for (auto& [n, t] : sides[0].target->named_parameters()) {
+          INFO(n);
+          Tensor* f = slot_of(*sides[1].target, n);
+          CHECK(f->dtype() == t->dtype());
+          CHECK(f->to_vector<double>() == t->to_vector<double>());
+          CHECK(sides[1].og->master(n).to_vector<double>() == sides[0].og->master(n).to_vector<double>());
+        }
+        auto ma = sides[0].ema->masters("target."), mb = sides[1].ema->masters("target.");
+        REQUIRE(ma.size() == mb.size());
+        for (auto& [k, m] : ma) CHECK(mb.at(k).to_vector<double>() == m.to_vector<double>());
+      }
+    }
+  }
+}
+
 // The multi-tensor kernel directly: more tensors than one launch takes (96), tensors of
 // several 4096-element slices beside one-element ones, bf16 copies poisoned beforehand, and a
 // skipped step (ctl[1] == 0) that must leave every target and copy as it was.
