@@ -211,11 +211,9 @@ int train_mim(const RunContext& ctx) {
   cast_frozen(m, ctx.compute);
   EMA ema(m.target, opt, "encoder.");
   // The EMA in AdamW's pass over the masters (EMA::fuse: the same values, one read of the encoder's
-  // masters instead of two). On the CPU by default; on CUDA with LOOM_EMA_FUSED=1, as its kernel
-  // (adamw_ema_update) has not yet been run on a GPU; LOOM_EMA_FUSED=0 keeps the EMA's own kernels.
+  // masters instead of two); LOOM_EMA_FUSED=0 keeps the EMA's own kernels, for A/B runs.
   const char* ema_fused = std::getenv("LOOM_EMA_FUSED");
-  const bool fuse_ema = ema_fused ? std::string(ema_fused) != "0" : ctx.device == Device::CPU;
-  if (fuse_ema) ema.fuse(opt, mc.ema);
+  if (!(ema_fused && std::string(ema_fused) == "0")) ema.fuse(opt, mc.ema);
   const Tensor loss_scale = setup_loss_scaling(opt, ctx);  // fp16 only
   std::printf("optimizer %s\n", opt.backend().c_str());
 
