@@ -5,7 +5,7 @@
 #   AB_A="LOOM_COLSUM=1 LOOM_FINISH_GROUPS=8" AB_B="" bash bench/ab.sh [BUILD_DIR]
 #   AB_A="--train.keep_swiglu=false" AB_B="--train.keep_swiglu=true" AB_ROWS=vlm_sft_ref make bench-ab
 # Words of a setting with a '=' and no leading "--" go to the environment, the rest to ./train.
-# AB_ROWS: a comma list of mim, mim_contrastive, vlm_sft_fixed, vlm_sft_ref (default mim,
+# AB_ROWS: a comma list of mim, mim_contrastive, mim_contrastive_shared, vlm_sft_fixed, vlm_sft_ref (default mim,
 # mim_contrastive,vlm_sft_ref; vlm_sft_ref needs PyTorch and the reference for its rows, or
 # AB_REF_ROWS=FILE from tools/ref_vlm_rows.py). AB_ROUNDS (default 2) rounds, A then B in odd
 # rounds and B then A in even ones, so that a drift in the machine (its clock at the power limit,
@@ -42,9 +42,10 @@ row_args() {  # a row's config and overrides
   case $1 in
     mim) echo "bench_mim.cfg" ;;
     mim_contrastive) echo "bench_mim.cfg --model.contrastive=true --train.keep_gelu=true" ;;
+    mim_contrastive_shared) echo "bench_mim.cfg --model.contrastive=true --train.keep_gelu=true --train.shared_target=true" ;;
     vlm_sft_fixed) echo "bench_vlm_sft.cfg --data.repeat_batch=true" ;;
     vlm_sft_ref) if [ -n "$REFROWS" ]; then echo "bench_vlm_sft.cfg --data.repeat_batch=true --data.synth_rows=$REFROWS"; fi ;;
-    *) echo "bench/ab.sh: unknown row '$1' (mim, mim_contrastive, vlm_sft_fixed, vlm_sft_ref)" >&2; return 1 ;;
+    *) echo "bench/ab.sh: unknown row '$1' (mim, mim_contrastive, mim_contrastive_shared, vlm_sft_fixed, vlm_sft_ref)" >&2; return 1 ;;
   esac
 }
 

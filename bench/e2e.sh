@@ -6,7 +6,7 @@
 #   bash bench/e2e.sh [BUILD_DIR]          writes $OUT (default bench/out)/e2e_*.jsonl, e2e_table.md
 # E2E_STEPS (default 30; the first 5 are warm-up and the capture of the CUDA graph) and
 # E2E_TORCH=0 (skip the reference) shorten it; E2E_ROWS (a comma list of loom's rows below,
-# e.g. mim,mim_contrastive,vlm_sft,vlm_sft_fixed,vlm_sft_ref; default all) and E2E_COMPILE (the
+# e.g. mim,mim_contrastive,mim_contrastive_shared,vlm_sft,vlm_sft_fixed,vlm_sft_ref; default all) and E2E_COMPILE (the
 # reference's --compile list, default 0,1) run a part of the table when a call has less time.
 # vlm_sft_ref trains the reference's own batch (its rows' sample lengths, written by
 # tools/ref_vlm_rows.py where PyTorch and the reference are at hand): the same work as its row.
@@ -63,6 +63,11 @@ run mim_loom_attention "$STEPS" 5 bench_mim.cfg --train.attention=loom
 run mim_eager "$STEPS" 5 bench_mim.cfg --train.cuda_graph=false
 run mim_ckpt "$STEPS" 5 bench_mim.cfg --train.grad_checkpointing=true
 run mim_contrastive "$STEPS" 5 bench_mim.cfg --model.contrastive=true --train.keep_gelu=true  # (bench_mim.cfg says why)
+# loom's contrastive trainer as it trains: two masked views of the same images, the EMA target's
+# first blocks once for both (train.shared_target): less work than the reference's row, whose
+# views are two images, so its ratios are printed in parentheses
+run mim_contrastive_shared "$STEPS" 5 bench_mim.cfg --model.contrastive=true --train.keep_gelu=true \
+  --train.shared_target=true
 run vlm_sft $((2 * STEPS)) "$STEPS" bench_vlm_sft.cfg
 run vlm_sft_fixed "$STEPS" 5 bench_vlm_sft.cfg --data.repeat_batch=true  # one batch every step, as the reference
 run vlm_sft_ckpt $((2 * STEPS)) "$STEPS" bench_vlm_sft.cfg --train.grad_checkpointing=true  # new batches too

@@ -48,6 +48,7 @@ def p(xs, q):
     return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
 
 
+less_work = False
 print(f"device (PyTorch's report): {device}\n")
 print("| workload | impl | ms/step median | p90 | p90/median | throughput | MFU | peak alloc GB | reserved GB | "
       "vs torch eager | vs torch.compile |")
@@ -75,6 +76,9 @@ for r in loom:
             ratios.append(f"{thr / t['tokens_per_s']:.2f}x")
         else:
             ratios.append(f"{t['ms_per_step'] / med:.2f}x")
+    if "train.shared_target=true" in r["args"]:  # less work than the PyTorch row (e2e.sh)
+        ratios = [x if x == "—" else f"({x})" for x in ratios]
+        less_work = True
     args = [a.lstrip("-") for a in r["args"].split() if a]
     args = [a.split("=")[0] + "=" + os.path.basename(a.split("=", 1)[1]) if a.startswith("data.synth_rows=") else a
             for a in args]
@@ -89,6 +93,11 @@ for (w, c), t in sorted(torch_rows.items()):
     extra = f" ({t['real_tokens']} real tokens/step)" if "real_tokens" in t else ""
     print(f"| {w} | torch {'compile' if c else 'eager'} | {t['ms_per_step']:.1f} | — | — | {thr}{extra} | "
           f"{100 * t.get('mfu', 0):.1f}% | {t.get('peak_mem_gb', 0):.2f} | — | | |")
+if less_work:
+    print("\nRatios in parentheses: that row does less work than the PyTorch row (train.shared_target: the "
+          "EMA target's first blocks run once for two masked views of the same images; the reference's two "
+          "views are two different images and need the target twice), so they are not a comparison of the "
+          "same workload.")
 # a loom workload without any PyTorch row: the reference was not run, or stopped before it
 missing = sorted({workload(r["name"]) for r in loom} - {w for (w, c) in torch_rows})
 if missing:

@@ -53,15 +53,23 @@ LatentMIM::~LatentMIM() {
   cuda::event_destroy(side_join_);
 }
 
-Tensor LatentMIM::view_loss(const MIMView& v, Tensor* z_out) const {
+Tensor LatentMIM::view_loss(const MIMView& v, Tensor* z_out, int target_repeat) const {
   int B = int(v.keep.size(0)), N = cfg.vit.num_patches();
+  LOOM_CHECK(target_repeat >= 1 && B % target_repeat == 0, "LatentMIM: %d samples are not %d repeats of one batch",
+             B, target_repeat);
+  const int Bt = B / target_repeat;  // the target's own samples
   // the images are cut into patches once, for both encoders (and let go before the loss)
   Tensor patches = encoder.patches(v.images);
-  // the predictor's offsets; made here, on the main stream, before a side branch can ask for them
+  // the predictor's offsets (and the target's, where it runs on fewer samples); made here, on
+  // the main stream, before a side branch can ask for them
   SeqInfo rows = SeqInfo::dense(B, N, patches.device());
+  if (Bt != B) SeqInfo::dense(Bt, N, patches.device());
   auto target_forward = [&] {
     NoGradGuard ng;
-    return target.forward_patches(patches, Tensor(), v.masked);  // [B, N-K, D]: its last block on those tokens alone
+    // [B, N-K, D]: its last block on those tokens alone; with repeats, the blocks before it on
+    // the first Bt samples, whose hidden states the last block's repeats share
+    Tensor tp = Bt == B ? patches : narrow(patches, 0, 0, Bt);
+    return target.forward_patches(tp, Tensor(), v.masked, target_repeat);
   };
   // The target's forward needs nothing of this step's encoder or predictor: on CUDA it runs on
   // the side stream (target_side_stream), beside them, and the main stream waits for it before
@@ -124,6 +132,12 @@ static Tensor stack_batch(const std::vector<Tensor>& xs) {
   return out;
 }
 
+// Whether a and b are views of the same elements (one storage, offset, shape and strides).
+static bool same_elements(const Tensor& a, const Tensor& b) {
+  return a.defined() && b.defined() && a.impl()->storage == b.impl()->storage && a.offset() == b.offset() &&
+         a.shape() == b.shape() && a.strides() == b.strides() && a.dtype() == b.dtype();
+}
+
 Tensor LatentMIM::forward(const std::vector<MIMView>& views) const {
   LOOM_CHECK(!views.empty() && (!cfg.contrastive || views.size() == 2),
              "LatentMIM: %zu views (the contrastive variant needs exactly 2)", views.size());
@@ -135,6 +149,10 @@ Tensor LatentMIM::forward(const std::vector<MIMView>& views) const {
   for (auto& v : views)
     one_batch = one_batch && v.images.shape() == views[0].images.shape() && v.keep.shape() == views[0].keep.shape() &&
                 v.masked.shape() == views[0].masked.shape() && !v.images.requires_grad();
+  // The target's work is shared where the views are the same images (the same tensor): the
+  // trainer's masked views of each image. Not for views whose images merely look alike.
+  bool same_images = shared_target;
+  for (auto& v : views) same_images = same_images && same_elements(v.images, views[0].images);
   std::vector<Tensor> pooled;
   auto pool = [&](const Tensor& z) {
     Tensor za = (z.dtype() == DType::BF16 || z.dtype() == DType::F16) ? cast(z, DType::F32) : z;
@@ -149,7 +167,8 @@ Tensor LatentMIM::forward(const std::vector<MIMView>& views) const {
       masked.push_back(v.masked);
     }
     Tensor z;
-    loss = view_loss({stack_batch(im), stack_batch(keep), stack_batch(masked)}, &z);
+    loss = view_loss({stack_batch(im), stack_batch(keep), stack_batch(masked)}, &z,
+                     same_images ? int(views.size()) : 1);
     if (cfg.contrastive) {
       Tensor p = pool(z);  // [V*B, D]; the pooling is per sample as well
       const int64_t B = views[0].keep.size(0);

@@ -33,8 +33,11 @@ class LatentMIM : public Module {
   ~LatentMIM() override;
   LatentMIM(const LatentMIM&) = delete;
   LatentMIM& operator=(const LatentMIM&) = delete;
-  // loss of one view; z [B, K, D] (the encoder's output) is returned for pooling
-  Tensor view_loss(const MIMView& v, Tensor* z_out) const;
+  // loss of one view; z [B, K, D] (the encoder's output) is returned for pooling.
+  // target_repeat > 1: v's B samples are target_repeat copies of the first B / target_repeat
+  // samples' images (views of the same images stacked), and the target runs on those once
+  // (ViT::forward_patches' repeat)
+  Tensor view_loss(const MIMView& v, Tensor* z_out, int target_repeat = 1) const;
   // mean of the views' losses (+ contrastive_weight * InfoNCE of two views when contrastive);
   // views of one shape run through view_loss as one batch (batch_views)
   Tensor forward(const std::vector<MIMView>& views) const;
@@ -46,6 +49,12 @@ class LatentMIM : public Module {
   std::vector<std::unique_ptr<ViTBlock>> pred_blocks;
   bool checkpoint_blocks = false;  // gradient checkpointing of the predictor blocks
   bool batch_views = true;         // views of one shape as one batch (false: one pass per view)
+  // train.shared_target: where the views batched together are the same images (MIMView::images
+  // one tensor, as the MIM trainer's two masked views of each image), the EMA target's blocks
+  // before its last run once per image and only its last block once per view: the same
+  // targets for about half of the target's FLOPs. Views of other images (augmented crops, the
+  // reference's contrastive workload) run the target once per view whatever this says.
+  bool shared_target = true;
   // CUDA: the target's forward on the side stream beside the encoder's and predictor's (a side
   // branch, kernels.h; the same kernels where attention runs loom's, so the same values)
   bool target_side_stream = false;

@@ -48,16 +48,40 @@ std::vector<Tensor> ViTBlock::forward_fused(const Tensor& x, const Tensor& xn, c
   return {out, layernorm(out, next->weight, next->bias, next->eps)};
 }
 
+// x [B, T, C] repeated `times` times along the batch: [times B, T, C], sample r B + b = x's b.
+static Tensor repeat_batch(const Tensor& x, int times) {
+  if (times == 1 || !x.defined()) return x;
+  Shape s = x.shape();
+  Shape one = s, many = s;
+  one.insert(one.begin(), 1);
+  many.insert(many.begin(), times);
+  s[0] *= times;
+  return reshape(expand(reshape(x, one), many), s);
+}
+
 Tensor vit_stack(const std::vector<std::unique_ptr<ViTBlock>>& blocks, const LayerNorm& final, const Tensor& x,
-                 const SeqInfo& rows, bool checkpoint_blocks, const Tensor& out_rows) {
-  if (blocks.empty()) return final.forward(out_rows.defined() ? gather_rows(x, out_rows, /*distinct=*/true) : x);
+                 const SeqInfo& rows, bool checkpoint_blocks, const Tensor& out_rows, int repeat) {
+  LOOM_CHECK(repeat >= 1, "vit_stack: repeat must be >= 1, got %d", repeat);
+  LOOM_CHECK(!out_rows.defined() || out_rows.size(0) == x.size(0) * repeat,
+             "vit_stack: out_rows %s for %lld samples repeated %d times", out_rows.desc().c_str(),
+             (long long)x.size(0), repeat);
+  // the offsets of the repeated batch, for the last block (dense rows: every sample T tokens)
+  const SeqInfo last_rows =
+      repeat == 1 ? rows : SeqInfo::dense(int(x.size(0)) * repeat, int(x.size(1)), x.device());
+  if (blocks.empty()) {
+    Tensor h = repeat_batch(x, repeat);
+    return final.forward(out_rows.defined() ? gather_rows(h, out_rows, /*distinct=*/true) : h);
+  }
   if (checkpoint_blocks) {
     Tensor h = x;
     for (size_t i = 0; i < blocks.size(); i++) {
       ProfileRange r("vit block");
       const ViTBlock* blk = blocks[i].get();
-      Tensor sel = i + 1 == blocks.size() ? out_rows : Tensor();
-      h = checkpoint([blk, rows, sel](const Tensor& in) { return blk->forward(in, rows, sel); }, h);
+      const bool last = i + 1 == blocks.size();
+      if (last) h = repeat_batch(h, repeat);
+      Tensor sel = last ? out_rows : Tensor();
+      SeqInfo ri = last ? last_rows : rows;
+      h = checkpoint([blk, ri, sel](const Tensor& in) { return blk->forward(in, ri, sel); }, h);
     }
     return final.forward(h);
   }
@@ -65,7 +89,8 @@ Tensor vit_stack(const std::vector<std::unique_ptr<ViTBlock>>& blocks, const Lay
   for (size_t i = 0; i < blocks.size(); i++) {
     ProfileRange r("vit block");
     const bool last = i + 1 == blocks.size();
-    h = blocks[i]->forward_fused(h[0], h[1], rows, last ? &final : &blocks[i + 1]->norm1,
+    if (last && repeat > 1) h = {repeat_batch(h[0], repeat), repeat_batch(h[1], repeat)};
+    h = blocks[i]->forward_fused(h[0], h[1], last ? last_rows : rows, last ? &final : &blocks[i + 1]->norm1,
                                  last ? out_rows : Tensor());
   }
   return h[1];
@@ -130,7 +155,7 @@ Tensor ViT::forward(const Tensor& images, const Tensor& keep, const Tensor& out_
   return forward_patches(patches(images), keep, out_rows);
 }
 
-Tensor ViT::forward_patches(const Tensor& patches, const Tensor& keep, const Tensor& out_rows) const {
+Tensor ViT::forward_patches(const Tensor& patches, const Tensor& keep, const Tensor& out_rows, int repeat) const {
   const int64_t F = int64_t(cfg.patch_size) * cfg.patch_size * cfg.channels;
   LOOM_CHECK(patches.dim() == 3 && patches.size(1) == cfg.num_patches() && patches.size(2) == F,
              "ViT: expected patches [B, %d, %lld], got %s", cfg.num_patches(), (long long)F, patches.desc().c_str());
@@ -144,7 +169,7 @@ Tensor ViT::forward_patches(const Tensor& patches, const Tensor& keep, const Ten
     x = add(patch_embed_proj.forward(patches), pos_embed);
   }
   SeqInfo rows = SeqInfo::dense(int(x.size(0)), int(x.size(1)), x.device());
-  return vit_stack(blocks, norm, x, rows, checkpoint_blocks, out_rows);
+  return vit_stack(blocks, norm, x, rows, checkpoint_blocks, out_rows, repeat);
 }
 
 }  // namespace loom

@@ -58,8 +58,13 @@ class ViTBlock : public Module {
 // checkpointing each block hands the next one its normed input (forward_fused); with it, block
 // by block (a checkpointed block keeps one tensor in and one out). out_rows [B, M] (distinct
 // within a row): only those tokens of the output, from the last block on (ViTBlock::forward).
+// repeat > 1: the blocks before the last run once on x's B samples, and their output is
+// repeated `repeat` times along the batch before the last block (sample r B + b is b's), so that
+// out_rows [repeat B, M] can pick other tokens of the same sample in each repeat: the MIM's EMA
+// target, where two masked views of the same images want the same hidden states at other
+// positions (nn/mim.cpp). The values are those of running every block on the repeated x.
 Tensor vit_stack(const std::vector<std::unique_ptr<ViTBlock>>& blocks, const LayerNorm& final, const Tensor& x,
-                 const SeqInfo& rows, bool checkpoint_blocks, const Tensor& out_rows = Tensor());
+                 const SeqInfo& rows, bool checkpoint_blocks, const Tensor& out_rows = Tensor(), int repeat = 1);
 
 class ViT : public Module {
  public:
@@ -71,8 +76,9 @@ class ViT : public Module {
   // images checked against the config and cut into patches: [B, N, p p C]
   Tensor patches(const Tensor& images) const;
   // forward() from patches(images): two encoders of the same images (the MIM's online encoder
-  // and its EMA target) cut them once
-  Tensor forward_patches(const Tensor& patches, const Tensor& keep = Tensor(), const Tensor& out_rows = Tensor()) const;
+  // and its EMA target) cut them once; repeat: vit_stack's (the output then has repeat B rows)
+  Tensor forward_patches(const Tensor& patches, const Tensor& keep = Tensor(), const Tensor& out_rows = Tensor(),
+                         int repeat = 1) const;
   // patch embedding + positions only: [B, N, D]
   Tensor embed(const Tensor& images) const;
   ViTConfig cfg;

@@ -209,6 +209,45 @@ TEST_CASE("ViT output rows: the last block on chosen tokens equals gathering the
     }
 }
 
+// vit_stack's repeat: the blocks before the last on B samples, their output repeated along the
+// batch before the last block, equal every block on the repeated images (values and parameter
+// gradients; the repeat is differentiable, though the MIM target that uses it has none).
+// Checked to fail when the repeat interleaves the samples (b r instead of r b) and when the last
+// block keeps the unrepeated offsets.
+TEST_CASE("ViT repeat before the last block equals every block on the repeated images", "[autograd]") {
+  for (int depth : {1, 2, 3})
+    for (bool ckpt : {false, true}) {
+      INFO("depth " << depth << (ckpt ? ", checkpointed" : ""));
+      Rng rng(70 + depth);
+      ViT vit(tiny_vit(depth), Init{DType::F64, Device::CPU, &rng});
+      vit.checkpoint_blocks = ckpt;
+      const int B = 2, V = 3;
+      Tensor images = Tensor::randn({B, 3, 12, 12}, rng, 1.0, DType::F64);
+      Tensor stacked = Tensor::empty({V * B, 3, 12, 12}, DType::F64);
+      for (int r = 0; r < V; r++) stacked.narrow(0, r * B, B).copy_(images);
+      // each repeat picks other tokens of its sample (distinct within a row, 9 tokens)
+      Tensor sel = Tensor::from_vector(vector<int32_t>{0, 4, 8, 1, 2, 3, 5, 6, 7, 8, 2, 0, 3, 1, 4, 7, 6, 5}, {V * B, 3});
+      Tensor R = Tensor::randn({V * B, 3, 16}, rng, 1.0, DType::F64);
+      zero_grads(vit);
+      Tensor want = vit.forward(stacked, Tensor(), sel);
+      backward(sum(mul(want, R)));
+      auto g_want = grads_of(vit);
+      zero_grads(vit);
+      Tensor got = vit.forward_patches(vit.patches(images), Tensor(), sel, V);
+      backward(sum(mul(got, R)));
+      auto g_got = grads_of(vit);
+      REQUIRE(got.shape() == want.shape());
+      LOOM_CHECK_CLOSE(tol::compare(got.to_vector<double>(), want.to_vector<double>(), tol::kSameMathF64, "out"));
+      check_same_grads(g_got, g_want);
+    }
+  Rng rng(79);
+  ViT vit(tiny_vit(1), Init{DType::F64, Device::CPU, &rng});
+  Tensor p = vit.patches(Tensor::randn({2, 3, 12, 12}, rng, 1.0, DType::F64));
+  Tensor sel = Tensor::from_vector(vector<int32_t>{0, 1, 2, 3}, {2, 2});
+  CHECK_THROWS_WITH(vit.forward_patches(p, Tensor(), sel, 2), Catch::Contains("out_rows"));
+  CHECK_THROWS_WITH(vit.forward_patches(p, Tensor(), Tensor(), 0), Catch::Contains("repeat must be >= 1"));
+}
+
 // ViT::forward with kept patches embeds only those (their pixels gathered, the product on K
 // rows, positions looked up by index and added in the product): the same output and parameter
 // gradients, pos_embed's among them, as embedding every patch and gathering the kept rows.
@@ -263,6 +302,45 @@ TEST_CASE("LatentMIM: views as one batch equal one pass per view", "[autograd]")
     auto [l_batch, g_batch] = run(true);
     LOOM_CHECK_CLOSE(tol::compare(vector<double>{l_batch}, vector<double>{l_one}, tol::kSameMathF64, "loss"));
     check_same_grads(g_batch, g_one);
+  }
+}
+
+// train.shared_target: two masked views of the same images (one tensor) run the target's
+// blocks before its last once; the loss and every gradient equal running it once per view
+// (shared_target off). Views of other images never share: their loss is the same with it on.
+// Checked to fail with the repeat interleaved and with the last block on the unrepeated offsets.
+TEST_CASE("LatentMIM: the target shared by views of the same images", "[autograd]") {
+  for (bool contrastive : {false, true}) {
+    INFO((contrastive ? "contrastive" : "two plain views"));
+    Rng rng(80 + int(contrastive));
+    MIMConfig c;
+    c.vit = tiny_vit(2);
+    c.pred_dim = 8;
+    c.pred_depth = 1;
+    c.pred_heads = 2;
+    c.contrastive = contrastive;
+    LatentMIM m(c, Init{DType::F64, Device::CPU, &rng});
+    for (auto& [name, p] : m.target.named_parameters()) p->copy_(Tensor::randn(p->shape(), rng, 0.1, DType::F64));
+    Tensor images = Tensor::randn({3, 3, 12, 12}, rng, 1.0, DType::F64);
+    std::vector<MIMView> views;
+    for (int v = 0; v < 2; v++) views.push_back(make_view(images, c, rng, Device::CPU));
+    views[1].images = views[0].images;  // one tensor, as the trainer's views
+    auto run = [&](bool shared, const std::vector<MIMView>& vs) {
+      m.shared_target = shared;
+      zero_grads(m);
+      Tensor loss = m.forward(vs);
+      backward(loss);
+      return std::make_pair(loss.item(), grads_of(m));
+    };
+    auto [l_own, g_own] = run(false, views);
+    auto [l_shared, g_shared] = run(true, views);
+    LOOM_CHECK_CLOSE(tol::compare(vector<double>{l_shared}, vector<double>{l_own}, tol::kSameMathF64, "loss"));
+    check_same_grads(g_shared, g_own);
+    // the same pixels in another tensor: not shared, the same loss
+    std::vector<MIMView> copies = views;
+    copies[1].images = views[0].images.clone();
+    auto [l_copies, g_copies] = run(true, copies);
+    LOOM_CHECK_CLOSE(tol::compare(vector<double>{l_copies}, vector<double>{l_own}, tol::kSameMathF64, "loss"));
   }
 }
 

@@ -199,6 +199,7 @@ int train_mim(const RunContext& ctx) {
   for (auto& b : m.pred_blocks) b->keep_gelu = keep_gelu == "true";
   m.target.requires_grad_(false);
   m.target_side_stream = cfg.get_bool("train.target_side_stream");  // CUDA only (nn/mim.h)
+  m.shared_target = cfg.get_bool("train.shared_target");  // the views below are masks of one batch of images
   if (ctx.dp && cfg.get_str("train.dist_infonce") == "global") {
     DataParallel* dp = ctx.dp;
     m.gather_pooled = [dp](const Tensor& x) { return dp->all_gather_rows(x); };
@@ -307,7 +308,15 @@ int train_mim(const RunContext& ctx) {
   pc.dim = mc.pred_dim;
   pc.depth = mc.pred_depth;
   pc.heads = mc.pred_heads;
-  double step_flops = nviews * double(B) * (3.0 * K * vit_tok(mc.vit, K) + N * vit_tok(mc.vit, N) + 3.0 * N * vit_tok(pc, N));
+  // With train.shared_target the target's blocks but the last run once per image (nn/mim.h):
+  // its N-token forward counts (depth - 1 + views) / depth times per image instead of views times.
+  const bool shared_target = m.shared_target && m.batch_views && nviews > 1;
+  const double target_passes =
+      shared_target ? double(mc.vit.depth - 1 + nviews) / double(mc.vit.depth) : double(nviews);
+  double step_flops = double(B) * (nviews * (3.0 * K * vit_tok(mc.vit, K) + 3.0 * N * vit_tok(pc, N)) +
+                                   target_passes * N * vit_tok(mc.vit, N));
+  if (shared_target)
+    std::printf("the EMA target's first %d blocks run once for both views (train.shared_target)\n", mc.vit.depth - 1);
 
   Uploader up(ctx.device);
   // forward + backward of one batch; returns the loss as a device scalar (no host read)
