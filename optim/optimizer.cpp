@@ -386,6 +386,11 @@ std::string Optimizer::backend() const {
 
 bool Optimizer::can_fuse_ema() const { return cfg_.kind == "adamw" && !sharded(); }
 
+bool Optimizer::group_has_ema(int group) const {
+  LOOM_CHECK(group >= 0 && group < int(groups_.size()), "group_has_ema: no group %d", group);
+  return groups_[group]->ema_target.defined();
+}
+
 bool Optimizer::flat_runs(const std::vector<std::string>& names, std::vector<FlatRun>& runs, std::vector<int>& run_of,
                           std::vector<int64_t>& offset) const {
   runs.clear();
@@ -545,6 +550,8 @@ bool EMA::fuse(Optimizer& opt, double decay) {
   std::vector<int> run_of;
   std::vector<int64_t> offset;
   if (!opt.flat_runs(sources, runs, run_of, offset)) return false;
+  for (auto& r : runs)  // checked before anything moves: fuse_ema would refuse it after the re-pointing
+    if (opt.group_has_ema(r.group)) return false;
   // Flat targets laid out as their sources are: the values move over, then the slots (and the
   // masters' handles, EMA::masters) become views of them.
   std::vector<Tensor> flat_t, flat_c;

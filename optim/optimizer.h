@@ -107,6 +107,8 @@ class Optimizer {
     int64_t lo = 0, hi = 0;
   };
   bool can_fuse_ema() const;
+  // Whether group `group` (a FlatRun's) already carries a fused EMA: one per group.
+  bool group_has_ema(int group) const;
   // The runs the parameters `names` fill, one per group they are in, each holding those
   // parameters and no other; run_of[k] / offset[k]: name k's run and its element offset from the
   // run's lo. False (outputs unspecified) when a name is not trained here or is repeated, or
@@ -156,7 +158,8 @@ class EMA {
   // does the update with this decay, and update() only checks that it is given the same one
   // (call it after step(), as without fusing). The values are those of step() then update(),
   // bit for bit. False, with nothing changed, where it cannot be done: SGD, a sharded (ZeRO-1)
-  // optimizer, targets of mixed dtypes, or sources that are not whole runs of their groups.
+  // optimizer, targets of mixed dtypes, sources that are not whole runs of their groups, or a
+  // group that already carries another EMA (then this one keeps its own update()).
   bool fuse(Optimizer& opt, double decay);
   bool fused() const { return fused_; }
   // The masters the EMA keeps beside 16-bit targets (bf16 / fp16 compute: the slot holds the

@@ -507,6 +507,18 @@ TEMPLATE_TEST_CASE("EMA fused into the AdamW step: the same values as the two up
   REQUIRE(eb.fuse(ob, decay));
   CHECK(eb.fused());
   CHECK_FALSE(eb.fuse(ob, decay));  // once
+  {  // a second EMA (of the other source) into the same groups: refused, nothing re-pointed
+    Rng r2(36);
+    Linear t2(I, O, true, Init{dt, Device::CPU, &r2});
+    t2.requires_grad_(false);
+    EMA e2(t2, ob, std::string(source) == "encoder." ? "head." : "encoder.");
+    const auto w2 = t2.weight.impl();
+    const auto v2 = t2.weight.to_vector<double>();
+    CHECK_FALSE(e2.fuse(ob, decay));
+    CHECK_FALSE(e2.fused());
+    CHECK(t2.weight.impl() == w2);
+    CHECK(t2.weight.to_vector<double>() == v2);
+  }
   CHECK(ob.backend().find("the EMA of " + std::to_string(O * I + O) + " parameters") != std::string::npos);
   CHECK(oa.backend().find("EMA") == std::string::npos);
   // the target was re-pointed to the flat buffers with its values
