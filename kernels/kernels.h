@@ -22,6 +22,8 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 
 #include "kernels/scalar.h"
 
@@ -67,6 +69,13 @@ struct EmaRange {
   int64_t lo, hi;
   double decay;
 };
+// adamw_ema_update's precondition, one error for both backends: [lo, hi) inside the n elements
+template <class M, class G>
+inline void check_ema_range(const EmaRange<M, G>& e, int64_t n) {
+  if (!(0 <= e.lo && e.lo <= e.hi && e.hi <= n))
+    throw std::runtime_error("adamw_ema_update: EMA range [" + std::to_string(e.lo) + ", " + std::to_string(e.hi) +
+                             ") outside the group's " + std::to_string(n) + " elements");
+}
 
 // AdamW hyper-parameters for one parameter group; bias corrections come from `step` (1-based).
 struct AdamWHyper {

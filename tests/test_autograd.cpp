@@ -271,6 +271,24 @@ TEST_CASE("ViT kept patches: embedding only those equals gathering the full embe
   check_same_grads(g_out, g_ref);
 }
 
+namespace {
+// the tests' LatentMIM: tiny_vit(2) encoders, a predictor 8 wide with one block of two heads
+MIMConfig tiny_mim(bool contrastive) {
+  MIMConfig c;
+  c.vit = tiny_vit(2);
+  c.pred_dim = 8;
+  c.pred_depth = 1;
+  c.pred_heads = 2;
+  c.contrastive = contrastive;
+  return c;
+}
+
+// the target made to differ from the encoder (as after EMA steps), so a mix-up between them shows
+void target_apart(LatentMIM& m, Rng& rng) {
+  for (auto& [name, p] : m.target.named_parameters()) p->copy_(Tensor::randn(p->shape(), rng, 0.1, DType::F64));
+}
+}  // namespace
+
 // LatentMIM runs views of one shape as one batch (batch_views): the same loss and parameter
 // gradients as one pass per view, plain and contrastive, each view with its own images and
 // masks. Checked to fail when both pooled parts come from the first view's rows, and when the
@@ -279,15 +297,9 @@ TEST_CASE("LatentMIM: views as one batch equal one pass per view", "[autograd]")
   for (bool contrastive : {false, true}) {
     INFO((contrastive ? "contrastive" : "two plain views"));
     Rng rng(60 + int(contrastive));
-    MIMConfig c;
-    c.vit = tiny_vit(2);
-    c.pred_dim = 8;
-    c.pred_depth = 1;
-    c.pred_heads = 2;
-    c.contrastive = contrastive;
+    const MIMConfig c = tiny_mim(contrastive);
     LatentMIM m(c, Init{DType::F64, Device::CPU, &rng});
-    // the target differs from the encoder (as after EMA steps), so a mix-up between them shows
-    for (auto& [name, p] : m.target.named_parameters()) p->copy_(Tensor::randn(p->shape(), rng, 0.1, DType::F64));
+    target_apart(m, rng);
     std::vector<MIMView> views;
     for (int v = 0; v < 2; v++)
       views.push_back(make_view(Tensor::randn({3, 3, 12, 12}, rng, 1.0, DType::F64), c, rng, Device::CPU));
@@ -313,14 +325,9 @@ TEST_CASE("LatentMIM: the target shared by views of the same images", "[autograd
   for (bool contrastive : {false, true}) {
     INFO((contrastive ? "contrastive" : "two plain views"));
     Rng rng(80 + int(contrastive));
-    MIMConfig c;
-    c.vit = tiny_vit(2);
-    c.pred_dim = 8;
-    c.pred_depth = 1;
-    c.pred_heads = 2;
-    c.contrastive = contrastive;
+    const MIMConfig c = tiny_mim(contrastive);
     LatentMIM m(c, Init{DType::F64, Device::CPU, &rng});
-    for (auto& [name, p] : m.target.named_parameters()) p->copy_(Tensor::randn(p->shape(), rng, 0.1, DType::F64));
+    target_apart(m, rng);
     Tensor images = Tensor::randn({3, 3, 12, 12}, rng, 1.0, DType::F64);
     std::vector<MIMView> views;
     for (int v = 0; v < 2; v++) views.push_back(make_view(images, c, rng, Device::CPU));

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/kernels.h"
 #include "optim/optimizer.h"
 #include "tests/tolerances.h"
 
@@ -582,6 +583,23 @@ TEMPLATE_TEST_CASE("EMA fused into the AdamW step: the same values as the two up
   oe.shard(0, 2, [](Tensor&, const std::vector<int64_t>&) {});
   EMA ee(e.target, oe, "encoder.");
   CHECK_FALSE(ee.fuse(oe, decay));
+}
+
+// adamw_ema_update's range check (kernels.h, check_ema_range, the same on both backends): an EMA
+// range past the group's elements is refused before anything is written.
+TEST_CASE("adamw_ema_update refuses an EMA range outside the group", "[optim]") {
+  vector<float> master = {1, 2, 3, 4}, m(4, 0.f), v(4, 0.f), grad = {1, 1, 1, 1}, target(2, 7.f);
+  const vector<float> before = master;
+  for (auto [lo, hi] : {std::pair<int64_t, int64_t>{3, 5}, {-1, 1}, {2, 1}}) {
+    INFO("[" << lo << ", " << hi << ")");
+    EmaRange<float, float> e{target.data(), nullptr, lo, hi, 0.9};
+    CHECK_THROWS_WITH(cpu::adamw_ema_update(master.data(), static_cast<float*>(nullptr), m.data(), v.data(), grad.data(),
+                                            nullptr, 4, AdamWHyper{}, e, nullptr),
+                      Catch::Contains("[" + std::to_string(lo) + ", " + std::to_string(hi) + ")") &&
+                          Catch::Contains("4 elements"));
+    CHECK(master == before);
+    CHECK(target == vector<float>(2, 7.f));
+  }
 }
 
 TEST_CASE("optimizer preconditions throw with names", "[optim]") {

@@ -111,9 +111,7 @@ void ema_update_many(const EmaTensor<M, G>* tensors, int count, const float* ctl
 template <class M, class G>
 void adamw_ema_update(M* master, G* copy, M* m, M* v, const G* grad, const float* ctl, int64_t n, AdamWHyper h,
                       EmaRange<M, G> e, Stream s) {
-  if (!(0 <= e.lo && e.lo <= e.hi && e.hi <= n))
-    throw std::runtime_error("adamw_ema_update: EMA range [" + std::to_string(e.lo) + ", " + std::to_string(e.hi) +
-                             ") outside the group's " + std::to_string(n) + " elements");
+  check_ema_range(e, n);
   adamw_update(master, copy, m, v, grad, ctl, n, h, s);
   ema_update(e.target, e.copy, master + e.lo, ctl, e.hi - e.lo, e.decay, s);
 }
