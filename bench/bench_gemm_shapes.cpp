@@ -284,6 +284,15 @@ int main() {
                                      sh.O, false, s);
         }, "sm90");
     }
+    // fc1's pre-activation gradient behind fc2's input gradient (linear_dgelu_backward, no bias
+    // gradient): dpre [M, O] = (g [M, I] W'[I, O]) * gelu'(pre), i.e. fc2's product with this
+    // fc1's shape read backwards; cuBLASLt's DGELU epilogue, and gemm_sm90.cu's epilogue 5
+    if (sh.gelu && sh.grad) {
+      one("dgelu", [&] { cu::linear_dgelu_backward(y, (bf16*)nullptr, dx, W, pre, sh.M, sh.O, sh.I, s); });
+      if (cu::gemm90::dgelu_supported(y, dx, W, pre, sh.M, sh.O, sh.I))
+        one("dgelu", [&] { cu::gemm90::linear_dgelu(dev(y), dev(dx), dev(W), dev(pre), sh.M, sh.O, sh.I, s); },
+            "sm90");
+    }
     if (sh.grad) {
       one("dx", [&] { cu::gemm(dx, dy, W, int(sh.M), sh.I, sh.O, false, false, 1.0, 0.0, 1, 0, 0, 0, s); });
       one("dw", [&] { cu::gemm(dW, dy, x, sh.O, sh.I, int(sh.M), true, false, 1.0, 1.0, 1, 0, 0, 0, s); });
