@@ -73,6 +73,11 @@
  *   ms; steps, two rounds, one binary, against the DGELU epilogue: bench_mim 22.85 / 22.85 against
  *   22.65 / 22.64, contrastive 43.07 / 43.04 against 43.15 / 42.98, the reference's VLM batch
  *   49.49 / 49.95 against 49.47 / 49.66. The epilogue stays.
+ * Measured (H100, 2026-12-06): the DGELU product with the weight transposed beforehand (cuBLASLt's
+ *   "TN", as the forwards run) is no faster than as stored ("NN"), over the heuristic's first 8
+ *   candidates of the five SPEC shapes; the DGELU epilogue costs 1.35-1.45x the plain product at
+ *   K 768 and 1.9-2.2x at the predictor's K 384 in every layout. gemm_sm90's epilogue 5 was slower
+ *   on all five shapes (bench_gemm_shapes' dgelu rows; bench/RESULTS.md "DGELU layouts").
  * Plans: matmul descriptors, layouts and the heuristic's algorithm are cached per shape,
  *   transposes, strides, epilogue and pointer alignment (the heuristic is ~10 us to ~3 ms of
  *   host time, far more than a small GEMM). A new shape first tries the algorithm of its
