@@ -14,6 +14,11 @@ follows the batch's FLOPs), its vlm_sft_fixed row (data.repeat_batch) trains its
 every step as the reference does, and its vlm_sft_ref row (data.synth_rows, tools/ref_vlm_rows.py)
 trains the reference's own batch: its rows' sample lengths, so the same images and real tokens.
 
+Then issue 8's targets as the table reads them, on the rows of the reference's three workloads
+(mim, mim_contrastive, and vlm_sft_ref where the table has it, else vlm_sft): the speed against
+torch.compile (1.5x / 1.5x / 2.0x), each peak against compiled PyTorch's, reserved <= 1.2x the
+peak, p90 <= 1.1x the median; a row without a PyTorch row gets only the last two.
+
 Where bench/e2e.sh sampled the GPU (e2e_gpu.csv and e2e_parts.txt beside the first file), a
 last table gives each part's SM clock and power while it ran: a part whose clock under load
 is lower than the others' ran slower for a reason outside the code."""
@@ -49,6 +54,7 @@ def p(xs, q):
 
 
 less_work = False
+summary = {}  # row name -> what issue 8's targets read from it
 print(f"device (PyTorch's report): {device}\n")
 print("| workload | impl | ms/step median | p90 | p90/median | throughput | MFU | peak alloc GB | reserved GB | "
       "vs torch eager | vs torch.compile |")
@@ -67,18 +73,18 @@ for r in loom:
     peak = max(s.get("mem_mb", 0) for s in steps) / 1024
     res = max(s.get("reserved_mb", 0) for s in steps) / 1024
     w = workload(r["name"])
-    ratios = []
+    ratio = {}  # compile flag -> loom's speed over PyTorch's
     for c in (0, 1):
         t = torch_rows.get((w, c))
-        if not t:
-            ratios.append("—")
-        elif unit == "tok/s":
-            ratios.append(f"{thr / t['tokens_per_s']:.2f}x")
-        else:
-            ratios.append(f"{t['ms_per_step'] / med:.2f}x")
+        if t:
+            ratio[c] = thr / t["tokens_per_s"] if unit == "tok/s" else t["ms_per_step"] / med
+    ratios = [f"{ratio[c]:.2f}x" if c in ratio else "—" for c in (0, 1)]
     if "train.shared_target=true" in r["args"]:  # less work than the PyTorch row (e2e.sh)
         ratios = [x if x == "—" else f"({x})" for x in ratios]
         less_work = True
+    else:
+        summary[r["name"]] = dict(med=med, p90=p90, peak=peak, res=res, compile=torch_rows.get((w, 1)),
+                                  ratio=ratio.get(1))
     args = [a.lstrip("-") for a in r["args"].split() if a]
     args = [a.split("=")[0] + "=" + os.path.basename(a.split("=", 1)[1]) if a.startswith("data.synth_rows=") else a
             for a in args]
@@ -103,6 +109,42 @@ missing = sorted({workload(r["name"]) for r in loom} - {w for (w, c) in torch_ro
 if missing:
     print(f"\nNo PyTorch row for {', '.join(missing)}: the reference was not run, or stopped before "
           f"that workload (its log: e2e_torch.log beside this table).")
+
+
+def targets():
+    """Issue 8's targets as this table reads them, on the rows of the reference's three workloads
+    (the VLM one on the reference's own batch where the table has that row): the speed against
+    torch.compile, the peak against compiled PyTorch's, the reserved bytes against the peak, p90
+    against the median."""
+    vlm = "vlm_sft_ref" if "vlm_sft_ref" in summary else "vlm_sft"
+    picked = [(n, goal) for n, goal in (("mim", 1.5), ("mim_contrastive", 1.5), (vlm, 2.0)) if n in summary]
+    rows = []
+    for name, goal in picked:
+        x = summary[name]["ratio"]
+        if x is not None:
+            rows.append(f"| speed >= {goal}x torch.compile | {name} | {x:.3f}x | {'yes' if x >= goal else 'no'} |")
+    for name, _ in picked:
+        r = summary[name]
+        if r["compile"]:
+            b = r["compile"].get("peak_mem_gb", 0)
+            rows.append(f"| peak <= torch.compile's | {name} | {r['peak']:.2f} vs {b:.2f} GB | "
+                        f"{'yes' if r['peak'] <= b else 'no'} |")
+    for name, _ in picked:
+        r = summary[name]
+        q = r["res"] / r["peak"] if r["peak"] else 0
+        rows.append(f"| reserved <= 1.2x the peak | {name} | {q:.2f}x | {'yes' if q <= 1.2 else 'no'} |")
+    for name, _ in picked:
+        r = summary[name]
+        q = r["p90"] / r["med"]
+        rows.append(f"| p90 <= 1.1x the median | {name} | {q:.2f} | {'yes' if q <= 1.1 else 'no'} |")
+    if rows:
+        print("\nIssue 8's targets in this table:\n")
+        print("| target | row | value | met |")
+        print("|---|---|---|---|")
+        print("\n".join(rows))
+
+
+targets()
 
 
 def gpu_table(d):
