@@ -10,21 +10,14 @@
 #include <stdexcept>
 #include <string>
 
+#include "tests/scratch_dir.h"
 #include "trainer/config.h"
 
 using loom::Config;
 
 namespace {
 
-std::string tmp_dir() {
-  static std::string dir;
-  if (dir.empty()) {
-    char buf[] = "/tmp/loom_test_config_XXXXXX";
-    REQUIRE(mkdtemp(buf) != nullptr);
-    dir = buf;
-  }
-  return dir;
-}
+std::string tmp_dir() { return loom_test::scratch_root(); }
 
 std::string write_file(const std::string& name, const std::string& text) {
   std::string p = tmp_dir() + "/" + name;

@@ -24,6 +24,7 @@
 #include "data/images.h"
 #include "data/jsonl.h"
 #include "data/shapes.h"
+#include "tests/scratch_dir.h"
 #include "tests/tolerances.h"
 
 using namespace loom;
@@ -31,15 +32,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::string tmp_dir() {
-  static std::string dir;
-  if (dir.empty()) {
-    char buf[] = "/tmp/loom_test_data_XXXXXX";
-    REQUIRE(mkdtemp(buf) != nullptr);
-    dir = buf;
-  }
-  return dir;
-}
+std::string tmp_dir() { return loom_test::scratch_root(); }
 
 // Random 8-bit HWC pixels, seeded.
 std::vector<unsigned char> random_pixels(int w, int h, int c, uint32_t seed) {

@@ -23,13 +23,14 @@
 #include "data/chat.h"
 #include "data/tokenizer.h"
 #include "nn/hf.h"
+#include "tests/scratch_dir.h"
+#include "tests/tolerances.h"
 #include "trainer/eval.h"
 #include "trainer/export.h"
 #include "trainer/init_weights.h"
 #include "trainer/run.h"
 #include "trainer/trainer.h"
 #include "trainer/vlm_task.h"
-#include "tests/tolerances.h"
 
 using namespace loom;
 using json = nlohmann::json;
@@ -44,9 +45,7 @@ int call(int (*cmd)(int, char**), std::vector<std::string> args) {
 }
 
 std::string tmpdir(const char* name) {
-  std::string d = std::string("/tmp/loom_test_eval_export_") + name + "_" + std::to_string(::getpid());
-  std::system(("rm -rf " + d).c_str());
-  return d;
+  return loom_test::scratch_path(std::string("eval_export_") + name);
 }
 
 bool exists(const std::string& p) {

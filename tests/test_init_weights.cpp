@@ -18,6 +18,7 @@
 
 #include "nn/hf.h"
 #include "tensor/safetensors.h"
+#include "tests/scratch_dir.h"
 #include "trainer/init_weights.h"
 #include "trainer/run.h"
 #include "trainer/trainer.h"
@@ -34,9 +35,7 @@ int run_train(std::vector<std::string> args) {
 }
 
 std::string tmpdir(const char* name) {
-  std::string d = std::string("/tmp/loom_test_init_") + name + "_" + std::to_string(::getpid());
-  std::system(("rm -rf " + d).c_str());
-  return d;
+  return loom_test::scratch_path(std::string("init_") + name);
 }
 
 // a VLM run of `steps` steps on a few shapes samples; seed varies the weights

@@ -12,6 +12,7 @@
 
 #include "data/packing.h"
 #include "nn/vlm.h"
+#include "tests/scratch_dir.h"
 
 using namespace loom;
 
@@ -286,7 +287,7 @@ TEST_CASE("PackingStats: the epoch log lines", "[packing]") {
 
 TEST_CASE("read_row_lengths: rows as written, errors name the file and line", "[packing]") {
   std::mt19937 g(std::random_device{}());
-  const std::string path = "/tmp/loom_test_rows_" + std::to_string(g()) + ".txt";
+  const std::string path = loom_test::scratch_path("rows.txt");
   auto write = [&](const std::string& text) {
     FILE* f = std::fopen(path.c_str(), "w");
     REQUIRE(f);

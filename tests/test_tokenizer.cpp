@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "data/tokenizer.h"
+#include "tests/scratch_dir.h"
 
 using loom::Tokenizer;
 using json = nlohmann::json;
@@ -173,7 +174,7 @@ TEST_CASE("tokenizer: merges as \"a b\" strings load the same as pairs; save/rel
   for (auto& m : str_doc["model"]["merges"]) m = m[0].get<std::string>() + " " + m[1].get<std::string>();
   Tokenizer a = Tokenizer::from_json(doc.dump(), "pairs");
   Tokenizer b = Tokenizer::from_json(str_doc.dump(), "strings");
-  std::string path = "/tmp/loom_test_tokenizer_" + std::to_string(::getpid()) + ".json";
+  std::string path = loom_test::scratch_path("tokenizer.json");
   a.save(path);
   Tokenizer c = Tokenizer::from_file(path);
   std::remove(path.c_str());
@@ -208,7 +209,7 @@ TEST_CASE("tokenizer: train to vocab 400, save, reload, encode identically", "[t
   std::vector<int32_t> digits = t.encode("90210");
   CHECK(digits.size() == 5);
 
-  std::string path = "/tmp/loom_test_trained_" + std::to_string(::getpid()) + ".json";
+  std::string path = loom_test::scratch_path("trained.json");
   t.save(path);
   Tokenizer r = Tokenizer::from_file(path);
   std::remove(path.c_str());
@@ -359,7 +360,7 @@ TEST_CASE("tokenizer: malformed and unsupported files are errors naming file and
   CHECK_THROWS_WITH(Tokenizer::from_file("/nonexistent/tok.json"), Catch::Contains("/nonexistent/tok.json"));
   CHECK_THROWS_WITH(Tokenizer::from_json("{\"model\": {\"vocab\": {", "broken.json"),
                     Catch::Contains("broken.json") && Catch::Contains("malformed JSON"));
-  std::string path = "/tmp/loom_test_bad_" + std::to_string(::getpid()) + ".json";
+  std::string path = loom_test::scratch_path("bad.json");
   { std::ofstream(path) << "[1, 2"; }
   CHECK_THROWS_WITH(Tokenizer::from_file(path), Catch::Contains(path));
   std::remove(path.c_str());
@@ -452,7 +453,7 @@ TEST_CASE("tokenize command: encode to a JSON array and decode back", "[tokenize
                            {"single", json::parse(R"([{"SpecialToken":{"id":"<|endoftext|>","type_id":0}},)"
                                                   R"({"Sequence":{"id":"A","type_id":0}}])")},
                            {"special_tokens", {{"<|endoftext|>", {{"id", "<|endoftext|>"}, {"ids", {bos}}}}}}};
-  std::string path = "/tmp/loom_test_post_" + std::to_string(::getpid()) + ".json";
+  std::string path = loom_test::scratch_path("post.json");
   std::ofstream(path) << doc.dump();
   auto [rc6, out6] = run_cmd({"tokenize", "--tokenizer", path, "--add-special-tokens"}, text);
   CHECK(rc6 == 0);

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "tests/scratch_dir.h"
 #include "trainer/trainer.h"
 
 inline int run_train(std::vector<std::string> args) {
@@ -38,9 +39,7 @@ inline std::vector<std::pair<int64_t, std::string>> losses(const std::string& di
 }
 
 inline std::string tmpdir(const char* name) {
-  std::string d = std::string("/tmp/loom_test_trainer_") + name + "_" + std::to_string(::getpid());
-  std::system(("rm -rf " + d).c_str());
-  return d;
+  return loom_test::scratch_path(std::string("trainer_") + name);
 }
 
 inline bool has(const std::string& s, const std::string& t) { return s.find(t) != std::string::npos; }
