@@ -162,8 +162,17 @@ int image(const uint8_t* data, size_t size) {
 }
 
 int idx(const uint8_t* data, size_t size) {
-  // read_idx reads through zlib from a file: the input goes to one per process
-  static const std::string path = "/tmp/loom_fuzz_idx_" + std::to_string(::getpid());
+  // read_idx reads through zlib from a file: the input goes to one per process, under $TMPDIR
+  // (or /tmp), removed when the process exits
+  static const std::string path = [] {
+    const char* t = std::getenv("TMPDIR");
+    static std::string p = std::string(t && *t ? t : "/tmp") + "/loom_fuzz_idx_" + std::to_string(::getpid());
+    static const pid_t owner = ::getpid();
+    std::atexit([] {
+      if (::getpid() == owner) std::remove(p.c_str());
+    });
+    return p;
+  }();
   {
     std::ofstream f(path, std::ios::binary | std::ios::trunc);
     f.write(reinterpret_cast<const char*>(data), std::streamsize(size));
