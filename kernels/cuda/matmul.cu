@@ -78,6 +78,10 @@
  *   candidates of the five SPEC shapes; the DGELU epilogue costs 1.35-1.45x the plain product at
  *   K 768 and 1.9-2.2x at the predictor's K 384 in every layout. gemm_sm90's epilogue 5 was slower
  *   on all five shapes (bench_gemm_shapes' dgelu rows; bench/RESULTS.md "DGELU layouts").
+ * Measured (H200, 2026-12-06; bench/RESULTS.md "SM-count target"): LOOM_SIDE_SMS, cuBLASLt's
+ *   SM_COUNT_TARGET for the side stream's products (sm_target_of below; off by default): at 120 of
+ *   132 SMs the contrastive MIM step 39.98 -> 39.63 ms (three rounds in two calls), the VLM step
+ *   within noise (+0.07 ms), at 108 the VLM step +0.18 ms (one round); the MIM step not measured.
  * Plans: matmul descriptors, layouts and the heuristic's algorithm are cached per shape,
  *   transposes, strides, epilogue and pointer alignment (the heuristic is ~10 us to ~3 ms of
  *   host time, far more than a small GEMM). A new shape first tries the algorithm of its
@@ -103,6 +107,7 @@
  * Test: tests/cuda/test_cuda_matmul.cpp [matmul]:
  *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_matmul.cpp
  */
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -120,7 +125,7 @@ namespace loom::cuda {
 namespace {
 
 struct PlanKey {
-  int dtype, M, N, K, ta, tb, batch, epilogue, align_a, align_b, align_c, align_bias, align_aux;
+  int dtype, M, N, K, ta, tb, batch, epilogue, align_a, align_b, align_c, align_bias, align_aux, sm_target;
   int64_t sa, sb, sc;
   bool operator==(const PlanKey& o) const { return std::memcmp(this, &o, sizeof(PlanKey)) == 0; }
 };
@@ -172,6 +177,10 @@ Plan& get_plan(const PlanKey& k) {
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &opB, sizeof(opB)));
   cublasLtEpilogue_t epi = cublasLtEpilogue_t(k.epilogue);
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+  if (k.sm_target > 0) {  // the SMs the heuristic plans for (sm_target_of below)
+    const int32_t sms = k.sm_target;
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sms, sizeof(sms)));
+  }
   // our B, stored row-major [K,N] (or [N,K] when transposed) = column-major [N,K] ([K,N])
   p.a = k.tb ? make_layout(t, k.K, k.N, k.K, k.batch, k.sb) : make_layout(t, k.N, k.K, k.N, k.batch, k.sb);
   // our A, stored row-major [M,K] (or [K,M]) = column-major [K,M] ([M,K])
@@ -248,6 +257,23 @@ Plan& get_plan(const PlanKey& k) {
   return cache.emplace(k, p).first->second;
 }
 
+// How many SMs a product plans for: 0 (the device's count) unless LOOM_SIDE_SMS / LOOM_MAIN_SMS
+// set one for the products of the side stream (weight gradients, the MIM target's forward) or
+// of the main stream (a measurement switch: cuBLASLt's SM_COUNT_TARGET sizes its persistent grids
+// for fewer SMs, leaving the rest to the other stream's kernels).
+int sm_target_of(bool side) {
+  static const int t[2] = {[] {
+                             const char* e = std::getenv("LOOM_MAIN_SMS");
+                             return e ? std::max(0, std::atoi(e)) : 0;
+                           }(),
+                           [] {
+                             const char* e = std::getenv("LOOM_SIDE_SMS");
+                             return e ? std::max(0, std::atoi(e)) : 0;
+                           }()};
+  const int v = t[side ? 1 : 0];
+  return v >= sm_count() ? 0 : v;
+}
+
 // Returns false (and does nothing) when cuBLASLt has no algorithm for this plan. `epilogue`:
 // CUBLASLT_EPILOGUE_DEFAULT / BIAS (bias given) / GELU_AUX_BIAS (bias and aux = the GELU input
 // written) / GELU_BIAS (bias, no aux) / DGELU (aux = the GELU input read).
@@ -269,6 +295,7 @@ bool lt_matmul(T* C, const T* A, const T* B, const T* bias, int M, int N, int K,
   k.align_a = alignment(A); k.align_b = alignment(B); k.align_c = std::min(alignment(C), alignment(cin));
   k.align_bias = bias ? alignment(bias) : 0;
   k.align_aux = aux ? alignment(aux) : 0;
+  k.sm_target = sm_target_of(side_scope_active());
   Plan& p = get_plan(k);
   if (!p.ok) return false;
   if (bias) {
