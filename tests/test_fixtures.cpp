@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "tensor/safetensors.h"
+#include "tests/scratch_dir.h"
 #include "tests/tolerances.h"
 #include "trainer/check.h"
 
@@ -62,23 +63,6 @@ void require_passes(const string& path) {
   }
 }
 
-// A fresh directory under $TMPDIR (or /tmp), removed when the test case ends.
-struct TempDir {
-  string path;
-  TempDir() {
-    const char* t = std::getenv("TMPDIR");
-    string tmpl = string(t && *t ? t : "/tmp") + "/loom_fixtures_XXXXXX";
-    std::vector<char> buf(tmpl.begin(), tmpl.end());
-    buf.push_back('\0');
-    if (!mkdtemp(buf.data())) throw std::runtime_error("mkdtemp " + tmpl + " failed");
-    path = buf.data();
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-};
-
 void copy_file(const string& from, const string& to) {
   std::ifstream in(from, std::ios::binary);
   REQUIRE(in.good());
@@ -116,8 +100,7 @@ TEST_CASE("fixtures pass the f64 check at 1e-6", "[fixtures]") {
 }
 
 TEST_CASE("a corrupted fixture fails the check", "[fixtures]") {
-  TempDir tmp;
-  const string& dir = tmp.path;
+  const string dir = loom_test::scratch_subdir("corrupted");  // emptied for each section
 
   SECTION("MIM: one gradient element moved by 1e-5 of the gradient's norm") {
     SafeTensors st = load_safetensors(kDir + "mim_tiny_s0.safetensors");

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "tensor/safetensors.h"
+#include "tests/scratch_dir.h"
 
 using namespace loom;
 using Catch::Contains;
@@ -27,27 +28,7 @@ using std::vector;
 
 namespace {
 
-// A fresh directory under $TMPDIR (or /tmp) for this test run, removed at exit.
-struct TempDir {
-  string path;
-  TempDir() {
-    const char* t = std::getenv("TMPDIR");
-    string tmpl = string(t && *t ? t : "/tmp") + "/loom_safetensors_XXXXXX";
-    vector<char> buf(tmpl.begin(), tmpl.end());
-    buf.push_back('\0');
-    if (!mkdtemp(buf.data())) throw std::runtime_error("mkdtemp " + tmpl + " failed");
-    path = buf.data();
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-};
-
-const string& temp_dir() {
-  static TempDir dir;
-  return dir.path;
-}
+const string& temp_dir() { return loom_test::scratch_root(); }
 
 string temp_path(const string& name) { return temp_dir() + "/" + name; }
 
