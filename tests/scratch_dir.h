@@ -24,7 +24,7 @@ inline const std::string& scratch_root() {
     std::string tmpl = std::string(t && *t ? t : "/tmp") + "/loom_" + name + "_XXXXXX";
     if (!mkdtemp(tmpl.data())) throw std::runtime_error("scratch_dir.h: cannot make " + tmpl);
     static pid_t owner = ::getpid();  // a forked child that exits must not remove it
-    static std::string path = tmpl;
+    static std::string path = tmpl;  // made before the handler is registered, so alive when it runs
     std::atexit([] {
       if (::getpid() != owner) return;
       const char* keep = std::getenv("LOOM_KEEP_TEST_FILES");

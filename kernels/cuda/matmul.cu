@@ -262,16 +262,13 @@ Plan& get_plan(const PlanKey& k) {
 // of the main stream (a measurement switch: cuBLASLt's SM_COUNT_TARGET sizes its persistent grids
 // for fewer SMs, leaving the rest to the other stream's kernels).
 int sm_target_of(bool side) {
-  static const int t[2] = {[] {
-                             const char* e = std::getenv("LOOM_MAIN_SMS");
-                             return e ? std::max(0, std::atoi(e)) : 0;
-                           }(),
-                           [] {
-                             const char* e = std::getenv("LOOM_SIDE_SMS");
-                             return e ? std::max(0, std::atoi(e)) : 0;
-                           }()};
-  const int v = t[side ? 1 : 0];
-  return v >= sm_count() ? 0 : v;
+  auto read = [](const char* name) {
+    const char* e = std::getenv(name);
+    const int v = e ? std::max(0, std::atoi(e)) : 0;
+    return v >= sm_count() ? 0 : v;
+  };
+  static const int main_sms = read("LOOM_MAIN_SMS"), side_sms = read("LOOM_SIDE_SMS");
+  return side ? side_sms : main_sms;
 }
 
 // Returns false (and does nothing) when cuBLASLt has no algorithm for this plan. `epilogue`:
