@@ -25,9 +25,10 @@ REF=../shared/reference/torch_ref.py
 [ -f "$REF" ] || REF=.deps/shared/reference/torch_ref.py
 HAVE_TORCH=
 [ -f "$REF" ] && python3 -c "import torch" 2>/dev/null && HAVE_TORCH=1
-# The GPU's SM clock, power and temperature every 200 ms (e2e_gpu.csv) and when each part began
+# The GPU's SM clock, power, temperature and clock-event reasons every 200 ms (e2e_gpu.csv) and
+# when each part began
 # (e2e_parts.txt, the same clock): the report's last table says whether a part ran at a lower
-# clock, which moves its times without any change in the code. GPU 0 (or the first of
+# clock, and why, which moves its times without any change in the code. GPU 0 (or the first of
 # CUDA_VISIBLE_DEVICES), the one the runs use.
 : > "$OUT/e2e_parts.txt"
 mark() { echo "$(date '+%Y/%m/%d %H:%M:%S.%3N'),$1" >> "$OUT/e2e_parts.txt"; }
@@ -37,7 +38,14 @@ if command -v nvidia-smi > /dev/null 2>&1; then
   # the board's power limit and highest SM clock, for the report's "at the limit" column
   nvidia-smi -i "${V%%,*}" --query-gpu=power.limit,clocks.max.sm --format=csv,noheader,nounits \
     > "$OUT/e2e_gpu_limits.txt" 2> /dev/null
-  nvidia-smi -i "${V%%,*}" --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader,nounits \
+  # and why the clock is below its highest, where the driver says (a bit mask: 0x4 the power cap,
+  # 0x20 / 0x40 thermal, 0x8 / 0x80 hardware slowdown and power brake); older drivers call the
+  # field clocks_throttle_reasons, and one without either samples the four columns alone
+  Q=timestamp,clocks.sm,power.draw,temperature.gpu
+  for r in clocks_event_reasons.active clocks_throttle_reasons.active; do
+    if nvidia-smi -i "${V%%,*}" --query-gpu=$r --format=csv,noheader > /dev/null 2>&1; then Q=$Q,$r; break; fi
+  done
+  nvidia-smi -i "${V%%,*}" --query-gpu=$Q --format=csv,noheader,nounits \
     -lms 200 > "$OUT/e2e_gpu.csv" 2> /dev/null &
   SMI_PID=$!
 fi

@@ -20,8 +20,9 @@ torch.compile (1.5x / 1.5x / 2.0x), each peak against compiled PyTorch's, reserv
 peak, p90 <= 1.1x the median; a row without a PyTorch row gets only the last two.
 
 Where bench/e2e.sh sampled the GPU (e2e_gpu.csv and e2e_parts.txt beside the first file), a
-last table gives each part's SM clock and power while it ran: a part whose clock under load
-is lower than the others' ran slower for a reason outside the code."""
+last table gives each part's SM clock and power while it ran, and what held the clock down where
+the driver says: a part whose clock under load is lower than the others' ran slower for a reason
+outside the code."""
 import datetime
 import os
 import json
@@ -153,7 +154,10 @@ def gpu_table(d):
     the GPU idle at a low clock). With the board's limits (e2e_gpu_limits.txt: power limit W,
     highest SM clock MHz) a column says how many of the samples under load lie within 3% of the
     power limit, where the GPU lowers its clock to stay under it. nvidia-smi's power.draw is an
-    average over about a second, so a part shorter than that reads low."""
+    average over about a second, so a part shorter than that reads low. Where the samples carry
+    the driver's clock-event reasons (a fifth column, a bit mask), a last column counts the
+    samples under load whose clock the power cap held down (bit 0x4), a thermal slowdown (0x20,
+    0x40) or a hardware slowdown or power brake (0x8, 0x80): the reason behind a lower clock."""
     parts_path, csv_path = os.path.join(d, "e2e_parts.txt"), os.path.join(d, "e2e_gpu.csv")
     if not (os.path.exists(parts_path) and os.path.exists(csv_path)):
         return
@@ -167,13 +171,20 @@ def gpu_table(d):
         limit_w, max_mhz = float(f[0]), float(f[1])
     except (OSError, ValueError, IndexError):  # no file, "[N/A]", an older run
         pass
-    samples = []  # (time, SM MHz, W, C)
+    samples = []  # (time, SM MHz, W, C, reasons bit mask or None)
     for line in open(csv_path):
         f = line.split(",")
         try:
-            samples.append((when(f[0]), float(f[1]), float(f[2]), float(f[3])))
+            s = (when(f[0]), float(f[1]), float(f[2]), float(f[3]))
         except (ValueError, IndexError):  # "[N/A]" fields, a line cut when the sampler stopped
             continue
+        try:
+            reasons = int(f[4].strip(), 16)
+        except (ValueError, IndexError):  # a driver without the field, "[N/A]"
+            reasons = None
+        samples.append(s + (reasons,))
+    with_reasons = any(x[4] is not None for x in samples)
+    held = (("power cap", 0x4), ("thermal", 0x20 | 0x40), ("HW slowdown", 0x8 | 0x80))
     marks = []
     for line in open(parts_path):
         t, _, label = line.strip().partition(",")
@@ -195,6 +206,10 @@ def gpu_table(d):
                f"{max(x[3] for x in s):.0f} |")
         if limit_w:
             row += f" {sum(x[2] >= 0.97 * limit_w for x in load)} of {len(load)} |"
+        if with_reasons:
+            known = [x for x in load if x[4] is not None]
+            row += " " + " / ".join(str(sum(bool(x[4] & bit) for x in known)) for _, bit in held) + \
+                   f" of {len(known)} |"
         rows.append(row)
     if rows:
         print("\nGPU while each part ran (nvidia-smi every 200 ms; under load: the samples at >= half the "
@@ -202,8 +217,9 @@ def gpu_table(d):
         if limit_w:
             print(f"Board limits: {limit_w:.0f} W, SM clock up to {max_mhz:.0f} MHz.\n")
         print("| part | samples | SM MHz under load, median / min | W under load, median / max | max C |"
-              + (" at the power limit (>= 97%) |" if limit_w else ""))
-        print("|---|---|---|---|---|" + ("---|" if limit_w else ""))
+              + (" at the power limit (>= 97%) |" if limit_w else "")
+              + (" clock held down by " + " / ".join(n for n, _ in held) + " |" if with_reasons else ""))
+        print("|---|---|---|---|---|" + ("---|" if limit_w else "") + ("---|" if with_reasons else ""))
         print("\n".join(rows))
 
 

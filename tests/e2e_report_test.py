@@ -8,8 +8,11 @@ against the median) on a random side of its bound, 1-3% away from it, so that a 
 compared the wrong way, read the wrong row or counted the warm-up steps says the other word.
 Also: the first 5 steps (warm-up and the graph's capture) never count, and a row with
 train.shared_target (less work than PyTorch's row) gets its ratio in parentheses and no target
-line. Exit 0: pass, 1: a check failed (each printed, with the seed that reruns it through
+line. The GPU table under it (nvidia-smi's samples while each part ran) is checked cell by cell
+against samples made up here: idle samples left out, the power-limit count, and the clock-event
+reasons column in half the runs (without it in the other half, as an older driver samples). Exit 0: pass, 1: a check failed (each printed, with the seed that reruns it through
 E2E_REPORT_SEED). ctest runs it as `e2e_report`."""
+import datetime
 import json
 import os
 import random
@@ -84,8 +87,49 @@ def scenario():
     return loom, torch, want
 
 
-def run_report(loom, torch):
+def gpu_samples(with_reasons):
+    """Made-up nvidia-smi samples for bench/e2e.sh's GPU table: four parts, each with a few idle
+    samples (under half its highest power: not "under load"), samples under load with random
+    clocks, power (some within 3% of the 700 W limit) and clock-event bit masks (some "[N/A]"),
+    and the values the table must show for each, worked out here."""
+    t = datetime.datetime(2026, 12, 7, 1, 0, 0)
+    parts, csv, want = [], [], {}
+    for label in ("loom mim", "loom mim_contrastive", "loom vlm_sft_ref", "torch_ref.py (every workload)"):
+        parts.append(f"{t:%Y/%m/%d %H:%M:%S}.{t.microsecond // 1000:03d},{label}")
+        idle = [(rng.uniform(300, 700), rng.uniform(60, 90), rng.uniform(30, 40), 0x1) for _ in range(rng.randint(1, 4))]
+        top = 0.98 * 700 if rng.random() < 0.5 else rng.uniform(500, 670)  # the part's highest: at the limit or not
+        load = [(rng.uniform(1400, 1980), rng.uniform(0.55, 1.0) * top, rng.uniform(40, 80),
+                 rng.choice([0, 0x4, 0x4 | 0x20, 0x40, 0x8, 0x80, 0x4 | 0x80, None])) for _ in range(rng.randint(5, 40))]
+        load.append((rng.uniform(1400, 1980), top, rng.uniform(40, 80), 0x4))
+        samples = idle + load
+        rng.shuffle(samples)
+        for mhz, w, c, r in samples:
+            t += datetime.timedelta(milliseconds=200)
+            cols = [f"{t:%Y/%m/%d %H:%M:%S}.{t.microsecond // 1000:03d}", f"{mhz:.0f}", f"{w:.2f}", f"{c:.0f}"]
+            if with_reasons:
+                cols.append("[N/A]" if r is None else f"0x{r:016x}")
+            csv.append(", ".join(cols))
+        t += datetime.timedelta(milliseconds=150)
+        parts.append(f"{t:%Y/%m/%d %H:%M:%S}.{t.microsecond // 1000:03d},end")
+        t += datetime.timedelta(seconds=2)
+        mhz = [float(f"{x[0]:.0f}") for x in load]
+        watts = [float(f"{x[1]:.2f}") for x in load]
+        cells = [str(len(samples)), f"{median(mhz):.0f} / {min(mhz):.0f}", f"{median(watts):.0f} / {max(watts):.0f}",
+                 f"{max(float(f'{x[2]:.0f}') for x in samples):.0f}", f"{sum(w >= 0.97 * 700 for w in watts)} of {len(load)}"]
+        if with_reasons:
+            known = [x[3] for x in load if x[3] is not None]
+            cells.append(" / ".join(str(sum(bool(r & bit) for r in known)) for bit in (0x4, 0x60, 0x88))
+                         + f" of {len(known)}")
+        want[label] = cells
+    return "\n".join(parts) + "\n", "\n".join(csv) + "\n", want
+
+
+def run_report(loom, torch, gpu=None):
     with tempfile.TemporaryDirectory(prefix="loom_e2e_report_") as d:
+        if gpu:
+            for name, text in (("e2e_parts.txt", gpu[0]), ("e2e_gpu.csv", gpu[1]), ("e2e_gpu_limits.txt", "700.00, 1980\n")):
+                with open(os.path.join(d, name), "w") as f:
+                    f.write(text)
         a, b = os.path.join(d, "e2e_loom.jsonl"), os.path.join(d, "torch_ref.jsonl")
         with open(a, "w") as f:
             f.write("\n".join(json.dumps(r) for r in loom) + "\n")
@@ -100,8 +144,19 @@ def run_report(loom, torch):
 
 for trial in range(20):
     loom, torch, want = scenario()
-    text = run_report(loom, torch)
+    with_reasons = trial % 2 == 0
+    gpu = gpu_samples(with_reasons)
+    text = run_report(loom, torch, gpu)
     lines = text.splitlines()
+    for label, cells in gpu[2].items():
+        row = [l for l in lines if l.startswith(f"| {label} |")]
+        check(len(row) == 1, f"trial {trial}: one GPU row for {label}, got {len(row)}")
+        if row:
+            got = [c.strip() for c in row[0].strip().strip("|").split("|")][1:]
+            check(got == cells, f"trial {trial}: GPU row {label}:\n  got  {got}\n  want {cells}")
+    head = [l for l in lines if l.startswith("| part | samples |")]
+    check(len(head) == 1 and head[0].endswith("held down by power cap / thermal / HW slowdown |") == with_reasons,
+          f"trial {trial}: the GPU table's header with reasons={with_reasons}: {head}")
     for name, w in want.items():
         side = w["side"]
         row = [l for l in lines if l.startswith(f"| {name} | loom |")]
@@ -134,4 +189,4 @@ if failures:
     for f in failures:
         print(" -", f)
     sys.exit(1)
-print(f"e2e_report: 20 made-up tables, every target line as expected (seed {seed})")
+print(f"e2e_report: 20 made-up tables, every target line and GPU row as expected (seed {seed})")
