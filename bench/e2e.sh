@@ -26,10 +26,9 @@ REF=../shared/reference/torch_ref.py
 HAVE_TORCH=
 [ -f "$REF" ] && python3 -c "import torch" 2>/dev/null && HAVE_TORCH=1
 # The GPU's SM clock, power, temperature and clock-event reasons every 200 ms (e2e_gpu.csv) and
-# when each part began
-# (e2e_parts.txt, the same clock): the report's last table says whether a part ran at a lower
-# clock, and why, which moves its times without any change in the code. GPU 0 (or the first of
-# CUDA_VISIBLE_DEVICES), the one the runs use.
+# when each part began (e2e_parts.txt, the same clock): the report's last table says whether a part
+# ran at a lower clock, and why, which moves its times without any change in the code. GPU 0 (or
+# the first of CUDA_VISIBLE_DEVICES), the one the runs use.
 : > "$OUT/e2e_parts.txt"
 mark() { echo "$(date '+%Y/%m/%d %H:%M:%S.%3N'),$1" >> "$OUT/e2e_parts.txt"; }
 SMI_PID=
