@@ -81,7 +81,8 @@
  * Measured (H200, 2026-12-06; bench/RESULTS.md "SM-count target"): LOOM_SIDE_SMS, cuBLASLt's
  *   SM_COUNT_TARGET for the side stream's products (sm_target_of below; off by default): at 120 of
  *   132 SMs the contrastive MIM step 39.98 -> 39.63 ms (three rounds in two calls), the VLM step
- *   within noise (+0.07 ms), at 108 the VLM step +0.18 ms (one round); the MIM step not measured.
+ *   within noise (+0.07 ms), at 108 the VLM step +0.18 ms (one round). On another H200
+ *   (2026-12-07) MIM -0.11 and contrastive -0.10 ms, both within the spread of the rounds.
  * Plans: matmul descriptors, layouts and the heuristic's algorithm are cached per shape,
  *   transposes, strides, epilogue and pointer alignment (the heuristic is ~10 us to ~3 ms of
  *   host time, far more than a small GEMM). A new shape first tries the algorithm of its
