@@ -4,8 +4,10 @@
 # (median and p90 of the steps after warm-up), throughput, MFU, peak allocated and reserved
 # memory, and the ratio to each PyTorch row.
 #   bash bench/e2e.sh [BUILD_DIR]          writes $OUT (default bench/out)/e2e_*.jsonl, e2e_table.md
-# E2E_STEPS (default 30; the first 5 are warm-up and the capture of the CUDA graph) and
-# E2E_TORCH=0 (skip the reference) shorten it; E2E_ROWS (a comma list of loom's rows below,
+# E2E_STEPS (default 30; the first E2E_WARMUP, default 5, are warm-up and the capture of the
+# CUDA graph, left out of the table) and E2E_TORCH=0 (skip the reference) shorten it; a larger
+# E2E_WARMUP with more steps times loom's steps after the first seconds of load, once the board's
+# power cap has settled the clock (bench/RESULTS.md 2026-12-07: the cap pulls it down ~1 s in); E2E_ROWS (a comma list of loom's rows below,
 # e.g. mim,mim_contrastive,mim_contrastive_shared,vlm_sft,vlm_sft_fixed,vlm_sft_ref; default all) and E2E_COMPILE (the
 # reference's --compile list, default 0,1) run a part of the table when a call has less time.
 # vlm_sft_ref trains the reference's own batch (its rows' sample lengths, written by
@@ -19,6 +21,9 @@ B=${1:-build}
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 STEPS=${E2E_STEPS:-30}
+WARM=${E2E_WARMUP:-5}
+case "$STEPS$WARM" in *[!0-9]*) echo "bench/e2e.sh: E2E_STEPS ($STEPS) and E2E_WARMUP ($WARM) must be counts"; exit 2 ;; esac
+[ "$WARM" -lt "$STEPS" ] || { echo "bench/e2e.sh: E2E_WARMUP ($WARM) leaves none of E2E_STEPS ($STEPS) to time"; exit 2; }
 : > "$OUT/e2e_loom.jsonl"
 ROWS=${E2E_ROWS:-all}
 REF=../shared/reference/torch_ref.py
@@ -65,23 +70,23 @@ print(json.dumps({"impl": "loom", "name": sys.argv[2], "args": sys.argv[3], "war
 PY
   rm -rf "$dir"/step_*
 }
-run mim "$STEPS" 5 bench_mim.cfg
-run mim_loom_attention "$STEPS" 5 bench_mim.cfg --train.attention=loom
-run mim_eager "$STEPS" 5 bench_mim.cfg --train.cuda_graph=false
-run mim_ckpt "$STEPS" 5 bench_mim.cfg --train.grad_checkpointing=true
-run mim_contrastive "$STEPS" 5 bench_mim.cfg --model.contrastive=true --train.keep_gelu=true  # (bench_mim.cfg says why)
+run mim "$STEPS" "$WARM" bench_mim.cfg
+run mim_loom_attention "$STEPS" "$WARM" bench_mim.cfg --train.attention=loom
+run mim_eager "$STEPS" "$WARM" bench_mim.cfg --train.cuda_graph=false
+run mim_ckpt "$STEPS" "$WARM" bench_mim.cfg --train.grad_checkpointing=true
+run mim_contrastive "$STEPS" "$WARM" bench_mim.cfg --model.contrastive=true --train.keep_gelu=true  # (bench_mim.cfg says why)
 # loom's contrastive trainer as it trains: two masked views of the same images, the EMA target's
 # first blocks once for both (train.shared_target): less work than the reference's row, whose
 # views are two images, so its ratios are printed in parentheses
-run mim_contrastive_shared "$STEPS" 5 bench_mim.cfg --model.contrastive=true --train.keep_gelu=true \
+run mim_contrastive_shared "$STEPS" "$WARM" bench_mim.cfg --model.contrastive=true --train.keep_gelu=true \
   --train.shared_target=true
 run vlm_sft $((2 * STEPS)) "$STEPS" bench_vlm_sft.cfg
-run vlm_sft_fixed "$STEPS" 5 bench_vlm_sft.cfg --data.repeat_batch=true  # one batch every step, as the reference
+run vlm_sft_fixed "$STEPS" "$WARM" bench_vlm_sft.cfg --data.repeat_batch=true  # one batch every step, as the reference
 run vlm_sft_ckpt $((2 * STEPS)) "$STEPS" bench_vlm_sft.cfg --train.grad_checkpointing=true  # new batches too
 # the reference's own batch (its 8 rows' sample lengths, tools/ref_vlm_rows.py): the same work as its row
 if [ -n "$HAVE_TORCH" ] && python3 tools/ref_vlm_rows.py --reference "$(dirname "$REF")" --out "$OUT/ref_rows.txt" \
      > "$OUT/ref_rows.log" 2>&1; then
-  run vlm_sft_ref "$STEPS" 5 bench_vlm_sft.cfg --data.repeat_batch=true --data.synth_rows="$OUT/ref_rows.txt"
+  run vlm_sft_ref "$STEPS" "$WARM" bench_vlm_sft.cfg --data.repeat_batch=true --data.synth_rows="$OUT/ref_rows.txt"
 else
   case ",$ROWS," in ,all,|*",vlm_sft_ref,"*) echo "vlm_sft_ref not run: $(tail -1 "$OUT/ref_rows.log" 2>/dev/null || echo 'no PyTorch here')" ;; esac
 fi
