@@ -10,7 +10,8 @@
 # AB_REF_ROWS=FILE from tools/ref_vlm_rows.py). AB_ROUNDS (default 2) rounds, A then B in odd
 # rounds and B then A in even ones, so that a drift in the machine (its clock at the power limit,
 # bench/RESULTS.md 2026-12-02 second) does not favour one side; AB_STEPS (default 30) steps a run,
-# the median over the steps after the fifth. Logs and metrics go to $OUT (default bench/out/ab);
+# the median over the steps after the first AB_WARMUP (default 5; with more steps, a larger one
+# compares the steps after the board's power cap has settled the clock, ~1 s into a load). Logs and metrics go to $OUT (default bench/out/ab);
 # the table, last, goes to $OUT/ab_table.md.
 set -uo pipefail
 B=${1:-build}
@@ -19,6 +20,9 @@ mkdir -p "$OUT"
 ROWS=${AB_ROWS:-mim,mim_contrastive,vlm_sft_ref}
 ROUNDS=${AB_ROUNDS:-2}
 STEPS=${AB_STEPS:-30}
+WARM=${AB_WARMUP:-5}
+case "$STEPS$WARM" in *[!0-9]*) echo "bench/ab.sh: AB_STEPS ($STEPS) and AB_WARMUP ($WARM) must be counts"; exit 2 ;; esac
+[ "$WARM" -lt "$STEPS" ] || { echo "bench/ab.sh: AB_WARMUP ($WARM) leaves none of AB_STEPS ($STEPS) to time"; exit 2; }
 A=${AB_A:-}
 BS=${AB_B:-}
 [ "$A" = "$BS" ] && { echo "bench/ab.sh: AB_A and AB_B are the same setting ('$A')"; exit 2; }
@@ -64,13 +68,13 @@ one() {  # row, side (A or B), round
   env "${env[@]}" "$B/train" "${base[@]}" --train.steps="$STEPS" --train.log_every=1 --train.out_dir="$dir" \
     "${args[@]}" > "$dir.log" 2>&1
   local rc=$?
-  python3 - "$dir/metrics.jsonl" "$row" "$side" "$round" "$rc" >> "$OUT/ab.jsonl" <<'PY'
+  python3 - "$dir/metrics.jsonl" "$row" "$side" "$round" "$rc" "$WARM" >> "$OUT/ab.jsonl" <<'PY'
 import json, os, statistics, sys
-path, row, side, rnd, rc = sys.argv[1:]
+path, row, side, rnd, rc, warm = sys.argv[1:]
 steps = []
 if os.path.exists(path):
     steps = [r for r in (json.loads(l) for l in open(path) if l.strip()) if r.get("kind") == "train"]
-ms = [r["ms"] for r in steps if r["step"] > 5]
+ms = [r["ms"] for r in steps if r["step"] > int(warm)]
 out = {"row": row, "side": side, "round": int(rnd), "rc": int(rc), "steps": len(steps)}
 if ms:
     out.update(median=statistics.median(ms), loss2=steps[1]["loss"] if len(steps) > 1 else None,
@@ -89,7 +93,7 @@ for ((r = 1; r <= ROUNDS; r++)); do
   done
 done
 
-python3 - "$OUT/ab.jsonl" "$A" "$BS" <<'PY' | tee "$OUT/ab_table.md"
+python3 - "$OUT/ab.jsonl" "$A" "$BS" "$WARM" <<'PY' | tee "$OUT/ab_table.md"
 import json, statistics, sys
 runs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 a, b = sys.argv[2] or "(defaults)", sys.argv[3] or "(defaults)"
@@ -108,6 +112,6 @@ for row in dict.fromkeys(r["row"] for r in runs):
     loss = " / ".join(f"{ok[s][0]['loss2']:.6f}" if ok[s] and ok[s][0].get("loss2") is not None else "—" for s in "AB")
     peak = " / ".join(f"{ok[s][0]['peak_mb']:.0f}" if ok[s] and ok[s][0].get("peak_mb") else "—" for s in "AB")
     print(f"| {row} | {cell('A')} | {cell('B')} | {diff} | {ratio} | {loss} | {peak} |")
-print("\nMedians of steps 6 and on, one binary, alternated in one call: a difference smaller than the "
+print(f"\nMedians of steps {int(sys.argv[4]) + 1} and on, one binary, alternated in one call: a difference smaller than the "
       "spread between one side's rounds is noise.")
 PY
