@@ -11,8 +11,8 @@
 # rounds and B then A in even ones, so that a drift in the machine (its clock at the power limit,
 # bench/RESULTS.md 2026-12-02 second) does not favour one side; AB_STEPS (default 30) steps a run,
 # the median over the steps after the first AB_WARMUP (default 5; with more steps, a larger one
-# compares the steps after the board's power cap has settled the clock, ~1 s into a load). Logs and metrics go to $OUT (default bench/out/ab);
-# the table, last, goes to $OUT/ab_table.md.
+# compares the steps after the board's power cap has settled the clock, ~1 s into a load). Logs
+# and metrics go to $OUT (default bench/out/ab); the table, last, goes to $OUT/ab_table.md.
 set -uo pipefail
 B=${1:-build}
 OUT=${OUT:-bench/out/ab}

@@ -7,9 +7,10 @@
 # E2E_STEPS (default 30; the first E2E_WARMUP, default 5, are warm-up and the capture of the
 # CUDA graph, left out of the table) and E2E_TORCH=0 (skip the reference) shorten it; a larger
 # E2E_WARMUP with more steps times loom's steps after the first seconds of load, once the board's
-# power cap has settled the clock (bench/RESULTS.md 2026-12-07: the cap pulls it down ~1 s in); E2E_ROWS (a comma list of loom's rows below,
-# e.g. mim,mim_contrastive,mim_contrastive_shared,vlm_sft,vlm_sft_fixed,vlm_sft_ref; default all) and E2E_COMPILE (the
-# reference's --compile list, default 0,1) run a part of the table when a call has less time.
+# power cap has settled the clock (bench/RESULTS.md 2026-12-07: the cap pulls it down ~1 s in).
+# E2E_ROWS (a comma list of loom's rows below, e.g. mim,mim_contrastive,mim_contrastive_shared,
+# vlm_sft,vlm_sft_fixed,vlm_sft_ref; default all) and E2E_COMPILE (the reference's --compile list,
+# default 0,1) run a part of the table when a call has less time.
 # vlm_sft_ref trains the reference's own batch (its rows' sample lengths, written by
 # tools/ref_vlm_rows.py where PyTorch and the reference are at hand): the same work as its row.
 # The vlm_sft rows with a new batch at every step
