@@ -4,25 +4,27 @@
 # (median and p90 of the steps after warm-up), throughput, MFU, peak allocated and reserved
 # memory, and the ratio to each PyTorch row.
 #   bash bench/e2e.sh [BUILD_DIR]          writes $OUT (default bench/out)/e2e_*.jsonl, e2e_table.md
-# E2E_STEPS (default 30; the first E2E_WARMUP, default 5, are warm-up and the capture of the
-# CUDA graph, left out of the table) and E2E_TORCH=0 (skip the reference) shorten it; a larger
-# E2E_WARMUP with more steps times loom's steps after the first seconds of load, once the board's
-# power cap has settled the clock (bench/RESULTS.md 2026-12-07: the cap pulls it down ~1 s in).
+# E2E_STEPS (default 120) steps a loom row; the first E2E_WARMUP (default 70) are warm-up, the
+# capture of the CUDA graph and the first seconds of load, left out of the table: the board's
+# power cap pulls the clock down ~1 s into a load and settles it a little later, so the table's
+# 50 steps are the steps a long run sees (with 30 and 5, the defaults before 2026-12-07, the
+# medians were 1-1.5% faster and a contrastive p90 up to 1.11x its median: bench/RESULTS.md
+# 2026-12-07). E2E_TORCH=0 skips the reference.
 # E2E_ROWS (a comma list of loom's rows below, e.g. mim,mim_contrastive,mim_contrastive_shared,
 # vlm_sft,vlm_sft_fixed,vlm_sft_ref; default all) and E2E_COMPILE (the reference's --compile list,
 # default 0,1) run a part of the table when a call has less time.
 # vlm_sft_ref trains the reference's own batch (its rows' sample lengths, written by
 # tools/ref_vlm_rows.py where PyTorch and the reference are at hand): the same work as its row.
-# The vlm_sft rows with a new batch at every step
-# (vlm_sft, vlm_sft_ckpt) run twice as many steps and count the first half as warm-up: its image count meets new matmul
-# shapes in its first ~30 steps (kernels/cuda/matmul.cu, "Plans": such steps took up to 16 ms
-# longer, and none came after step 29 of 60), which a fixed batch meets in its first step.
+# The vlm_sft rows with a new batch at every step (vlm_sft, vlm_sft_ckpt) run twice as many steps
+# and count the first half as warm-up: its image count meets new matmul shapes in its first ~30
+# steps (kernels/cuda/matmul.cu, "Plans": such steps took up to 16 ms longer, and none came
+# after step 29 of 60), which a fixed batch meets in its first step.
 set -uo pipefail
 B=${1:-build}
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
-STEPS=${E2E_STEPS:-30}
-WARM=${E2E_WARMUP:-5}
+STEPS=${E2E_STEPS:-120}
+WARM=${E2E_WARMUP:-70}
 case "$STEPS$WARM" in *[!0-9]*) echo "bench/e2e.sh: E2E_STEPS ($STEPS) and E2E_WARMUP ($WARM) must be counts"; exit 2 ;; esac
 [ "$WARM" -lt "$STEPS" ] || { echo "bench/e2e.sh: E2E_WARMUP ($WARM) leaves none of E2E_STEPS ($STEPS) to time"; exit 2; }
 : > "$OUT/e2e_loom.jsonl"
