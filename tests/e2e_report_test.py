@@ -6,7 +6,8 @@ Every run draws new step times, and puts each of the four targets of each of the
 (speed against torch.compile, peak against compiled PyTorch's, reserved against the peak, p90
 against the median) on a random side of its bound, 1-3% away from it, so that a report that
 compared the wrong way, read the wrong row or counted the warm-up steps says the other word.
-Also: the first 5 steps (warm-up and the graph's capture) never count, and a row with
+Also: the warm-up steps never count (the row's "warmup", 5 where a row has none, or 70 as
+bench/e2e.sh writes since 2026-12-07, with the steps it leaves out named in the row's label), and a row with
 train.shared_target (less work than PyTorch's row) gets its ratio in parentheses and no target
 line. The GPU table under it (nvidia-smi's samples while each part ran) is checked cell by cell
 against samples made up here: idle samples left out, the power-limit count, and the clock-event
@@ -38,15 +39,22 @@ def median(xs):
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
-def steps_for(base, slow_tail, unit, per_step, mem_mb, reserved_mb):
-    """30 steps: 5 warm-up steps far off (they must not count), then 25 at `base` ms except
-    `slow_tail` of them at 1.3x. With the report's nearest-rank p90 (index 22 of 25 sorted),
-    a tail of 2 leaves the p90 at the median and a tail of 4 puts it at 1.3x."""
+def p90_tails(timed):
+    """The slow-step counts that keep the report's nearest-rank p90 of `timed` steps at the
+    median (one fewer than the rank past it) and put it at the slow steps' time (one more):
+    2 and 4 of 25 (rank 22), 5 and 7 of 50 (rank 44)."""
+    k = int(0.9 * (timed - 1) + 0.5)
+    return timed - k - 1, timed - k + 1
+
+
+def steps_for(base, slow_tail, unit, per_step, mem_mb, reserved_mb, warm=5, timed=25):
+    """`warm` warm-up steps far off (they must not count), then `timed` at `base` ms except
+    `slow_tail` of them at 1.3x."""
     out = []
-    for i in range(5):
+    for i in range(warm):
         out.append({"ms": base * 10, unit: per_step / (base * 10), "mfu": 0.01, "mem_mb": mem_mb * 3,
                     "reserved_mb": reserved_mb * 3})
-    times = [base] * (25 - slow_tail) + [base * 1.3] * slow_tail
+    times = [base] * (timed - slow_tail) + [base * 1.3] * slow_tail
     rng.shuffle(times)
     for t in times:
         out.append({"ms": t, unit: per_step / t * 1e3, "mfu": 0.4, "mem_mb": mem_mb, "reserved_mb": reserved_mb})
@@ -64,23 +72,30 @@ def scenario():
         side = {k: rng.random() < 0.5 for k in ("speed", "peak", "reserved", "p90")}  # True: target met
         off = lambda: rng.uniform(0.01, 0.03)
         reserved_mb = mem_mb * (1.2 * (1 - off()) if side["reserved"] else 1.2 * (1 + off()))
-        steps = steps_for(base, 2 if side["p90"] else 4, unit, per_step, mem_mb, reserved_mb)
-        loom.append({"name": name, "args": "", "steps": steps})
-        med = median([s["ms"] for s in steps[5:]])
+        warm = rng.choice([5, 70])  # bench/e2e.sh's warm-up before and since 2026-12-07
+        timed = 25 if warm == 5 else 50
+        fast, slow = p90_tails(timed)
+        steps = steps_for(base, fast if side["p90"] else slow, unit, per_step, mem_mb, reserved_mb, warm, timed)
+        row = {"name": name, "args": "", "steps": steps}
+        if warm != 5 or rng.random() < 0.5:  # a row without "warmup" has 5
+            row["warmup"] = warm
+        loom.append(row)
+        label = name if warm == 5 else f"{name} (steps {warm + 1}-{warm + timed})"
+        med = median([s["ms"] for s in steps[warm:]])
         ratio = goal * (1 + off()) if side["speed"] else goal * (1 - off())
         peak_gb = mem_mb / 1024
         t_peak = peak_gb * (1 + off()) if side["peak"] else peak_gb * (1 - off())
         w = "vlm_sft" if name.startswith("vlm") else name
         row = {"impl": "torch", "workload": w, "compile": 1, "peak_mem_gb": t_peak, "mfu": 0.3}
         if unit == "tok/s":
-            thr = median([s["tok/s"] for s in steps[5:]])
+            thr = median([s["tok/s"] for s in steps[warm:]])
             row.update(tokens_per_s=thr / ratio, ms_per_step=per_step / (thr / ratio) * 1e3, real_tokens=per_step)
         else:
             row.update(ms_per_step=med * ratio, images_per_s=per_step / (med * ratio) * 1e3)
         torch.append(row)
         p90 = 1.3 * base if not side["p90"] else base
         want[name] = dict(side=side, ratio=ratio, peak=peak_gb, t_peak=t_peak, res=reserved_mb / mem_mb,
-                          p90=p90 / med, med=med)
+                          p90=p90 / med, med=med, label=label)
     # a shared-target row: parenthesized ratio, no target line of its own
     sh = steps_for(rng.uniform(15, 60), 2, "img/s", 128, 5000, 5500)
     loom.append({"name": "mim_contrastive_shared", "args": "--train.shared_target=true", "steps": sh})
@@ -159,8 +174,8 @@ for trial in range(20):
           f"trial {trial}: the GPU table's header with reasons={with_reasons}: {head}")
     for name, w in want.items():
         side = w["side"]
-        row = [l for l in lines if l.startswith(f"| {name} | loom |")]
-        check(len(row) == 1, f"{name}: one table row, got {len(row)}")
+        row = [l for l in lines if l.startswith(f"| {w['label']} | loom |")]
+        check(len(row) == 1, f"{w['label']}: one table row, got {len(row)}")
         if row:
             cells = [c.strip() for c in row[0].strip("|").split("|")]
             check(abs(float(cells[2]) - w["med"]) < 0.051, f"{name}: median {cells[2]} against {w['med']:.2f}")
