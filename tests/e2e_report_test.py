@@ -6,12 +6,13 @@ Every run draws new step times, and puts each of the four targets of each of the
 (speed against torch.compile, peak against compiled PyTorch's, reserved against the peak, p90
 against the median) on a random side of its bound, 1-3% away from it, so that a report that
 compared the wrong way, read the wrong row or counted the warm-up steps says the other word.
-Also: the warm-up steps never count (the row's "warmup", 5 where a row has none, or 70 as
-bench/e2e.sh writes since 2026-12-07, with the steps it leaves out named in the row's label), and a row with
-train.shared_target (less work than PyTorch's row) gets its ratio in parentheses and no target
-line. The GPU table under it (nvidia-smi's samples while each part ran) is checked cell by cell
-against samples made up here: idle samples left out, the power-limit count, and the clock-event
-reasons column in half the runs (without it in the other half, as an older driver samples). Exit 0: pass, 1: a check failed (each printed, with the seed that reruns it through
+Also: the warm-up steps never count (the row's "warmup": 5 where a row has none, or 70 as
+bench/e2e.sh writes since 2026-12-07, with the steps it times named in the row's label), and a
+row with train.shared_target (less work than PyTorch's row) gets its ratio in parentheses and no
+target line. The GPU table under it (nvidia-smi's samples while each part ran) is checked cell by
+cell against samples made up here: idle samples left out, the power-limit count, and the
+clock-event reasons column in half the runs (without it in the other half, as an older driver
+samples). Exit 0: pass, 1: a check failed (each printed, with the seed that reruns it through
 E2E_REPORT_SEED). ctest runs it as `e2e_report`."""
 import datetime
 import json
