@@ -9,7 +9,10 @@
 # power cap pulls the clock down ~1 s into a load and settles it a little later, so the table's
 # 50 steps are the steps a long run sees (with 30 and 5, the defaults before 2026-12-07, the
 # medians were 1-1.5% faster and a contrastive p90 up to 1.11x its median: bench/RESULTS.md
-# 2026-12-07). E2E_TORCH=0 skips the reference.
+# 2026-12-07). torch_ref.py's rows time the same steps (E2E_TORCH_WARMUP, default E2E_WARMUP, then
+# E2E_TORCH_ITERS, default the rest of E2E_STEPS: its --warmup and --iters; it synchronizes after
+# each timed step), so that both sides are timed in the same phase of the power cap; before
+# 2026-12-08 it timed its own 5 + 20. E2E_TORCH=0 skips the reference.
 # E2E_ROWS (a comma list of loom's rows below, e.g. mim,mim_contrastive,mim_contrastive_shared,
 # vlm_sft,vlm_sft_fixed,vlm_sft_ref; default all) and E2E_COMPILE (the reference's --compile list,
 # default 0,1) run a part of the table when a call has less time.
@@ -27,6 +30,10 @@ STEPS=${E2E_STEPS:-120}
 WARM=${E2E_WARMUP:-70}
 case "$STEPS$WARM" in *[!0-9]*) echo "bench/e2e.sh: E2E_STEPS ($STEPS) and E2E_WARMUP ($WARM) must be counts"; exit 2 ;; esac
 [ "$WARM" -lt "$STEPS" ] || { echo "bench/e2e.sh: E2E_WARMUP ($WARM) leaves none of E2E_STEPS ($STEPS) to time"; exit 2; }
+TWARM=${E2E_TORCH_WARMUP:-$WARM}
+TITERS=${E2E_TORCH_ITERS:-$((STEPS - WARM))}
+case "$TWARM$TITERS" in *[!0-9]*) echo "bench/e2e.sh: E2E_TORCH_WARMUP ($TWARM) and E2E_TORCH_ITERS ($TITERS) must be counts"; exit 2 ;; esac
+[ "$TITERS" -gt 0 ] || { echo "bench/e2e.sh: E2E_TORCH_ITERS must be at least 1"; exit 2; }
 : > "$OUT/e2e_loom.jsonl"
 ROWS=${E2E_ROWS:-all}
 REF=../shared/reference/torch_ref.py
@@ -97,9 +104,11 @@ rm -f "$OUT/torch_ref.jsonl"
 if [ "${E2E_TORCH:-1}" = 1 ] && [ -n "$HAVE_TORCH" ]; then
   mark "torch_ref.py (every workload)"
   timeout ${E2E_TORCH_TIMEOUT:-900} python3 "$REF" bench --workload mim,mim_contrastive,vlm --compile "${E2E_COMPILE:-0,1}" --vlm-variants packed \
-    --out "$OUT" > "$OUT/e2e_torch.log" 2>&1
+    --warmup "$TWARM" --iters "$TITERS" --out "$OUT" > "$OUT/e2e_torch.log" 2>&1
   rc=$?
   mark end
+  # the steps its rows timed, for their labels in the table
+  echo "{\"impl\": \"bench\", \"torch_warmup\": $TWARM, \"torch_iters\": $TITERS}" >> "$OUT/torch_ref.jsonl"
   if [ $rc = 124 ]; then
     echo "PyTorch reference stopped after ${E2E_TORCH_TIMEOUT:-900} s (E2E_TORCH_TIMEOUT): the table has the rows it finished"
   elif [ $rc != 0 ]; then

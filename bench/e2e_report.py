@@ -5,7 +5,10 @@ the PyTorch reference's (torch_ref.py bench, same call, same GPU).
 loom's ms/step is the GPU's own time per step (CUDA events from the end of one step to the end
 of the next), median and p90 over the steps after the first 5 (warm-up and, with
 train.cuda_graph, the capture); the row's "warmup" when bench/e2e.sh gives one (the vlm_sft
-row with a new batch per step: the first 30 of 60, the steps in its label). PyTorch's is torch_ref.py's median of 20 event-timed steps.
+row with a new batch per step: the first 30 of 60, the steps in its label). PyTorch's is
+torch_ref.py's median of its event-timed steps, each followed by a synchronization: 20 after 5
+warm-up steps before 2026-12-08, since then the same steps as loom's rows (bench/e2e.sh writes
+the counts beside its rows; the steps are in its rows' labels).
 Ratio (above 1: loom is faster): PyTorch ms / loom ms for the MIM rows (the same batch), loom
 tokens/s / PyTorch tokens/s for the VLM rows (each packs its own synthetic batches of 8 x 2048;
 PyTorch's real tokens per step are in the table, loom's ~16.3k are in its log). The reference
@@ -40,6 +43,8 @@ def load(path):
 loom, ref = load(sys.argv[1]), load(sys.argv[2])
 device = next((r.get("device") for r in ref if "device" in r), "?")
 torch_rows = {(r["workload"], r["compile"]): r for r in ref if r.get("impl") == "torch"}
+# the warm-up and timed steps bench/e2e.sh gave torch_ref.py (absent: its own 5 and 20)
+ref_steps = next((r for r in ref if r.get("impl") == "bench"), None)
 
 
 def workload(name):  # the PyTorch workload a loom row compares with: by the row name's prefix
@@ -98,7 +103,10 @@ for r in loom:
 for (w, c), t in sorted(torch_rows.items()):
     thr = f"{t['images_per_s'] / 1e3:.1f}k img/s" if "images_per_s" in t else f"{t['tokens_per_s'] / 1e3:.1f}k tok/s"
     extra = f" ({t['real_tokens']} real tokens/step)" if "real_tokens" in t else ""
-    print(f"| {w} | torch {'compile' if c else 'eager'} | {t['ms_per_step']:.1f} | — | — | {thr}{extra} | "
+    lab = w
+    if ref_steps:
+        lab += f" (steps {ref_steps['torch_warmup'] + 1}-{ref_steps['torch_warmup'] + ref_steps['torch_iters']})"
+    print(f"| {lab} | torch {'compile' if c else 'eager'} | {t['ms_per_step']:.1f} | — | — | {thr}{extra} | "
           f"{100 * t.get('mfu', 0):.1f}% | {t.get('peak_mem_gb', 0):.2f} | — | | |")
 if less_work:
     print("\nRatios in parentheses: that row does less work than the PyTorch row (train.shared_target: the "

@@ -9,7 +9,8 @@ compared the wrong way, read the wrong row or counted the warm-up steps says the
 Also: the warm-up steps never count (the row's "warmup": 5 where a row has none, or 70 as
 bench/e2e.sh writes since 2026-12-07, with the steps it times named in the row's label), and a
 row with train.shared_target (less work than PyTorch's row) gets its ratio in parentheses and no
-target line. The GPU table under it (nvidia-smi's samples while each part ran) is checked cell by
+target line; PyTorch's rows name the steps torch_ref.py timed where bench/e2e.sh wrote them (since
+2026-12-08), and only then. The GPU table under it (nvidia-smi's samples while each part ran) is checked cell by
 cell against samples made up here: idle samples left out, the power-limit count, and the
 clock-event reasons column in half the runs (without it in the other half, as an older driver
 samples). Exit 0: pass, 1: a check failed (each printed, with the seed that reruns it through
@@ -97,6 +98,13 @@ def scenario():
         p90 = 1.3 * base if not side["p90"] else base
         want[name] = dict(side=side, ratio=ratio, peak=peak_gb, t_peak=t_peak, res=reserved_mb / mem_mb,
                           p90=p90 / med, med=med, label=label)
+    # the steps bench/e2e.sh gave torch_ref.py since 2026-12-08, in half the runs (none: its own 5 + 20)
+    if rng.random() < 0.5:
+        tw, ti = rng.choice([(70, 50), (5, 20), (30, 90)])
+        torch.append({"impl": "bench", "torch_warmup": tw, "torch_iters": ti})
+        want["torch_label"] = f" (steps {tw + 1}-{tw + ti})"
+    else:
+        want["torch_label"] = ""
     # a shared-target row: parenthesized ratio, no target line of its own
     sh = steps_for(rng.uniform(15, 60), 2, "img/s", 128, 5000, 5500)
     loom.append({"name": "mim_contrastive_shared", "args": "--train.shared_target=true", "steps": sh})
@@ -173,6 +181,10 @@ for trial in range(20):
     head = [l for l in lines if l.startswith("| part | samples |")]
     check(len(head) == 1 and head[0].endswith("held down by power cap / thermal / HW slowdown |") == with_reasons,
           f"trial {trial}: the GPU table's header with reasons={with_reasons}: {head}")
+    torch_label = want.pop("torch_label")
+    for w in ("mim", "mim_contrastive", "vlm_sft"):
+        row = [l for l in lines if l.startswith(f"| {w}{torch_label} | torch compile |")]
+        check(len(row) == 1, f"trial {trial}: one torch.compile row labelled '{w}{torch_label}', got {len(row)}")
     for name, w in want.items():
         side = w["side"]
         row = [l for l in lines if l.startswith(f"| {w['label']} | loom |")]
