@@ -35,7 +35,8 @@
 //   the post-processor with its pair template and type ids, then padding (the file's
 //   "padding", or with_padding), and returns ids, type ids, the attention mask and the
 //   special-tokens mask.
-// Truncation's overflowing windows (HF's `overflowing`, what `stride` shapes) are not returned.
+// What truncation cuts off comes back as HF returns it: Encoding::overflowing, windows of the
+// kept length that overlap by `stride` ids, post-processed and padded like the encoding.
 //
 // A Tokenizer is immutable after construction and safe to use from several threads (the
 // per-pre-token cache is guarded by a mutex); copies share the same state.
@@ -89,7 +90,7 @@ class Tokenizer {
   struct Truncation {
     enum class Strategy { LongestFirst, OnlyFirst, OnlySecond };
     size_t max_length = 512;
-    size_t stride = 0;  // kept and saved; it shapes only the overflowing windows, not returned
+    size_t stride = 0;  // ids each overflowing window shares with the one before it
     Strategy strategy = Strategy::LongestFirst;
     bool left = false;  // direction "Left": the tokens are dropped from the start
   };
@@ -108,11 +109,19 @@ class Tokenizer {
     std::vector<int32_t> ids, type_ids;  // type ids: 0 / 1 for the first / second sequence, or as the template says
     std::vector<uint8_t> attention_mask;  // 1 for a token, 0 for padding
     std::vector<uint8_t> special_tokens_mask;  // 1 for a token the post-processor added and for padding
+    // HF's `overflowing`: the ids truncation cut off, in windows of the length it kept (the last
+    // may be shorter) that repeat the `stride` ids before them, in order away from the kept
+    // end; each window goes through the post-processor and padding as the encoding does. With
+    // a pair, HF's merge pairs the windows of the two sequences: each window of the first with
+    // the whole second and with each of its windows, then the whole first (its windows nested
+    // inside) with each window of the second; this follows it, nesting included.
+    std::vector<Encoding> overflowing;
   };
   // HF tokenizers' Tokenizer.encode(text, pair, add_special_tokens): encode() of each
   // sequence, then truncation, the post-processor (its pair template when `pair` is given) and
   // padding. Throws std::invalid_argument for text that is not UTF-8 or a truncation the
-  // sequences cannot meet (naming the strategy and lengths), std::runtime_error naming the
+  // sequences cannot meet (naming the strategy and lengths; also a stride not under the ids a
+  // sequence keeps, and a pair whose windows would pair into over 2^20 encodings), std::runtime_error naming the
   // file and JSON path when the file's truncation, padding or post-processor cannot be applied.
   Encoding encode_full(const std::string& text, const std::string* pair, bool add_special_tokens) const;
   // encode_full of each text (with pairs[i] when pairs is given; the sizes must agree), then

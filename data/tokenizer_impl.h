@@ -69,6 +69,9 @@ inline constexpr const char* kGpt2Pattern =
 struct PostPart {
   std::vector<int32_t> ids, type_ids;
   std::vector<uint8_t> special;  // 1: a token a post-processor added (Encoding::special_tokens_mask)
+  // the windows truncation cut off (HF's Encoding::overflowing), each a part of its own; after a
+  // merge a window may hold windows too, as HF's merge_with nests them (tokenizer_post.cpp)
+  std::vector<PostPart> overflowing;
 };
 struct PostPiece {            // one entry of a template
   int seq = -1;               // 0: sequence A, 1: sequence B, -1: the special token's ids

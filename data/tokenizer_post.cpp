@@ -96,35 +96,77 @@ std::vector<PostPiece> parse_template(const json& j, const char* key, const std:
   return out;
 }
 
-// HF's Encoding::truncate without the overflowing windows: keep n ids, dropping from the end
-// (direction Right) or from the start (Left).
-void cut(std::vector<int32_t>& ids, size_t n, bool left) {
-  if (ids.size() <= n) return;
-  if (left) ids.erase(ids.begin(), ids.end() - std::ptrdiff_t(n));
-  else ids.resize(n);
+// A pair whose windows would merge into more encodings than this is refused (HF's merge_with
+// pairs every window of one sequence with every window of the other, ~3 x m x n encodings).
+constexpr size_t kMaxMergedWindows = size_t(1) << 20;
+
+// HF's Encoding::truncate: keep max_len ids (the first, or with direction Left the last) and
+// put the rest in `overflowing`: windows of max_len ids that overlap the one before by `stride`
+// ids, in order away from the kept end (the last window may be shorter). max_len 0 moves the
+// whole part into one window. `what` names the sequence for the error (HF panics there).
+void truncate_part(PostPart& p, size_t max_len, size_t stride, bool left, const std::string& origin,
+                   const char* what) {
+  const size_t n = p.ids.size();
+  if (max_len >= n) return;
+  if (max_len == 0) {
+    PostPart whole = std::move(p);
+    p = PostPart{};
+    p.overflowing.push_back(std::move(whole));
+    return;
+  }
+  if (stride >= max_len)
+    throw std::invalid_argument("tokenizer " + origin + ": truncation stride " + std::to_string(stride) +
+                                " is not under the " + std::to_string(max_len) + " ids the " + what +
+                                " keeps (max_length less the post-processor's ids, and a pair's share)");
+  const size_t step = max_len - stride;
+  std::vector<std::pair<size_t, size_t>> ranges;  // [start, stop) of the kept ids, then of each window
+  if (!left) {
+    for (size_t start = 0; start < n; start += step) {
+      const size_t stop = std::min(start + max_len, n);
+      ranges.emplace_back(start, stop);
+      if (stop == n) break;
+    }
+  } else {
+    for (size_t back = 0; back < n; back += step) {  // windows end at n, n - step, n - 2 step, ...
+      const size_t stop = n - back;
+      const size_t start = stop > max_len ? stop - max_len : 0;
+      ranges.emplace_back(start, stop);
+      if (start == 0) break;
+    }
+  }
+  auto slice = [&](std::pair<size_t, size_t> r) {
+    PostPart w;
+    w.ids.assign(p.ids.begin() + std::ptrdiff_t(r.first), p.ids.begin() + std::ptrdiff_t(r.second));
+    w.type_ids.assign(p.type_ids.begin() + std::ptrdiff_t(r.first), p.type_ids.begin() + std::ptrdiff_t(r.second));
+    w.special.assign(p.special.begin() + std::ptrdiff_t(r.first), p.special.begin() + std::ptrdiff_t(r.second));
+    return w;
+  };
+  PostPart out = slice(ranges[0]);
+  for (size_t i = 1; i < ranges.size(); i++) out.overflowing.push_back(slice(ranges[i]));
+  p = std::move(out);
 }
 
 // HF's truncate_encodings on one sequence (b null) or a pair, to max_length ids together.
-void truncate(std::vector<int32_t>& a, std::vector<int32_t>* b, const Tokenizer::Truncation& t, size_t max_length,
-              const std::string& origin) {
+void truncate(PostPart& a, PostPart* b, const Tokenizer::Truncation& t, size_t max_length, const std::string& origin) {
   using S = Tokenizer::Truncation::Strategy;
+  const size_t stride = t.stride;
   if (max_length == 0) {
-    cut(a, 0, t.left);
-    if (b) cut(*b, 0, t.left);
+    truncate_part(a, 0, stride, t.left, origin, "first sequence");
+    if (b) truncate_part(*b, 0, stride, t.left, origin, "second sequence");
     return;
   }
-  const size_t total = a.size() + (b ? b->size() : 0);
+  const size_t total = a.ids.size() + (b ? b->ids.size() : 0);
   if (total <= max_length) return;
   const size_t remove = total - max_length;
   if (t.strategy == S::LongestFirst) {
     if (!b) {
-      cut(a, max_length, t.left);
+      truncate_part(a, max_length, stride, t.left, origin, "sequence");
       return;
     }
     // n1 the shorter sequence's length: the longer one is cut to what the shorter leaves, but
     // not below the shorter; when both are still too long, each gets half (the extra odd id
     // to the longer; to the second when they are equal)
-    size_t n1 = a.size(), n2 = b->size();
+    size_t n1 = a.ids.size(), n2 = b->ids.size();
     const bool swapped = n1 > n2;
     if (swapped) std::swap(n1, n2);
     n2 = n1 > max_length ? n1 : std::max(n1, max_length - n1);
@@ -133,38 +175,85 @@ void truncate(std::vector<int32_t>& a, std::vector<int32_t>* b, const Tokenizer:
       n2 = n1 + max_length % 2;
     }
     if (swapped) std::swap(n1, n2);
-    cut(a, n1, t.left);
-    cut(*b, n2, t.left);
-    return;
+    truncate_part(a, n1, stride, t.left, origin, "first sequence");
+    truncate_part(*b, n2, stride, t.left, origin, "second sequence");
+  } else {
+    const bool first = t.strategy == S::OnlyFirst;
+    PostPart* target = first ? &a : b;
+    if (!target)
+      throw std::invalid_argument("tokenizer " + origin + ": truncation strategy OnlySecond needs a pair of sequences");
+    if (target->ids.size() <= remove)
+      throw std::invalid_argument("tokenizer " + origin + ": truncation to " + std::to_string(max_length) + " ids (" +
+                                  (first ? "OnlyFirst" : "OnlySecond") + ") must remove " + std::to_string(remove) +
+                                  " ids from the " + (first ? "first" : "second") + " sequence, which has " +
+                                  std::to_string(target->ids.size()));
+    truncate_part(*target, target->ids.size() - remove, stride, t.left, origin,
+                  first ? "first sequence" : "second sequence");
   }
-  const bool first = t.strategy == S::OnlyFirst;
-  std::vector<int32_t>* target = first ? &a : b;
-  if (!target)
-    throw std::invalid_argument("tokenizer " + origin + ": truncation strategy OnlySecond needs a pair of sequences");
-  if (target->size() <= remove)
-    throw std::invalid_argument("tokenizer " + origin + ": truncation to " + std::to_string(max_length) + " ids (" +
-                                (first ? "OnlyFirst" : "OnlySecond") + ") must remove " + std::to_string(remove) +
-                                " ids from the " + (first ? "first" : "second") + " sequence, which has " +
-                                std::to_string(target->size()));
-  cut(*target, target->size() - remove, t.left);
+  const size_t m = a.overflowing.size(), k = b ? b->overflowing.size() : 0;
+  if (m > 0 && k > 0 && 3 * (m + 1) * (k + 1) > kMaxMergedWindows)
+    throw std::invalid_argument("tokenizer " + origin + ": truncation leaves " + std::to_string(m) + " and " +
+                                std::to_string(k) + " overflowing windows of the two sequences, whose pairing "
+                                "would make over 2^20 encodings (raise max_length or the stride's step)");
 }
 
-// HF's pad_encodings: every encoding to the fixed length or the longest one's, rounded up to
-// the multiple; longer ones stay as they are.
+// HF's Encoding::merge_with: `pair` appended to `self`; the windows are paired as HF pairs them:
+// each of self's windows with pair and with each of pair's windows, then self (with its own
+// windows, which nest) with each of pair's windows.
+void merge_with(PostPart& self, const PostPart& pair) {
+  std::vector<PostPart> windows;
+  for (const PostPart& so : self.overflowing) {
+    PostPart n = so;
+    merge_with(n, pair);
+    windows.push_back(std::move(n));
+    for (const PostPart& po : pair.overflowing) {
+      PostPart m = so;
+      merge_with(m, po);
+      windows.push_back(std::move(m));
+    }
+  }
+  for (const PostPart& po : pair.overflowing) {
+    PostPart n = self;
+    merge_with(n, po);
+    windows.push_back(std::move(n));
+  }
+  self.ids.insert(self.ids.end(), pair.ids.begin(), pair.ids.end());
+  self.type_ids.insert(self.type_ids.end(), pair.type_ids.begin(), pair.type_ids.end());
+  self.special.insert(self.special.end(), pair.special.begin(), pair.special.end());
+  self.overflowing = std::move(windows);
+}
+
+Tokenizer::Encoding to_encoding(const PostPart& p) {
+  Tokenizer::Encoding e;
+  e.ids = p.ids;
+  e.type_ids = p.type_ids;
+  e.special_tokens_mask = p.special;
+  e.attention_mask.assign(p.ids.size(), 1);
+  for (const PostPart& w : p.overflowing) e.overflowing.push_back(to_encoding(w));
+  return e;
+}
+
+// HF's Encoding::pad: the windows first (to the same length), then the encoding itself unless
+// it is already that long.
+void pad_one(Tokenizer::Encoding& e, size_t len, const Tokenizer::Padding& p) {
+  for (Tokenizer::Encoding& w : e.overflowing) pad_one(w, len, p);
+  if (e.ids.size() >= len) return;
+  const size_t n = len - e.ids.size();
+  auto at = [&](auto& v) { return p.left ? v.begin() : v.end(); };
+  e.ids.insert(at(e.ids), n, p.pad_id);
+  e.type_ids.insert(at(e.type_ids), n, p.pad_type_id);
+  e.attention_mask.insert(at(e.attention_mask), n, uint8_t(0));
+  e.special_tokens_mask.insert(at(e.special_tokens_mask), n, uint8_t(1));
+}
+
+// HF's pad_encodings: every encoding (and its windows) to the fixed length or the longest
+// encoding's (windows not counted), rounded up to the multiple; longer ones stay as they are.
 void pad(std::vector<Tokenizer::Encoding>& encs, const Tokenizer::Padding& p) {
   size_t len = 0;
   if (p.fixed) len = p.length;
   else for (const auto& e : encs) len = std::max(len, e.ids.size());
   if (p.multiple_of > 0 && len % p.multiple_of) len += p.multiple_of - len % p.multiple_of;
-  for (Tokenizer::Encoding& e : encs) {
-    if (e.ids.size() >= len) continue;
-    const size_t n = len - e.ids.size();
-    auto at = [&](auto& v) { return p.left ? v.begin() : v.end(); };
-    e.ids.insert(at(e.ids), n, p.pad_id);
-    e.type_ids.insert(at(e.type_ids), n, p.pad_type_id);
-    e.attention_mask.insert(at(e.attention_mask), n, uint8_t(0));
-    e.special_tokens_mask.insert(at(e.special_tokens_mask), n, uint8_t(1));
-  }
+  for (Tokenizer::Encoding& e : encs) pad_one(e, len, p);
 }
 
 }  // namespace
@@ -219,27 +308,32 @@ size_t PostStep::added(bool is_pair) const {
 }
 
 std::vector<PostPart> PostStep::apply(std::vector<PostPart> parts, bool add_special, const std::string& origin) const {
-  auto tokens = [](std::initializer_list<int32_t> ids, int32_t type_id) {
-    return PostPart{std::vector<int32_t>(ids), std::vector<int32_t>(ids.size(), type_id),
-                    std::vector<uint8_t>(ids.size(), uint8_t(1))};
-  };
-  auto join = [](PostPart a, const PostPart& b) {
-    a.ids.insert(a.ids.end(), b.ids.begin(), b.ids.end());
-    a.type_ids.insert(a.type_ids.end(), b.type_ids.begin(), b.type_ids.end());
-    a.special.insert(a.special.end(), b.special.begin(), b.special.end());
-    return a;
+  // `before` p `after`, the same around each of p's windows (as BERT's and RoBERTa's
+  // processors wrap them); type_ids 0 for all of them with `zero_types` (RoBERTa's windows)
+  auto wrap = [](const PostPart& p, int32_t before, int32_t before_type, int32_t after, int32_t after_type,
+                 bool zero_types, auto& self) -> PostPart {
+    PostPart out;
+    if (before >= 0) out.ids.push_back(before), out.type_ids.push_back(before_type), out.special.push_back(1);
+    out.ids.insert(out.ids.end(), p.ids.begin(), p.ids.end());
+    if (zero_types) out.type_ids.insert(out.type_ids.end(), p.ids.size(), 0);
+    else out.type_ids.insert(out.type_ids.end(), p.type_ids.begin(), p.type_ids.end());
+    out.special.insert(out.special.end(), p.special.begin(), p.special.end());
+    out.ids.push_back(after), out.type_ids.push_back(after_type), out.special.push_back(1);
+    for (const PostPart& w : p.overflowing)
+      out.overflowing.push_back(self(w, before, before_type, after, after_type, zero_types, self));
+    return out;
   };
   switch (kind) {
     case Roberta:  // RoBERTa has no token types: all 0, with or without its tokens
-      for (PostPart& p : parts) p.type_ids.assign(p.ids.size(), 0);
+      for (PostPart& p : parts) p.type_ids.assign(p.ids.size(), 0);  // (HF leaves the windows' types here)
       if (!add_special) return parts;
       for (size_t i = 0; i < parts.size(); i++)  // <s> A </s>, then </s> B </s>
-        parts[i] = join(join(tokens({i == 0 ? cls : sep}, 0), parts[i]), tokens({sep}, 0));
+        parts[i] = wrap(parts[i], i == 0 ? cls : sep, 0, sep, 0, true, wrap);
       return parts;
     case Bert:  // [CLS] A [SEP] with type 0, then B [SEP] with type 1
       if (!add_special) return parts;
       for (size_t i = 0; i < parts.size(); i++)
-        parts[i] = i == 0 ? join(join(tokens({cls}, 0), parts[i]), tokens({sep}, 0)) : join(parts[i], tokens({sep}, 1));
+        parts[i] = i == 0 ? wrap(parts[i], cls, 0, sep, 0, false, wrap) : wrap(parts[i], -1, 0, sep, 1, false, wrap);
       return parts;
     case Template: {
       if (parts.size() == 2 && !pair_error.empty()) throw std::runtime_error(pair_error);
@@ -250,12 +344,12 @@ std::vector<PostPart> PostStep::apply(std::vector<PostPart> parts, bool add_spec
       std::vector<PostPart> out;  // one part per piece of the template
       for (const PostPiece& piece : parts.size() == 1 ? single : pair) {
         if (piece.seq >= 0) {
-          PostPart p = parts[size_t(piece.seq)];
+          PostPart p = parts[size_t(piece.seq)];  // with its windows, whose types HF leaves as they are
           p.type_ids.assign(p.ids.size(), piece.type_id);
           out.push_back(std::move(p));
         } else if (add_special) {
           out.push_back(PostPart{piece.ids, std::vector<int32_t>(piece.ids.size(), piece.type_id),
-                                 std::vector<uint8_t>(piece.ids.size(), uint8_t(1))});
+                                 std::vector<uint8_t>(piece.ids.size(), uint8_t(1)), {}});
         }
       }
       return out;
@@ -267,7 +361,7 @@ std::vector<PostPart> PostStep::apply(std::vector<PostPart> parts, bool add_spec
 }  // namespace tokenizer_detail
 
 std::vector<PostPart> Tokenizer::Impl::run_post(std::vector<PostPart> parts, bool add_special) const {
-  for (size_t i = 0; i < parts.size(); i++) {
+  for (size_t i = 0; i < parts.size(); i++) {  // (the windows keep the types they were cut with)
     parts[i].type_ids.assign(parts[i].ids.size(), int32_t(i));
     parts[i].special.assign(parts[i].ids.size(), uint8_t(0));
   }
@@ -392,6 +486,10 @@ Tokenizer::Encoding Tokenizer::encode_full(const std::string& text, const std::s
   std::vector<PostPart> parts(pair ? 2 : 1);
   parts[0].ids = encode(text, false);
   if (pair) parts[1].ids = encode(*pair, false);
+  for (size_t i = 0; i < parts.size(); i++) {  // as HF's model encodes them: type i, nothing special
+    parts[i].type_ids.assign(parts[i].ids.size(), int32_t(i));
+    parts[i].special.assign(parts[i].ids.size(), uint8_t(0));
+  }
   if (im.truncation) {
     const size_t added = add_special_tokens ? im.post_added(pair != nullptr) : 0;
     if (added > im.truncation->max_length)
@@ -399,16 +497,12 @@ Tokenizer::Encoding Tokenizer::encode_full(const std::string& text, const std::s
                                   std::to_string(im.truncation->max_length) + " leaves no room for the " +
                                   std::to_string(added) + " ids the post-processor adds to " +
                                   (pair ? "a pair" : "one sequence"));
-    truncate(parts[0].ids, pair ? &parts[1].ids : nullptr, *im.truncation, im.truncation->max_length - added, im.origin);
+    truncate(parts[0], pair ? &parts[1] : nullptr, *im.truncation, im.truncation->max_length - added, im.origin);
   }
   parts = im.run_post(std::move(parts), add_special_tokens);
-  std::vector<Encoding> out(1);
-  for (const PostPart& p : parts) {
-    out[0].ids.insert(out[0].ids.end(), p.ids.begin(), p.ids.end());
-    out[0].type_ids.insert(out[0].type_ids.end(), p.type_ids.begin(), p.type_ids.end());
-    out[0].special_tokens_mask.insert(out[0].special_tokens_mask.end(), p.special.begin(), p.special.end());
-  }
-  out[0].attention_mask.assign(out[0].ids.size(), 1);
+  PostPart all;  // HF's Encoding::merge of the parts, windows paired as it pairs them
+  for (const PostPart& p : parts) merge_with(all, p);
+  std::vector<Encoding> out{to_encoding(all)};
   if (im.padding) pad(out, *im.padding);
   return std::move(out[0]);
 }

@@ -6,9 +6,10 @@ kind), built with HF tokenizers' own classes and serialized by HF.
   python3 tools/make_post_goldens.py OUT_DIR      (needs the tokenizers package; run from the repo)
 writes OUT_DIR/tokenizer_post/golden.json: for each case its base fixture, the post_processor
 JSON as HF writes it, and the probes' ids with and without the special tokens; and
-OUT_DIR/tokenizer_post/pipeline.json: the same cases' pairs, then pairs and batches under
-truncation and padding settings (each with the tokenizer.json sections HF writes for them):
-ids, type ids and attention masks, or the error HF raised."""
+OUT_DIR/tokenizer_post/pipeline.json: the same cases' pairs, then pairs, single probes and
+batches under truncation (with strides) and padding settings (each with the tokenizer.json
+sections HF writes for them): ids, type ids, attention and special-tokens masks and the
+overflowing windows (nested as HF nests them), or the error HF raised."""
 import json
 import os
 import sys
@@ -52,14 +53,17 @@ def main():
     import tokenizers
     json.dump({"tokenizers": tokenizers.__version__, "strings": PROBES, "cases": res},
               open(os.path.join(out, "golden.json"), "w"), ensure_ascii=False, indent=0)
-    json.dump({"tokenizers": tokenizers.__version__, "strings": PROBES, "runs": pipeline(base)},
+    json.dump({"tokenizers": tokenizers.__version__, "strings": PROBES, "overflowing_recorded": True, "runs": pipeline(base)},
               open(os.path.join(out, "pipeline.json"), "w"), ensure_ascii=False, indent=0)
     print("wrote", out, "tokenizers", tokenizers.__version__)
 
 
 def encoding(e):
-    return {"ids": e.ids, "type_ids": e.type_ids, "attention_mask": e.attention_mask,
-            "special_tokens_mask": e.special_tokens_mask}
+    out = {"ids": e.ids, "type_ids": e.type_ids, "attention_mask": e.attention_mask,
+           "special_tokens_mask": e.special_tokens_mask}
+    if e.overflowing:  # what truncation cut off, windows nested as HF pairs them
+        out["overflowing"] = [encoding(o) for o in e.overflowing]
+    return out
 
 
 def pipeline(base):
@@ -69,28 +73,45 @@ def pipeline(base):
     runs = []
     pairs = [(PROBES[i], PROBES[len(PROBES) - 1 - i]) for i in range(len(PROBES))]
 
-    def run(name, fixture, tok, batch=False):
+    def run(name, fixture, tok, batch=False, single=False):
         sections = json.loads(tok.to_str())
         item = {"name": name, "fixture": fixture,
                 "post_processor": sections["post_processor"], "truncation": sections["truncation"],
                 "padding": sections["padding"], "results": []}
+        if single:  # each probe alone instead of the pairs
+            item["single"] = True
         for special in (False, True):
             try:
                 if batch:
-                    got = [encoding(e) for e in tok.encode_batch(pairs, add_special_tokens=special)]
+                    got = [encoding(e) for e in tok.encode_batch(PROBES if single else pairs, add_special_tokens=special)]
+                elif single:
+                    got = [encoding(tok.encode(a, add_special_tokens=special)) for a in PROBES]
                 else:
                     got = [encoding(tok.encode(a, b, add_special_tokens=special)) for a, b in pairs]
                 item["results"].append({"add_special_tokens": special, "encodings": got})
-            except Exception as err:  # HF refuses: loom must refuse too
-                item["results"].append({"add_special_tokens": special, "error": str(err)})
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as err:  # HF refuses (a stride too long panics: not an Exception): loom must refuse too
+                item["results"].append({"add_special_tokens": special, "error": f"{type(err).__name__}: {err}"})
         runs.append(item)
 
     for name, fixture, proc in cases(base["tokenizer_bpe1000_s0"], base["tokenizer_spm_llama2"]):
         tok = Tokenizer.from_str(base[fixture].to_str())
         tok.post_processor = proc
         run(name + " pairs", fixture, tok)
+        # overflowing windows: every post-processor, one sequence and pairs, both directions
+        for max_length, stride in ((8, 2), (20, 5)):
+            for direction in ("right", "left"):
+                t = Tokenizer.from_str(tok.to_str())
+                t.enable_truncation(max_length, stride=stride, direction=direction)
+                run(f"{name} stride {max_length} {stride} {direction} single", fixture, t, single=True)
+                run(f"{name} stride {max_length} {stride} {direction}", fixture, t)
         if name not in ("bert", "llama3_like"):
             continue
+        for strategy in ("only_first", "only_second"):
+            t = Tokenizer.from_str(tok.to_str())
+            t.enable_truncation(12, stride=1, strategy=strategy)
+            run(f"{name} stride 12 1 {strategy}", fixture, t)
         for strategy in ("longest_first", "only_first", "only_second"):
             for direction in ("right", "left"):
                 for max_length in (4, 8, 20):  # not under the 3 ids BERT adds to a pair: HF's max_length - added would wrap
@@ -104,6 +125,10 @@ def pipeline(base):
             t.enable_padding(direction=direction, pad_id=3, pad_type_id=5, pad_token="<0x41>", length=length,
                              pad_to_multiple_of=multiple)
             run(f"{name} padding {length} {multiple} {direction}", fixture, t, batch=True)
+        t = Tokenizer.from_str(tok.to_str())  # windows padded with the encodings, one sequence at a time
+        t.enable_truncation(10, stride=3)
+        t.enable_padding(pad_id=3, pad_type_id=5, pad_token="<0x41>")
+        run(f"{name} stride padding single", fixture, t, batch=True, single=True)
     return runs
 
 
