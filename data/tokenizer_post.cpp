@@ -96,9 +96,10 @@ std::vector<PostPiece> parse_template(const json& j, const char* key, const std:
   return out;
 }
 
-// A pair whose windows would merge into more encodings than this is refused (HF's merge_with
-// pairs every window of one sequence with every window of the other, ~3 x m x n encodings).
-constexpr size_t kMaxMergedWindows = size_t(1) << 20;
+// A pair whose windows would merge into more ids than this is refused (HF's merge_with pairs
+// every window of one sequence with every window of the other: ~3 x m x n encodings of up to
+// the kept length each, gigabytes for two long texts cut into short windows).
+constexpr double kMaxMergedIds = double(size_t(1) << 26);
 
 // HF's Encoding::truncate: keep max_len ids (the first, or with direction Left the last) and
 // put the rest in `overflowing`: windows of max_len ids that overlap the one before by `stride`
@@ -191,10 +192,10 @@ void truncate(PostPart& a, PostPart* b, const Tokenizer::Truncation& t, size_t m
                   first ? "first sequence" : "second sequence");
   }
   const size_t m = a.overflowing.size(), k = b ? b->overflowing.size() : 0;
-  if (m > 0 && k > 0 && 3 * (m + 1) * (k + 1) > kMaxMergedWindows)
+  if (m > 0 && k > 0 && 3.0 * double(m + 1) * double(k + 1) * double(a.ids.size() + b->ids.size() + 1) > kMaxMergedIds)
     throw std::invalid_argument("tokenizer " + origin + ": truncation leaves " + std::to_string(m) + " and " +
                                 std::to_string(k) + " overflowing windows of the two sequences, whose pairing "
-                                "would make over 2^20 encodings (raise max_length or the stride's step)");
+                                "would make over 2^26 ids (a longer max_length, or a shorter stride)");
 }
 
 // HF's Encoding::merge_with: `pair` appended to `self`; the windows are paired as HF pairs them:

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <exception>
 #include <fstream>
+#include <functional>
 
 #include "data/fashion_mnist.h"
 #include "data/images.h"
@@ -124,21 +125,28 @@ int tokenizer(const uint8_t* data, size_t size) {
   // whatever it refuses, it returns four vectors of one length, ids of the vocabulary and masks
   // of 0 / 1 (without special tokens, only padding is special), and one sequence without
   // truncation or padding is encode()'s ids.
+  // The same holds for every overflowing window (nested ones too), and without truncation
+  // there are none.
   const size_t z = text.find('\0');
   const std::string first = text.substr(0, z), second = z == std::string::npos ? "" : text.substr(z + 1);
   for (bool special : {false, true}) {
     try {
       Tokenizer::Encoding e = tok->encode_full(first, z == std::string::npos ? nullptr : &second, special);
-      if (e.type_ids.size() != e.ids.size() || e.attention_mask.size() != e.ids.size() ||
-          e.special_tokens_mask.size() != e.ids.size())
-        broken("encode_full returned ids, type ids and masks of different lengths");
-      for (size_t i = 0; i < e.ids.size(); i++)
-        if (e.special_tokens_mask[i] > 1 || (!special && e.attention_mask[i] == 1 && e.special_tokens_mask[i] != 0))
-          broken("encode_full's special-tokens mask marks a text token, or holds more than 1");
-      for (int32_t id : e.ids)
-        if (id < 0 || id >= tok->vocab_size()) broken("encode_full produced id " + std::to_string(id) + " outside the vocabulary");
-      for (uint8_t m : e.attention_mask)
-        if (m > 1) broken("encode_full's attention mask holds " + std::to_string(m));
+      std::function<void(const Tokenizer::Encoding&)> valid = [&](const Tokenizer::Encoding& w) {
+        if (w.type_ids.size() != w.ids.size() || w.attention_mask.size() != w.ids.size() ||
+            w.special_tokens_mask.size() != w.ids.size())
+          broken("encode_full returned ids, type ids and masks of different lengths");
+        for (size_t i = 0; i < w.ids.size(); i++)
+          if (w.special_tokens_mask[i] > 1 || (!special && w.attention_mask[i] == 1 && w.special_tokens_mask[i] != 0))
+            broken("encode_full's special-tokens mask marks a text token, or holds more than 1");
+        for (int32_t id : w.ids)
+          if (id < 0 || id >= tok->vocab_size()) broken("encode_full produced id " + std::to_string(id) + " outside the vocabulary");
+        for (uint8_t m : w.attention_mask)
+          if (m > 1) broken("encode_full's attention mask holds " + std::to_string(m));
+        for (const Tokenizer::Encoding& o : w.overflowing) valid(o);
+      };
+      valid(e);
+      if (!tok->truncation() && !e.overflowing.empty()) broken("overflowing windows without truncation");
       if (z == std::string::npos && !tok->truncation() && !tok->padding() && e.ids != tok->encode(first, special))
         broken("encode_full of one sequence without truncation or padding is not encode()");
     } catch (const std::exception&) {  // refused: not UTF-8, a truncation the lengths cannot meet, a malformed section

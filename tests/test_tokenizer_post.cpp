@@ -502,10 +502,10 @@ TEST_CASE("tokenizer overflowing windows: stride, directions, pairs, padding", "
                     Catch::Contains("stride 4") && Catch::Contains("4 ids the sequence"));
   CHECK_THROWS_WITH(trunc("null", 6, 3, "Left").encode_full(ta, &tb, false),
                     Catch::Contains("stride 3") && Catch::Contains("3 ids the first sequence"));
-  // and a pair whose windows would pair into more than 2^20 encodings
+  // and a pair whose windows would pair into more than 2^26 ids (~3 x 2999^2 windows of 2 ids)
   const std::string d3000 = digits(3000);  // 1 id kept of each, 2999 windows of each
-  CHECK_THROWS_WITH(trunc("null", 2, 0, "Right").encode_full(d3000, &d3000, false),
-                    Catch::Contains("2^20"));
+  CHECK_THROWS_WITH(trunc("null", 2, 0, "Right").encode_full(d3000, &d3000, false), Catch::Contains("2^26"));
+  CHECK(trunc("null", 2, 0, "Right").encode_full(digits(300), &t10, false).overflowing.size() == 299 * 9 + 299 + 9);  // m k + m + k at the top
 }
 
 // HF's own encodings (tests/fixtures/tokenizer_post/pipeline.json, written by
