@@ -12,7 +12,7 @@
 # 2026-12-07). torch_ref.py's rows time the same steps (E2E_TORCH_WARMUP, default E2E_WARMUP, then
 # E2E_TORCH_ITERS, default the rest of E2E_STEPS: its --warmup and --iters; it synchronizes after
 # each timed step), so that both sides are timed in the same phase of the power cap; before
-# 2026-12-08 it timed its own 5 + 20. E2E_TORCH=0 skips the reference.
+# 0970f97 (2026-12-07) it timed its own 5 + 20. E2E_TORCH=0 skips the reference.
 # E2E_ROWS (a comma list of loom's rows below, e.g. mim,mim_contrastive,mim_contrastive_shared,
 # vlm_sft,vlm_sft_fixed,vlm_sft_ref; default all) and E2E_COMPILE (the reference's --compile list,
 # default 0,1) run a part of the table when a call has less time.

@@ -7,7 +7,7 @@ of the next), median and p90 over the steps after the first 5 (warm-up and, with
 train.cuda_graph, the capture); the row's "warmup" when bench/e2e.sh gives one (the vlm_sft
 row with a new batch per step: the first 30 of 60, the steps in its label). PyTorch's is
 torch_ref.py's median of its event-timed steps, each followed by a synchronization: 20 after 5
-warm-up steps before 2026-12-08, since then the same steps as loom's rows (bench/e2e.sh writes
+warm-up steps before 0970f97 (2026-12-07), since then the same steps as loom's rows (bench/e2e.sh writes
 the counts beside its rows; the steps are in its rows' labels).
 Ratio (above 1: loom is faster): PyTorch ms / loom ms for the MIM rows (the same batch), loom
 tokens/s / PyTorch tokens/s for the VLM rows (each packs its own synthetic batches of 8 x 2048;

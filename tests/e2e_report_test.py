@@ -10,7 +10,7 @@ Also: the warm-up steps never count (the row's "warmup": 5 where a row has none,
 bench/e2e.sh writes since 2026-12-07, with the steps it times named in the row's label), and a
 row with train.shared_target (less work than PyTorch's row) gets its ratio in parentheses and no
 target line; PyTorch's rows name the steps torch_ref.py timed where bench/e2e.sh wrote them (since
-2026-12-08), and only then. The GPU table under it (nvidia-smi's samples while each part ran) is checked cell by
+0970f97, 2026-12-07), and only then. The GPU table under it (nvidia-smi's samples while each part ran) is checked cell by
 cell against samples made up here: idle samples left out, the power-limit count, and the
 clock-event reasons column in half the runs (without it in the other half, as an older driver
 samples). Exit 0: pass, 1: a check failed (each printed, with the seed that reruns it through
@@ -98,7 +98,7 @@ def scenario():
         p90 = 1.3 * base if not side["p90"] else base
         want[name] = dict(side=side, ratio=ratio, peak=peak_gb, t_peak=t_peak, res=reserved_mb / mem_mb,
                           p90=p90 / med, med=med, label=label)
-    # the steps bench/e2e.sh gave torch_ref.py since 2026-12-08, in half the runs (none: its own 5 + 20)
+    # the steps bench/e2e.sh gave torch_ref.py since 0970f97, in half the runs (none: its own 5 + 20)
     if rng.random() < 0.5:
         tw, ti = rng.choice([(70, 50), (5, 20), (30, 90)])
         torch.append({"impl": "bench", "torch_warmup": tw, "torch_iters": ti})
