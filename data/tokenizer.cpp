@@ -300,6 +300,54 @@ std::vector<std::string> Tokenizer::pre_tokenize(const std::string& text) const 
 const std::vector<int32_t>& Tokenizer::special_prefix() const { return impl_->post_prefix; }
 const std::vector<int32_t>& Tokenizer::special_suffix() const { return impl_->post_suffix; }
 
+std::vector<Tokenizer::Impl::Split> Tokenizer::Impl::splits(const std::string& text) const {
+  std::vector<Split> out;
+  std::vector<std::string> words;
+  for (const Segment& raw : split_added(text, raw_trie)) {
+    if (raw.id >= 0) {
+      out.push_back({raw.id, {}});
+      continue;
+    }
+    std::string norm = normalize(text.substr(raw.begin, raw.end - raw.begin));
+    for (const Segment& seg : split_added(norm, norm_trie)) {
+      if (seg.id >= 0) {
+        out.push_back({seg.id, {}});
+        continue;
+      }
+      words.clear();
+      // HF: Metaspace's "first" looks at where the piece starts in the original text
+      pre_tokenize(norm.substr(seg.begin, seg.end - seg.begin), raw.begin == 0 && seg.begin == 0, words);
+      for (std::string& w : words) out.push_back({-1, std::move(w)});
+    }
+  }
+  return out;
+}
+
+std::vector<int32_t> Tokenizer::Impl::encode_limited(const std::string& text, size_t max_tokens, bool left) const {
+  size_t bad = text::find_invalid_utf8(text);
+  if (bad != std::string::npos)
+    throw std::invalid_argument("tokenizer: text is not valid UTF-8 at byte " + std::to_string(bad));
+  const std::vector<Split> sp = splits(text);
+  std::vector<std::vector<int32_t>> ids(sp.size());
+  size_t total = 0, lo = 0, hi = sp.size();  // the splits kept: [lo, hi)
+  for (size_t k = 0; k < sp.size(); k++) {
+    const size_t i = left ? sp.size() - 1 - k : k;
+    if (left) lo = i;
+    else hi = i + 1;
+    if (sp[i].id >= 0) {  // already a token: counted, never the stop
+      ids[i] = {sp[i].id};
+      total += 1;
+      continue;
+    }
+    bpe(sp[i].word, ids[i]);
+    total += ids[i].size();
+    if (total >= max_tokens) break;
+  }
+  std::vector<int32_t> out;
+  for (size_t i = lo; i < hi; i++) out.insert(out.end(), ids[i].begin(), ids[i].end());
+  return out;
+}
+
 std::vector<int32_t> Tokenizer::encode(const std::string& text, bool add_special_tokens) const {
   size_t bad = text::find_invalid_utf8(text);
   if (bad != std::string::npos)
@@ -308,23 +356,9 @@ std::vector<int32_t> Tokenizer::encode(const std::string& text, bool add_special
   if (add_special_tokens && !im.post_error.empty()) throw std::runtime_error(im.post_error);
   std::vector<int32_t> ids;
   if (add_special_tokens) ids = im.post_prefix;
-  std::vector<std::string> words;
-  for (const Segment& raw : im.split_added(text, im.raw_trie)) {
-    if (raw.id >= 0) {
-      ids.push_back(raw.id);
-      continue;
-    }
-    std::string norm = im.normalize(text.substr(raw.begin, raw.end - raw.begin));
-    for (const Segment& seg : im.split_added(norm, im.norm_trie)) {
-      if (seg.id >= 0) {
-        ids.push_back(seg.id);
-        continue;
-      }
-      words.clear();
-      // HF: Metaspace's "first" looks at where the piece starts in the original text
-      im.pre_tokenize(norm.substr(seg.begin, seg.end - seg.begin), raw.begin == 0 && seg.begin == 0, words);
-      for (const std::string& w : words) im.bpe(w, ids);
-    }
+  for (const Impl::Split& s : im.splits(text)) {
+    if (s.id >= 0) ids.push_back(s.id);
+    else im.bpe(s.word, ids);
   }
   if (add_special_tokens) ids.insert(ids.end(), im.post_suffix.begin(), im.post_suffix.end());
   return ids;

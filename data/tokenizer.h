@@ -36,7 +36,9 @@
 //   "padding", or with_padding), and returns ids, type ids, the attention mask and the
 //   special-tokens mask.
 // What truncation cuts off comes back as HF returns it: Encoding::overflowing, windows of the
-// kept length that overlap by `stride` ids, post-processed and padded like the encoding.
+// kept length that overlap by `stride` ids, post-processed and padded like the encoding. Under
+// truncation the model runs on the pre-tokens only until max_length ids are reached, as HF
+// tokenizers 0.23+ does (its early exit), so the windows stop where that pre-token stops.
 //
 // A Tokenizer is immutable after construction and safe to use from several threads (the
 // per-pre-token cache is guarded by a mutex); copies share the same state.
@@ -114,7 +116,9 @@ class Tokenizer {
     // end; each window goes through the post-processor and padding as the encoding does. With
     // a pair, HF's merge pairs the windows of the two sequences: each window of the first with
     // the whole second and with each of its windows, then the whole first (its windows nested
-    // inside) with each window of the second; this follows it, nesting included.
+    // inside) with each window of the second; this follows it, nesting included. As in HF
+    // tokenizers 0.23+, whose model stops under truncation at the pre-token that reaches
+    // max_length, the windows cover what that pre-token brought past it, not the rest of the text.
     std::vector<Encoding> overflowing;
   };
   // HF tokenizers' Tokenizer.encode(text, pair, add_special_tokens): encode() of each

@@ -215,6 +215,17 @@ struct Tokenizer::Impl {
   void finish_post();
   void bpe(const std::string& word, std::vector<int32_t>& out) const;
   void bpe_uncached(const std::string& word, std::vector<int32_t>& out) const;
+  // Steps 1-3 of encode on valid UTF-8: the text's splits in order, HF's PreTokenizedString
+  // splits: an added token (id >= 0) or a pre-token for BPE (word).
+  struct Split {
+    int32_t id;
+    std::string word;
+  };
+  std::vector<Split> splits(const std::string& text) const;
+  // HF tokenizers' early exit under truncation (0.23+, PreTokenizedString::tokenize_with_limit):
+  // BPE runs on the splits in order (from the end with `left`) until the ids reach max_tokens,
+  // and the splits past that one are dropped; an added token counts without stopping there.
+  std::vector<int32_t> encode_limited(const std::string& text, size_t max_tokens, bool left) const;
 };
 
 }  // namespace loom

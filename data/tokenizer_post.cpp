@@ -485,8 +485,17 @@ Tokenizer::Encoding Tokenizer::encode_full(const std::string& text, const std::s
     if (!e->empty()) throw std::runtime_error(*e);
   if (!im.post_error.empty() && (add_special_tokens || pair)) throw std::runtime_error(im.post_error);
   std::vector<PostPart> parts(pair ? 2 : 1);
-  parts[0].ids = encode(text, false);
-  if (pair) parts[1].ids = encode(*pair, false);
+  for (size_t i = 0; i < parts.size(); i++) {
+    const std::string& s = i == 0 ? text : *pair;
+    // under truncation HF (0.23+) stops the model once a sequence has max_length ids (not for
+    // the first one under OnlySecond): what it cut off, and so the overflowing windows, ends
+    // with the pre-token that reached max_length, not with the text
+    const Truncation* t = im.truncation ? &*im.truncation : nullptr;
+    if (t && !(t->strategy == Truncation::Strategy::OnlySecond && i == 0))
+      parts[i].ids = im.encode_limited(s, t->max_length, t->left);
+    else
+      parts[i].ids = encode(s, false);
+  }
   for (size_t i = 0; i < parts.size(); i++) {  // as HF's model encodes them: type i, nothing special
     parts[i].type_ids.assign(parts[i].ids.size(), int32_t(i));
     parts[i].special.assign(parts[i].ids.size(), uint8_t(0));

@@ -477,22 +477,24 @@ TEST_CASE("tokenize command: encode to a JSON array and decode back", "[tokenize
   REQUIRE(rc8 == 0);
   CHECK(json::parse(out8)["ids"].get<std::vector<int32_t>>() == pair_ids);
   CHECK(json::parse(out8)["type_ids"].get<std::vector<int32_t>>() == std::vector<int32_t>{0, 0, 1, 1});
-  CHECK(json::parse(out8).contains("overflowing"));  // 3 ids of each were cut off
+  CHECK(json::parse(out8).contains("overflowing"));  // what was cut off of each
   CHECK(run_cmd({"tokenize", "--tokenizer", tj, "--max-length", "x"}, "").first == 2);
   CHECK(run_cmd({"tokenize", "--tokenizer", tj, "--max-length", "-1"}, "").first == 2);
-  // --stride: the windows cut off, each repeating the stride's ids before it: 6 digits to 4
-  // with stride 2 keep 0-3 and leave one window, 2-5
-  auto [rc10, out10] = run_cmd({"tokenize", "--tokenizer", tj, "--max-length", "4", "--stride", "2"}, "012345");
+  // --stride: the windows cut off, each repeating the stride's ids before it: a word of 6 ids
+  // (one pre-token, one id a letter) to 4 with stride 2 keeps ids 0-3 and leaves one window, 2-5
+  const std::vector<int32_t> w6 = plain.encode("zqxjvk");
+  REQUIRE(w6.size() == 6);
+  auto [rc10, out10] = run_cmd({"tokenize", "--tokenizer", tj, "--max-length", "4", "--stride", "2"}, "zqxjvk");
   REQUIRE(rc10 == 0);
   json e10 = json::parse(out10);
-  CHECK(e10["ids"].get<std::vector<int32_t>>() == plain.encode("0123"));
+  CHECK(e10["ids"].get<std::vector<int32_t>>() == std::vector<int32_t>(w6.begin(), w6.begin() + 4));
   REQUIRE(e10["overflowing"].size() == 1);
-  CHECK(e10["overflowing"][0]["ids"].get<std::vector<int32_t>>() == plain.encode("2345"));
+  CHECK(e10["overflowing"][0]["ids"].get<std::vector<int32_t>>() == std::vector<int32_t>(w6.begin() + 2, w6.end()));
   CHECK(!e10["overflowing"][0].contains("overflowing"));
   CHECK(!json::parse(run_cmd({"tokenize", "--tokenizer", tj, "--max-length", "9"}, "012345").second).contains("overflowing"));
   // a stride as long as what is kept: accepted as a setting (as HF's enable_truncation accepts
   // it), refused when it must cut (where HF panics), naming the stride
-  auto [rc11, err11] = run_cmd({"tokenize", "--tokenizer", tj, "--max-length", "4", "--stride", "4"}, "012345");
+  auto [rc11, err11] = run_cmd({"tokenize", "--tokenizer", tj, "--max-length", "4", "--stride", "4"}, "zqxjvk");
   CHECK(rc11 == 1);
   CHECK(err11.find("stride 4") != std::string::npos);
   CHECK(run_cmd({"tokenize", "--tokenizer", tj, "--max-length", "4", "--stride", "5"}, "012345").first == 2);
