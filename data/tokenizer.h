@@ -125,7 +125,7 @@ class Tokenizer {
   // sequence, then truncation, the post-processor (its pair template when `pair` is given) and
   // padding. Throws std::invalid_argument for text that is not UTF-8 or a truncation the
   // sequences cannot meet (naming the strategy and lengths; also a stride not under the ids a
-  // sequence keeps, and a pair whose windows would pair into over 2^26 ids), std::runtime_error naming the
+  // sequence keeps, and windows, or a pair's windows paired, of over 2^26 ids), std::runtime_error naming the
   // file and JSON path when the file's truncation, padding or post-processor cannot be applied.
   Encoding encode_full(const std::string& text, const std::string* pair, bool add_special_tokens) const;
   // encode_full of each text (with pairs[i] when pairs is given; the sizes must agree), then

@@ -96,10 +96,11 @@ std::vector<PostPiece> parse_template(const json& j, const char* key, const std:
   return out;
 }
 
-// A pair whose windows would merge into more ids than this is refused (HF's merge_with pairs
-// every window of one sequence with every window of the other: ~3 x m x n encodings of up to
-// the kept length each, gigabytes for two long texts cut into short windows).
-constexpr double kMaxMergedIds = double(size_t(1) << 26);
+// Overflowing windows that would hold more ids than this are refused: a long pre-token cut
+// with a stride just under the kept length makes one window per id, and HF's merge_with pairs
+// every window of one sequence with every window of the other (~3 x m x n encodings of up to
+// the kept length each): gigabytes for adversarial input.
+constexpr double kMaxWindowIds = double(size_t(1) << 26);
 
 // HF's Encoding::truncate: keep max_len ids (the first, or with direction Left the last) and
 // put the rest in `overflowing`: windows of max_len ids that overlap the one before by `stride`
@@ -135,6 +136,10 @@ void truncate_part(PostPart& p, size_t max_len, size_t stride, bool left, const 
       if (start == 0) break;
     }
   }
+  if (double(ranges.size()) * double(max_len) > kMaxWindowIds)
+    throw std::invalid_argument("tokenizer " + origin + ": truncation of the " + what + " (" + std::to_string(n) +
+                                " ids) to " + std::to_string(max_len) + " with stride " + std::to_string(stride) +
+                                " makes " + std::to_string(ranges.size() - 1) + " overflowing windows, over 2^26 ids");
   auto slice = [&](std::pair<size_t, size_t> r) {
     PostPart w;
     w.ids.assign(p.ids.begin() + std::ptrdiff_t(r.first), p.ids.begin() + std::ptrdiff_t(r.second));
@@ -192,7 +197,7 @@ void truncate(PostPart& a, PostPart* b, const Tokenizer::Truncation& t, size_t m
                   first ? "first sequence" : "second sequence");
   }
   const size_t m = a.overflowing.size(), k = b ? b->overflowing.size() : 0;
-  if (m > 0 && k > 0 && 3.0 * double(m + 1) * double(k + 1) * double(a.ids.size() + b->ids.size() + 1) > kMaxMergedIds)
+  if (m > 0 && k > 0 && 3.0 * double(m + 1) * double(k + 1) * double(a.ids.size() + b->ids.size() + 1) > kMaxWindowIds)
     throw std::invalid_argument("tokenizer " + origin + ": truncation leaves " + std::to_string(m) + " and " +
                                 std::to_string(k) + " overflowing windows of the two sequences, whose pairing "
                                 "would make over 2^26 ids (a longer max_length, or a shorter stride)");

@@ -537,6 +537,10 @@ TEST_CASE("tokenizer overflowing windows: stride, directions, pairs, padding", "
   const std::string a3000(3000, 'a');
   REQUIRE(plain.encode(a3000).size() == 3000);
   CHECK_THROWS_WITH(trunc("null", 2, 0, "Right").encode_full(a3000, &a3000, false), Catch::Contains("2^26"));
+  // one sequence: a window per id of a long pre-token (stride one under the kept length)
+  CHECK_THROWS_WITH(trunc("null", 30000, 29999, "Right").encode_full(std::string(40000, 'a'), nullptr, false),
+                    Catch::Contains("10000 overflowing windows") && Catch::Contains("2^26"));
+  CHECK(trunc("null", 30000, 29000, "Right").encode_full(std::string(40000, 'a'), nullptr, false).overflowing.size() == 10);
   CHECK(trunc("null", 2, 0, "Right").encode_full(std::string(300, 'a'), &t10, false).overflowing.size() ==
         299 * 9 + 299 + 9);  // m k + m + k at the top
 }
