@@ -288,10 +288,17 @@ void Tokenizer::Impl::bpe_uncached(const std::string& word, std::vector<int32_t>
 }
 
 // ------------------------------------------------------------------ encode / decode
-std::vector<std::string> Tokenizer::pre_tokenize(const std::string& text) const {
+namespace {
+// every encode entry point refuses text that is not UTF-8, naming the first bad byte
+void require_utf8(const std::string& text) {
   size_t bad = text::find_invalid_utf8(text);
   if (bad != std::string::npos)
     throw std::invalid_argument("tokenizer: text is not valid UTF-8 at byte " + std::to_string(bad));
+}
+}  // namespace
+
+std::vector<std::string> Tokenizer::pre_tokenize(const std::string& text) const {
+  require_utf8(text);
   std::vector<std::string> out;
   impl_->pre_tokenize(impl_->normalize(text), true, out);
   return out;
@@ -324,9 +331,7 @@ std::vector<Tokenizer::Impl::Split> Tokenizer::Impl::splits(const std::string& t
 }
 
 std::vector<int32_t> Tokenizer::Impl::encode_limited(const std::string& text, size_t max_tokens, bool left) const {
-  size_t bad = text::find_invalid_utf8(text);
-  if (bad != std::string::npos)
-    throw std::invalid_argument("tokenizer: text is not valid UTF-8 at byte " + std::to_string(bad));
+  require_utf8(text);
   const std::vector<Split> sp = splits(text);
   std::vector<std::vector<int32_t>> ids(sp.size());
   size_t total = 0, lo = 0, hi = sp.size();  // the splits kept: [lo, hi)
@@ -349,9 +354,7 @@ std::vector<int32_t> Tokenizer::Impl::encode_limited(const std::string& text, si
 }
 
 std::vector<int32_t> Tokenizer::encode(const std::string& text, bool add_special_tokens) const {
-  size_t bad = text::find_invalid_utf8(text);
-  if (bad != std::string::npos)
-    throw std::invalid_argument("tokenizer: text is not valid UTF-8 at byte " + std::to_string(bad));
+  require_utf8(text);
   const Impl& im = *impl_;
   if (add_special_tokens && !im.post_error.empty()) throw std::runtime_error(im.post_error);
   std::vector<int32_t> ids;
