@@ -180,6 +180,11 @@ const std::vector<AttnCase>& attn_cases() {
       {{79, 144, 90}, {79, 144, 90}, 0, 1, 6, 3, 64, true},
       // a sequence with no keys at all beside one with keys: its rows get out 0, lse +inf
       {{70, 5}, {0, 9}, 0, 1, 4, 2, 64, false},
+      // causal batches of short sequences (more than 256 rows, under 512 a sequence on average:
+      // the lock-step forward's 2 x 64 blocks) with 2 and 4 query heads a K / V head, last key
+      // tiles of 44, 24 and 8 keys; with 4, more queries than keys and fewer (shift -190 and 10)
+      {{300, 24, 520}, {300, 24, 520}, 1, 2, 8, 4, 64, true},
+      {{290, 300}, {100, 310}, 1, 1, 8, 2, 64, true},
   };
   return cases;
 }
