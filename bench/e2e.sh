@@ -13,6 +13,10 @@
 # E2E_TORCH_ITERS, default the rest of E2E_STEPS: its --warmup and --iters; it synchronizes after
 # each timed step), so that both sides are timed in the same phase of the power cap; before
 # 0970f97 (2026-12-07) it timed its own 5 + 20. E2E_TORCH=0 skips the reference.
+# Energy per step of both sides, where the GPU has NVML's energy counter: loom's metrics.jsonl
+# (energy_j at each logged step) and the reference's rows (J_per_step, W: it runs through
+# tools/torch_ref_energy.py, which reads the counter around its timed loops); the report's
+# energy table. Under the board's power limit a step's time follows its energy.
 # E2E_ROWS (a comma list of loom's rows below, e.g. mim,mim_contrastive,mim_contrastive_shared,
 # vlm_sft,vlm_sft_fixed,vlm_sft_ref; default all) and E2E_COMPILE (the reference's --compile list,
 # default 0,1) run a part of the table when a call has less time.
@@ -103,7 +107,8 @@ fi
 rm -f "$OUT/torch_ref.jsonl"
 if [ "${E2E_TORCH:-1}" = 1 ] && [ -n "$HAVE_TORCH" ]; then
   mark "torch_ref.py (every workload)"
-  timeout ${E2E_TORCH_TIMEOUT:-900} python3 "$REF" bench --workload mim,mim_contrastive,vlm --compile "${E2E_COMPILE:-0,1}" --vlm-variants packed \
+  # through tools/torch_ref_energy.py: the reference's own main(), its timed loops' energy added to its rows
+  timeout ${E2E_TORCH_TIMEOUT:-900} python3 tools/torch_ref_energy.py --reference "$(dirname "$REF")" bench --workload mim,mim_contrastive,vlm --compile "${E2E_COMPILE:-0,1}" --vlm-variants packed \
     --warmup "$TWARM" --iters "$TITERS" --out "$OUT" > "$OUT/e2e_torch.log" 2>&1
   rc=$?
   mark end

@@ -22,6 +22,14 @@ Then issue 8's targets as the table reads them, on the rows of the reference's t
 torch.compile (1.5x / 1.5x / 2.0x), each peak against compiled PyTorch's, reserved <= 1.2x the
 peak, p90 <= 1.1x the median; a row without a PyTorch row gets only the last two.
 
+Where the rows carry the GPU's energy counter (loom: metrics.jsonl's energy_j, J at each logged
+step; PyTorch: J_per_step and W from tools/torch_ref_energy.py around its timed steps), a table of
+energy per step: loom's over its timed steps (the counter's difference from the last warm-up step
+to the last step, over their count) and mean power (that energy over the steps' GPU time), the
+reference's as written, and compiled PyTorch's energy per step over loom's. At the power limit
+(both sides run there: bench/RESULTS.md 2026-12-07, "energy") a step's time follows its energy, so
+that ratio bounds the speed ratio a faster schedule of the same work can reach.
+
 Where bench/e2e.sh sampled the GPU (e2e_gpu.csv and e2e_parts.txt beside the first file), a
 last table gives each part's SM clock and power while it ran, and what held the clock down where
 the driver says: a part whose clock under load is lower than the others' ran slower for a reason
@@ -118,6 +126,37 @@ missing = sorted({workload(r["name"]) for r in loom} - {w for (w, c) in torch_ro
 if missing:
     print(f"\nNo PyTorch row for {', '.join(missing)}: the reference was not run, or stopped before "
           f"that workload (its log: e2e_torch.log beside this table).")
+
+
+def energy_table():
+    """loom's energy per step and mean power over its timed steps, the reference's, the ratio."""
+    out = []
+    for r in loom:
+        warm = r.get("warmup", 5)
+        steps = r["steps"]
+        timed = steps[warm:]
+        if warm < 1 or not timed or any("energy_j" not in s for s in [steps[warm - 1]] + timed):
+            continue
+        e = timed[-1]["energy_j"] - steps[warm - 1]["energy_j"]
+        jps = e / len(timed)
+        watts = e / (sum(s["ms"] for s in timed) / 1e3)
+        t = torch_rows.get((workload(r["name"]), 1))
+        ratio = f"{t['J_per_step'] / jps:.2f}x" if t and "J_per_step" in t and jps > 0 else "—"
+        if "train.shared_target=true" in r["args"] and ratio != "—":
+            ratio = f"({ratio})"
+        out.append(f"| loom | {r['name']} | {jps:.2f} | {watts:.0f} | {ratio} |")
+    for (w, c), t in sorted(torch_rows.items()):
+        if "J_per_step" in t:
+            out.append(f"| torch {'compile' if c else 'eager'} | {w} | {t['J_per_step']:.2f} | {t.get('W', 0):.0f} | |")
+    if out:
+        print("\nEnergy per step (the GPU's energy counter over the timed steps; the reference's W includes its "
+              "host gaps between steps):\n")
+        print("| impl | workload | J/step | mean W | torch.compile J / loom J |")
+        print("|---|---|---|---|---|")
+        print("\n".join(out))
+
+
+energy_table()
 
 
 def targets():

@@ -40,6 +40,7 @@ size_t peak_bytes_in_use() { no_cuda(); }
 void reset_peak_bytes() { no_cuda(); }
 size_t bytes_reserved() { no_cuda(); }
 size_t peak_bytes_reserved() { no_cuda(); }
+double device_energy_joules() { return -1.0; }
 Stream copy_stream() { no_cuda(); }
 Stream comm_stream() { no_cuda(); }
 void* event_create(bool) { no_cuda(); }

@@ -131,6 +131,11 @@ size_t peak_bytes_in_use();
 void reset_peak_bytes();
 size_t bytes_reserved();                // held from the driver: in use + cached free blocks
 size_t peak_bytes_reserved();           // since reset_peak_bytes()
+// The GPU's energy counter (NVML's total energy of this process's device, J since the driver
+// loaded), read through dlopen: loom neither links nor needs libnvidia-ml. -1 where there is no
+// counter (no NVML on the machine, a GPU without one, a CPU-only build). Energy per step = the
+// difference between two readings over the steps between them (metrics.jsonl's energy_j).
+double device_energy_joules();
 // A second stream for host-to-device uploads of the next batch while the default stream
 // computes (created with cudaStreamNonBlocking: no implicit ordering with stream 0).
 Stream copy_stream();

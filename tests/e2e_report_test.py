@@ -13,7 +13,9 @@ target line; PyTorch's rows name the steps torch_ref.py timed where bench/e2e.sh
 0970f97, 2026-12-07), and only then. The GPU table under it (nvidia-smi's samples while each part ran) is checked cell by
 cell against samples made up here: idle samples left out, the power-limit count, and the
 clock-event reasons column in half the runs (without it in the other half, as an older driver
-samples). Exit 0: pass, 1: a check failed (each printed, with the seed that reruns it through
+samples). The energy table (half the runs carry the GPU's energy counter in loom's steps and
+energy per step in PyTorch's rows, the other half none, and then no table): loom's J/step over its
+timed steps only (warm-up steps' energy far off), its mean power and compiled PyTorch's J over it. Exit 0: pass, 1: a check failed (each printed, with the seed that reruns it through
 E2E_REPORT_SEED). ctest runs it as `e2e_report`."""
 import datetime
 import json
@@ -63,7 +65,9 @@ def steps_for(base, slow_tail, unit, per_step, mem_mb, reserved_mb, warm=5, time
     return out
 
 
-def scenario():
+def scenario(with_energy):
+    """Three workloads' rows, loom's and compiled PyTorch's, and what the report must say of them;
+    with_energy: the rows carry the GPU's energy counter (loom) and energy per step (PyTorch)."""
     loom, torch, want = [], [{"device": "made-up GPU"}], {}
     goals = {"mim": 1.5, "mim_contrastive": 1.5, "vlm_sft_ref": 2.0}
     for name, goal in goals.items():
@@ -81,6 +85,15 @@ def scenario():
         row = {"name": name, "args": "", "steps": steps}
         if warm != 5 or rng.random() < 0.5:  # a row without "warmup" has 5
             row["warmup"] = warm
+        energy = None
+        if with_energy:  # the GPU's counter at each step: warm-up steps far off (they must not count)
+            e = rng.uniform(1e5, 1e6)
+            for i, st in enumerate(steps):
+                e += 100.0 if i < warm else rng.uniform(10, 40)
+                st["energy_j"] = round(e, 3)
+            timed_steps = steps[warm:]
+            de = timed_steps[-1]["energy_j"] - steps[warm - 1]["energy_j"]
+            energy = (de / len(timed_steps), de / (sum(st["ms"] for st in timed_steps) / 1e3))
         loom.append(row)
         label = name if warm == 5 else f"{name} (steps {warm + 1}-{warm + timed})"
         med = median([s["ms"] for s in steps[warm:]])
@@ -94,10 +107,16 @@ def scenario():
             row.update(tokens_per_s=thr / ratio, ms_per_step=per_step / (thr / ratio) * 1e3, real_tokens=per_step)
         else:
             row.update(ms_per_step=med * ratio, images_per_s=per_step / (med * ratio) * 1e3)
+        if with_energy:
+            row.update(J_per_step=rng.uniform(10, 60), W=rng.uniform(400, 700))
         torch.append(row)
         p90 = 1.3 * base if not side["p90"] else base
         want[name] = dict(side=side, ratio=ratio, peak=peak_gb, t_peak=t_peak, res=reserved_mb / mem_mb,
                           p90=p90 / med, med=med, label=label)
+        if with_energy:
+            want[name]["energy"] = (f"| loom | {name} | {energy[0]:.2f} | {energy[1]:.0f} | "
+                                    f"{row['J_per_step'] / energy[0]:.2f}x |",
+                                    f"| torch compile | {w} | {row['J_per_step']:.2f} | {row['W']:.0f} | |")
     # the steps bench/e2e.sh gave torch_ref.py since 0970f97, in half the runs (none: its own 5 + 20)
     if rng.random() < 0.5:
         tw, ti = rng.choice([(70, 50), (5, 20), (30, 90)])
@@ -167,7 +186,8 @@ def run_report(loom, torch, gpu=None):
 
 
 for trial in range(20):
-    loom, torch, want = scenario()
+    with_energy = trial % 4 < 2
+    loom, torch, want = scenario(with_energy)
     with_reasons = trial % 2 == 0
     gpu = gpu_samples(with_reasons)
     text = run_report(loom, torch, gpu)
@@ -203,6 +223,10 @@ for trial in range(20):
         }
         for k, line in expect.items():
             check(line in lines, f"trial {trial}: {name} {k}: expected the line\n  {line}")
+        for line in w.get("energy", ()):
+            check(line in lines, f"trial {trial}: {name} energy: expected the line\n  {line}")
+    has_table = any(l.startswith("| impl | workload | J/step |") for l in lines)
+    check(has_table == with_energy, f"trial {trial}: an energy table {has_table}, energy in the rows {with_energy}")
     shared = [l for l in lines if l.startswith("| mim_contrastive_shared")]
     check(len(shared) == 1 and shared[0].rstrip().endswith("x) |"),
           f"trial {trial}: the shared-target row's ratio in parentheses: {shared}")

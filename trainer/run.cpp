@@ -182,6 +182,7 @@ void RunLog::step(const StepStats& s) {
   if (s.reserved_mb >= 0) j["reserved_mb"] = s.reserved_mb;
   if (s.loss_scale > 0) j["loss_scale"] = s.loss_scale;
   if (s.mfu >= 0) j["mfu"] = s.mfu;
+  if (s.energy_j >= 0) j["energy_j"] = std::round(s.energy_j * 1000) / 1000;
   write_line(j.dump());
   if (!s.skipped && std::isfinite(s.loss)) train_.push_back({s.step, s.loss});
   lr_.push_back({s.step, s.lr});

@@ -51,6 +51,7 @@ struct StepStats {
   double mem_mb = 0;             // peak allocated (device on CUDA runs, host on CPU runs)
   double reserved_mb = -1;       // held by the caching allocator (CUDA); < 0: not shown
   double loss_scale = -1;        // fp16: the loss scale the step ran with; < 0: not shown
+  double energy_j = -1;          // the GPU's energy counter when the step was logged (J); < 0: none
   bool skipped = false;
 };
 

@@ -17,6 +17,8 @@
  */
 #include <cstdlib>
 
+#include <dlfcn.h>
+
 #include <nvtx3/nvToolsExt.h>
 
 #include "kernels/cuda/common.cuh"
@@ -121,6 +123,37 @@ cudaStream_t create_stream(bool main) {
   CUDA_CHECK(cudaStreamCreateWithPriority(&st, cudaStreamDefault, stream_priority(main)));
   return st;
 }
+// NVML through dlopen (kernels.h): its init, the handle of this process's device by PCI bus id
+// (NVML's device order need not be CUDA's) and the total-energy counter (mJ), looked up once.
+double device_energy_joules() {
+  struct Nvml {
+    int (*energy)(void*, unsigned long long*) = nullptr;  // nvmlDeviceGetTotalEnergyConsumption
+    void* device = nullptr;                                // nvmlDevice_t
+  };
+  static const Nvml nvml = [] {
+    Nvml n;
+    void* lib = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) return n;
+    auto init = reinterpret_cast<int (*)()>(dlsym(lib, "nvmlInit_v2"));
+    auto by_bus = reinterpret_cast<int (*)(const char*, void**)>(dlsym(lib, "nvmlDeviceGetHandleByPciBusId_v2"));
+    auto energy = reinterpret_cast<int (*)(void*, unsigned long long*)>(dlsym(lib, "nvmlDeviceGetTotalEnergyConsumption"));
+    int dev = 0;
+    char bus[32] = {};
+    void* handle = nullptr;
+    unsigned long long mj = 0;
+    if (!init || !by_bus || !energy || init() != 0 || cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetPCIBusId(bus, int(sizeof bus), dev) != cudaSuccess || by_bus(bus, &handle) != 0 ||
+        energy(handle, &mj) != 0)
+      return n;  // the library stays loaded: a handful of pages, and nvmlShutdown would not matter
+    n.energy = energy;
+    n.device = handle;
+    return n;
+  }();
+  unsigned long long mj = 0;
+  if (!nvml.energy || nvml.energy(nvml.device, &mj) != 0) return -1.0;
+  return double(mj) / 1e3;
+}
+
 Stream main_stream() {
   static cudaStream_t s = create_stream(true);
   return s;

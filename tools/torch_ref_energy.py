@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""Runs the PyTorch reference's bench with the GPU's energy counter read around each timed loop.
+
+    python3 tools/torch_ref_energy.py [--reference ../shared/reference] bench --workload mim ...
+
+Everything after --reference goes to torch_ref.py's own main() unchanged: the same models, steps,
+timing and rows. Two of its functions are wrapped. timeit(step, warmup, iters): NVML's
+total-energy counter of the reference's device is read as the first timed step starts (after
+the synchronization that ends its warm-up) and again when timeit returns (after the last timed
+step's synchronization). emit(rec, out): the next row with a workload gets two more fields,
+J_per_step (that energy / iters) and W (that energy / the loop's wall time, the host's gaps
+between steps included: the reference synchronizes after every step).
+
+The first read runs inside the first timed step's event pair (tens of microseconds of host time
+before its first launch, in one of `iters` steps; the median the reference reports is not moved
+by it). Where NVML or those two functions are missing, the reference runs as is, without the
+fields. bench/e2e.sh runs the reference through this, and bench/e2e_report.py prints the fields
+beside loom's energy per step (metrics.jsonl's energy_j). Needs torch (the reference imports it).
+"""
+import ctypes
+import os
+import sys
+import time
+
+
+def nvml_energy(device_index):
+    """A function returning the device's energy counter in joules, or None without NVML."""
+    try:
+        nv = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    if nv.nvmlInit_v2() != 0:
+        return None
+    handle = ctypes.c_void_p()
+    bus = None
+    try:  # NVML's device order need not be CUDA's: find the device by its PCI address
+        import torch
+        p = torch.cuda.get_device_properties(device_index)
+        bus = f"{p.pci_domain_id:08x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0".encode()
+    except (ImportError, AttributeError, RuntimeError):
+        pass
+    if bus is None or nv.nvmlDeviceGetHandleByPciBusId_v2(bus, ctypes.byref(handle)) != 0:
+        if nv.nvmlDeviceGetHandleByIndex_v2(device_index, ctypes.byref(handle)) != 0:
+            return None
+    mj = ctypes.c_ulonglong()
+
+    def read():
+        if nv.nvmlDeviceGetTotalEnergyConsumption(handle, ctypes.byref(mj)) != 0:
+            return None
+        return mj.value / 1e3
+    return read if read() is not None else None
+
+
+def main():
+    args = sys.argv[1:]
+    ref_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "reference")
+    if len(args) >= 2 and args[0] == "--reference":
+        ref_dir, args = args[1], args[2:]
+    sys.path.insert(0, os.path.abspath(ref_dir))
+    import torch_ref  # noqa: E402 (the reference, from ref_dir)
+
+    if hasattr(torch_ref, "timeit") and hasattr(torch_ref, "emit"):
+        timeit, emit = torch_ref.timeit, torch_ref.emit
+        pending = {}
+        energy = {}  # the counter's reader, made on the first timed loop (the device is set by then)
+
+        def timed(step, warmup, iters):
+            if "read" not in energy:
+                import torch
+                energy["read"] = nvml_energy(torch.cuda.current_device())
+            read, start = energy["read"], {}
+            pending.clear()  # a loop's fields go to the row emitted after it, no later one
+
+            def counted():
+                if len(start) == 0 and counted.calls == warmup and read:
+                    start.update(e=read(), t=time.time())
+                counted.calls += 1
+                step()
+            counted.calls = 0
+            ms = timeit(counted, warmup, iters)
+            if start and start["e"] is not None:
+                e1, t1 = read(), time.time()
+                if e1 is not None and iters > 0:
+                    pending.update(J_per_step=round((e1 - start["e"]) / iters, 3),
+                                   W=round((e1 - start["e"]) / max(t1 - start["t"], 1e-9), 1))
+            return ms
+
+        def emitted(rec, out):
+            if pending and isinstance(rec, dict) and "workload" in rec:
+                rec = dict(rec, **pending)
+                pending.clear()
+            return emit(rec, out)
+        torch_ref.timeit, torch_ref.emit = timed, emitted
+    else:
+        print("torch_ref_energy.py: the reference has no timeit/emit to wrap: running it without energy",
+              file=sys.stderr)
+    sys.argv = [os.path.join(ref_dir, "torch_ref.py")] + args
+    torch_ref.main()
+
+
+if __name__ == "__main__":
+    main()
