@@ -331,6 +331,10 @@ attn_fwd_sm90(bf* __restrict__ out, float* __restrict__ lse, const bf* __restric
     __syncthreads();  // everyone is done with buffer j&1 before it is refilled
   }
   cp_async_wait<0>();
+  // a block whose rows see no key (causal, more queries than keys) never met the loop's barrier:
+  // every thread's part of Q must land before a warpgroup stages its rows of out in sQ (other
+  // threads' cp.async into those rows would otherwise overwrite the zeros)
+  if (ntiles == 0) __syncthreads();
 
   // epilogue: O / l, lse (wgmma.cuh)
   store_out_rows<HD, BR>(out + (int64_t(q0) + qs) * qstride + h * HD, lse + int64_t(q0) * H + h, sQ, o, mrow, lrow,
