@@ -49,8 +49,8 @@ void AsyncStepLog::flush(bool all) {
     st.mfu = gpu ? s.flops / (ms / 1e3) / 989e12 : -1;
     st.mem_mb = (gpu ? double(cuda::peak_bytes_in_use()) : double(cpu_peak_bytes())) / 1048576.0;
     st.reserved_mb = gpu ? double(cuda::bytes_reserved()) / 1048576.0 : -1;
-    // read when the step's values are (its end event has passed): per-step differences are
-    // one step late at both ends of a span, so spans of many steps divide out right
+    // read with the step's values, once its end event has passed (one step late, like them): a
+    // difference over n steps, divided by n, is their energy per step
     st.energy_j = gpu ? cuda::device_energy_joules() : -1;
     st.loss_scale = scale;
     st.skipped = !applied;
