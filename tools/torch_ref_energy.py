@@ -16,6 +16,7 @@ before its first launch, in one of `iters` steps; the median the reference repor
 by it). Where NVML or those two functions are missing, the reference runs as is, without the
 fields. bench/e2e.sh runs the reference through this, and bench/e2e_report.py prints the fields
 beside loom's energy per step (metrics.jsonl's energy_j). Needs torch (the reference imports it).
+ctest's torch_ref_energy (tests/torch_ref_energy_test.py) checks wrap() on a made-up module.
 """
 import ctypes
 import os
@@ -51,6 +52,50 @@ def nvml_energy(device_index):
     return read if read() is not None else None
 
 
+def wrap(ref, make_reader):
+    """Wraps ref.timeit and ref.emit (ref: the torch_ref module) as the header says; make_reader()
+    returns the energy counter's reader (joules, or None) and runs at the first timed loop, when
+    the reference has set its device. False when ref has no timeit or emit to wrap."""
+    if not (hasattr(ref, "timeit") and hasattr(ref, "emit")):
+        return False
+    timeit, emit = ref.timeit, ref.emit
+    pending = {}
+    energy = {}
+
+    def timed(step, warmup, iters):
+        if "read" not in energy:
+            energy["read"] = make_reader()
+        read, start = energy["read"], {}
+        pending.clear()  # a loop's fields go to the row emitted after it, no later one
+
+        def counted():
+            if counted.calls == warmup and read:  # after the warm-up's synchronization
+                start.update(e=read(), t=time.time())
+            counted.calls += 1
+            step()
+        counted.calls = 0
+        ms = timeit(counted, warmup, iters)
+        if start and start["e"] is not None:
+            e1, t1 = read(), time.time()
+            if e1 is not None and iters > 0:
+                pending.update(J_per_step=round((e1 - start["e"]) / iters, 3),
+                               W=round((e1 - start["e"]) / max(t1 - start["t"], 1e-9), 1))
+        return ms
+
+    def emitted(rec, out):
+        if pending and isinstance(rec, dict) and "workload" in rec:
+            rec = dict(rec, **pending)
+            pending.clear()
+        return emit(rec, out)
+    ref.timeit, ref.emit = timed, emitted
+    return True
+
+
+def device_reader():
+    import torch
+    return nvml_energy(torch.cuda.current_device())
+
+
 def main():
     args = sys.argv[1:]
     ref_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "reference")
@@ -59,39 +104,7 @@ def main():
     sys.path.insert(0, os.path.abspath(ref_dir))
     import torch_ref  # noqa: E402 (the reference, from ref_dir)
 
-    if hasattr(torch_ref, "timeit") and hasattr(torch_ref, "emit"):
-        timeit, emit = torch_ref.timeit, torch_ref.emit
-        pending = {}
-        energy = {}  # the counter's reader, made on the first timed loop (the device is set by then)
-
-        def timed(step, warmup, iters):
-            if "read" not in energy:
-                import torch
-                energy["read"] = nvml_energy(torch.cuda.current_device())
-            read, start = energy["read"], {}
-            pending.clear()  # a loop's fields go to the row emitted after it, no later one
-
-            def counted():
-                if counted.calls == warmup and read:  # after the warm-up's synchronization
-                    start.update(e=read(), t=time.time())
-                counted.calls += 1
-                step()
-            counted.calls = 0
-            ms = timeit(counted, warmup, iters)
-            if start and start["e"] is not None:
-                e1, t1 = read(), time.time()
-                if e1 is not None and iters > 0:
-                    pending.update(J_per_step=round((e1 - start["e"]) / iters, 3),
-                                   W=round((e1 - start["e"]) / max(t1 - start["t"], 1e-9), 1))
-            return ms
-
-        def emitted(rec, out):
-            if pending and isinstance(rec, dict) and "workload" in rec:
-                rec = dict(rec, **pending)
-                pending.clear()
-            return emit(rec, out)
-        torch_ref.timeit, torch_ref.emit = timed, emitted
-    else:
+    if not wrap(torch_ref, device_reader):
         print("torch_ref_energy.py: the reference has no timeit/emit to wrap: running it without energy",
               file=sys.stderr)
     sys.argv = [os.path.join(ref_dir, "torch_ref.py")] + args
