@@ -358,8 +358,9 @@ int main() {
         try {
           double ms = median_ms(f);
           std::printf("{\"impl\":\"loom\",\"kernel\":\"gemm_shape_qkv\",\"workload\":\"%s\",\"layer\":\"%s\",\"op\":\"%s\","
-                      "\"M\":%lld,\"D\":%d,\"ms\":%.4f,\"tflops\":%.1f}\n",
-                      sh.workload, sh.layer, op, (long long)sh.M, D, ms, f3 / ms / 1e9);
+                      "\"M\":%lld,\"D\":%d,\"ms\":%.4f,\"tflops\":%.1f%s}\n",
+                      sh.workload, sh.layer, op, (long long)sh.M, D, ms, f3 / ms / 1e9,
+                      sustained_fields(f3).c_str());
         } catch (const std::exception& e) {
           std::printf("{\"kernel\":\"gemm_shape_qkv\",\"layer\":\"%s\",\"op\":\"%s\",\"error\":\"%s\"}\n", sh.layer, op, e.what());
         }
