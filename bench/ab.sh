@@ -79,6 +79,12 @@ out = {"row": row, "side": side, "round": int(rnd), "rc": int(rc), "steps": len(
 if ms:
     out.update(median=statistics.median(ms), loss2=steps[1]["loss"] if len(steps) > 1 else None,
                peak_mb=steps[-1].get("mem_mb"))
+    # J a step over the timed steps: the energy counter (energy_j, -1 where none) from the last
+    # warm-up step to the last step, over their count
+    timed = [r for r in steps if r["step"] > int(warm)]
+    first = [r for r in steps if r["step"] == int(warm)]
+    if first and timed and all(r.get("energy_j", -1) >= 0 for r in first + timed[-1:]):
+        out["j_step"] = (timed[-1]["energy_j"] - first[0]["energy_j"]) / len(timed)
 print(json.dumps(out))
 PY
   rm -rf "$dir"/step_*
@@ -98,8 +104,9 @@ import json, statistics, sys
 runs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 a, b = sys.argv[2] or "(defaults)", sys.argv[3] or "(defaults)"
 print(f"A: {a}\nB: {b}\n")
-print("| row | A ms/step (per round) | B ms/step (per round) | B - A, mean | B / A | loss at step 2, A / B | peak MB, A / B |")
-print("|---|---|---|---|---|---|---|")
+print("| row | A ms/step (per round) | B ms/step (per round) | B - A, mean | B / A | loss at step 2, A / B | peak MB, A / B "
+      "| A J/step | B J/step |")
+print("|---|---|---|---|---|---|---|---|---|")
 for row in dict.fromkeys(r["row"] for r in runs):
     side = {s: sorted((r for r in runs if r["row"] == row and r["side"] == s), key=lambda r: r["round"]) for s in "AB"}
     ok = {s: [r for r in side[s] if "median" in r] for s in "AB"}
@@ -111,7 +118,8 @@ for row in dict.fromkeys(r["row"] for r in runs):
         diff = ratio = "—"
     loss = " / ".join(f"{ok[s][0]['loss2']:.6f}" if ok[s] and ok[s][0].get("loss2") is not None else "—" for s in "AB")
     peak = " / ".join(f"{ok[s][0]['peak_mb']:.0f}" if ok[s] and ok[s][0].get("peak_mb") else "—" for s in "AB")
-    print(f"| {row} | {cell('A')} | {cell('B')} | {diff} | {ratio} | {loss} | {peak} |")
+    joules = lambda s: " / ".join(f"{r['j_step']:.2f}" if "j_step" in r else "—" for r in side[s])
+    print(f"| {row} | {cell('A')} | {cell('B')} | {diff} | {ratio} | {loss} | {peak} | {joules('A')} | {joules('B')} |")
 print(f"\nMedians of steps {int(sys.argv[4]) + 1} and on, one binary, alternated in one call: a difference smaller than the "
       "spread between one side's rounds is noise.")
 PY

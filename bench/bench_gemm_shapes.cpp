@@ -9,6 +9,11 @@
 // step's GEMMs would cost at that rate (the "sum" lines).
 // LOOM_BENCH_GEMM_WORKLOADS=mim,vlm,... keeps some workloads; LOOM_BENCH_GEMM_ALGOS=n also times
 // up to n of cuBLASLt's candidate algorithms for each weight gradient ("gemm_candidate" lines).
+// LOOM_BENCH_GEMM_RANKS=n: every product that runs through matmul.cu (the "loom" lines) also
+// runs with each of the heuristic's first n algorithms ("gemm_rank" lines, with the plan's sizes
+// in LOOM_GEMM_PICK's terms and the algorithm's tile, stages, split-K, cluster): with
+// LOOM_BENCH_SUSTAIN_MS, which candidate does a product for the fewest joules at the power
+// limit; bench/gemm_pick.py turns the lines into a LOOM_GEMM_PICK table.
 // LOOM_BENCH_SUSTAIN_MS=n: after its 20 timed runs each product also runs back to back for n ms
 // and its line gets "sustained_ms" (the wall time per call over that stretch), "mj_per_call" and
 // "pj_per_flop" (the GPU's energy counter, kernels.h device_energy_joules, over the stretch): what
@@ -36,6 +41,9 @@
 namespace loom::cuda {  // kernels/cuda/common.cuh (a CUDA header; this file is plain C++)
 cublasLtHandle_t cublaslt_handle();
 void* cublaslt_workspace(size_t* bytes);
+void gemm_set_candidate(int rank);  // matmul.cu: the heuristic's rank-th algorithm for new plans
+long gemm_candidate_missing();
+std::string gemm_last_algo();
 }  // namespace loom::cuda
 
 namespace cu = loom::cuda;
@@ -254,6 +262,33 @@ int main() {
     const double flop = 2.0 * double(sh.M) * sh.I * sh.O;
     // impl "loom": matmul.cu's path (cuBLASLt unless LOOM_GEMM90 routes the call); "sm90":
     // gemm_sm90.cu's kernel called directly
+    // LOOM_BENCH_GEMM_RANKS (header): the product again at each of the heuristic's first n
+    // algorithms; a rank the heuristic does not offer (or whose fallback throws) is skipped
+    auto ranks = [&](const char* op, const std::function<void()>& f, double flop) {
+      const char* e = std::getenv("LOOM_BENCH_GEMM_RANKS");
+      const int n = e ? std::atoi(e) : 0;
+      for (int r = 0; r < n; r++) {
+        cu::gemm_set_candidate(r);
+        const long missing = cu::gemm_candidate_missing();
+        bool ok = true;
+        try {
+          f();
+          cu::synchronize();
+        } catch (const std::exception&) {
+          ok = false;
+        }
+        if (ok && cu::gemm_candidate_missing() == missing) {
+          const std::string algo = cu::gemm_last_algo();
+          const double ms = median_ms(f);
+          std::printf("{\"impl\":\"cublaslt\",\"kernel\":\"gemm_rank\",\"workload\":\"%s\",\"layer\":\"%s\","
+                      "\"op\":\"%s\",\"count\":%d,\"rank\":%d,\"plan\":\"%s\",\"ms\":%.4f,\"tflops\":%.1f%s}\n",
+                      sh.workload, sh.layer, op, sh.count, r, algo.c_str(), ms, flop / ms / 1e9,
+                      sustained_fields(flop).c_str());
+          std::fflush(stdout);
+        }
+        cu::gemm_set_candidate(-1);
+      }
+    };
     auto one = [&](const char* op, const std::function<void()>& f, const char* impl = "loom") {
       double ms = median_ms(f);
       std::printf(
@@ -266,6 +301,7 @@ int main() {
       if (std::string(impl) != "loom") k += " " + std::string(impl);
       sum_ms[k] += ms * sh.count;
       sum_flop[k] += flop * sh.count;
+      if (std::string(impl) == "loom") ranks(op, f, flop);
     };
     auto dev = [](bf16* p) { return reinterpret_cast<__nv_bfloat16*>(p); };
     if (sh.gelu)

@@ -109,12 +109,16 @@
  *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_matmul.cpp
  */
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <stdexcept>
+#include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "kernels/cuda/colsum.cuh"
 #include "kernels/cuda/common.cuh"
@@ -127,6 +131,7 @@ namespace {
 
 struct PlanKey {
   int dtype, M, N, K, ta, tb, batch, epilogue, align_a, align_b, align_c, align_bias, align_aux, sm_target;
+  int candidate;  // -1: the heuristic's first algorithm (or the bucket's); r >= 0: its r-th
   int64_t sa, sb, sc;
   bool operator==(const PlanKey& o) const { return std::memcmp(this, &o, sizeof(PlanKey)) == 0; }
 };
@@ -160,6 +165,67 @@ cublasLtMatrixLayout_t make_layout(cudaDataType_t t, int rows, int cols, int ld,
     CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)));
   }
   return l;
+}
+
+// Which of the heuristic's algorithms a product takes, beyond its first: gemm_set_candidate's
+// rank for every new plan (bench_gemm_shapes' LOOM_BENCH_GEMM_RANKS), or LOOM_GEMM_PICK's table
+// for named shapes. A rank the heuristic does not reach counts in g_candidate_missing and leaves
+// the plan without an algorithm (the caller's fallback, as for a shape cuBLASLt cannot run).
+int g_candidate = -1;
+long g_candidate_missing = 0;
+std::string g_last_algo;  // the last candidate plan's algorithm, in words (candidate mode only)
+
+// LOOM_GEMM_PICK=file: lines "M N K ta tb epilogue batch rank" in PlanKey's terms (comments after
+// '#'); a plan of those sizes takes the heuristic's rank-th algorithm instead of its first.
+int pick_of(const PlanKey& k) {
+  static const std::vector<std::array<int, 8>> table = [] {
+    std::vector<std::array<int, 8>> t;
+    const char* path = std::getenv("LOOM_GEMM_PICK");
+    if (!path || !*path) return t;
+    FILE* f = std::fopen(path, "r");
+    if (!f) throw std::runtime_error(std::string("LOOM_GEMM_PICK: cannot open ") + path);
+    char line[256];
+    int no = 0;
+    while (std::fgets(line, sizeof line, f)) {
+      no++;
+      if (char* h = std::strchr(line, '#')) *h = 0;
+      std::array<int, 8> r{};
+      char tail[8];
+      const int got = std::sscanf(line, "%d %d %d %d %d %d %d %d %7s", &r[0], &r[1], &r[2], &r[3], &r[4], &r[5],
+                                  &r[6], &r[7], tail);
+      if (got <= 0) continue;  // blank or comment
+      if (got != 8 || r[7] < 0) {
+        std::fclose(f);
+        throw std::runtime_error(std::string("LOOM_GEMM_PICK: ") + path + ":" + std::to_string(no) +
+                                 ": want \"M N K ta tb epilogue batch rank\" (rank >= 0)");
+      }
+      t.push_back(r);
+    }
+    std::fclose(f);
+    std::fprintf(stderr, "loom: LOOM_GEMM_PICK %s: %zu products take another cuBLASLt algorithm\n", path, t.size());
+    return t;
+  }();
+  for (const auto& r : table)
+    if (r[0] == k.M && r[1] == k.N && r[2] == k.K && r[3] == k.ta && r[4] == k.tb && r[5] == k.epilogue &&
+        r[6] == k.batch)
+      return r[7];
+  return -1;
+}
+
+std::string describe(const cublasLtMatmulAlgo_t& a) {
+  int id = 0, tile = 0, stages = 0, splitk = 0, swizzle = 0, custom = 0, cluster = 0;
+  size_t got = 0;
+  cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof(id), &got);
+  cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof(tile), &got);
+  cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages, sizeof(stages), &got);
+  cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splitk, sizeof(splitk), &got);
+  cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, &swizzle, sizeof(swizzle), &got);
+  cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, &custom, sizeof(custom), &got);
+  cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster, sizeof(cluster), &got);
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "id %d tile %d stages %d splitk %d swizzle %d custom %d cluster %d", id, tile, stages,
+                splitk, swizzle, custom, cluster);
+  return buf;
 }
 
 // Build (or fetch) the plan for row-major C[M,N] = op(A) op(B), see the file comment.
@@ -228,7 +294,25 @@ Plan& get_plan(const PlanKey& k) {
   };
   bk.M = bucket(k.M), bk.N = bucket(k.N), bk.K = bucket(k.K);
   bk.sa = bk.sb = bk.sc = 0;
-  auto bit = by_bucket.find(bk);
+  const int rank = k.candidate >= 0 ? k.candidate : pick_of(k);
+  if (rank >= 0 && k.candidate < 0)
+    std::fprintf(stderr, "loom: LOOM_GEMM_PICK: M=%d N=%d K=%d ta=%d tb=%d epilogue=%d batch=%d takes rank %d\n", k.M,
+                 k.N, k.K, k.ta, k.tb, k.epilogue, k.batch, rank);
+  auto bit = rank >= 0 ? by_bucket.end() : by_bucket.find(bk);
+  if (rank >= 0) {  // the heuristic's rank-th algorithm; not offered to the bucket
+    std::vector<cublasLtMatmulHeuristicResult_t> res(size_t(rank) + 1);
+    int count = 0;
+    if (cublasLtMatmulAlgoGetHeuristic(cublaslt_handle(), p.op, p.a, p.b, p.c, p.c, pref, rank + 1, res.data(),
+                                       &count) == CUBLAS_STATUS_SUCCESS &&
+        count > rank) {
+      p.algo = res[size_t(rank)].algo;
+      p.ok = true;
+    } else {
+      g_candidate_missing++;
+    }
+    cublasLtMatmulPreferenceDestroy(pref);
+    return cache.emplace(k, p).first->second;
+  }
   if (bit != by_bucket.end()) {
     cublasLtMatmulHeuristicResult_t chk{};
     if (cublasLtMatmulAlgoCheck(cublaslt_handle(), p.op, p.a, p.b, p.c, p.c, &bit->second, &chk) ==
@@ -294,8 +378,14 @@ bool lt_matmul(T* C, const T* A, const T* B, const T* bias, int M, int N, int K,
   k.align_bias = bias ? alignment(bias) : 0;
   k.align_aux = aux ? alignment(aux) : 0;
   k.sm_target = sm_target_of(side_scope_active());
+  k.candidate = g_candidate;
   Plan& p = get_plan(k);
   if (!p.ok) return false;
+  if (g_candidate >= 0) {
+    char buf[96];
+    std::snprintf(buf, sizeof buf, "%d %d %d %d %d %d %d", k.M, k.N, k.K, k.ta, k.tb, k.epilogue, k.batch);
+    g_last_algo = std::string(buf) + " | " + describe(p.algo);
+  }
   if (bias) {
     const void* bp = bias;
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp, sizeof(bp)));
@@ -340,6 +430,15 @@ void add_bias(T* out, const T* bias, int64_t N, int O, Stream s) {
 }
 
 }  // namespace
+
+// bench_gemm_shapes' candidate ranking (LOOM_BENCH_GEMM_RANKS): every plan made after this call
+// takes the heuristic's rank-th algorithm (-1: back to the first, and to the buckets); plans are
+// cached with their rank, so a product measured at several ranks keeps each.
+void gemm_set_candidate(int rank) { g_candidate = rank < 0 ? -1 : rank; }
+// how many candidate plans found no algorithm at their rank (the heuristic offered fewer)
+long gemm_candidate_missing() { return g_candidate_missing; }
+// "M N K ta tb epilogue batch | id .. tile .. stages .." of the last candidate product run
+std::string gemm_last_algo() { return g_last_algo; }
 
 template <class T>
 void gemm(T* C, const T* A, const T* B, int M, int N, int K, bool transA, bool transB, double alpha,
