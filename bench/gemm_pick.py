@@ -11,7 +11,7 @@ batch | the algorithm"). For every plan the table keeps the rank with the lowest
 the products that share the plan, weighted by how often a step runs each ("count"), when that
 beats rank 0 (what the heuristic picks) by more than --margin; otherwise the plan is left out.
 --by mj ranks by the sustained energy per call (mj_per_call, the board at its power limit), --by
-ms by the event-timed median. Lines without the field asked for are an error, not a silent zero.
+sms by the sustained wall time per call (sustained_ms), --by ms by the event-timed median. Lines without the field asked for are an error, not a silent zero.
 """
 import argparse
 import json
@@ -35,7 +35,7 @@ def load(path):
 
 
 def pick(rows, by, margin, path="<rows>"):
-    field = {"mj": "mj_per_call", "ms": "ms"}[by]
+    field = {"mj": "mj_per_call", "sms": "sustained_ms", "ms": "ms"}[by]
     cost = {}  # plan -> rank -> weighted cost
     names = {}  # plan -> product names
     for no, r in rows:
@@ -63,13 +63,13 @@ def pick(rows, by, margin, path="<rows>"):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("rows", help="bench_gemm_shapes output with gemm_rank lines")
-    ap.add_argument("--by", choices=["mj", "ms"], default="mj")
+    ap.add_argument("--by", choices=["mj", "sms", "ms"], default="mj")
     ap.add_argument("--margin", type=float, default=0.03, help="keep a rank only when it beats rank 0 by this fraction")
     a = ap.parse_args()
     rows = load(a.rows)
     if not rows:
         sys.exit(f"{a.rows}: no gemm_rank lines (run bench_gemm_shapes with LOOM_BENCH_GEMM_RANKS=n)")
-    unit = {"mj": "mJ", "ms": "ms"}[a.by]
+    unit = {"mj": "mJ", "sms": "ms", "ms": "ms"}[a.by]
     print(f"# LOOM_GEMM_PICK from {a.rows}, by {a.by}, margin {a.margin}: M N K ta tb epilogue batch rank")
     for plan, rank, c0, c, names in pick(rows, a.by, a.margin, a.rows):
         print(f"{plan} {rank}  # {', '.join(names)}: {c0:.3f} -> {c:.3f} {unit} a step ({c / c0 - 1:+.1%})")

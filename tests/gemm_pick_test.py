@@ -34,7 +34,7 @@ for p in range(12):
                 mj, ms = 0.1, 0.001
             no += 1
             rows.append((no, {"kernel": "gemm_rank", "workload": "mim", "layer": layer, "op": "fwd", "count": count,
-                              "rank": r, "plan": f"{plan} | id 1 tile 2", "ms": ms, "mj_per_call": mj}))
+                              "rank": r, "plan": f"{plan} | id 1 tile 2", "ms": ms, "sustained_ms": 2 * ms, "mj_per_call": mj}))
             for k, v in (("mj", mj), ("ms", ms)):
                 total[k][r] = total[k].get(r, 0.0) + v * count
     truth[plan] = total
@@ -48,7 +48,7 @@ def add(plan, layer, count, costs):
     for r, c in enumerate(costs):
         no += 1
         rows.append((no, {"kernel": "gemm_rank", "workload": "mim", "layer": layer, "op": "dx", "count": count,
-                          "rank": r, "plan": f"{plan} | id 2", "ms": c, "mj_per_call": c}))
+                          "rank": r, "plan": f"{plan} | id 2", "ms": c, "sustained_ms": 2 * c, "mj_per_call": c}))
         for k in ("mj", "ms"):
             total[k][r] = total[k].get(r, 0.0) + c * count
 
@@ -60,10 +60,10 @@ add("40000 768 768 0 1 1 1", "near", rng.randrange(1, 13), [x, x * 0.95])
 add("40001 768 768 0 1 1 1", "heavy", 12, [10 * x, 8 * x, 10 * x])
 add("40001 768 768 0 1 1 1", "light", 1, [10 * x, 10 * x, 1 * x])
 for margin in (0.0, 0.03, 0.1):
-    for by in ("mj", "ms"):
+    for by in ("mj", "ms", "sms"):
         want = {}
         for plan, total in truth.items():
-            t = total[by]
+            t = total["ms" if by == "sms" else by]  # sustained_ms is 2 x ms in these lines
             best = min(sorted(t), key=lambda r: t[r])
             if best != 0 and t[best] < t[0] * (1 - margin):
                 want[plan] = best
