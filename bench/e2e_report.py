@@ -24,9 +24,9 @@ peak, p90 <= 1.1x the median; a row without a PyTorch row gets only the last two
 
 Where the rows carry the GPU's energy counter (loom: metrics.jsonl's energy_j, J at each logged
 step; PyTorch: J_per_step and W from tools/torch_ref_energy.py around its timed steps), a table of
-energy per step: loom's over its timed steps (the counter's difference from the last warm-up step
-to the last step, over their count) and mean power (that energy over the steps' GPU time), the
-reference's as written, and compiled PyTorch's energy per step over loom's. At the power limit
+energy per step: loom's mean power over its timed steps (between the first and the last step at
+which the counter moved: NVML updates it about every 100 ms, counter_power below) times its mean
+step, the reference's as written, and compiled PyTorch's energy per step over loom's. At the power limit
 (both sides run there: bench/RESULTS.md 2026-12-07, "energy") a step's time follows its energy, so
 that ratio bounds the speed ratio a faster schedule of the same work can reach.
 
@@ -128,6 +128,30 @@ if missing:
           f"that workload (its log: e2e_torch.log beside this table).")
 
 
+def counter_power(seq):
+    """Mean power (W) and the span it covers (s) from NVML's energy counter read once a step:
+    seq is the last warm-up step, then the timed steps, each with "ms" and "energy_j". The counter
+    moves in steps, about every 100 ms (H100, bench/RESULTS.md 2026-12-07 "candidates"), so its
+    difference between the window's ends is off by up to one update (~9% over 50 MIM steps). The
+    power is taken between the first and the last step at which the counter moved instead, each
+    update placed in the middle of the step that saw it (half a step off at most). None when the
+    counter moved fewer than twice."""
+    ends, t = [], 0.0
+    for st in seq:
+        ends.append(t)
+        t += st["ms"]
+    ends = [e + st["ms"] for e, st in zip(ends, seq)]
+    moved = [i for i in range(1, len(seq)) if seq[i]["energy_j"] != seq[i - 1]["energy_j"]]
+    if len(moved) < 2:
+        return None
+    c0, c1 = moved[0], moved[-1]
+    at = lambda i: ends[i] - seq[i]["ms"] / 2
+    span = (at(c1) - at(c0)) / 1e3
+    if span <= 0:
+        return None
+    return (seq[c1]["energy_j"] - seq[c0]["energy_j"]) / span, span
+
+
 def energy_table():
     """loom's energy per step and mean power over its timed steps, the reference's, the ratio."""
     out = []
@@ -137,22 +161,28 @@ def energy_table():
         timed = steps[warm:]
         if warm < 1 or not timed or any("energy_j" not in s for s in [steps[warm - 1]] + timed):
             continue
-        e = timed[-1]["energy_j"] - steps[warm - 1]["energy_j"]
-        jps = e / len(timed)
-        watts = e / (sum(s["ms"] for s in timed) / 1e3)
+        got = counter_power(steps[warm - 1:])
+        if not got:
+            continue
+        watts, span = got
+        mean_ms = sum(s["ms"] for s in timed) / len(timed)
+        jps = watts * mean_ms / 1e3
         t = torch_rows.get((workload(r["name"]), 1))
         ratio = f"{t['J_per_step'] / jps:.2f}x" if t and "J_per_step" in t and jps > 0 else "—"
         if "train.shared_target=true" in r["args"] and ratio != "—":
             ratio = f"({ratio})"
-        out.append(f"| loom | {r['name']} | {jps:.2f} | {watts:.0f} | {ratio} |")
+        out.append(f"| loom | {r['name']} | {jps:.2f} | {watts:.0f} | {span:.2f} | {ratio} |")
     for (w, c), t in sorted(torch_rows.items()):
         if "J_per_step" in t:
-            out.append(f"| torch {'compile' if c else 'eager'} | {w} | {t['J_per_step']:.2f} | {t.get('W', 0):.0f} | |")
+            span = f"{t['J_span_s']:.2f}" if "J_span_s" in t else "—"
+            out.append(f"| torch {'compile' if c else 'eager'} | {w} | {t['J_per_step']:.2f} | {t.get('W', 0):.0f} | "
+                       f"{span} | |")
     if out:
-        print("\nEnergy per step (the GPU's energy counter over the timed steps; the reference's W includes its "
-              "host gaps between steps):\n")
-        print("| impl | workload | J/step | mean W | torch.compile J / loom J |")
-        print("|---|---|---|---|---|")
+        print("\nEnergy per step (the GPU's energy counter over the timed steps: mean power between its first and "
+              "last update inside them, times the mean step; the reference's W includes its host gaps between "
+              "steps; span: the seconds the power is measured over, each end up to half a step off):\n")
+        print("| impl | workload | J/step | mean W | span s | torch.compile J / loom J |")
+        print("|---|---|---|---|---|---|")
         print("\n".join(out))
 
 

@@ -65,6 +65,41 @@ def steps_for(base, slow_tail, unit, per_step, mem_mb, reserved_mb, warm=5, time
     return out
 
 
+def counter_steps(steps, warm):
+    """Puts NVML's counter in the steps as a GPU would: the true energy grows at a power of its
+    own in each step (warm-up steps far higher: they must not count), and the counter shows it
+    only at updates every 100 ms of time (a random phase). Returns the J/step and W the report
+    must print: the power between the first and the last timed update, each update placed in the
+    middle of the step that saw it, the slow way (the step's start and end times summed afresh)."""
+    period, phase = 0.1, rng.uniform(0, 0.1)
+    watts = [2000.0 if i < warm else rng.uniform(500, 700) for i in range(len(steps))]
+    e0, t, shown = rng.uniform(1e5, 1e6), 0.0, None
+    true = lambda t_s: e0 + sum(w * max(0.0, min(t_s, b) - a) for w, (a, b) in zip(watts, spans))
+    spans = []
+    for st in steps:
+        spans.append((t, t + st["ms"] / 1e3))
+        t += st["ms"] / 1e3
+    for i, st in enumerate(steps):
+        end = spans[i][1]
+        last = phase + period * int((end - phase) / period) if end >= phase else None
+        st["energy_j"] = round(true(last), 3) if last is not None else round(e0, 3)
+    seq = list(range(warm - 1, len(steps)))
+    moved = [j for j in seq[1:] if steps[j]["energy_j"] != steps[j - 1]["energy_j"]]
+    if len(moved) < 2:
+        return None
+    mid = lambda j: (spans[j][0] + spans[j][1]) / 2
+    w = (steps[moved[-1]]["energy_j"] - steps[moved[0]]["energy_j"]) / (mid(moved[-1]) - mid(moved[0]))
+    timed = steps[warm:]
+    jps = w * sum(s["ms"] for s in timed) / len(timed) / 1e3
+    # and it is near the truth: the timed steps' own mean energy, within half a step at each end
+    truth = sum(watts[i] * steps[i]["ms"] / 1e3 for i in range(warm, len(steps))) / len(timed)
+    span = mid(moved[-1]) - mid(moved[0])
+    slack = max(s["ms"] for s in timed) / 1e3 / span * 2 + 0.15  # + the steps' spread of power
+    if abs(jps / truth - 1) > slack:
+        failures.append(f"the made-up counter's J/step {jps:.3f} is {jps / truth - 1:+.1%} off its truth {truth:.3f}")
+    return jps, w, span
+
+
 def scenario(with_energy):
     """Three workloads' rows, loom's and compiled PyTorch's, and what the report must say of them;
     with_energy: the rows carry the GPU's energy counter (loom) and energy per step (PyTorch)."""
@@ -86,14 +121,8 @@ def scenario(with_energy):
         if warm != 5 or rng.random() < 0.5:  # a row without "warmup" has 5
             row["warmup"] = warm
         energy = None
-        if with_energy:  # the GPU's counter at each step: warm-up steps far off (they must not count)
-            e = rng.uniform(1e5, 1e6)
-            for i, st in enumerate(steps):
-                e += 100.0 if i < warm else rng.uniform(10, 40)
-                st["energy_j"] = round(e, 3)
-            timed_steps = steps[warm:]
-            de = timed_steps[-1]["energy_j"] - steps[warm - 1]["energy_j"]
-            energy = (de / len(timed_steps), de / (sum(st["ms"] for st in timed_steps) / 1e3))
+        if with_energy:
+            energy = counter_steps(steps, warm)
         loom.append(row)
         label = name if warm == 5 else f"{name} (steps {warm + 1}-{warm + timed})"
         med = median([s["ms"] for s in steps[warm:]])
@@ -108,15 +137,16 @@ def scenario(with_energy):
         else:
             row.update(ms_per_step=med * ratio, images_per_s=per_step / (med * ratio) * 1e3)
         if with_energy:
-            row.update(J_per_step=rng.uniform(10, 60), W=rng.uniform(400, 700))
+            row.update(J_per_step=rng.uniform(10, 60), W=rng.uniform(400, 700), J_span_s=rng.uniform(0.5, 5))
         torch.append(row)
         p90 = 1.3 * base if not side["p90"] else base
         want[name] = dict(side=side, ratio=ratio, peak=peak_gb, t_peak=t_peak, res=reserved_mb / mem_mb,
                           p90=p90 / med, med=med, label=label)
-        if with_energy:
-            want[name]["energy"] = (f"| loom | {name} | {energy[0]:.2f} | {energy[1]:.0f} | "
+        if with_energy and energy:
+            want[name]["energy"] = (f"| loom | {name} | {energy[0]:.2f} | {energy[1]:.0f} | {energy[2]:.2f} | "
                                     f"{row['J_per_step'] / energy[0]:.2f}x |",
-                                    f"| torch compile | {w} | {row['J_per_step']:.2f} | {row['W']:.0f} | |")
+                                    f"| torch compile | {w} | {row['J_per_step']:.2f} | {row['W']:.0f} | "
+                                    f"{row['J_span_s']:.2f} | |")
     # the steps bench/e2e.sh gave torch_ref.py since 0970f97, in half the runs (none: its own 5 + 20)
     if rng.random() < 0.5:
         tw, ti = rng.choice([(70, 50), (5, 20), (30, 90)])

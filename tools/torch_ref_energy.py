@@ -6,14 +6,17 @@
 Everything after --reference goes to torch_ref.py's own main() unchanged: the same models, steps,
 timing and rows. Two of its functions are wrapped. timeit(step, warmup, iters): NVML's
 total-energy counter of the reference's device is read as the first timed step starts (after
-the synchronization that ends its warm-up) and again when timeit returns (after the last timed
-step's synchronization). emit(rec, out): the next row with a workload gets two more fields,
-J_per_step (that energy / iters) and W (that energy / the loop's wall time, the host's gaps
-between steps included: the reference synchronizes after every step).
+the synchronization that ends its warm-up), after each timed step's launches and when timeit
+returns (after the last step's synchronization). emit(rec, out): the next row with a workload
+gets three more fields: W, the mean power between the first and the last update of the counter
+inside the loop (counter_power: it moves only every ~100 ms), J_per_step (W times the loop's
+wall time over iters, the host's gaps between steps included: the reference synchronizes after
+every step) and J_span_s (the seconds W is measured over; its ends are each off by up to half a
+step).
 
-The first read runs inside the first timed step's event pair (tens of microseconds of host time
-before its first launch, in one of `iters` steps; the median the reference reports is not moved
-by it). Where NVML or those two functions are missing, the reference runs as is, without the
+The reads run inside the timed steps' event pairs: the first before the first step's launches,
+the others after a step's launches while its kernels run (an NVML read is microseconds of host
+time; the median the reference reports is not moved by it). Where NVML or those two functions are missing, the reference runs as is, without the
 fields. bench/e2e.sh runs the reference through this, and bench/e2e_report.py prints the fields
 beside loom's energy per step (metrics.jsonl's energy_j). Needs torch (the reference imports it).
 ctest's torch_ref_energy (tests/torch_ref_energy_test.py) checks wrap() on a made-up module.
@@ -52,10 +55,28 @@ def nvml_energy(device_index):
     return read if read() is not None else None
 
 
-def wrap(ref, make_reader):
+def counter_power(reads):
+    """Mean power (W) and its span (s) from (time, joules) reads of NVML's energy counter, taken
+    once a step. The counter moves in steps about every 100 ms (H100, bench/RESULTS.md 2026-12-07
+    "candidates"), so the difference of a loop's first and last reads is off by up to one update
+    (~7% over 50 compiled MIM steps). The power is taken between the first and the last update
+    seen inside the loop instead, each update placed halfway between the read that saw it and
+    the read before. None when the counter moved fewer than twice."""
+    moved = [i for i in range(1, len(reads)) if reads[i][1] != reads[i - 1][1]]
+    if len(moved) < 2:
+        return None
+    at = lambda i: (reads[i - 1][0] + reads[i][0]) / 2
+    span = at(moved[-1]) - at(moved[0])
+    if span <= 0:
+        return None
+    return (reads[moved[-1]][1] - reads[moved[0]][1]) / span, span
+
+
+def wrap(ref, make_reader, clock=time.monotonic):
     """Wraps ref.timeit and ref.emit (ref: the torch_ref module) as the header says; make_reader()
     returns the energy counter's reader (joules, or None) and runs at the first timed loop, when
-    the reference has set its device. False when ref has no timeit or emit to wrap."""
+    the reference has set its device; clock: seconds (a test's own). False when ref has no timeit
+    or emit to wrap."""
     if not (hasattr(ref, "timeit") and hasattr(ref, "emit")):
         return False
     timeit, emit = ref.timeit, ref.emit
@@ -65,21 +86,27 @@ def wrap(ref, make_reader):
     def timed(step, warmup, iters):
         if "read" not in energy:
             energy["read"] = make_reader()
-        read, start = energy["read"], {}
+        read, reads = energy["read"], []
         pending.clear()  # a loop's fields go to the row emitted after it, no later one
 
         def counted():
             if counted.calls == warmup and read:  # after the warm-up's synchronization
-                start.update(e=read(), t=time.time())
+                reads.append((clock(), read()))
             counted.calls += 1
             step()
+            if counted.calls > warmup and read:  # the step's kernels launched, running
+                reads.append((clock(), read()))
         counted.calls = 0
         ms = timeit(counted, warmup, iters)
-        if start and start["e"] is not None:
-            e1, t1 = read(), time.time()
-            if e1 is not None and iters > 0:
-                pending.update(J_per_step=round((e1 - start["e"]) / iters, 3),
-                               W=round((e1 - start["e"]) / max(t1 - start["t"], 1e-9), 1))
+        if reads and read and iters > 0:
+            reads.append((clock(), read()))  # after the last step's synchronization
+            if all(e is not None for _, e in reads):
+                got = counter_power(reads)
+                if got:
+                    watts, span = got
+                    wall = reads[-1][0] - reads[0][0]
+                    pending.update(J_per_step=round(watts * wall / iters, 3), W=round(watts, 1),
+                                   J_span_s=round(span, 3))
         return ms
 
     def emitted(rec, out):
