@@ -83,6 +83,14 @@
  *   132 SMs the contrastive MIM step 39.98 -> 39.63 ms (three rounds in two calls), the VLM step
  *   within noise (+0.07 ms), at 108 the VLM step +0.18 ms (one round). On another H200
  *   (2026-12-07) MIM -0.11 and contrastive -0.10 ms, both within the spread of the rounds.
+ * Measured (H100, 2026-12-07; bench/RESULTS.md "candidates"): the heuristic's first 5 algorithms
+ *   for every product of the MIM steps, each run back to back at the power limit
+ *   (bench_gemm_shapes LOOM_BENCH_GEMM_RANKS, LOOM_BENCH_SUSTAIN_MS). The first is within a few
+ *   percent of the best on nearly every product; taking the others where they beat it by 3% in
+ *   sustained time (LOOM_GEMM_PICK below, bench/gemm_pick_h100.txt): bench_mim -0.10 to -0.16 ms
+ *   (~0.6%), contrastive -0.17 (0.4%). Ranked by energy per call instead, nothing (-0.09 ms,
+ *   noise): NVML's counter moves every ~100 ms, so 0.5 s windows read energy to +-20%. Not on by
+ *   default: a table names ranks of one cuBLASLt version's order on one GPU.
  * Plans: matmul descriptors, layouts and the heuristic's algorithm are cached per shape,
  *   transposes, strides, epilogue and pointer alignment (the heuristic is ~10 us to ~3 ms of
  *   host time, far more than a small GEMM). A new shape first tries the algorithm of its

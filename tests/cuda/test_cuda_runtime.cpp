@@ -229,7 +229,8 @@ TEST_CASE("runtime: a side branch borrows the main pool's free blocks and return
 // device_energy_joules (runtime.cu: NVML's total-energy counter through dlopen), which
 // metrics.jsonl's energy_j and make bench-e2e's energy table read: over ~0.3 s of copies it must
 // grow, at a mean power between an idle board's and twice the largest board limit (H100 / H200
-// SXM: 700 W). A machine without the counter returns -1 and the case says so.
+// SXM: 700 W; the counter moves every ~100 ms, so 0.3 s reads 2-4 of its updates). A machine
+// without the counter returns -1 and the case says so.
 TEST_CASE("runtime: the GPU's energy counter grows with work at a board's power", "[runtime]") {
   need_gpu();
   const double e0 = cu::device_energy_joules();
