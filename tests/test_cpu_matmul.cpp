@@ -1,9 +1,14 @@
 // test_cpu_matmul.cpp: the CPU reference kernels of kernels/cpu/matmul.cpp (gemm and linear forward
 // / backward) against naive formulas and central differences in double (the method:
-// tests/cpu_kernel_test_util.h).
+// tests/cpu_kernel_test_util.h); and the LOOM_GEMM_PICK tables CUDA's products read
+// (kernels/gemm_pick.h), on made-up text.
 #include <catch2/catch.hpp>
 
+#include <random>
+#include <sstream>
+
 #include "kernels/cpu/parallel.h"
+#include "kernels/gemm_pick.h"
 #include "kernels/kernels.h"
 #include "tests/tolerances.h"
 
@@ -189,4 +194,48 @@ TEST_CASE("gemm and linear above the split threshold: row and column slabs, any 
     }
   }
   cpu::set_num_threads(threads_before);
+}
+
+TEST_CASE("LOOM_GEMM_PICK tables: entries, comments, lookups, and errors naming file and line", "[matmul]") {
+  // a fresh table of random products each run, written as bench/gemm_pick.py writes them
+  std::mt19937 g(std::random_device{}());
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(g); };
+  std::vector<loom::GemmPick> want;
+  std::ostringstream text;
+  text << "# LOOM_GEMM_PICK from made-up lines: M N K ta tb epilogue batch rank\n\n";
+  const int n = pick(1, 12);
+  for (int i = 0; i < n; i++) {
+    loom::GemmPick p{1000 + i, pick(1, 5000), pick(1, 5000), pick(0, 1), pick(0, 1), pick(1, 200), pick(1, 3),
+                     pick(0, 7)};
+    want.push_back(p);
+    text << p.M << " " << p.N << " " << p.K << " " << p.ta << " " << p.tb << " " << p.epilogue << " " << p.batch
+         << "  " << p.rank << (i % 2 ? "  # layer" + std::to_string(i) + " fwd: 0.5 -> 0.4 ms a step\n" : "\n");
+  }
+  std::istringstream in(text.str());
+  const auto table = loom::parse_gemm_picks(in, "made-up.txt");
+  REQUIRE(table.size() == want.size());
+  for (const auto& p : want) {
+    CHECK(loom::find_gemm_pick(table, p.M, p.N, p.K, p.ta, p.tb, p.epilogue, p.batch) == p.rank);
+    // one size or flag off: not this product
+    CHECK(loom::find_gemm_pick(table, p.M, p.N + 1, p.K, p.ta, p.tb, p.epilogue, p.batch) == -1);
+    CHECK(loom::find_gemm_pick(table, p.M, p.N, p.K, 1 - p.ta, p.tb, p.epilogue, p.batch) == -1);
+    CHECK(loom::find_gemm_pick(table, p.M, p.N, p.K, p.ta, p.tb, p.epilogue + 1, p.batch) == -1);
+  }
+  // bad lines: each error names the file and the line (the good lines before it counted)
+  const std::string head = "# comment\n6272 2304 768 0 1 4 1 4\n";
+  const std::pair<std::string, std::string> bad[] = {
+      {"6272 2304 768 0 1 4 1\n", "made-up.txt:3: 7 numbers, want 8"},
+      {"6272 2304 768 0 1 4 1 2 9\n", "made-up.txt:3: 9 numbers, want 8"},
+      {"6272 2304 768 0 1 four 1 2\n", "made-up.txt:3: 'four' is not a whole number"},
+      {"6272 2304 768 0 1 4 1 2.5\n", "made-up.txt:3: '2.5' is not a whole number"},
+      {"6272 2304 768 0 1 4 1 -1\n", "made-up.txt:3: a number out of range (-1)"},
+      {"6272 2304 768 2 1 4 1 1\n", "made-up.txt:3: ta and tb are 0 or 1"},
+      {"6272 2304 768 0 1 4 1 3 # again\n", "made-up.txt:3: the product of line 2 again"},
+  };
+  for (const auto& [line, msg] : bad) {
+    std::istringstream b(head + line);
+    CHECK_THROWS_WITH(loom::parse_gemm_picks(b, "made-up.txt"), Catch::Contains(msg));
+  }
+  CHECK_THROWS_WITH(loom::load_gemm_picks("tests/no_such_pick_table.txt"),
+                    Catch::Contains("cannot open tests/no_such_pick_table.txt"));
 }

@@ -117,7 +117,6 @@
  *   bash tools/gpu-kernels.sh tests/cuda/test_cuda_matmul.cpp
  */
 #include <algorithm>
-#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -132,6 +131,7 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/gemm_sm90.h"
 #include "kernels/cuda/rope_table.h"
+#include "kernels/gemm_pick.h"
 
 namespace loom::cuda {
 
@@ -183,41 +183,18 @@ int g_candidate = -1;
 long g_candidate_missing = 0;
 std::string g_last_algo;  // the last candidate plan's algorithm, in words (candidate mode only)
 
-// LOOM_GEMM_PICK=file: lines "M N K ta tb epilogue batch rank" in PlanKey's terms (comments after
-// '#'); a plan of those sizes takes the heuristic's rank-th algorithm instead of its first.
+// LOOM_GEMM_PICK=file (kernels/gemm_pick.h): a plan of the sizes a line names takes the
+// heuristic's rank-th algorithm instead of its first. Read at the first plan; a bad table stops
+// the run there with its file and line.
 int pick_of(const PlanKey& k) {
-  static const std::vector<std::array<int, 8>> table = [] {
-    std::vector<std::array<int, 8>> t;
+  static const std::vector<GemmPick> table = [] {
     const char* path = std::getenv("LOOM_GEMM_PICK");
-    if (!path || !*path) return t;
-    FILE* f = std::fopen(path, "r");
-    if (!f) throw std::runtime_error(std::string("LOOM_GEMM_PICK: cannot open ") + path);
-    char line[256];
-    int no = 0;
-    while (std::fgets(line, sizeof line, f)) {
-      no++;
-      if (char* h = std::strchr(line, '#')) *h = 0;
-      std::array<int, 8> r{};
-      char tail[8];
-      const int got = std::sscanf(line, "%d %d %d %d %d %d %d %d %7s", &r[0], &r[1], &r[2], &r[3], &r[4], &r[5],
-                                  &r[6], &r[7], tail);
-      if (got <= 0) continue;  // blank or comment
-      if (got != 8 || r[7] < 0) {
-        std::fclose(f);
-        throw std::runtime_error(std::string("LOOM_GEMM_PICK: ") + path + ":" + std::to_string(no) +
-                                 ": want \"M N K ta tb epilogue batch rank\" (rank >= 0)");
-      }
-      t.push_back(r);
-    }
-    std::fclose(f);
+    if (!path || !*path) return std::vector<GemmPick>{};
+    std::vector<GemmPick> t = load_gemm_picks(path);
     std::fprintf(stderr, "loom: LOOM_GEMM_PICK %s: %zu products take another cuBLASLt algorithm\n", path, t.size());
     return t;
   }();
-  for (const auto& r : table)
-    if (r[0] == k.M && r[1] == k.N && r[2] == k.K && r[3] == k.ta && r[4] == k.tb && r[5] == k.epilogue &&
-        r[6] == k.batch)
-      return r[7];
-  return -1;
+  return find_gemm_pick(table, k.M, k.N, k.K, k.ta, k.tb, k.epilogue, k.batch);
 }
 
 std::string describe(const cublasLtMatmulAlgo_t& a) {
