@@ -283,7 +283,6 @@ Plan& get_plan(const PlanKey& k) {
   if (rank >= 0 && k.candidate < 0)
     std::fprintf(stderr, "loom: LOOM_GEMM_PICK: M=%d N=%d K=%d ta=%d tb=%d epilogue=%d batch=%d takes rank %d\n", k.M,
                  k.N, k.K, k.ta, k.tb, k.epilogue, k.batch, rank);
-  auto bit = rank >= 0 ? by_bucket.end() : by_bucket.find(bk);
   if (rank >= 0) {  // the heuristic's rank-th algorithm; not offered to the bucket
     std::vector<cublasLtMatmulHeuristicResult_t> res(size_t(rank) + 1);
     int count = 0;
@@ -292,12 +291,18 @@ Plan& get_plan(const PlanKey& k) {
         count > rank) {
       p.algo = res[size_t(rank)].algo;
       p.ok = true;
-    } else {
-      g_candidate_missing++;
+    } else if (k.candidate >= 0) {
+      g_candidate_missing++;  // the bench skips this rank
+    } else {  // a table made elsewhere: this product runs the heuristic's first, as without it
+      std::fprintf(stderr, "loom: LOOM_GEMM_PICK: the heuristic offers %d algorithms here, not rank %d; taking its first\n",
+                   count, rank);
     }
-    cublasLtMatmulPreferenceDestroy(pref);
-    return cache.emplace(k, p).first->second;
+    if (p.ok || k.candidate >= 0) {
+      cublasLtMatmulPreferenceDestroy(pref);
+      return cache.emplace(k, p).first->second;
+    }
   }
+  auto bit = rank >= 0 ? by_bucket.end() : by_bucket.find(bk);
   if (bit != by_bucket.end()) {
     cublasLtMatmulHeuristicResult_t chk{};
     if (cublasLtMatmulAlgoCheck(cublaslt_handle(), p.op, p.a, p.b, p.c, p.c, &bit->second, &chk) ==
