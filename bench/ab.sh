@@ -80,18 +80,15 @@ if ms:
     out.update(median=statistics.median(ms), loss2=steps[1]["loss"] if len(steps) > 1 else None,
                peak_mb=steps[-1].get("mem_mb"))
     # J a step over the timed steps: the energy counter (energy_j, -1 where none) moves about every
-    # 100 ms, so the mean power between its first and last update inside them (each update in the
-    # middle of the step that saw it, as bench/e2e_report.py's counter_power), times the mean step
+    # 100 ms, so the mean power between its first and last update inside them
+    # (tools/energy_counter.py), times the mean step
     seq = [r for r in steps if r["step"] >= int(warm)]
     if len(seq) > 2 and seq[0]["step"] == int(warm) and all(r.get("energy_j", -1) >= 0 for r in seq):
-        mid, t = [], 0.0
-        for r in seq:
-            mid.append(t + r["ms"] / 2)
-            t += r["ms"]
-        moved = [i for i in range(1, len(seq)) if seq[i]["energy_j"] != seq[i - 1]["energy_j"]]
-        if len(moved) >= 2 and mid[moved[-1]] > mid[moved[0]]:
-            watts = (seq[moved[-1]]["energy_j"] - seq[moved[0]]["energy_j"]) / ((mid[moved[-1]] - mid[moved[0]]) / 1e3)
-            out["j_step"] = watts * statistics.mean(ms) / 1e3
+        sys.path.insert(0, "tools")
+        from energy_counter import counter_power, step_reads
+        got = counter_power(step_reads(seq))
+        if got:
+            out["j_step"] = got[0] * statistics.mean(ms) / 1e3
 print(json.dumps(out))
 PY
   rm -rf "$dir"/step_*

@@ -25,7 +25,7 @@ peak, p90 <= 1.1x the median; a row without a PyTorch row gets only the last two
 Where the rows carry the GPU's energy counter (loom: metrics.jsonl's energy_j, J at each logged
 step; PyTorch: J_per_step and W from tools/torch_ref_energy.py around its timed steps), a table of
 energy per step: loom's mean power over its timed steps (between the first and the last step at
-which the counter moved: NVML updates it about every 100 ms, counter_power below) times its mean
+which the counter moved: NVML updates it about every 100 ms, tools/energy_counter.py) times its mean
 step, the reference's as written, and compiled PyTorch's energy per step over loom's. At the power limit
 (both sides run there: bench/RESULTS.md 2026-12-07, "energy") a step's time follows its energy, so
 that ratio bounds the speed ratio a faster schedule of the same work can reach.
@@ -39,6 +39,9 @@ import os
 import json
 import statistics
 import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+from energy_counter import counter_power, step_reads  # noqa: E402 (tools/energy_counter.py)
 
 
 def load(path):
@@ -128,30 +131,6 @@ if missing:
           f"that workload (its log: e2e_torch.log beside this table).")
 
 
-def counter_power(seq):
-    """Mean power (W) and the span it covers (s) from NVML's energy counter read once a step:
-    seq is the last warm-up step, then the timed steps, each with "ms" and "energy_j". The counter
-    moves in steps, about every 100 ms (H100, bench/RESULTS.md 2026-12-07 "candidates"), so its
-    difference between the window's ends is off by up to one update (~9% over 50 MIM steps). The
-    power is taken between the first and the last step at which the counter moved instead, each
-    update placed in the middle of the step that saw it (half a step off at most). None when the
-    counter moved fewer than twice."""
-    ends, t = [], 0.0
-    for st in seq:
-        ends.append(t)
-        t += st["ms"]
-    ends = [e + st["ms"] for e, st in zip(ends, seq)]
-    moved = [i for i in range(1, len(seq)) if seq[i]["energy_j"] != seq[i - 1]["energy_j"]]
-    if len(moved) < 2:
-        return None
-    c0, c1 = moved[0], moved[-1]
-    at = lambda i: ends[i] - seq[i]["ms"] / 2
-    span = (at(c1) - at(c0)) / 1e3
-    if span <= 0:
-        return None
-    return (seq[c1]["energy_j"] - seq[c0]["energy_j"]) / span, span
-
-
 def energy_table():
     """loom's energy per step and mean power over its timed steps, the reference's, the ratio."""
     out = []
@@ -161,7 +140,7 @@ def energy_table():
         timed = steps[warm:]
         if warm < 1 or not timed or any("energy_j" not in s for s in [steps[warm - 1]] + timed):
             continue
-        got = counter_power(steps[warm - 1:])
+        got = counter_power(step_reads(steps[warm - 1:]))
         if not got:
             continue
         watts, span = got

@@ -9,7 +9,7 @@ total-energy counter of the reference's device is read as the first timed step s
 the synchronization that ends its warm-up), after each timed step's launches and when timeit
 returns (after the last step's synchronization). emit(rec, out): the next row with a workload
 gets three more fields: W, the mean power between the first and the last update of the counter
-inside the loop (counter_power: it moves only every ~100 ms), J_per_step (W times the loop's
+inside the loop (tools/energy_counter.py: it moves only every ~100 ms), J_per_step (W times the loop's
 wall time over iters, the host's gaps between steps included: the reference synchronizes after
 every step) and J_span_s (the seconds W is measured over; its ends are each off by up to half a
 step).
@@ -25,6 +25,9 @@ import ctypes
 import os
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from energy_counter import counter_power  # noqa: E402 (tools/, beside this file)
 
 
 def nvml_energy(device_index):
@@ -53,23 +56,6 @@ def nvml_energy(device_index):
             return None
         return mj.value / 1e3
     return read if read() is not None else None
-
-
-def counter_power(reads):
-    """Mean power (W) and its span (s) from (time, joules) reads of NVML's energy counter, taken
-    once a step. The counter moves in steps about every 100 ms (H100, bench/RESULTS.md 2026-12-07
-    "candidates"), so the difference of a loop's first and last reads is off by up to one update
-    (~7% over 50 compiled MIM steps). The power is taken between the first and the last update
-    seen inside the loop instead, each update placed halfway between the read that saw it and
-    the read before. None when the counter moved fewer than twice."""
-    moved = [i for i in range(1, len(reads)) if reads[i][1] != reads[i - 1][1]]
-    if len(moved) < 2:
-        return None
-    at = lambda i: (reads[i - 1][0] + reads[i][0]) / 2
-    span = at(moved[-1]) - at(moved[0])
-    if span <= 0:
-        return None
-    return (reads[moved[-1]][1] - reads[moved[0]][1]) / span, span
 
 
 def wrap(ref, make_reader, clock=time.monotonic):
