@@ -12,13 +12,16 @@
 // LOOM_BENCH_GEMM_RANKS=n: every product that runs through matmul.cu (the "loom" lines) also
 // runs with each of the heuristic's first n algorithms ("gemm_rank" lines, with the plan's sizes
 // in LOOM_GEMM_PICK's terms and the algorithm's tile, stages, split-K, cluster): with
-// LOOM_BENCH_SUSTAIN_MS, which candidate does a product for the fewest joules at the power
-// limit; bench/gemm_pick.py turns the lines into a LOOM_GEMM_PICK table.
+// LOOM_BENCH_SUSTAIN_MS, which candidate runs a product fastest with the board at its power
+// limit (its joules too, but NVML's counter moves every ~100 ms: energy over windows under a few
+// seconds is noise); bench/gemm_pick.py turns the lines into a LOOM_GEMM_PICK table.
 // LOOM_BENCH_SUSTAIN_MS=n: after its 20 timed runs each product also runs back to back for n ms
 // and its line gets "sustained_ms" (the wall time per call over that stretch), "mj_per_call" and
 // "pj_per_flop" (the GPU's energy counter, kernels.h device_energy_joules, over the stretch): what
 // a product costs once the board sits at its power limit, as it does through a training step
 // (bench/RESULTS.md 2026-12-07 "energy"), where the cheapest product in joules is the fastest.
+// The counter moves every ~100 ms (2026-12-07 "candidates"): the joules of a stretch of n ms are
+// good to about 100 / n, the wall time far better.
 // The power controller settles about a second into a load: n of 1500 or more reads the products
 // as a step sees them (and adds n ms to each of the ~150 lines; LOOM_BENCH_GEMM_WORKLOADS
 // narrows it).

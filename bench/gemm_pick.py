@@ -1,17 +1,20 @@
 #!/usr/bin/env python3
 """gemm_pick.py: a LOOM_GEMM_PICK table from bench_gemm_shapes' "gemm_rank" lines.
 
-  LOOM_BENCH_GEMM_RANKS=6 LOOM_BENCH_SUSTAIN_MS=500 build/bench_gemm_shapes > ranks.jsonl
-  python3 bench/gemm_pick.py ranks.jsonl --by mj --margin 0.03 > pick.txt
-  LOOM_GEMM_PICK=pick.txt build/bench_mim ...
+  LOOM_BENCH_GEMM_RANKS=5 LOOM_BENCH_SUSTAIN_MS=500 build/bench_gemm_shapes > ranks.jsonl
+  python3 bench/gemm_pick.py ranks.jsonl --by sms --margin 0.03 > pick.txt
+  LOOM_GEMM_PICK=pick.txt build/train configs/bench_mim.cfg ...   (bench/ab.sh to compare)
 
 Each gemm_rank line is one product (workload, layer, op) run with the heuristic's rank-th
 algorithm; its "plan" names the product's sizes as matmul.cu keys them ("M N K ta tb epilogue
 batch | the algorithm"). For every plan the table keeps the rank with the lowest cost summed over
 the products that share the plan, weighted by how often a step runs each ("count"), when that
 beats rank 0 (what the heuristic picks) by more than --margin; otherwise the plan is left out.
---by mj ranks by the sustained energy per call (mj_per_call, the board at its power limit), --by
-sms by the sustained wall time per call (sustained_ms), --by ms by the event-timed median. Lines without the field asked for are an error, not a silent zero.
+--by sms (the default) ranks by the sustained wall time per call (sustained_ms, the board at its
+power limit), --by mj by the sustained energy per call (mj_per_call: NVML's counter moves every
+~100 ms, so over LOOM_BENCH_SUSTAIN_MS of 500 it is ±20%, and its picks were noise in the steps,
+bench/RESULTS.md 2026-12-07 "candidates"), --by ms by the event-timed median. Lines without the
+field asked for are an error, not a silent zero.
 """
 import argparse
 import json
@@ -63,7 +66,7 @@ def pick(rows, by, margin, path="<rows>"):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("rows", help="bench_gemm_shapes output with gemm_rank lines")
-    ap.add_argument("--by", choices=["mj", "sms", "ms"], default="mj")
+    ap.add_argument("--by", choices=["mj", "sms", "ms"], default="sms")
     ap.add_argument("--margin", type=float, default=0.03, help="keep a rank only when it beats rank 0 by this fraction")
     a = ap.parse_args()
     rows = load(a.rows)
