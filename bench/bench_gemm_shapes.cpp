@@ -7,8 +7,7 @@
 //    "M":6272,"I":768,"O":2304,"count":12,"ms":..,"tflops":..}
 // What it answers: which of a step's products run far from the GPU's GEMM rate, and what a
 // step's GEMMs would cost at that rate (the "sum" lines).
-// LOOM_BENCH_GEMM_WORKLOADS=mim,vlm,... keeps some workloads; LOOM_BENCH_GEMM_ALGOS=n also times
-// up to n of cuBLASLt's candidate algorithms for each weight gradient ("gemm_candidate" lines).
+// LOOM_BENCH_GEMM_WORKLOADS=mim,vlm,... keeps some workloads.
 // LOOM_BENCH_GEMM_RANKS=n: every product that runs through matmul.cu (the "loom" lines) also
 // runs with each of the heuristic's first n algorithms ("gemm_rank" lines, with the plan's sizes
 // in LOOM_GEMM_PICK's terms and the algorithm's tile, stages, split-K, cluster): with
@@ -136,62 +135,6 @@ struct Shape {
   int I, O, count;
   bool gelu, grad, bias;
 };
-
-// LOOM_BENCH_GEMM_ALGOS=n: for every weight-gradient product (dW += dout^T x, bf16, fp32
-// accumulation, beta 1) up to n of cuBLASLt's heuristic candidates, each timed alone. Rank 0 is
-// the heuristic's first choice, which matmul.cu takes for a shape unless the shape's bucket
-// already holds an algorithm (its "dw" line is what it runs). Row-major C[M, N] = op(A) op(B) is
-// cuBLASLt's column-major C^T = op(B)^T op(A)^T, laid out as matmul.cu lays it out.
-void time_candidates(const Shape& sh, bf16* dW, const bf16* dy, const bf16* x, int n_algos) {
-  const int M = sh.O, N = sh.I, K = int(sh.M);  // dW [O, I] = dy^T [O, rows] x [rows, I]
-  cublasLtMatmulDesc_t op;
-  cublasLtMatrixLayout_t la, lb, lc;
-  cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F);
-  const cublasOperation_t opA = CUBLAS_OP_N, opB = CUBLAS_OP_T;  // Lt's A is x, its B is dy
-  cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &opA, sizeof(opA));
-  cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &opB, sizeof(opB));
-  cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, N, K, N);  // x [rows, I] row-major = [I, rows] col-major
-  cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, M, K, M);  // dy [rows, O] = [O, rows] col-major
-  cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, N, M, N);  // dW [O, I] = [I, O] col-major
-  size_t ws_bytes = 0;
-  void* ws = cu::cublaslt_workspace(&ws_bytes);
-  cublasLtMatmulPreference_t pref;
-  cublasLtMatmulPreferenceCreate(&pref);
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes));
-  auto res = std::vector<cublasLtMatmulHeuristicResult_t>(size_t(n_algos));
-  int count = 0;
-  if (cublasLtMatmulAlgoGetHeuristic(cu::cublaslt_handle(), op, la, lb, lc, lc, pref, n_algos, res.data(), &count) !=
-      CUBLAS_STATUS_SUCCESS) {
-    std::printf("{\"kernel\":\"gemm_candidate\",\"layer\":\"%s\",\"error\":\"no heuristic result\"}\n", sh.layer);
-    count = 0;
-  }
-  const float one = 1.f;
-  const double flop = 2.0 * double(M) * N * K;
-  for (int i = 0; i < count; i++) {
-    auto run = [&] {
-      cublasLtMatmul(cu::cublaslt_handle(), op, &one, x, la, dy, lb, &one, dW, lc, dW, lc, &res[size_t(i)].algo, ws,
-                     ws_bytes, cu::default_stream());
-    };
-    int splitk = 0, tile = 0, stages = 0;
-    size_t got = 0;
-    const cublasLtMatmulAlgo_t* algo = &res[size_t(i)].algo;
-    cublasLtMatmulAlgoConfigGetAttribute(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splitk, sizeof(splitk), &got);
-    cublasLtMatmulAlgoConfigGetAttribute(algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof(tile), &got);
-    cublasLtMatmulAlgoConfigGetAttribute(algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages, sizeof(stages), &got);
-    const double ms = median_ms(run);
-    std::printf("{\"impl\":\"cublaslt\",\"kernel\":\"gemm_candidate\",\"workload\":\"%s\",\"layer\":\"%s\","
-                "\"op\":\"dw\",\"rank\":%d,\"splitk\":%d,\"tile\":%d,\"stages\":%d,\"workspace\":%zu,"
-                "\"ms\":%.4f,\"tflops\":%.1f%s}\n",
-                sh.workload, sh.layer, i, splitk, tile, stages, res[size_t(i)].workspaceSize, ms, flop / ms / 1e9,
-                sustained_fields(flop).c_str());
-    std::fflush(stdout);
-  }
-  cublasLtMatmulPreferenceDestroy(pref);
-  cublasLtMatrixLayoutDestroy(la);
-  cublasLtMatrixLayoutDestroy(lb);
-  cublasLtMatrixLayoutDestroy(lc);
-  cublasLtMatmulDescDestroy(op);
-}
 
 }  // namespace
 
@@ -385,8 +328,6 @@ int main() {
     if (sh.grad) {
       one("dx", [&] { cu::gemm(dx, dy, W, int(sh.M), sh.I, sh.O, false, false, 1.0, 0.0, 1, 0, 0, 0, s); });
       one("dw", [&] { cu::gemm(dW, dy, x, sh.O, sh.I, int(sh.M), true, false, 1.0, 1.0, 1, 0, 0, 0, s); });
-      if (const char* n = std::getenv("LOOM_BENCH_GEMM_ALGOS"))
-        time_candidates(sh, dW, dy, x, std::max(1, std::atoi(n)));
     }
     // a ViT's q, k, v (three D x D parts of qkv): as the step runs them (three GEMMs) and as one
     // strided-batched GEMM whose input has batch stride 0 (the outputs stay three [M, D] blocks)

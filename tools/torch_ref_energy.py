@@ -9,14 +9,15 @@ total-energy counter of the reference's device is read as the first timed step s
 the synchronization that ends its warm-up), after each timed step's launches and when timeit
 returns (after the last step's synchronization). emit(rec, out): the next row with a workload
 gets three more fields: W, the mean power between the first and the last update of the counter
-inside the loop (tools/energy_counter.py: it moves only every ~100 ms), J_per_step (W times the loop's
-wall time over iters, the host's gaps between steps included: the reference synchronizes after
-every step) and J_span_s (the seconds W is measured over; its ends are each off by up to half a
-step).
+inside the loop (tools/energy_counter.py: it moves only every ~100 ms), J_per_step (W times the
+loop's wall time over iters, the host's gaps between steps included: the reference synchronizes
+after every step) and J_span_s (the seconds W is measured over; its ends are each off by up to
+half a step).
 
 The reads run inside the timed steps' event pairs: the first before the first step's launches,
-the others after a step's launches while its kernels run (an NVML read is microseconds of host
-time; the median the reference reports is not moved by it). Where NVML or those two functions are missing, the reference runs as is, without the
+the others after a step's launches (an NVML read is microseconds of host time; the median the
+reference reports is not moved by it). Where NVML or those two functions are missing, the
+reference runs as is, without the
 fields. bench/e2e.sh runs the reference through this, and bench/e2e_report.py prints the fields
 beside loom's energy per step (metrics.jsonl's energy_j). Needs torch (the reference imports it).
 ctest's torch_ref_energy (tests/torch_ref_energy_test.py) checks wrap() on a made-up module.
