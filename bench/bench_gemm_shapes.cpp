@@ -24,7 +24,6 @@
 // The power controller settles about a second into a load: n of 1500 or more reads the products
 // as a step sees them (and adds n ms to each of the ~150 lines; LOOM_BENCH_GEMM_WORKLOADS
 // narrows it).
-#include <cublasLt.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -40,9 +39,7 @@
 #include "kernels/cuda/gemm_sm90.h"
 #include "kernels/kernels.h"
 
-namespace loom::cuda {  // kernels/cuda/common.cuh (a CUDA header; this file is plain C++)
-cublasLtHandle_t cublaslt_handle();
-void* cublaslt_workspace(size_t* bytes);
+namespace loom::cuda {  // kernels/cuda/matmul.cu's candidate ranking (no header: bench only)
 void gemm_set_candidate(int rank);  // matmul.cu: the heuristic's rank-th algorithm for new plans
 long gemm_candidate_missing();
 std::string gemm_last_algo();
