@@ -15,26 +15,19 @@ cell against samples made up here: idle samples left out, the power-limit count,
 clock-event reasons column in half the runs (without it in the other half, as an older driver
 samples). The energy table (half the runs carry the GPU's energy counter in loom's steps and
 energy per step in PyTorch's rows, the other half none, and then no table): loom's J/step over its
-timed steps only (warm-up steps' energy far off), its mean power and compiled PyTorch's J over it. Exit 0: pass, 1: a check failed (each printed, with the seed that reruns it through
-E2E_REPORT_SEED). ctest runs it as `e2e_report`."""
+timed steps only (warm-up steps' energy far off), its mean power and compiled PyTorch's J over it. Exit 0: pass, 1: a check failed (each printed, with the seed that replays it through
+LOOM_TEST_SEED: tests/pycheck.py). ctest runs it as `e2e_report`."""
 import datetime
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-rng = random.Random()  # fresh values every run; the seed is printed for a rerun
-seed = int(os.environ.get("E2E_REPORT_SEED", rng.randrange(1 << 30)))
-rng.seed(seed)
-failures = []
+from pycheck import ROOT, Run
 
-
-def check(ok, what):
-    if not ok:
-        failures.append(what)
+run = Run("e2e_report")
+rng, check = run.rng, run.check
 
 
 def median(xs):
@@ -96,7 +89,7 @@ def counter_steps(steps, warm):
     span = mid(moved[-1]) - mid(moved[0])
     slack = max(s["ms"] for s in timed) / 1e3 / span * 2 + 0.15  # + the steps' spread of power
     if abs(jps / truth - 1) > slack:
-        failures.append(f"the made-up counter's J/step {jps:.3f} is {jps / truth - 1:+.1%} off its truth {truth:.3f}")
+        run.fail(f"the made-up counter's J/step {jps:.3f} is {jps / truth - 1:+.1%} off its truth {truth:.3f}")
     return jps, w, span
 
 
@@ -211,7 +204,7 @@ def run_report(loom, torch, gpu=None):
         p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "e2e_report.py"), a, b],
                            capture_output=True, text=True)
         if p.returncode != 0:
-            failures.append(f"e2e_report.py exited {p.returncode}: {p.stderr.strip()[-400:]}")
+            run.fail(f"e2e_report.py exited {p.returncode}: {p.stderr.strip()[-400:]}")
         return p.stdout
 
 
@@ -262,13 +255,8 @@ for trial in range(20):
           f"trial {trial}: the shared-target row's ratio in parentheses: {shared}")
     check(not any("| mim_contrastive_shared |" in l for l in lines if l.startswith("| speed") or l.startswith("| p90")),
           f"trial {trial}: a target line for the shared-target row")
-    if failures:
+    if run.failures:
         print(text)
         break
 
-if failures:
-    print(f"FAILED (E2E_REPORT_SEED={seed}):")
-    for f in failures:
-        print(" -", f)
-    sys.exit(1)
-print(f"e2e_report: 20 made-up tables, every target line and GPU row as expected (seed {seed})")
+run.finish("20 made-up tables, every target line and GPU row as expected")

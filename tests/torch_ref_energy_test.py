@@ -8,21 +8,15 @@ J_per_step and W that wrap() puts in a row must be within half a step at each en
 true energy per step and power (the difference of the loop's first and last reads would be off by
 up to a whole update, and is caught); rows emitted without a timed loop before them (the
 reference's device line) and loops whose counter is missing get no fields. Exit 0: pass, 1: a check
-failed. ctest runs it as `torch_ref_energy`."""
-import importlib.util
-import os
-import random
-import sys
+failed (each printed, with the seed that replays it: tests/pycheck.py). ctest runs it as
+`torch_ref_energy`."""
 import types
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-spec = importlib.util.spec_from_file_location("torch_ref_energy", os.path.join(ROOT, "tools", "torch_ref_energy.py"))
-mod = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(mod)
-rng = random.Random()
-seed = rng.randrange(1 << 30)
-rng.seed(seed)
-failures = []
+from pycheck import Run, load
+
+mod = load("tools/torch_ref_energy.py")
+run = Run("torch_ref_energy")
+rng = run.rng
 clock = {"t": rng.uniform(0, 100)}
 clock["log"] = [(clock["t"], rng.uniform(1e3, 1e5))]  # (time, true energy) at each step's end
 PERIOD, PHASE = 0.1, rng.uniform(0, 0.1)
@@ -76,26 +70,26 @@ for _ in range(rng.randint(2, 4)):
 ref = make_ref(loops)
 ok = mod.wrap(ref, lambda: counter, clock=lambda: clock["t"])
 if not ok:
-    failures.append("wrap() refused a module with timeit and emit")
+    run.fail("wrap() refused a module with timeit and emit")
 ref.main()
 got = [r for r in rows if "workload" in r]
 if len(got) != len(loops):
-    failures.append(f"{len(got)} workload rows for {len(loops)} loops")
+    run.fail(f"{len(got)} workload rows for {len(loops)} loops")
 for r, (warmup, watts, dts) in zip(got, loops):
     truth = watts * sum(dts) / len(dts)
     span = r.get("J_span_s", 0)
     # each end of the span is up to half a step from its update; the span itself covers the loop
     # but its first and last update periods
     if span < sum(dts) - 2 * (PERIOD + max(dts)):
-        failures.append(f"{r['workload']}: span {span} s of a {sum(dts):.3f} s loop")
+        run.fail(f"{r['workload']}: span {span} s of a {sum(dts):.3f} s loop")
     slack = max(dts) / max(span, 1e-9) + 1e-3
     for k, want in (("J_per_step", truth), ("W", watts)):
         if abs(r.get(k, -1) / want - 1) > slack:
-            failures.append(f"{r['workload']}: {k} {r.get(k)} against {want:.3f} (warm-up {warmup}, "
+            run.fail(f"{r['workload']}: {k} {r.get(k)} against {want:.3f} (warm-up {warmup}, "
                             f"{len(dts)} timed steps, slack {slack:.2%})")
 for r in rows:
     if "workload" not in r and ("J_per_step" in r or "W" in r):
-        failures.append(f"fields on a row without a workload: {r}")
+        run.fail(f"fields on a row without a workload: {r}")
 
 # no counter (make_reader gives None): rows as the reference writes them
 rows.clear()
@@ -103,16 +97,11 @@ ref = make_ref(loops[:1])
 mod.wrap(ref, lambda: None)
 ref.main()
 if any("J_per_step" in r for r in rows):
-    failures.append("J_per_step without an energy counter")
+    run.fail("J_per_step without an energy counter")
 # no timeit to wrap: refused, the module left as it is
 bare = types.ModuleType("torch_ref")
 bare.emit = lambda rec, out: None
 if mod.wrap(bare, lambda: None) or hasattr(bare, "timeit"):
-    failures.append("wrap() took a module without timeit")
+    run.fail("wrap() took a module without timeit")
 
-if failures:
-    print(f"FAILED (seed {seed}):")
-    for f in failures:
-        print(" -", f)
-    sys.exit(1)
-print(f"torch_ref_energy: {len(loops)} made-up loops, each row's J_per_step over its timed steps (seed {seed})")
+run.finish(f"{len(loops)} made-up loops, each row's J_per_step over its timed steps")
