@@ -65,7 +65,8 @@ one() {  # row, side (A or B), round
   done
   local dir="$OUT/run_${row}_${side}_$round"
   rm -rf "$dir"
-  env "${env[@]}" "$B/train" "${base[@]}" --train.steps="$STEPS" --train.log_every=1 --train.out_dir="$dir" \
+  # the energy counter read after every step (trainer/step_log.cpp; a setting may say otherwise)
+  env LOOM_ENERGY_READ_MS=0 "${env[@]}" "$B/train" "${base[@]}" --train.steps="$STEPS" --train.log_every=1 --train.out_dir="$dir" \
     "${args[@]}" > "$dir.log" 2>&1
   local rc=$?
   python3 - "$dir/metrics.jsonl" "$row" "$side" "$round" "$rc" "$WARM" >> "$OUT/ab.jsonl" <<'PY'
@@ -79,11 +80,11 @@ out = {"row": row, "side": side, "round": int(rnd), "rc": int(rc), "steps": len(
 if ms:
     out.update(median=statistics.median(ms), loss2=steps[1]["loss"] if len(steps) > 1 else None,
                peak_mb=steps[-1].get("mem_mb"))
-    # J a step over the timed steps: the energy counter (energy_j, -1 where none) moves about every
-    # 100 ms, so the mean power between its first and last update inside them
-    # (tools/energy_counter.py), times the mean step
+    # J a step over the timed steps: the energy counter (energy_j where the trainer read it: every
+    # step here, LOOM_ENERGY_READ_MS=0 below) moves about every 100 ms, so the mean power between its first
+    # and last update inside them (tools/energy_counter.py), times the mean step
     seq = [r for r in steps if r["step"] >= int(warm)]
-    if len(seq) > 2 and seq[0]["step"] == int(warm) and all(r.get("energy_j", -1) >= 0 for r in seq):
+    if len(seq) > 2 and seq[0]["step"] == int(warm) and any(r.get("energy_j", -1) >= 0 for r in seq):
         sys.path.insert(0, "tools")
         from energy_counter import counter_power, step_reads
         got = counter_power(step_reads(seq))

@@ -73,7 +73,8 @@ run() {  # name, steps, warm-up steps (not in the table), config, overrides...
   local dir="$OUT/e2e_$name"
   rm -rf "$dir"
   mark "loom $name"
-  timeout 400 "$B/train" "$cfg" --train.steps="$steps" --train.log_every=5 --train.out_dir="$dir" "$@" > "$OUT/e2e_$name.log" 2>&1
+  # the GPU's energy counter read after every step (trainer/step_log.cpp), for the energy table
+  LOOM_ENERGY_READ_MS=0 timeout 400 "$B/train" "$cfg" --train.steps="$steps" --train.log_every=5 --train.out_dir="$dir" "$@" > "$OUT/e2e_$name.log" 2>&1
   local rc=$?
   mark end
   echo "loom $name rc=$rc: $(grep -E '^step +[0-9]+/' "$OUT/e2e_$name.log" | tail -1)"

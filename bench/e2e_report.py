@@ -22,8 +22,8 @@ Then issue 8's targets as the table reads them, on the rows of the reference's t
 torch.compile (1.5x / 1.5x / 2.0x), each peak against compiled PyTorch's, reserved <= 1.2x the
 peak, p90 <= 1.1x the median; a row without a PyTorch row gets only the last two.
 
-Where the rows carry the GPU's energy counter (loom: metrics.jsonl's energy_j, J at each logged
-step; PyTorch: J_per_step and W from tools/torch_ref_energy.py around its timed steps), a table of
+Where the rows carry the GPU's energy counter (loom: metrics.jsonl's energy_j, J at the steps after
+which the trainer read it, every step as bench/e2e.sh runs it; PyTorch: J_per_step and W from tools/torch_ref_energy.py around its timed steps), a table of
 energy per step: loom's mean power over its timed steps (between the first and the last step at
 which the counter moved: NVML updates it about every 100 ms, tools/energy_counter.py) times its
 mean step, the reference's as written, and compiled PyTorch's energy per step over loom's. At the
@@ -138,7 +138,7 @@ def energy_table():
         warm = r.get("warmup", 5)
         steps = r["steps"]
         timed = steps[warm:]
-        if warm < 1 or not timed or any("energy_j" not in s for s in [steps[warm - 1]] + timed):
+        if warm < 1 or not timed or not any("energy_j" in s for s in timed):
             continue
         got = counter_power(step_reads(steps[warm - 1:]))
         if not got:

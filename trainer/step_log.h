@@ -44,6 +44,9 @@ class AsyncStepLog {
   Tensor scale_, scale_at_start_;  // the optimizer's scale; its value when the step began
   std::deque<Step> pending_;
   double last_loss_ = 0;
+  // the GPU's energy counter is read once energy_every_ms_ of steps have passed since the last
+  // read (energy_ms_: the steps' ms since then; LOOM_ENERGY_READ_MS, step_log.cpp)
+  double energy_every_ms_, energy_ms_;
 };
 
 }  // namespace loom
