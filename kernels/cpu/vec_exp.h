@@ -4,7 +4,8 @@
 // time. exp_acc<float> is a handful of multiplies and adds with no call and no branch, so GCC
 // turns a loop of them into AVX2 / AVX-512 code (files that use it are built with
 // -fvect-cost-model=dynamic, CMakeLists.txt: -O2 alone vectorizes only loops whose trip count
-// the compiler can see). exp_acc<double> is std::exp: the f64 gradient checks keep the C
+// the compiler can see; and with -fno-trapping-math, without which GCC 12 turns the selects
+// below into blends only with AVX-512's masks: on an AVX2-only CPU the loops stayed scalar). exp_acc<double> is std::exp: the f64 gradient checks keep the C
 // library's exp.
 //
 // The method (as in Cephes' expf and most vector math libraries):
