@@ -81,8 +81,8 @@ if ms:
     out.update(median=statistics.median(ms), loss2=steps[1]["loss"] if len(steps) > 1 else None,
                peak_mb=steps[-1].get("mem_mb"))
     # J a step over the timed steps: the energy counter (energy_j where the trainer read it: every
-    # step here, LOOM_ENERGY_READ_MS=0 below) moves about every 100 ms, so the mean power between its first
-    # and last update inside them (tools/energy_counter.py), times the mean step
+    # step here, LOOM_ENERGY_READ_MS=0 above) moves about every 100 ms, so the mean power between
+    # its first and last update inside them (tools/energy_counter.py), times the mean step
     seq = [r for r in steps if r["step"] >= int(warm)]
     if len(seq) > 2 and seq[0]["step"] == int(warm) and any(r.get("energy_j", -1) >= 0 for r in seq):
         sys.path.insert(0, "tools")

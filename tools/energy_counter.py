@@ -7,8 +7,8 @@ first and the last update seen inside the window instead, each update placed hal
 read that saw it and the read before (half the time between reads off at most at each end). Used
 by bench/e2e_report.py and bench/ab.sh (loom's metrics.jsonl: energy_j at the steps after which
 the trainer read the counter: after every step under LOOM_ENERGY_READ_MS=0, as bench/e2e.sh and
-bench/ab.sh run it, else once a second of steps) and tools/torch_ref_energy.py (the reference's timed loops); tested through
-their tests."""
+bench/ab.sh run it, else once a second of steps) and tools/torch_ref_energy.py (the reference's
+timed loops); tested through their tests."""
 
 
 def counter_power(reads):
