@@ -27,8 +27,9 @@ which the trainer read it, every step as bench/e2e.sh runs it; PyTorch: J_per_st
 tools/torch_ref_energy.py around its timed steps), a table of energy per step: loom's mean power
 over its timed steps (between the first and the last read at which the counter moved: NVML
 updates it about every 100 ms, tools/energy_counter.py) times its mean step, the reference's as
-written, and compiled PyTorch's energy per step over loom's. At the power limit (both sides run there: bench/RESULTS.md 2026-12-07, "energy") a step's time follows
-its energy, so that ratio bounds the speed ratio a faster schedule of the same work can reach.
+written, and compiled PyTorch's energy per step over loom's. At the power limit (both sides run
+there: bench/RESULTS.md 2026-12-07, "energy") a step's time follows its energy, so that ratio
+bounds the speed ratio a faster schedule of the same work can reach.
 
 Where bench/e2e.sh sampled the GPU (e2e_gpu.csv and e2e_parts.txt beside the first file), a
 last table gives each part's SM clock and power while it ran, and what held the clock down where
