@@ -24,29 +24,14 @@
 #if LOOM_CUDA
 #include <cuda_runtime.h>
 
+#include "bench/bench_timing.h"
+
 namespace cu = loom::cuda;
 using loom::bf16;
 
-static float median_ms(const std::function<void()>& f, int warmup = 3, int iters = 20) {
-  for (int i = 0; i < warmup; i++) f();
-  cu::synchronize();
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  std::vector<float> ts;
-  for (int i = 0; i < iters; i++) {
-    cudaEventRecord(a, cu::default_stream());
-    f();
-    cudaEventRecord(b, cu::default_stream());
-    cudaEventSynchronize(b);
-    float ms = 0;
-    cudaEventElapsedTime(&ms, a, b);
-    ts.push_back(ms);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(ts.begin(), ts.end());
-  return ts[ts.size() / 2];
+// bench_timing.h's median of 20 event-timed runs, after 3 warm-ups
+static float median_ms(const std::function<void()>& f) {
+  return float(loom::bench::median_ms([&](int) { f(); }, 3, 20));
 }
 
 static bf16* rand_dev(size_t n, std::mt19937& rng) {

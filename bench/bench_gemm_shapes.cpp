@@ -36,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_timing.h"
 #include "kernels/cuda/gemm_sm90.h"
 #include "kernels/kernels.h"
 
@@ -100,27 +101,11 @@ std::string sustained_fields(double flop) {
   return buf;
 }
 
+// bench_timing.h's median of 20 event-timed runs after 5 warm-ups, then the sustained stretch
 double median_ms(const std::function<void()>& f) {
-  cudaStream_t s = cu::default_stream();
-  for (int i = 0; i < 5; i++) f();
-  std::vector<double> ms;
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  for (int i = 0; i < 20; i++) {
-    cudaEventRecord(a, s);
-    f();
-    cudaEventRecord(b, s);
-    cudaEventSynchronize(b);
-    float t = 0;
-    cudaEventElapsedTime(&t, a, b);
-    ms.push_back(t);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(ms.begin(), ms.end());
+  const double ms = loom::bench::median_ms([&](int) { f(); }, 5, 20);
   sustain(f);
-  return ms[ms.size() / 2];
+  return ms;
 }
 
 // One linear layer of a step: M rows through I -> O, `count` times a step; `gelu`: the

@@ -13,6 +13,7 @@
 #include <random>
 #include <vector>
 
+#include "bench/bench_timing.h"
 #include "kernels/kernels.h"
 
 namespace cu = loom::cuda;
@@ -32,27 +33,7 @@ template <class T> T* random_buffer(size_t n, uint64_t seed, float lo = -1.f, fl
   return p;
 }
 
-double median_ms(const std::function<void(int)>& f, int warmup = 5, int reps = 20) {
-  cudaStream_t s = cu::default_stream();
-  for (int i = 0; i < warmup; i++) f(i);
-  std::vector<double> ms;
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  for (int i = 0; i < reps; i++) {
-    cudaEventRecord(a, s);
-    f(i);
-    cudaEventRecord(b, s);
-    cudaEventSynchronize(b);
-    float t = 0;
-    cudaEventElapsedTime(&t, a, b);
-    ms.push_back(t);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
+using loom::bench::median_ms;  // bench_timing.h
 
 void emit(const char* kernel, double ms, const char* shape, double bytes, double flops) {
   std::printf("{\"impl\":\"loom\",\"kernel\":\"%s\",\"ms\":%.4f", kernel, ms);
