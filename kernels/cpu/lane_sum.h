@@ -8,7 +8,7 @@
 // The lanes are independent, so the compiler holds them in one vector register (two for
 // double on AVX2) and the loop runs at the speed of its loads. The order depends on C only:
 // the same bits on every run and every thread count; other bits than the one running sum's
-// (f32 rows of 64-3072 values agree to ~1e-7 relative, test_cpu_norms).
+// (test_cpu_norms checks the results against the f64 reference within its tolerances).
 #pragma once
 
 namespace loom::cpu {
