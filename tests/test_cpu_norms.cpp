@@ -3,6 +3,7 @@
 // method: tests/cpu_kernel_test_util.h).
 #include <catch2/catch.hpp>
 
+#include "kernels/cpu/parallel.h"
 #include "kernels/kernels.h"
 #include "tests/tolerances.h"
 
@@ -165,7 +166,7 @@ TEST_CASE("residual_rmsnorm_forward = add, then rmsnorm_forward", "[norms]") {
 
 TEST_CASE("norms: float against double, large enough to take the threaded paths", "[norms]") {
   const int64_t N = 41;
-  const int C = 1030;  // N*C > 32768: rows and column blocks run on threads
+  const int C = 1030;  // N*C > 32768: rows and row splits run on threads
   vector<double> x = uniform(N * C, -2, 3), w = uniform(C), b = uniform(C), dy = uniform(N * C);
   vector<float> xf = cast_vec<float>(x), wf = cast_vec<float>(w), bf = cast_vec<float>(b),
                 dyf = cast_vec<float>(dy);
@@ -239,4 +240,33 @@ TEST_CASE("norms: the backward's dresid is the norm's dinp followed by an add, b
   };
   run(0.f);
   run(0.0);
+}
+
+TEST_CASE("norms: the same bits on 1, 2 and 3 threads", "[norms]") {
+  // the row sums (eight lanes, a tail of 6 at C 70) and the parameter gradients' row splits
+  // (11 at N 700) are cut by the sizes, never by the thread count
+  const int64_t N = 700;
+  const int C = 70;  // N*C > 32768: threaded
+  vector<double> xd = uniform(N * C, -2, 3), wd = uniform(C), bd = uniform(C), dyd = uniform(N * C), rd = uniform(N * C);
+  const vector<float> x = cast_vec<float>(xd), w = cast_vec<float>(wd), b = cast_vec<float>(bd), dy = cast_vec<float>(dyd),
+                      res = cast_vec<float>(rd);
+  auto run = [&](int threads) {
+    const int before = cpu::num_threads();
+    cpu::set_num_threads(threads);
+    vector<float> out = poisoned<float>(N * C), mean = poisoned<float>(N), rstd = poisoned<float>(N),
+                  dx = poisoned<float>(N * C), dw(sz(C), 0.f), db(sz(C), 0.f), rout = poisoned<float>(N * C),
+                  rr = poisoned<float>(N), rdx = poisoned<float>(N * C), rdw(sz(C), 0.f);
+    cpu::layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), N, C, 1e-6, s0);
+    cpu::layernorm_backward(dx.data(), res.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), mean.data(),
+                            rstd.data(), N, C, s0);
+    cpu::rmsnorm_forward(rout.data(), rr.data(), x.data(), w.data(), N, C, 1e-5, s0);
+    cpu::rmsnorm_backward(rdx.data(), none(rdx), rdw.data(), dy.data(), x.data(), w.data(), rr.data(), N, C, s0);
+    cpu::set_num_threads(before);
+    return vector<vector<float>>{out, mean, rstd, dx, dw, db, rout, rr, rdx, rdw};
+  };
+  const auto one = run(1);
+  for (int threads : {2, 3}) {
+    INFO(threads << " threads");
+    CHECK(run(threads) == one);
+  }
 }
