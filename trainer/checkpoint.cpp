@@ -15,6 +15,7 @@
 
 #include "tensor/fileio.h"
 #include "tensor/safetensors.h"
+#include "trainer/distributed.h"
 #include "trainer/run.h"
 
 namespace loom {
@@ -218,6 +219,28 @@ TrainerState load_checkpoint(const std::string& dir, Module& model, Optimizer& o
                  name.c_str(), it->second.desc().c_str(), master.desc().c_str());
       master.copy_(it->second);
     }
+  }
+  return st;
+}
+
+TrainerState start_run(const RunContext& ctx, const std::string& resume, Module& model, Optimizer& opt,
+                       const std::map<std::string, Tensor>& held, std::string* from) {
+  TrainerState st;
+  const std::string ck = find_checkpoint(ctx, resume);
+  if (!ck.empty()) {
+    st = load_checkpoint(ck, model, opt, held);
+    std::printf("resumed from %s at step %lld\n", ck.c_str(), (long long)st.step);
+  }
+  if (from) *from = ck;
+  if (ctx.dp) {
+    // a rank that found no checkpoint (or another one) would train other weights silently
+    ctx.dp->check_same("the step the run starts from", double(st.step),
+                       "every rank must see the same checkpoint (train.out_dir on a file system all machines share, "
+                       "or train.resume naming the same folder everywhere)");
+    // init files named by path (node-local copies) could differ: compare what was loaded
+    ctx.dp->check_same("the weights the run starts from", weights_fingerprint(model, opt, held),
+                       "every rank must load the same files (model.init, model.lm_init, model.vision_init: paths, which "
+                       "the config comparison leaves out) or checkpoint");
   }
   return st;
 }

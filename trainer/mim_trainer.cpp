@@ -219,23 +219,10 @@ int train_mim(const RunContext& ctx) {
   std::printf("optimizer %s\n", opt.backend().c_str());
 
   int64_t steps = cfg.get_int64("train.steps"), start = 0;
-  std::string ck = find_checkpoint(ctx, cfg.get_str("train.resume"));
-  TrainerState st;
-  std::map<std::string, double> baselines;
-  if (!ck.empty()) {
-    st = load_checkpoint(ck, m, opt, ema.masters("target."));
-    start = st.step;
-    baselines = st.extra;
-    std::printf("resumed from %s at step %lld\n", ck.c_str(), (long long)start);
-  }
-  if (ctx.dp)  // a rank that found no checkpoint (or another one) would train other weights silently
-    ctx.dp->check_same("the step the run starts from", double(start),
-                       "every rank must see the same checkpoint (train.out_dir on a file system all machines share, "
-                       "or train.resume naming the same folder everywhere)");
-  if (ctx.dp)  // init files named by path (node-local copies) could differ: compare what was loaded
-    ctx.dp->check_same("the weights the run starts from", weights_fingerprint(m, opt, ema.masters("target.")),
-                       "every rank must load the same files (model.init, model.lm_init, model.vision_init: paths, which "
-                       "the config comparison leaves out) or checkpoint");
+  std::string ck;
+  TrainerState st = start_run(ctx, cfg.get_str("train.resume"), m, opt, ema.masters("target."), &ck);
+  start = st.step;
+  std::map<std::string, double> baselines = st.extra;
   if (ck.empty() && !cfg.get_bool("train.dry_run") && test.n > 0 && ctx.rank == 0) {
     // the two baselines the trained encoder must beat: raw pixels, and this random encoder
     int d = train.c * train.h * train.w;

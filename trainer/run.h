@@ -102,6 +102,12 @@ void save_checkpoint(const RunContext& ctx, Module& model, const Optimizer& opt,
 std::string find_checkpoint(const RunContext& ctx, const std::string& resume);
 TrainerState load_checkpoint(const std::string& dir, Module& model, Optimizer& opt,
                              const std::map<std::string, Tensor>& held = {});
+// The start of a run: the checkpoint `resume` names (find_checkpoint; none: a fresh run at step
+// 0) loaded into model, opt and held, "resumed from ..." printed; under data parallel every rank
+// must then start from the same step and the same weights (DataParallel::check_same stops all
+// ranks, naming what to fix). *from (nullable): the checkpoint folder, "" for a fresh run.
+TrainerState start_run(const RunContext& ctx, const std::string& resume, Module& model, Optimizer& opt,
+                       const std::map<std::string, Tensor>& held = {}, std::string* from = nullptr);
 // the model weights of a checkpoint folder (for chat / init from a checkpoint)
 std::map<std::string, Tensor> load_checkpoint_model(const std::string& dir);
 std::string checkpoint_config_text(const std::string& dir);

@@ -174,21 +174,8 @@ static int train_vlm(const RunContext& ctx) {
   int64_t steps = cfg.get_int64("train.steps"), start = 0;
   int bs = cfg.get_int("train.batch_size"), accum = std::max(1, cfg.get_int("train.grad_accum"));
   int row = cfg.get_int("data.pack_max_length");
-  std::string ck = find_checkpoint(ctx, cfg.get_str("train.resume"));
-  TrainerState st;
-  if (!ck.empty()) {
-    st = load_checkpoint(ck, m, opt);
-    start = st.step;
-    std::printf("resumed from %s at step %lld\n", ck.c_str(), (long long)start);
-  }
-  if (ctx.dp)  // a rank that found no checkpoint (or another one) would train other weights silently
-    ctx.dp->check_same("the step the run starts from", double(start),
-                       "every rank must see the same checkpoint (train.out_dir on a file system all machines share, "
-                       "or train.resume naming the same folder everywhere)");
-  if (ctx.dp)  // init files named by path (node-local copies) could differ: compare what was loaded
-    ctx.dp->check_same("the weights the run starts from", weights_fingerprint(m, opt),
-                       "every rank must load the same files (model.init, model.lm_init, model.vision_init: paths, which "
-                       "the config comparison leaves out) or checkpoint");
+  TrainerState st = start_run(ctx, cfg.get_str("train.resume"), m, opt);
+  start = st.step;
   // batch of micro-step s: rows [s*bs, (s+1)*bs) of the epoch's shuffled row order. Data
   // parallel: the micro-step's global batch is rows [s*G, (s+1)*G), G = bs x world, and this
   // rank takes its part [rank*bs, (rank+1)*bs) (the same permutation on every rank).
