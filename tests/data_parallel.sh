@@ -14,6 +14,8 @@
 #   infonce the contrastive MIM with train.dist_infonce = global: 2 x B as 1 x 2B; with local,
 #           not (each rank's own negatives)
 #   env     ranks started by hand with torchrun's variables (no launcher) give the same losses
+#   hosts   (CPU) four such ranks, two of them joining through this machine's network address as
+#           ranks on other machines would, give the launcher's losses
 #   config  a rank started with another train.lr stops every rank at the rendezvous, naming the key
 #   resume  a rank that finds no checkpoint where rank 0 resumes stops both before the first step
 #   init    a rank that loads other init weights (model.lm_init) stops both before the first step
@@ -168,6 +170,38 @@ if wait -n && wait -n; then
   fi
 else
   fail "mim, 2 ranks from environment variables: a rank failed ($(grep -h '^error' "$W"/mim_env_*.log | head -1))"
+fi
+
+# ---- ranks as on several machines (CPU): four ranks from environment variables, ranks 1 and 3
+# reaching rank 0 through this machine's network address (as ranks on other machines do: rank 0
+# hands the others the address each of them came from) and rank 2 through 127.0.0.1 (a rank on
+# rank 0's machine: reached at the address each rank reached rank 0 at). So rank 2 connects to
+# rank 1 at its network address, and rank 3 to rank 2 at rank 0's. The losses must be those of
+# ./train's launcher with 4 processes (bit for bit: the CPU's sums do not depend on the threads).
+# Skipped where this machine has no IPv4 address other than a loopback one.
+if [ "$DEVICE" = cpu ]; then
+  host=$(hostname -I 2>/dev/null | tr ' ' '\n' | grep -E '^[0-9]+(\.[0-9]+){3}$' | grep -v '^127\.' | head -1)
+  if [ -z "$host" ]; then
+    note "ranks as on several machines: no IPv4 address but a loopback one here: skipped"
+  else
+    run mim_4 "${MIM[@]}" --train.batch_size=8 --train.procs=4 --train.out_dir="$W/mim_4"
+    P=$((20000 + RANDOM % 20000))
+    for k in 0 1 2 3; do
+      addr=127.0.0.1
+      [ $((k % 2)) -eq 1 ] && addr=$host
+      RANK=$k LOCAL_RANK=$k WORLD_SIZE=4 LOCAL_WORLD_SIZE=4 MASTER_ADDR=$addr MASTER_PORT=$P OMP_NUM_THREADS=1 \
+        timeout 300 "$TRAIN" "${MIM[@]}" --train.batch_size=8 --train.out_dir="$W/mim_hosts" \
+        > "$W/mim_hosts_$k.log" 2>&1 &
+    done
+    ok=1
+    for k in 0 1 2 3; do wait -n || ok=0; done
+    if [ $ok -eq 1 ] && [ -s "$W/mim_4/metrics.jsonl" ] &&
+       cmp -s <(losses "$W/mim_4/metrics.jsonl") <(losses "$W/mim_hosts/metrics.jsonl"); then
+      note "mim, 4 ranks, 1 and 3 through $host and 0 and 2 through 127.0.0.1: the launcher's losses bit for bit: ok"
+    else
+      fail "mim, 4 ranks through $host and 127.0.0.1: a rank failed or the losses differ from the launcher's ($(grep -h '^error' "$W"/mim_hosts_*.log | head -1))"
+    fi
+  fi
 fi
 
 # mismatch NAME WHAT TEXT: two ranks from environment variables, rank 0 with the arguments in R0
