@@ -22,7 +22,7 @@
 #   logs    the launcher started the ranks and rank 1 says how it averages
 #   fault   kill -9 of rank 1: rank 0 and the launcher stop within 30 s with an error naming
 #           the lost rank; the run resumes from its last checkpoint on 2 processes and on 1
-# Prints one line per check; exits with the number of failures.
+# Prints one line per check and the number of failures; exits with 1 when any failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 TRAIN=${1:-./train}
@@ -299,4 +299,6 @@ else
     fail "fault: no resume on 1 process"
 fi
 note "failures: $fails"
-exit $fails
+# 1 on any failure: ctest reads 4 as "skipped" for dp_gpu (fewer than 2 GPUs), so the count of
+# failures is not the exit code
+[ $fails -eq 0 ]
