@@ -45,6 +45,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels/cpu/lane_sum.h"
 #include "kernels/cpu/parallel.h"
 #include "kernels/cpu/vec_exp.h"
 #include "kernels/kernels.h"
@@ -155,8 +156,7 @@ void attention_forward(T* out, acc_t<T>* lse, const T* q, const T* k, const T* v
           A m = p[0];  // subtract the row max: exp never overflows
           for (int j = 1; j < n_t; j++) m = std::max(m, p[j]);
           for (int j = 0; j < n_t; j++) p[j] = exp_acc(p[j] - m);  // vectorizes (vec_exp.h); the sum apart
-          A l = 0;
-          for (int j = 0; j < n_t; j++) l += p[j];
+          const A l = lane_sum<A>(n_t, [&](int j) { return p[j]; });  // eight lanes (lane_sum.h)
           for (int j = 0; j < n_t; j++) p[j] /= l;               // p_tj
           for (int j = n_t; j < n; j++) p[j] = A(0);             // masked keys
           lse[(int64_t(cu_q[i]) + t) * H + h] = m + std::log(l);
