@@ -177,7 +177,8 @@ fi
 # hands the others the address each of them came from) and rank 2 through 127.0.0.1 (a rank on
 # rank 0's machine: reached at the address each rank reached rank 0 at). So rank 2 connects to
 # rank 1 at its network address, and rank 3 to rank 2 at rank 0's. The losses must be those of
-# ./train's launcher with 4 processes (bit for bit: the CPU's sums do not depend on the threads).
+# ./train's launcher with 4 processes, bit for bit (each rank with the threads the launcher gives
+# it: the products' sums depend on the thread count, kernels/cpu/matmul.cpp).
 # Skipped where this machine has no IPv4 address other than a loopback one.
 if [ "$DEVICE" = cpu ]; then
   host=$(hostname -I 2>/dev/null | tr ' ' '\n' | grep -E '^[0-9]+(\.[0-9]+){3}$' | grep -v '^127\.' | head -1)
@@ -186,10 +187,11 @@ if [ "$DEVICE" = cpu ]; then
   else
     run mim_4 "${MIM[@]}" --train.batch_size=8 --train.procs=4 --train.out_dir="$W/mim_4"
     P=$((20000 + RANDOM % 20000))
+    threads4=${OMP_NUM_THREADS:-$(( $(nproc) / 4 > 0 ? $(nproc) / 4 : 1 ))}
     for k in 0 1 2 3; do
       addr=127.0.0.1
       [ $((k % 2)) -eq 1 ] && addr=$host
-      RANK=$k LOCAL_RANK=$k WORLD_SIZE=4 LOCAL_WORLD_SIZE=4 MASTER_ADDR=$addr MASTER_PORT=$P OMP_NUM_THREADS=1 \
+      RANK=$k LOCAL_RANK=$k WORLD_SIZE=4 LOCAL_WORLD_SIZE=4 MASTER_ADDR=$addr MASTER_PORT=$P OMP_NUM_THREADS=$threads4 \
         timeout 300 "$TRAIN" "${MIM[@]}" --train.batch_size=8 --train.out_dir="$W/mim_hosts" \
         > "$W/mim_hosts_$k.log" 2>&1 &
     done
