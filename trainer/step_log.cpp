@@ -14,7 +14,8 @@ namespace {
 // While it was read after every step (171f652 to be8cb59), the default vlm_sft.cfg ran ~3 ms steps
 // on an H100, 16.8 s for its 3500 steps and evaluations, where 3a15a95's tree (before the read)
 // had run the same config from a stage-1 checkpoint in 4.1 s (bench/RESULTS.md 2026-12-07
-// "be8cb59"; this once-a-second read is not yet timed on a GPU). The SPEC steps, 20-50 ms of GPU
+// "be8cb59"); with this once-a-second read the run took 5.0 s (H100, bench/RESULTS.md 2026-12-07
+// "d36d9c7"). The SPEC steps, 20-50 ms of GPU
 // work each, hide the read.
 double energy_read_ms() {
   const char* v = std::getenv("LOOM_ENERGY_READ_MS");
