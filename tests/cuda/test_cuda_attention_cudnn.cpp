@@ -21,66 +21,9 @@
 #include <type_traits>
 #include <vector>
 
-#include "kernels/kernels.h"
-#include "tests/tolerances.h"
-
-using loom::bf16;
-namespace tol = loom::tol;
-namespace cu = loom::cuda;
+#include "tests/cuda/vec_test_util.h"
 
 namespace {
-
-void need_gpu() {
-  if (!cu::available()) {
-    std::fprintf(stderr, "no CUDA device: skipping\n");
-    std::exit(4);
-  }
-}
-
-template <class T>
-struct Dev {
-  T* p = nullptr;
-  size_t n = 0;
-  explicit Dev(size_t n_) : n(n_) { p = static_cast<T*>(cu::device_malloc(sizeof(T) * (n ? n : 1))); }
-  explicit Dev(const std::vector<T>& h) : Dev(h.size()) { up(h); }
-  ~Dev() { cu::device_free(p); }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-  void up(const std::vector<T>& h) {
-    if (n) cu::memcpy_h2d(p, h.data(), sizeof(T) * n, cu::default_stream());
-  }
-  std::vector<T> down() const {
-    std::vector<T> h(n);
-    if (n) cu::memcpy_d2h(h.data(), p, sizeof(T) * n, cu::default_stream());
-    return h;
-  }
-  void poison() { up(std::vector<T>(n, T(std::numeric_limits<float>::quiet_NaN()))); }
-};
-
-std::vector<float> randn(size_t n, std::mt19937& rng) {
-  std::normal_distribution<float> d(0.f, 1.f);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
-template <class T>
-std::vector<T> to_t(const std::vector<float>& v) {
-  return std::vector<T>(v.begin(), v.end());
-}
-std::vector<float> bf16_seen(const std::vector<float>& v) {
-  std::vector<float> r(v.size());
-  for (size_t i = 0; i < v.size(); i++) r[i] = float(bf16(v[i]));
-  return r;
-}
-template <class T>
-std::vector<float> to_f(const std::vector<T>& v) {
-  return std::vector<float>(v.begin(), v.end());
-}
-std::vector<float> inf_to_big(std::vector<float> v) {
-  for (auto& x : v)
-    if (std::isinf(x) && x > 0) x = 1e30f;
-  return v;
-}
 
 struct Case {
   std::vector<int> lq, lk;
@@ -118,8 +61,8 @@ void run_case(const Case& c, uint32_t seed, bool one_cu = false) {
   const int H = c.H, KV = c.KV, hd = c.hd;
   const double scale = 1.0 / std::sqrt(double(hd));
   const size_t nq = size_t(Nq) * H * hd, nk = size_t(Nk) * KV * hd;
-  auto q = bf16_seen(randn(nq, rng)), k = bf16_seen(randn(nk, rng)), v = bf16_seen(randn(nk, rng)),
-       dout = bf16_seen(randn(nq, rng));
+  auto q = seen<bf16>(randn(nq, rng)), k = seen<bf16>(randn(nk, rng)), v = seen<bf16>(randn(nk, rng)),
+       dout = seen<bf16>(randn(nq, rng));
   INFO(describe(c) + (std::is_same<T, float>::value ? " f32" : " bf16") + " backend " +
        cu::attention_backend_name(cu::attention_backend()));
 
@@ -140,7 +83,7 @@ void run_case(const Case& c, uint32_t seed, bool one_cu = false) {
   LOOM_CHECK_CLOSE(tol::compare(inf_to_big(dlse.down()), inf_to_big(lse_ref), tol::kCudaF32Gemm, "attention lse"));
 
   // backward from the reference's saved tensors (out rounded to the device type)
-  auto out_seen = bf16_seen(out_ref);
+  auto out_seen = seen<bf16>(out_ref);
   Dev<T> dsaved(to_t<T>(out_seen));
   Dev<float> dlse_saved(lse_ref);
   loom::cpu::attention_backward<float>(dq_ref.data(), dk_ref.data(), dv_ref.data(), dout.data(), q.data(), k.data(),
@@ -262,12 +205,12 @@ TEST_CASE("cudnn attention: the joined q|k|v gradient rows of attention_backward
     const int64_t N = cu.back(), W = int64_t(H + 2 * KV) * hd;
     const double scale = 1.0 / std::sqrt(double(hd));
     const size_t nq = size_t(N) * H * hd, nk = size_t(N) * KV * hd;
-    auto q = bf16_seen(randn(nq, rng)), k = bf16_seen(randn(nk, rng)), v = bf16_seen(randn(nk, rng)),
-         dout = bf16_seen(randn(nq, rng));
+    auto q = seen<bf16>(randn(nq, rng)), k = seen<bf16>(randn(nk, rng)), v = seen<bf16>(randn(nk, rng)),
+         dout = seen<bf16>(randn(nq, rng));
     std::vector<float> out(nq), lse(size_t(N) * H), ws(size_t(N) * H), ref(size_t(N) * W);
     loom::cpu::attention_forward<float>(out.data(), lse.data(), q.data(), k.data(), v.data(), cu.data(), cu.data(),
                                         c.nseq, c.S, N, N, H, KV, hd, c.causal, scale, nullptr);
-    out = bf16_seen(out);
+    out = seen<bf16>(out);
     loom::cpu::attention_backward_qkv<float>(ref.data(), dout.data(), q.data(), k.data(), v.data(), out.data(),
                                              lse.data(), ws.data(), cu.data(), nullptr, c.nseq, c.S, N, H, KV, hd,
                                              c.causal, scale, 10000.0, nullptr);

@@ -1,8 +1,8 @@
 // vec_test_util.h: the host-vector helpers of the attention and loss tests
-// (test_cuda_kernels_b.cpp, test_cuda_losses.cpp), on top of cuda_kernel_test_util.h (need_gpu,
-// tol_of, the namespaces): a device array of T that uploads from and downloads to
-// std::vector<T> (DBuf speaks float), normal random data, device-type copies and the values a
-// 16-bit device sees.
+// (test_cuda_kernels_b.cpp, test_cuda_attention_cudnn.cpp, test_cuda_losses.cpp), on top of
+// cuda_kernel_test_util.h (need_gpu, tol_of, the namespaces): a device array of T that uploads
+// from and downloads to std::vector<T> (DBuf speaks float), normal random data, device-type
+// copies and the values a 16-bit device sees.
 #pragma once
 #include <cmath>
 #include <limits>
