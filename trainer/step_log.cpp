@@ -11,10 +11,11 @@ namespace {
 // (metrics.jsonl's energy_j): 1000 unless LOOM_ENERGY_READ_MS says otherwise (0: after every
 // step, as bench/e2e.sh and bench/ab.sh run, to place the counter's moves within a step).
 // The read is a driver call on the host thread that enqueues the steps, and NVML's counter
-// moves only about every 100 ms anyway. Read after every step (171f652 to be8cb59), it held the
-// default vlm_sft.cfg at ~3 ms steps on an H100: 16.8 s for its 3500 steps and evaluations,
-// against 4.1 s on 3a15a95 (before the read) and 5.0 s with this once-a-second read (bench/RESULTS.md
-// 2026-12-07 "be8cb59" and "d36d9c7"). The SPEC steps, 20-50 ms of GPU work each, hide it.
+// moves only about every 100 ms anyway. Read after every step (171f652 to be8cb59), it held
+// the default vlm_sft.cfg at ~3 ms steps on an H100: 16.8 s for its 3500 steps and
+// evaluations, against 4.1 s on 3a15a95 (before the read) and 5.0 s with this once-a-second
+// read (bench/RESULTS.md 2026-12-07 "be8cb59" and "d36d9c7"). The SPEC steps, 20-50 ms of GPU
+// work each, hide it.
 double energy_read_ms() {
   const char* v = std::getenv("LOOM_ENERGY_READ_MS");
   if (!v || !*v) return 1000.0;
