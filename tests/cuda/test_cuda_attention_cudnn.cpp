@@ -14,8 +14,6 @@
 
 #include <cmath>
 #include <cstdlib>
-#include <cstring>
-#include <limits>
 #include <random>
 #include <string>
 #include <type_traits>
